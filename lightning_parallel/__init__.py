@@ -1,0 +1,3 @@
+"""lightning_parallel: tensor, sequence, pipeline and expert parallelism for unchanged LightningModules."""
+
+__all__: list[str] = []

@@ -1,0 +1,106 @@
+"""The parallel layout: degrees per mesh axis, their validation, and the one DeviceMesh.
+
+Mesh axes, outermost first (DESIGN.md section 2):
+
+- ``pp``: pipeline stages. Outermost because stages only exchange activations, so they
+  tolerate the slowest links (across nodes).
+- ``dp``: data-parallel replicas. Gradients are averaged over it once per optimizer step.
+  When experts are sharded it is the product ``dp_replicate x ep``; experts live on ``ep``.
+- ``tp``: tensor-parallel shards. Innermost, so that the ranks of one tensor-parallel group
+  are adjacent global ranks: with ranks placed node by node they share a node (fast links),
+  which matters because TP communicates inside every layer.
+
+Every axis exists even when its degree is 1, so code asks ``mesh["tp"]`` without branching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+AXIS_NAMES: tuple[str, ...] = ("pp", "dp", "tp")
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of parallelism for one job; ``data_parallel=-1`` means "whatever is left".
+
+    Validation happens on construction so that a bad layout fails on every rank at setup,
+    before any collective is issued (a rank that errors inside a collective hangs the rest).
+    """
+
+    world_size: int
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = -1
+    expert_parallel: int = 1
+    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tensor_parallel", "pipeline_parallel", "expert_parallel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}={value!r}` must be a positive integer.")
+        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        if self.world_size % model_parallel != 0:
+            raise ValueError(
+                f"`tensor_parallel={self.tensor_parallel}` x `pipeline_parallel={self.pipeline_parallel}`"
+                f" = {model_parallel} does not divide the world size {self.world_size}"
+                f" (devices x num_nodes). Choose degrees whose product divides {self.world_size},"
+                f" or run on a multiple of {model_parallel} devices."
+            )
+        inferred_dp = self.world_size // model_parallel
+        if self.data_parallel == -1:
+            self.data_parallel = inferred_dp
+        elif self.data_parallel != inferred_dp:
+            raise ValueError(
+                f"`data_parallel={self.data_parallel}` does not match the world size: {self.world_size} ranks"
+                f" / (tensor_parallel={self.tensor_parallel} x pipeline_parallel={self.pipeline_parallel})"
+                f" = {inferred_dp}. Leave `data_parallel` unset (-1) to use what is left."
+            )
+        if self.data_parallel % self.expert_parallel != 0:
+            raise ValueError(
+                f"`expert_parallel={self.expert_parallel}` must divide the data-parallel size"
+                f" {self.data_parallel}: expert ranks are carved out of the data-parallel ranks."
+            )
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tensor_parallel > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pipeline_parallel > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.data_parallel > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.expert_parallel > 1
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {"pp": self.pipeline_parallel, "dp": self.data_parallel, "tp": self.tensor_parallel}
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Create (once) the mesh with every axis named; all ranks must call this together."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self._mesh is None:
+            shape = tuple(self.degrees[name] for name in AXIS_NAMES)
+            self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXIS_NAMES)
+        return self._mesh
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("The device mesh is built in `setup_environment`; it does not exist yet.")
+        return self._mesh
+
+    def describe(self) -> str:
+        return " x ".join(f"{name}={self.degrees[name]}" for name in AXIS_NAMES) + f" (world {self.world_size})"
