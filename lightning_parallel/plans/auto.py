@@ -1,0 +1,178 @@
+"""``plan="auto"``: derive a Megatron-style tensor/sequence-parallel plan from an unchanged model.
+
+Per block container (attention or MLP): entries column-parallel, exit row-parallel, head-count
+and width attributes divided by the degree. The token embedding is vocabulary-parallel, the
+output head column-parallel with its logits gathered (so the user's unchanged loss code sees
+ordinary logits). Norms stay replicated; under sequence parallelism they run on sequence
+shards (torch's ``SequenceParallel``). A layout that cannot be split evenly is a ``ValueError``
+naming the module, the attribute and the degrees that would work.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
+
+from lightning_parallel.plans.detect import (
+    KV_HEAD_COUNT_ATTRS,
+    HEAD_COUNT_ATTRS,
+    WIDTH_ATTRS,
+    ContainerCandidate,
+    containers_in,
+    find_block_stack,
+    find_output_head,
+    find_token_embedding,
+    head_count,
+    head_dim_of,
+    join,
+    kv_head_count,
+    norms_in,
+)
+from lightning_parallel.plans.plan import ParallelPlan, ShardedContainer
+from lightning_parallel.tensor_parallel.styles import ColwiseProjection, RowwiseProjection, projection_dims
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _require_divisible(value: int, tp: int, what: str, module: str) -> None:
+    if value % tp != 0:
+        raise ValueError(
+            f"`tensor_parallel={tp}` does not divide the {value} {what} of `{module}`."
+            f" Choose tensor_parallel among {_divisors(value)}, or exclude the module with `plan=`."
+        )
+
+
+def exit_style(sequence_parallel: bool) -> RowwiseProjection:
+    return RowwiseProjection(
+        input_layouts=Shard(-1), output_layouts=Shard(1) if sequence_parallel else Replicate(), use_local_output=True
+    )
+
+
+def _scaled_attributes(module: nn.Module, tp: int, known: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """Integer attributes the module's forward may read, scaled to the local shard."""
+    scaled: dict[str, tuple[int, int]] = {}
+    for key, value in vars(module).items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        if HEAD_COUNT_ATTRS.match(key) and value == known.get("heads"):
+            scaled[key] = (value, value // tp)
+        elif KV_HEAD_COUNT_ATTRS.match(key) and value == known.get("kv_heads"):
+            scaled[key] = (value, value // tp)
+        elif WIDTH_ATTRS.match(key) and value in known.get("widths", ()):
+            scaled[key] = (value, value // tp)
+    return scaled
+
+
+def plan_attention(full_name: str, cand: ContainerCandidate, tp: int, sp: bool) -> tuple[ShardedContainer, dict]:
+    module = cand.module
+    exit_in, hidden = projection_dims(cand.exit[1])
+    heads = head_count(module)
+    head_dim = head_dim_of(module)
+    if heads is None and head_dim:
+        heads = exit_in // head_dim
+    if heads is None:
+        raise ValueError(
+            f"Cannot find the number of attention heads of `{full_name}` ({type(module).__name__}): it has no"
+            " attribute such as `n_head`, `num_heads` or `head_dim`. Pass `plan=` with explicit styles."
+        )
+    head_dim = head_dim or exit_in // heads
+    kv_heads = kv_head_count(module) or heads
+    _require_divisible(heads, tp, "attention heads", full_name)
+    _require_divisible(kv_heads, tp, "key/value heads", full_name)
+    styles: dict = {}
+    for name, entry in cand.entries:
+        entry_in, entry_out = projection_dims(entry)
+        if entry_in != hidden:
+            raise ValueError(
+                f"`{join(full_name, name)}` reads {entry_in} features but the attention output is {hidden} wide;"
+                " lightning_parallel cannot tell how to split it. Pass `plan=` with explicit styles."
+            )
+        chunks = 1
+        if len(cand.entries) == 1 and entry_out == 3 * exit_in and kv_heads == heads:
+            chunks = 3  # fused q|k|v
+        elif len(cand.entries) == 1 and entry_out != exit_in:
+            raise ValueError(
+                f"`{join(full_name, name)}` fuses projections of unequal widths ({entry_out} outputs for"
+                f" {heads} query and {kv_heads} key/value heads of {head_dim}); this split is not supported."
+            )
+        styles[join(full_name, name)] = ColwiseProjection(num_chunks=chunks, use_local_output=True)
+    styles[join(full_name, cand.exit[0])] = exit_style(sp)
+    widths = {hidden, exit_in, kv_heads * head_dim, 3 * exit_in}
+    scaled = _scaled_attributes(module, tp, {"heads": heads, "kv_heads": kv_heads, "widths": widths})
+    container = ShardedContainer(
+        name=full_name,
+        kind="attention",
+        entries=[join(full_name, n) for n, _ in cand.entries],
+        exit=join(full_name, cand.exit[0]),
+        scaled_attributes=scaled,
+        hidden_size=hidden,
+    )
+    return container, styles
+
+
+def plan_mlp(full_name: str, cand: ContainerCandidate, tp: int, sp: bool) -> tuple[ShardedContainer, dict]:
+    ffn, hidden = projection_dims(cand.exit[1])
+    _require_divisible(ffn, tp, "hidden units", full_name)
+    styles: dict = {}
+    for name, entry in cand.entries:
+        entry_in, entry_out = projection_dims(entry)
+        if entry_in != hidden or entry_out not in (ffn, 2 * ffn) or (entry_out == 2 * ffn and len(cand.entries) > 1):
+            raise ValueError(
+                f"`{join(full_name, name)}` ({entry_in}->{entry_out}) does not fit the MLP pattern around"
+                f" `{join(full_name, cand.exit[0])}` ({ffn}->{hidden}). Pass `plan=` with explicit styles."
+            )
+        chunks = 2 if entry_out == 2 * ffn else 1  # fused gate|up
+        styles[join(full_name, name)] = ColwiseProjection(num_chunks=chunks, use_local_output=True)
+    styles[join(full_name, cand.exit[0])] = exit_style(sp)
+    container = ShardedContainer(
+        name=full_name,
+        kind="mlp",
+        entries=[join(full_name, n) for n, _ in cand.entries],
+        exit=join(full_name, cand.exit[0]),
+        scaled_attributes=_scaled_attributes(cand.module, tp, {"widths": {ffn, 2 * ffn}}),
+        hidden_size=hidden,
+    )
+    return container, styles
+
+
+def auto_plan(model: nn.Module, tensor_parallel: int, sequence_parallel: bool) -> ParallelPlan:
+    """Discover the Megatron-style plan of ``model`` for ``tensor_parallel`` ranks."""
+    tp, sp = tensor_parallel, sequence_parallel
+    plan = ParallelPlan(tensor_parallel=tp, sequence_parallel=sp)
+    stack = find_block_stack(model)
+    if stack is None:
+        raise ValueError(
+            f"{type(model).__name__} has no repeated block list (an nn.ModuleList of identical layers), so"
+            " `plan='auto'` cannot find what to shard. Pass `plan=` with a dict of module-name patterns."
+        )
+    plan.block_list = stack.name
+    plan.block_names = [join(stack.name, str(i)) for i in range(len(stack.blocks))]
+    for index, block in enumerate(stack.blocks):
+        block_name = plan.block_names[index]
+        candidates = containers_in(block)
+        if not candidates:
+            plan.notes.append(f"{block_name}: no attention/MLP projections found; left replicated")
+        for cand in candidates:
+            full = join(block_name, cand.name)
+            planner = plan_attention if cand.looks_like_attention() else plan_mlp
+            container, styles = planner(full, cand, tp, sp)
+            plan.containers.append(container)
+            plan.styles.update(styles)
+        if sp:
+            for norm in norms_in(block, {c.name for c in candidates}):
+                plan.norms.append(join(block_name, norm))
+                plan.styles[join(block_name, norm)] = SequenceParallel(use_local_output=True)
+    embedding = find_token_embedding(model, stack.name)
+    if embedding is not None:
+        name, emb = embedding
+        if emb.num_embeddings % tp == 0:
+            plan.styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        else:
+            plan.notes.append(f"{name}: vocabulary {emb.num_embeddings} not divisible by {tp}; replicated")
+        head = find_output_head(model, emb.num_embeddings, stack.name)
+        if head is not None and emb.num_embeddings % tp == 0:
+            plan.styles[head[0]] = ColwiseProjection(output_layouts=Replicate(), use_local_output=True)
+    return plan

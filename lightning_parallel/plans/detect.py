@@ -1,0 +1,146 @@
+"""Structural discovery on an unmodified ``nn.Module``: the block stack, embeddings, head, and
+the attention/MLP containers inside a block.
+
+Nothing here depends on class names of a particular library: a container is any module that
+owns two or more projections (``nn.Linear`` or Hugging Face ``Conv1D``) as direct children;
+the last registered one is its exit, the others its entries (true of q/k/v/o, c_attn/c_proj,
+gate/up/down, fc/proj in every model we know). Wrong guesses are caught by the block
+verification at setup, so a heuristic can fail loudly but never silently.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_parallel.tensor_parallel.styles import is_projection, projection_dims
+
+HEAD_COUNT_ATTRS = re.compile(r"^(n_head|n_heads|num_heads|num_attention_heads|nheads|n_heads_q|num_q_heads)$")
+KV_HEAD_COUNT_ATTRS = re.compile(r"^(n_kv_head|n_kv_heads|num_kv_heads|num_key_value_heads|n_head_kv)$")
+HEAD_DIM_ATTRS = ("head_dim", "head_size", "d_head", "attention_head_size")
+WIDTH_ATTRS = re.compile(
+    r"^(n_embd|embed_dim|hidden_size|split_size|all_head_size|d_model|dim|inner_dim|n_state|q_width|kv_width)$"
+)
+ATTENTION_NAME = re.compile(r"attn|attention", re.IGNORECASE)
+NORM_NAME = re.compile(r"norm", re.IGNORECASE)
+
+
+@dataclass
+class BlockStack:
+    name: str
+    blocks: nn.ModuleList
+
+
+@dataclass
+class ContainerCandidate:
+    """A module with >= 2 direct projection children (attention or MLP)."""
+
+    name: str  # relative to the block
+    module: nn.Module
+    projections: list[tuple[str, nn.Module]]  # (child name, module) in registration order
+
+    @property
+    def entries(self) -> list[tuple[str, nn.Module]]:
+        return self.projections[:-1]
+
+    @property
+    def exit(self) -> tuple[str, nn.Module]:
+        return self.projections[-1]
+
+    def looks_like_attention(self) -> bool:
+        if ATTENTION_NAME.search(type(self.module).__name__) or ATTENTION_NAME.search(self.name.split(".")[-1]):
+            return True
+        return head_count(self.module) is not None
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def find_block_stack(model: nn.Module) -> BlockStack | None:
+    """The repeated layer list: the ``ModuleList`` of same-class children holding most parameters."""
+    best: BlockStack | None = None
+    best_size = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        classes = {type(child) for child in module}
+        if len(classes) != 1:
+            continue
+        size = _numel(module)
+        if size > best_size:
+            best, best_size = BlockStack(name, module), size
+    return best
+
+
+def containers_in(block: nn.Module) -> list[ContainerCandidate]:
+    found = []
+    for name, module in block.named_modules():
+        projections = [(n, c) for n, c in module.named_children() if is_projection(c)]
+        if len(projections) >= 2:
+            found.append(ContainerCandidate(name, module, projections))
+    return found
+
+
+def norms_in(block: nn.Module, skip: set[str]) -> list[str]:
+    """Normalisation layers of a block (outside the containers): replicated, sequence-parallel under SP."""
+    names = []
+    for name, module in block.named_modules():
+        if not name or any(name == s or name.startswith(s + ".") for s in skip):
+            continue
+        is_norm = isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or NORM_NAME.search(type(module).__name__)
+        if is_norm and any(True for _ in module.parameters(recurse=False)):
+            names.append(name)
+    return names
+
+
+def _int_attr(module: nn.Module, pattern: re.Pattern[str]) -> tuple[str, int] | None:
+    for key, value in vars(module).items():
+        if pattern.match(key) and isinstance(value, int) and not isinstance(value, bool):
+            return key, value
+    return None
+
+
+def head_count(module: nn.Module) -> int | None:
+    found = _int_attr(module, HEAD_COUNT_ATTRS)
+    return found[1] if found else None
+
+
+def kv_head_count(module: nn.Module) -> int | None:
+    found = _int_attr(module, KV_HEAD_COUNT_ATTRS)
+    return found[1] if found else None
+
+
+def head_dim_of(module: nn.Module) -> int | None:
+    for key in HEAD_DIM_ATTRS:
+        value = getattr(module, key, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def find_token_embedding(model: nn.Module, exclude_prefix: str | None) -> tuple[str, nn.Embedding] | None:
+    """The embedding with the largest vocabulary outside the block stack."""
+    best = None
+    for name, module in model.named_modules():
+        if exclude_prefix and name.startswith(exclude_prefix + "."):
+            continue
+        if isinstance(module, nn.Embedding) and (best is None or module.num_embeddings > best[1].num_embeddings):
+            best = (name, module)
+    return best
+
+
+def find_output_head(model: nn.Module, vocab_size: int, exclude_prefix: str | None) -> tuple[str, nn.Module] | None:
+    """A projection outside the block stack that maps to the vocabulary."""
+    for name, module in model.named_modules():
+        if exclude_prefix and name.startswith(exclude_prefix + "."):
+            continue
+        if is_projection(module) and projection_dims(module)[1] == vocab_size:
+            return name, module
+    return None
+
+
+def join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else (prefix or name)

@@ -1,0 +1,224 @@
+"""Gradient norm and clipping over parameters sharded across a device mesh.
+
+Why not ``torch.nn.utils.clip_grad_norm_``: it stacks the per-parameter norms into one
+tensor, which fails when the parameters are DTensors on different meshes (a 1-D ``tp``
+sub-mesh next to the 2-D ``(dp, tp)`` mesh), and it knows nothing about pipeline stages,
+where each rank holds different parameters. Here every norm is computed on local tensors
+and the pieces are combined with as few all-reduces as the layout allows:
+
+- a gradient sharded along some mesh axes contributes ``sum |g_local|^p`` once per shard,
+  which must be summed over exactly those axes' process groups;
+- a replicated gradient (``Replicate()`` everywhere, or a plain tensor) is identical on the
+  ranks that hold it and is counted once, with no communication at all;
+- ``Partial`` gradients (sequence parallel norms) are reduced first (:mod:`._partial`);
+- with ``pipeline_group``, the per-stage totals are summed over the stages last.
+
+Gradients are grouped by the *set* of process groups they must be summed over; a group of
+ranks appearing in several sets is all-reduced once, with one tensor holding every set it
+belongs to (sums over different axes commute, so the order of axes does not matter). A
+tensor-parallel-only layout thus costs a single all-reduce of one number.
+
+Assumption (true under ``HybridParallelStrategy``): the ranks of one process group hold
+parameters with the same layout, so they agree on which groups to reduce over. Whether a
+gradient is ``None`` does not matter: a parameter without a gradient still takes part in
+the collectives, with a contribution of zero, so a rank whose expert got no tokens does not
+hang the others.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
+
+from lightning_parallel.precision._partial import (
+    GroupRanks,
+    comm_device,
+    group_ranks,
+    reduce_partial_grads_,
+    unique_parameters,
+)
+
+__all__ = ["clip_grad_norm_", "clip_grad_value_", "global_grad_norm"]
+
+
+def global_grad_norm(
+    parameters: Tensor | Iterable[Tensor],
+    norm_type: float | str = 2.0,
+    pipeline_group: ProcessGroup | None = None,
+    *,
+    error_if_nonfinite: bool = False,
+) -> Tensor:
+    """Return the norm of all gradients viewed as one vector: a float32 scalar, equal on every rank.
+
+    Every rank of the job must call this together (it issues collectives). ``Partial``
+    gradients are replaced in ``p.grad`` by their reduced value (same numbers, one all-reduce
+    now instead of one later in the optimizer).
+
+    Args:
+        parameters: parameters (plain tensors or DTensors on any meshes) whose ``.grad`` to measure.
+        norm_type: ``p`` of the p-norm, ``p > 0``, or ``inf`` / ``"inf"`` for the max norm.
+        pipeline_group: the group of pipeline stages (``mesh["pp"].get_group()``), over which
+            totals are summed because each stage holds different parameters. ``None`` without
+            pipeline parallelism.
+        error_if_nonfinite: raise (on every rank alike) if the total norm is nan or inf.
+    """
+    params = unique_parameters(parameters)
+    p = _check_norm_type(norm_type)
+    device = comm_device(params)
+    reduce_partial_grads_(params)
+
+    # Contributions per set of process groups to sum over; the empty set needs no collective.
+    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    contributions: dict[frozenset[GroupRanks], list[Tensor]] = defaultdict(list)
+    groups: dict[GroupRanks, ProcessGroup] = {}
+    for param in params:
+        grad = param.grad
+        # Keyed by the gradient's layout, or the parameter's when there is no gradient.
+        key = _shard_groups(grad if grad is not None else param, groups)
+        entries = contributions[key]  # registers the key even without a gradient
+        if grad is not None:
+            entries.append(grad.to_local() if isinstance(grad, DTensor) else grad)
+
+    # Keys in order of first appearance: ranks of one group see the parameters in the same
+    # order, so their entries line up (rank tuples of the *other* groups differ per rank).
+    keys = list(contributions)
+    # One spare zero entry, so that the max or sum over no gradients at all is 0.
+    values = torch.zeros(len(keys) + 1, dtype=torch.float64, device=device)
+    for index, key in enumerate(keys):
+        values[index] = _local_power_sum(contributions[key], p, device)
+    _reduce_over_groups(values, keys, groups, op)
+    total = values.max() if math.isinf(p) else values.sum()
+
+    if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
+        dist.all_reduce(total, op=op, group=pipeline_group)
+    norm = total if math.isinf(p) else total.pow(1.0 / p)
+    norm = norm.to(torch.float32)
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError(
+            f"The total gradient norm of order {norm_type} is non-finite ({norm.item()}), so it cannot be"
+            " clipped. Set `error_if_nonfinite=False` to scale the gradients by the non-finite norm anyway."
+        )
+    return norm
+
+
+def clip_grad_norm_(
+    parameters: Tensor | Iterable[Tensor],
+    max_norm: float,
+    norm_type: float | str = 2.0,
+    pipeline_group: ProcessGroup | None = None,
+    *,
+    error_if_nonfinite: bool = False,
+) -> Tensor:
+    """Scale all gradients in place so that their global norm is at most ``max_norm``.
+
+    Same arguments and result as :func:`global_grad_norm` (the norm before clipping). Every
+    rank multiplies by the same coefficient, computed from the same replicated norm, so
+    shards and replicas stay consistent. Like torch, the multiplication always happens
+    (coefficient clamped to 1) to avoid a host sync on the norm.
+    """
+    params = unique_parameters(parameters)
+    total_norm = global_grad_norm(params, norm_type, pipeline_group, error_if_nonfinite=error_if_nonfinite)
+    coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+    by_device_dtype: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
+    for local in _local_grads(params):
+        by_device_dtype[(local.device, local.dtype)].append(local)
+    with torch.no_grad():
+        for (device, _), locals_ in by_device_dtype.items():
+            torch._foreach_mul_(locals_, coefficient.to(device))
+    return total_norm
+
+
+def clip_grad_value_(parameters: Tensor | Iterable[Tensor], clip_value: float) -> None:
+    """Clamp every gradient element to ``[-clip_value, clip_value]``, on local shards.
+
+    Elementwise, so no norm is needed; but a ``Partial`` gradient must be reduced first
+    (clamping the addends is not clamping the sum), and ``torch.nn.utils.clip_grad_value_``
+    cannot batch DTensors from different meshes.
+    """
+    params = unique_parameters(parameters)
+    reduce_partial_grads_(params)
+    value = float(clip_value)
+    with torch.no_grad():
+        for local in _local_grads(params):
+            local.clamp_(min=-value, max=value)
+
+
+def _check_norm_type(norm_type: float | str) -> float:
+    p = float(norm_type)
+    if not (p > 0):
+        raise ValueError(
+            f"`norm_type={norm_type!r}` is not supported: use a p-norm with p > 0 (2.0 is the usual one)"
+            " or 'inf' for the max norm."
+        )
+    return p
+
+
+def _shard_groups(tensor: Tensor, groups: dict[GroupRanks, ProcessGroup]) -> frozenset[GroupRanks]:
+    """The process groups (by their ranks) over which a tensor's local pieces must be summed.
+
+    Only mesh axes of size > 1 with a ``Shard`` placement count: along ``Replicate`` axes
+    every rank holds the same values, which must be counted once, not once per rank.
+    """
+    if not isinstance(tensor, DTensor):
+        return frozenset()
+    mesh = tensor.device_mesh
+    key = []
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if placement.is_shard() and mesh.size(mesh_dim) > 1:
+            group = mesh.get_group(mesh_dim)
+            ranks = group_ranks(group)
+            groups.setdefault(ranks, group)
+            key.append(ranks)
+    return frozenset(key)
+
+
+def _local_power_sum(tensors: list[Tensor], p: float, device: torch.device) -> Tensor:
+    """``sum |x|^p`` over all elements (``max |x|`` for p = inf), in float64 to keep rtol ~1e-7."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        by_device[tensor.device].append(tensor)
+    norms: list[Tensor] = []
+    for tensors_on_device in by_device.values():
+        norms.extend(torch._foreach_norm(tensors_on_device, p, dtype=torch.float32))
+    stacked = torch.stack([norm.to(device) for norm in norms]).to(torch.float64)
+    return stacked.max() if math.isinf(p) else stacked.pow(p).sum()
+
+
+def _reduce_over_groups(
+    values: Tensor,
+    keys: list[frozenset[GroupRanks]],
+    groups: dict[GroupRanks, ProcessGroup],
+    op: dist.ReduceOp,
+) -> None:
+    """All-reduce each entry of ``values`` over every group of its key: one collective per group.
+
+    Groups are visited in one global order (sorted by their ranks) on every rank; with a
+    common order, ranks that share several groups can never wait on each other in a cycle.
+    """
+    for ranks in sorted(groups):
+        indices = [index for index, key in enumerate(keys) if ranks in key]
+        if not indices:
+            continue
+        index_tensor = torch.tensor(indices, device=values.device)
+        selected = values.index_select(0, index_tensor)
+        dist.all_reduce(selected, op=op, group=groups[ranks])
+        values.index_copy_(0, index_tensor, selected)
+
+
+def _local_grads(params: list[Tensor]) -> list[Tensor]:
+    """The local tensors of all gradients; in-place changes to them change the gradients."""
+    locals_ = []
+    for param in params:
+        grad = param.grad
+        if grad is not None:
+            locals_.append(grad.to_local() if isinstance(grad, DTensor) else grad)
+    return locals_

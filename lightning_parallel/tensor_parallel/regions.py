@@ -1,0 +1,146 @@
+"""Forward hooks that let unchanged attention/MLP code run on local shards.
+
+Two boundaries need care when the user's module code is left as it is:
+
+1. The *container* boundary (an attention or MLP module). Its input, the hidden states, is
+   turned into one replicated DTensor here, once, and handed to every entry projection
+   (q, k, v or gate, up). Their input gradients then accumulate as one ``Partial`` DTensor
+   and are reduced by a single all-reduce (or reduce-scatter under sequence parallelism):
+   Megatron's "f" operator. Converting per projection would cost one collective each.
+   The module body itself sees a plain local tensor. In *narrow* mode it sees only this
+   rank's slice of the hidden dimension, for code that reads the model width from its input
+   (nanoGPT's ``B, T, C = x.size()`` followed by ``view(B, T, C)``): with the head count and
+   width attributes divided by the TP degree, that code then computes exactly its local heads.
+2. The *sequence-parallel region*: the repeated block stack. Entering the first block the
+   replicated residual stream is split along the sequence (a local slice; its backward is an
+   all-gather); leaving the last block it is all-gathered back. Model-level code outside the
+   stack (position ids, causal masks, the head) therefore still sees the full sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils.hooks import RemovableHandle
+
+HIDDEN_KWARGS = ("hidden_states", "x", "hidden", "inputs", "input", "h")
+SEQUENCE_DIM = 1
+
+
+def _find_hidden(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str | int, torch.Tensor]:
+    if args and isinstance(args[0], torch.Tensor):
+        return 0, args[0]
+    for key in HIDDEN_KWARGS:
+        value = kwargs.get(key)
+        if isinstance(value, torch.Tensor):
+            return key, value
+    raise ValueError(
+        "lightning_parallel could not find the hidden-state tensor of a sharded module: it looks for the"
+        f" first positional argument or one of the keyword arguments {HIDDEN_KWARGS}."
+    )
+
+
+def _replace(
+    args: tuple[Any, ...], kwargs: dict[str, Any], where: str | int, value: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(where, int):
+        return (value, *args[1:]), kwargs
+    return args, {**kwargs, where: value}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    wait = getattr(local, "wait", None)  # AsyncCollectiveTensor: materialise before plain code uses it
+    return wait() if callable(wait) else local
+
+
+def install_container_hooks(
+    container: nn.Module,
+    entries: list[nn.Module],
+    mesh: DeviceMesh,
+    sequence_parallel: bool,
+    narrow_width: int | None,
+) -> list[RemovableHandle]:
+    """Share one DTensor input among ``entries``; optionally narrow what the body sees."""
+    input_placement = Shard(SEQUENCE_DIM) if sequence_parallel else Replicate()
+    rank = mesh.get_local_rank()
+
+    def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        where, hidden = _find_hidden(args, kwargs)
+        if isinstance(hidden, DTensor):
+            shared = hidden.redistribute(mesh, [Replicate()])
+        else:
+            shared = DTensor.from_local(hidden, mesh, [input_placement], run_check=False)
+            if sequence_parallel:
+                shared = shared.redistribute(mesh, [Replicate()])
+        body_input = _local(shared)
+        if narrow_width is not None:
+            body_input = body_input.narrow(-1, rank * narrow_width, narrow_width)
+        for entry in entries:
+            entry._lp_shared_input = (body_input, shared)
+        return _replace(args, kwargs, where, body_input)
+
+    def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
+        for entry in entries:
+            entry._lp_shared_input = None
+        return output
+
+    def entry_pre_hook(module: nn.Module, args: tuple[Any, ...]) -> Any:
+        shared = getattr(module, "_lp_shared_input", None)
+        if shared is not None and args and args[0] is shared[0]:
+            return (shared[1], *args[1:])
+        return None
+
+    handles = [
+        container.register_forward_pre_hook(pre_hook, with_kwargs=True),
+        container.register_forward_hook(post_hook),
+    ]
+    for entry in entries:
+        entry._lp_shared_input = None
+        handles.append(entry.register_forward_pre_hook(entry_pre_hook, prepend=True))
+    return handles
+
+
+def scatter_sequence(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Replicated -> this rank's sequence slice (no communication; backward all-gathers)."""
+    dt = DTensor.from_local(tensor, mesh, [Replicate()], run_check=False)
+    return _local(dt.redistribute(mesh, [Shard(SEQUENCE_DIM)]))
+
+
+def gather_sequence(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Sequence slice -> replicated (all-gather; backward takes the local slice)."""
+    dt = DTensor.from_local(tensor, mesh, [Shard(SEQUENCE_DIM)], run_check=False)
+    return _local(dt.redistribute(mesh, [Replicate()]))
+
+
+def _map_first_tensor(output: Any, fn: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return fn(output)
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (fn(output[0]), *output[1:])
+    if isinstance(output, list) and output and isinstance(output[0], torch.Tensor):
+        return [fn(output[0]), *output[1:]]
+    raise ValueError(
+        f"lightning_parallel: a transformer block returned {type(output).__name__}; sequence parallelism"
+        " expects a tensor or a tuple whose first element is the hidden states."
+    )
+
+
+def install_sequence_region(first: nn.Module, last: nn.Module, mesh: DeviceMesh) -> list[RemovableHandle]:
+    """Split the residual stream along the sequence entering ``first``, gather it leaving ``last``."""
+
+    def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        where, hidden = _find_hidden(args, kwargs)
+        return _replace(args, kwargs, where, scatter_sequence(hidden, mesh))
+
+    def leave(module: nn.Module, args: Any, output: Any) -> Any:
+        return _map_first_tensor(output, lambda t: gather_sequence(t, mesh))
+
+    return [
+        first.register_forward_pre_hook(enter, with_kwargs=True),
+        last.register_forward_hook(leave),
+    ]

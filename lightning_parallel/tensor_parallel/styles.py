@@ -1,0 +1,134 @@
+"""Tensor-parallel styles that torch's own styles do not cover, built on them.
+
+torch's ``ColwiseParallel``/``RowwiseParallel`` accept only ``nn.Linear`` and ``nn.Embedding``
+and shard a projection as one block. Unchanged models also contain:
+
+- Hugging Face ``Conv1D`` (GPT-2): a linear layer with the weight stored transposed
+  (``(in, out)``), so column parallelism shards dim 1 of its weight, not dim 0.
+- Fused projections (``c_attn`` = q|k|v, ``gate_up``): a contiguous ``Shard(0)`` would give
+  rank 0 all of q and half of k. Each rank needs its own slice of *every* chunk. torch's
+  ``_StridedShard(dim, split_factor=k)`` is exactly that placement: the local tensor is
+  ``[q_r; k_r; v_r]`` and ``full_tensor()`` still returns the user's original layout, so
+  checkpoints and the consolidated state dict need no permutation.
+
+Everything else (input/output redistribution, autograd of the collectives) is torch's.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's transposed linear layer (``transformers.pytorch_utils.Conv1D``)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def is_projection(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def projection_dims(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of a Linear or Conv1D."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if is_conv1d(module):
+        return int(module.nx), int(module.nf)
+    raise TypeError(f"{type(module).__name__} is not a projection")
+
+
+def _split_placement(dim: int, num_chunks: int) -> Placement:
+    return Shard(dim) if num_chunks == 1 else _StridedShard(dim, split_factor=num_chunks)
+
+
+def _distribute_params(
+    module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], src_data_rank: int | None
+) -> None:
+    for name, param in list(module.named_parameters(recurse=False)):
+        placement = placements.get(name, Replicate())
+        dist_param = nn.Parameter(
+            distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank),
+            requires_grad=param.requires_grad,
+        )
+        module.register_parameter(name, dist_param)
+
+
+class ColwiseProjection(ColwiseParallel):
+    """Column parallelism for ``nn.Linear`` and ``Conv1D``, optionally of a fused projection.
+
+    ``num_chunks > 1`` marks a projection whose output concatenates that many equal parts
+    (fused q|k|v: 3). Its output stays in the local ``[q_r; k_r; v_r]`` order: the module
+    that consumes it splits by the (scaled) per-rank width, which is what we want.
+    """
+
+    def __init__(self, *, num_chunks: int = 1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if num_chunks < 1:
+            raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
+        self.num_chunks = num_chunks
+
+    def _partition_projection_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        weight_dim = 1 if is_conv1d(module) else 0
+        placements = {
+            "weight": _split_placement(weight_dim, self.num_chunks),
+            "bias": _split_placement(0, self.num_chunks),
+        }
+        _distribute_params(module, device_mesh, placements, self.src_data_rank)
+
+    @staticmethod
+    def _prepare_fused_output_fn(
+        output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: DTensor, device_mesh: DeviceMesh
+    ) -> torch.Tensor | DTensor:
+        # A strided (fused) output is consumed locally; redistributing it to Shard(-1) would
+        # shuffle q/k/v across ranks for nothing.
+        if use_local_output:
+            return outputs.to_local()
+        return outputs
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if isinstance(module, nn.Embedding):
+            return super()._apply(module, device_mesh)
+        if not is_projection(module):
+            raise NotImplementedError(f"ColwiseProjection supports Linear, Conv1D and Embedding, not {type(module)}")
+        output_fn = self._prepare_fused_output_fn if self.num_chunks > 1 else self._prepare_output_fn
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_projection_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(output_fn, self.output_layouts, self.use_local_output),
+        )
+
+    def __repr__(self) -> str:
+        fused = f", num_chunks={self.num_chunks}" if self.num_chunks > 1 else ""
+        return f"Colwise(out={self.output_layouts[0]}{fused})"
+
+
+class RowwiseProjection(RowwiseParallel):
+    """Row parallelism for ``nn.Linear`` and ``Conv1D`` (Conv1D's input dim is its weight's dim 0)."""
+
+    def _partition_conv1d_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        _distribute_params(module, device_mesh, {"weight": Shard(0), "bias": Replicate()}, self.src_data_rank)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_conv1d_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+    def __repr__(self) -> str:
+        return f"Rowwise(in={self.input_layouts[0]}, out={self.output_layouts[0]})"

@@ -1,0 +1,174 @@
+"""Never silently wrong: check the plan on one block of each class before training.
+
+Each distinct block class runs once unsharded and once sharded (on copies, in fp32, eval
+mode) on the inputs it really receives in the user's first training step. Outputs, the
+gradient of the block input and every parameter gradient must agree to 1e-5 (relative), or
+setup fails naming the block and what differed. The same check chooses how attention code
+is run: first on full-width inputs, and if that fails, on width-sliced inputs (for code that
+reads the model width from its input, as nanoGPT does).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from lightning_parallel.plans.plan import ParallelPlan, ShardedContainer
+from lightning_parallel.tensor_parallel.apply import install_container, scale_attributes
+from lightning_parallel.tensor_parallel.regions import _find_hidden, install_sequence_region
+
+TOLERANCE = 1e-5
+
+
+class _CaptureDone(Exception):
+    pass
+
+
+Captured = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def capture_block_inputs(run_step: Callable[[], Any], blocks: dict[str, nn.Module]) -> dict[str, Captured]:
+    """Run ``run_step`` (no grad) until every block in ``blocks`` has been called once; keep its inputs."""
+    captured: dict[str, Captured] = {}
+
+    def make_hook(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if name not in captured:
+                captured[name] = copy.deepcopy((args, kwargs))
+            if len(captured) == len(blocks):
+                raise _CaptureDone
+
+        return hook
+
+    handles = [block.register_forward_pre_hook(make_hook(n), with_kwargs=True) for n, block in blocks.items()]
+    try:
+        with torch.no_grad():
+            run_step()
+    except _CaptureDone:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
+
+
+def _relative_plan(plan: ParallelPlan, prefix: str, narrow: set[str]) -> ParallelPlan:
+    cut = len(prefix) + 1
+    styles = {name[cut:]: style for name, style in plan.styles.items() if name.startswith(prefix + ".")}
+    containers = [
+        dataclasses.replace(c, name=c.name[cut:], entries=[e[cut:] for e in c.entries], exit=c.exit[cut:],
+                            narrow_input=c.name in narrow)
+        for c in plan.containers
+        if c.name.startswith(prefix + ".")
+    ]
+    return dataclasses.replace(plan, styles=styles, containers=containers, block_names=[], norms=[])
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output[0]
+
+
+def _rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    if isinstance(actual, DTensor):
+        actual = actual.full_tensor()
+    if actual.shape != expected.shape:
+        return float("inf")
+    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)).item()
+
+
+def _run(block: nn.Module, inputs: Captured) -> tuple[torch.Tensor, torch.Tensor]:
+    args, kwargs = copy.deepcopy(inputs)
+    where, hidden = _find_hidden(args, kwargs)
+    hidden = hidden.detach().float().requires_grad_(True)
+    if isinstance(where, int):
+        args = (hidden, *args[1:])
+    else:
+        kwargs[where] = hidden
+    out = _first_tensor(block(*args, **kwargs))
+    generator = torch.Generator(device="cpu").manual_seed(1234)
+    cotangent = torch.randn(out.shape, generator=generator).to(out.device, out.dtype)
+    (out * cotangent).sum().backward()
+    return out.detach(), hidden.grad
+
+
+def _compare_once(block: nn.Module, inputs: Captured, plan: ParallelPlan, mesh: DeviceMesh) -> str | None:
+    reference = copy.deepcopy(block).float().eval()
+    sharded = copy.deepcopy(block).float().eval()
+    for container in plan.containers:
+        scale_attributes(sharded.get_submodule(container.name), container, local=True)
+    parallelize_module(sharded, mesh, plan.styles, src_data_rank=None)
+    for container in plan.containers:
+        install_container(sharded.get_submodule(container.name), container, plan, mesh)
+    if plan.sequence_parallel:
+        install_sequence_region(sharded, sharded, mesh)
+    ref_out, ref_grad = _run(reference, inputs)
+    out, grad = _run(sharded, inputs)
+    problems = []
+    if (err := _rel_error(out, ref_out)) > TOLERANCE:
+        problems.append(f"output differs (relative error {err:.2e}, shapes {tuple(out.shape)} vs {tuple(ref_out.shape)})")
+    if (err := _rel_error(grad, ref_grad)) > TOLERANCE:
+        problems.append(f"input gradient differs (relative error {err:.2e})")
+    for name, ref_param in reference.named_parameters():
+        param = sharded.get_parameter(name)
+        if ref_param.grad is None or param.grad is None:
+            continue
+        if (err := _rel_error(param.grad, ref_param.grad)) > TOLERANCE:
+            problems.append(f"gradient of `{name}` differs (relative error {err:.2e})")
+    return "; ".join(problems) or None
+
+
+def _agree(ok: bool) -> bool:
+    """All ranks take the same decision, so none goes on alone into a collective."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def verify_and_choose_modes(
+    model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh, captured: dict[str, Captured]
+) -> list[str]:
+    """Verify each captured block; set ``narrow_input`` on attention containers that need it.
+
+    Returns a line per verified block for the plan report. Raises ``ValueError`` when no mode
+    reproduces the unsharded block.
+    """
+    lines = []
+    for block_name, inputs in captured.items():
+        block = model.get_submodule(block_name)
+        block_containers: list[ShardedContainer] = [c for c in plan.containers if c.name.startswith(block_name + ".")]
+        attention = {c.name for c in block_containers if c.kind == "attention"}
+        failures = []
+        for mode, narrowed in (("full-width", set()), ("width-sliced", attention)):
+            if mode == "width-sliced" and not attention:
+                continue
+            try:
+                problem = _compare_once(block, inputs, _relative_plan(plan, block_name, narrowed), mesh)
+            except Exception as error:  # noqa: BLE001 - any failure of a mode means "try the next one"
+                problem = f"{type(error).__name__}: {error}"
+            if _agree(problem is None):
+                narrowed_suffixes = {name[len(block_name) + 1 :] for name in narrowed}
+                for container in plan.containers:
+                    owner = next((b for b in plan.block_names if container.name.startswith(b + ".")), None)
+                    if owner is not None and type(model.get_submodule(owner)) is type(block):
+                        container.narrow_input = container.name[len(owner) + 1 :] in narrowed_suffixes
+                lines.append(f"verified {type(block).__name__} ({block_name}): attention runs {mode}")
+                break
+            failures.append(f"{mode}: {problem or 'failed on another rank'}")
+        else:
+            raise ValueError(
+                f"The tensor-parallel plan for block `{block_name}` ({type(block).__name__}) does not reproduce the"
+                " unsharded block: " + " | ".join(failures) + ". Pass `plan=` to shard it differently, or use"
+                " tensor_parallel=1 for this model."
+            )
+    return lines
