@@ -1,3 +1,17 @@
-"""lightning_parallel: tensor, sequence, pipeline and expert parallelism for unchanged LightningModules."""
+"""lightning_parallel: tensor, sequence, pipeline and expert parallelism for unchanged LightningModules.
 
-__all__: list[str] = []
+Importing the package registers the strategy with Lightning, so that
+``Trainer(strategy="hybrid_parallel")`` and the presets (``"tp2"``, ``"tp2_sp"``, ``"tp_auto"``)
+work by name, also from ``LightningCLI`` YAML files.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_parallel.mesh import ParallelDims
+from lightning_parallel.plans import ParallelPlan, auto_plan
+from lightning_parallel.strategy import HybridParallelStrategy
+
+if HybridParallelStrategy.strategy_name not in StrategyRegistry:
+    HybridParallelStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["HybridParallelStrategy", "ParallelDims", "ParallelPlan", "auto_plan"]

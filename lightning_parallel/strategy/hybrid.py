@@ -1,0 +1,251 @@
+"""``HybridParallelStrategy``: the one Lightning strategy that composes every parallelism.
+
+Lifecycle (Lightning's extension contract):
+
+- ``_configure_launcher`` (inside ``Trainer(...)``, before any process is launched): check the
+  degrees against ``devices x num_nodes``. A bad layout is a ``ValueError`` here, in the
+  user's process, before a single collective exists.
+- ``setup_environment``: process group (with a collective timeout, so a lost rank ends the
+  job instead of hanging it) and the one named ``DeviceMesh``.
+- ``setup``: make parameters identical on every rank, build the plan, verify it on one block
+  of each class, shard (tensor/sequence parallel), then replicate over ``dp``; optimizers
+  and precision are set up on the sharded parameters.
+
+Checkpointing (``torch.distributed.checkpoint``, sharded per rank) and the barrier/broadcast
+collectives come from Lightning's ``ModelParallelStrategy``, which this class extends; its
+requirement that users write ``configure_model`` is exactly what we remove.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.distributed.tensor.parallel import ParallelStyle
+from typing_extensions import override
+
+from lightning_parallel.data_parallel import apply_data_parallel, average_direct_parameters, no_gradient_sync
+from lightning_parallel.mesh import ParallelDims
+from lightning_parallel.plans import ParallelPlan, auto_plan, plan_from_dict
+from lightning_parallel.plans.report import record_parameter_shards
+from lightning_parallel.strategy.sample import sample_step
+from lightning_parallel.strategy.validation import check_not_yet_supported
+from lightning_parallel.tensor_parallel import apply_tensor_parallel, capture_block_inputs, verify_and_choose_modes
+
+log = logging.getLogger(__name__)
+
+PlanArg = Literal["auto"] | dict[str, ParallelStyle | str] | ParallelPlan
+
+
+class HybridParallelStrategy(ModelParallelStrategy):
+    """Train an unchanged LightningModule with data, tensor and sequence parallelism.
+
+    Args:
+        tensor_parallel: ranks that shard each layer's matmuls (Megatron style). ``"auto"``
+            uses all devices of a node. Must divide the attention heads and hidden sizes.
+        sequence_parallel: with ``tensor_parallel > 1``, also shard norms/dropout activations
+            along the sequence (all-gather/reduce-scatter instead of all-reduce).
+        pipeline_parallel, micro_batches, pipeline_schedule: pipeline stages (not yet supported).
+        expert_parallel: ranks that shard Mixture-of-Experts experts (not yet supported).
+        zero_stage, offload: DeepSpeed ZeRO sharding and offloading (not yet supported).
+        activation_checkpointing: ``"full"`` or ``"selective"`` recomputation (not yet supported).
+        plan: ``"auto"`` to discover the layout, a dict ``{module-name pattern: style}`` (a torch
+            ``ParallelStyle`` or one of ``"colwise"``, ``"rowwise"``, ``"fused_qkv"``,
+            ``"fused_gate_up"``, ``"embedding"``, ``"head"``, ``"sequence_parallel"``,
+            ``"replicate"``), or a ready ``ParallelPlan``.
+        verify_plan: run each distinct block once sharded and once unsharded at setup and refuse
+            to train if they differ (cheap; leave it on).
+        timeout: collective timeout: a rank that dies ends the job after this long.
+    """
+
+    strategy_name = "hybrid_parallel"
+
+    def __init__(
+        self,
+        tensor_parallel: int | Literal["auto"] = 1,
+        pipeline_parallel: int = 1,
+        expert_parallel: int = 1,
+        sequence_parallel: bool = False,
+        micro_batches: int | None = None,
+        pipeline_schedule: str | None = None,
+        zero_stage: int = 0,
+        offload: Literal["cpu", "nvme"] | None = None,
+        activation_checkpointing: Literal["full", "selective"] | None = None,
+        plan: PlanArg = "auto",
+        verify_plan: bool = True,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float = timedelta(minutes=15),
+    ) -> None:
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        check_not_yet_supported(
+            pipeline_parallel=pipeline_parallel,
+            expert_parallel=expert_parallel,
+            micro_batches=micro_batches,
+            pipeline_schedule=pipeline_schedule,
+            zero_stage=zero_stage,
+            offload=offload,
+            activation_checkpointing=activation_checkpointing,
+        )
+        if tensor_parallel != "auto" and (not isinstance(tensor_parallel, int) or tensor_parallel < 1):
+            raise ValueError(f"`tensor_parallel={tensor_parallel!r}` must be a positive integer or 'auto'.")
+        if sequence_parallel and tensor_parallel == 1:
+            rank_zero_warn("`sequence_parallel=True` has no effect with `tensor_parallel=1`; it is ignored.")
+        if not (plan == "auto" or isinstance(plan, (dict, ParallelPlan))):
+            raise ValueError(f"`plan={plan!r}` must be 'auto', a dict of module-name patterns, or a ParallelPlan.")
+        self._tensor_parallel_arg = tensor_parallel
+        self.sequence_parallel = sequence_parallel
+        self.pipeline_parallel = pipeline_parallel
+        self.expert_parallel = expert_parallel
+        self._plan_arg = plan
+        self.verify_plan = verify_plan
+        self.dims: ParallelDims | None = None
+        self.plan: ParallelPlan | None = None
+        self._dp_units: list[torch.nn.Module] = []
+        self._hooks: list[Any] = []
+
+    # ---- layout --------------------------------------------------------------------------
+
+    def _resolve_dims(self) -> ParallelDims:
+        world_size = self.num_nodes * self.num_processes
+        tp = self.num_processes if self._tensor_parallel_arg == "auto" else self._tensor_parallel_arg
+        try:
+            return ParallelDims(
+                world_size=world_size,
+                tensor_parallel=tp,
+                pipeline_parallel=self.pipeline_parallel,
+                expert_parallel=self.expert_parallel,
+            )
+        except ValueError as error:
+            raise ValueError(
+                f"{type(self).__name__}: {error} (Trainer devices={self.num_processes}, num_nodes={self.num_nodes})"
+            ) from None
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Runs inside Trainer(...), before processes are launched: fail here, not in a collective.
+        self.dims = self._resolve_dims()
+        super()._configure_launcher()
+
+    @property
+    def tensor_parallel(self) -> int:
+        if self.dims is None:
+            raise RuntimeError("The tensor-parallel degree is resolved when the Trainer is created.")
+        return self.dims.tensor_parallel
+
+    @override
+    def setup_environment(self) -> None:
+        if self.dims is None:
+            self.dims = self._resolve_dims()
+        self._setup_distributed()
+        self._device_mesh = self.dims.build_mesh(self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+        rank_zero_info(f"{type(self).__name__}: mesh {self.dims.describe()}")
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dp_mesh = self.device_mesh["dp"]
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    # ---- setup ---------------------------------------------------------------------------
+
+    def build_plan(self, module: torch.nn.Module) -> ParallelPlan:
+        tp, sp = self.tensor_parallel, self.sequence_parallel and self.tensor_parallel > 1
+        if isinstance(self._plan_arg, ParallelPlan):
+            return self._plan_arg
+        if isinstance(self._plan_arg, dict):
+            return plan_from_dict(module, self._plan_arg, tp, sp)
+        return auto_plan(module, tp, sp)
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None and self.dims is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        module = self.lightning_module
+        assert module is not None
+        if self.dims.tp_enabled:
+            self.plan = self.build_plan(module)  # pure: a bad model fails here on every rank alike
+        self._sync_parameters(module)
+        if self.dims.tp_enabled:
+            self._apply_tensor_parallel(trainer, module)
+        if self.dims.dp_enabled:
+            dp_mesh = self.device_mesh["dp"]
+            block_names = self.plan.block_names if self.plan else []
+            self._dp_units = apply_data_parallel(module, dp_mesh, block_names)
+            self._hooks += average_direct_parameters(module, dp_mesh)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _sync_parameters(self, module: LightningModule) -> None:
+        """Start every rank from rank 0's weights (as DDP does), whatever each rank's init was."""
+        if self.world_size > 1:
+            from torch.distributed.utils import _sync_module_states
+
+            _sync_module_states(module, torch.distributed.group.WORLD, 250 * 1024 * 1024, 0, set())
+
+    def _apply_tensor_parallel(self, trainer: Trainer, module: LightningModule) -> None:
+        assert self.plan is not None
+        tp_mesh = self.device_mesh["tp"]
+        if self.verify_plan:
+            firsts: dict[type, str] = {}
+            for name in self.plan.block_names:
+                firsts.setdefault(type(module.get_submodule(name)), name)
+            blocks = {name: module.get_submodule(name) for name in firsts.values()}
+            step = sample_step(trainer, self)
+            if step is None:
+                rank_zero_warn("No batch available before training: the tensor-parallel plan was not verified.")
+            else:
+                captured = capture_block_inputs(step, blocks)
+                for line in verify_and_choose_modes(module, self.plan, tp_mesh, captured):
+                    self.plan.notes.append(line)
+        self._hooks += apply_tensor_parallel(module, self.plan, tp_mesh)
+        record_parameter_shards(self.plan, module)
+        rank_zero_info(str(self.plan))
+
+    # ---- training-time behaviour ---------------------------------------------------------
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        with no_gradient_sync(self._dp_units):
+            yield
+
+    @override
+    def teardown(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Data + tensor (+ sequence) parallelism for unchanged modules"
+        )
+        strategy_registry.register("tp2", cls, description="tensor_parallel=2", tensor_parallel=2)
+        strategy_registry.register(
+            "tp2_sp", cls, description="tensor_parallel=2 with sequence parallelism", tensor_parallel=2,
+            sequence_parallel=True,
+        )
+        strategy_registry.register("tp_auto", cls, description="tensor parallel over each node", tensor_parallel="auto")

@@ -1,0 +1,55 @@
+"""One real step of the user's code, run before training to record what each block receives.
+
+The plan verification needs the exact arguments a transformer block gets (hidden states,
+masks, rotary embeddings, ...), and only the user's own step knows how to produce them. We
+take the first batch of the dataloader of the current stage and run the matching ``*_step``
+with logging silenced (no loop is running yet, and nothing must be logged).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.trainer.states import TrainerFn
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies import Strategy
+
+_LOOP_AND_STEP = {
+    TrainerFn.FITTING: ("fit_loop", "training_step"),
+    TrainerFn.VALIDATING: ("validate_loop", "validation_step"),
+    TrainerFn.TESTING: ("test_loop", "test_step"),
+    TrainerFn.PREDICTING: ("predict_loop", "predict_step"),
+}
+
+
+def _first_batch(loader: Any) -> Any:
+    if isinstance(loader, (list, tuple)):
+        loader = loader[0]
+    return next(iter(loader))
+
+
+def sample_step(trainer: Trainer, strategy: Strategy) -> Callable[[], Any] | None:
+    """A zero-argument callable running the user's step on a real batch, or None if no data."""
+    loop_name, step_name = _LOOP_AND_STEP.get(trainer.state.fn, ("fit_loop", "training_step"))
+    source = getattr(getattr(trainer, loop_name, None), "_data_source", None)
+    if source is None or not source.is_defined():
+        return None
+    try:
+        batch = strategy.batch_to_device(_first_batch(source.dataloader()))
+    except (StopIteration, TypeError, NotImplementedError):
+        return None
+    module = strategy.lightning_module
+    assert module is not None
+
+    def run() -> Any:
+        module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        try:
+            return getattr(module, step_name)(batch, 0)
+        finally:
+            del module.log, module.log_dict
+
+    return run
