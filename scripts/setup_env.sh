@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install the project with its test extras.
+# torch is pinned (pyproject) to the CPU build these machines carry; an unpinned torch can
+# pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+python -m pip install -q "torch==2.13.0"
+python -m pip install -q -e ".[test]"
