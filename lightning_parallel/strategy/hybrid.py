@@ -19,9 +19,10 @@ requirement that users write ``configure_model`` is exactly what we remove.
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -29,7 +30,10 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel.data_parallel import apply_data_parallel, average_direct_parameters, no_gradient_sync
@@ -38,11 +42,52 @@ from lightning_parallel.plans import ParallelPlan, auto_plan, plan_from_dict
 from lightning_parallel.plans.report import record_parameter_shards
 from lightning_parallel.strategy.sample import sample_step
 from lightning_parallel.strategy.validation import check_not_yet_supported
-from lightning_parallel.tensor_parallel import apply_tensor_parallel, capture_block_inputs, verify_and_choose_modes
+from lightning_parallel.tensor_parallel import (
+    apply_tensor_parallel,
+    capture_block_inputs,
+    verify_and_choose_modes,
+)
 
 log = logging.getLogger(__name__)
 
 PlanArg = Literal["auto"] | dict[str, ParallelStyle | str] | ParallelPlan
+
+
+def _map_tensors(state: Any, fn: Callable[[Any, Any], Any], like: Any = None) -> Any:
+    """Apply ``fn(value, like_value)`` to every tensor of a nested state dict (dicts and lists)."""
+    if isinstance(state, dict):
+        return {k: _map_tensors(v, fn, like[k] if like is not None else None) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_map_tensors(v, fn, like[i] if like is not None else None) for i, v in enumerate(state))
+    return fn(state, like) if isinstance(state, torch.Tensor) else state
+
+
+def _is_strided(value: Any) -> bool:
+    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements)
+
+
+def _contiguous_shards(state: Any) -> Any:
+    """Fused projections (q|k|v) are ``_StridedShard``: each rank's shard is several pieces of the
+    global tensor, which ``torch.distributed.checkpoint`` cannot describe (it saves one box per
+    rank and rejects them as overlapping). Checkpoints hold them as plain ``Shard(dim)``: the
+    same global tensor, so the files keep the user's layout."""
+
+    def contiguous(value: Any, _: Any) -> Any:
+        if not _is_strided(value):
+            return value
+        placements = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in value.placements]
+        return value.redistribute(value.device_mesh, placements)
+
+    return _map_tensors(state, contiguous)
+
+
+def _restore_strided(loaded: Any, like: Any) -> Any:
+    """Inverse of :func:`_contiguous_shards`: back to the placements of ``like``."""
+
+    def restore(value: Any, original: Any) -> Any:
+        return value.redistribute(original.device_mesh, original.placements) if _is_strided(original) else value
+
+    return _map_tensors(loaded, restore, like)
 
 
 class HybridParallelStrategy(ModelParallelStrategy):
@@ -63,6 +108,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
             ``"replicate"``), or a ready ``ParallelPlan``.
         verify_plan: run each distinct block once sharded and once unsharded at setup and refuse
             to train if they differ (cheap; leave it on).
+        compile: ``torch.compile`` each transformer block after sharding (as torchtitan does):
+            per-block compilation keeps compile time flat in depth and leaves the
+            communication hooks between blocks in eager mode.
         timeout: collective timeout: a rank that dies ends the job after this long.
     """
 
@@ -81,6 +129,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         activation_checkpointing: Literal["full", "selective"] | None = None,
         plan: PlanArg = "auto",
         verify_plan: bool = True,
+        compile: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | float = timedelta(minutes=15),
@@ -113,6 +162,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.expert_parallel = expert_parallel
         self._plan_arg = plan
         self.verify_plan = verify_plan
+        self.compile = compile
         self.dims: ParallelDims | None = None
         self.plan: ParallelPlan | None = None
         self._dp_units: list[torch.nn.Module] = []
@@ -186,6 +236,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._sync_parameters(module)
         if self.dims.tp_enabled:
             self._apply_tensor_parallel(trainer, module)
+        if self.compile:
+            self._compile_blocks(module)
         if self.dims.dp_enabled:
             dp_mesh = self.device_mesh["dp"]
             block_names = self.plan.block_names if self.plan else []
@@ -195,6 +247,16 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    def _compile_blocks(self, module: LightningModule) -> None:
+        from lightning_parallel.plans.detect import find_block_stack
+
+        stack = find_block_stack(module)
+        if stack is None:
+            rank_zero_warn("`compile=True`: no block list found; nothing was compiled.")
+            return
+        for block in stack.blocks:
+            block.compile()
 
     def _sync_parameters(self, module: LightningModule) -> None:
         """Start every rank from rank 0's weights (as DDP does), whatever each rank's init was."""
@@ -221,6 +283,56 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._hooks += apply_tensor_parallel(module, self.plan, tp_mesh)
         record_parameter_shards(self.plan, module)
         rank_zero_info(str(self.plan))
+
+    # ---- checkpoints (sharded: torch.distributed.checkpoint, one file set for all ranks) --------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._save_distributed_checkpoint:
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        assert self.model is not None
+        return _contiguous_shards(get_model_state_dict(self.model))
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.model is not None
+        return _contiguous_shards(get_optimizer_state_dict(self.model, optimizer))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from lightning.fabric.strategies.fsdp import _distributed_checkpoint_load
+        from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(checkpoint_path))
+        if not _is_sharded_checkpoint(path):
+            return super().load_checkpoint(path, weights_only=weights_only)
+        # As Lightning's loader, but fused projections are read as Shard(dim) (see _contiguous_shards).
+        assert self.model is not None and self.lightning_module is not None
+        model_state = get_model_state_dict(self.model)
+        readable = _contiguous_shards(model_state)
+        _distributed_checkpoint_load({"state_dict": readable}, path)
+        self.model.load_state_dict(_restore_strided(readable, model_state), strict=self.lightning_module.strict_loading)
+        for idx, optimizer in enumerate(self.optimizers):
+            optimizer_state = get_optimizer_state_dict(self.model, optimizer)
+            readable = _contiguous_shards(optimizer_state)
+            _distributed_checkpoint_load({f"optimizer_{idx}": readable}, path)
+            set_optimizer_state_dict(self.model, optimizer, _restore_strided(readable, optimizer_state))
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     # ---- training-time behaviour ---------------------------------------------------------
 
