@@ -1,0 +1,226 @@
+"""One process of a harness launch: trains a list of cases through the real ``lightning.Trainer``.
+
+Started by :mod:`tests.distributed.harness`, never by hand::
+
+    python -m tests.distributed.worker --cases CASES.pkl --out DIR [--pg-timeout S] [--no-init-pg]
+
+CASES.pkl holds ``{"distributed": [Case, ...], "reference": [Case, ...]}``. The parent sets
+RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and MASTER_PORT, so Lightning's ``LightningEnvironment`` sees processes created
+externally and launches nothing. The worker opens the gloo process group itself (with a short
+timeout) and every case's strategy finds it open and reuses it (Lightning's
+``_init_dist_connection`` returns early when ``torch.distributed.is_initialized()``).
+Then the worker closes the group, removes the launcher variables, and runs the reference cases
+(``strategy="auto"``, ``devices=1``), reference ``j`` on rank ``j % WORLD_SIZE``: the imports
+are paid once for both. A reference-only launch is one process without those variables.
+
+Files written to DIR: ``result.<i>.pt`` (rank 0, distributed case ``i``), ``reference.<j>.pt``,
+``done.rank<r>`` after the last case, ``error.rank<r>.txt`` with the case and traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pickle
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from tests.distributed.cases import Case, Fault
+from tests.distributed.harness import mean_over_ranks, merge_replicas
+from tests.models.families import build, make_dataloader, reference_dataloader
+
+_DIST_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+class ParityRecorder(Callback):
+    """Records the per-batch training loss and the final full parameters of the user's module.
+
+    Loss: the ``training_step`` loss of every batch (Lightning's ``outputs["loss"]`` times
+    ``accumulate_grad_batches``, which Lightning divided out). At the end, rank 0 averages each
+    batch over the ranks that returned a loss: every data-parallel replica has the same number of
+    such ranks (its tensor-parallel ranks, or those of its last pipeline stage), so this is the
+    mean over replicas, which is the global-batch loss one process computes.
+
+    Parameters: ``pl_module.named_parameters()`` (the user's names, not a wrapper's), DTensors
+    gathered with ``full_tensor()``, meta tensors (parameters another stage owns) skipped. Rank 0
+    keeps the lowest rank's copy of each name and records any other copy that differs from it
+    beyond the parity tolerance (replicas out of sync).
+    """
+
+    def __init__(self) -> None:
+        self.losses: list[float | None] = []
+        self.payload: dict[str, Any] | None = None
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        self.losses.append(
+            None if loss is None else float(loss.detach().float()) * trainer.accumulate_grad_batches
+        )
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from torch.distributed.tensor import DTensor
+
+        params = {}
+        for name, param in pl_module.named_parameters():
+            tensor = param.detach()
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+            if not tensor.is_meta:
+                params[name] = tensor.cpu().clone()
+        mine = (self.losses, params)
+        if dist.is_available() and dist.is_initialized():
+            gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+            dist.gather_object(mine, gathered, dst=0)
+            if dist.get_rank() != 0:
+                return
+        else:
+            gathered = [mine]
+        sampler_kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        self.payload = {
+            "losses": mean_over_ranks([losses for losses, _ in gathered]),
+            "rank_losses": [losses for losses, _ in gathered],
+            **merge_replicas([p for _, p in gathered]),
+            "global_step": trainer.global_step,
+            "data_parallel": int(sampler_kwargs.get("num_replicas", 1)),
+        }
+
+
+class FaultInjector(Callback):
+    """Test-only: misbehaves as :class:`Fault` says, to prove the harness notices."""
+
+    def __init__(self, fault: Fault) -> None:
+        self.fault = fault
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_rank != self.fault.rank or batch_idx != self.fault.batch_idx:
+            return
+        if self.fault.kind == "raise":
+            raise RuntimeError(f"injected fault on rank {trainer.global_rank} at batch {batch_idx}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if self.fault.kind == "exit0":
+            os._exit(0)
+        time.sleep(3600)
+
+
+def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], startup_s: float) -> None:
+    case_start = time.perf_counter()
+    for key in _DIST_ENV:  # LightningEnvironment.teardown() deletes WORLD_SIZE after each fit
+        os.environ.pop(key, None)
+    os.environ.update(env)
+    L.seed_everything(case.seed, verbose=False)
+    model = build(case.family, **case.model_kwargs)
+    if reference:
+        devices, strategy = 1, "auto"
+        loader = reference_dataloader(case.batch_size, case.dp, case.num_samples, sampler_seed=case.seed)
+    else:
+        devices, loader = case.world_size, make_dataloader(case.batch_size, case.num_samples)
+        strategy = case.strategy if isinstance(case.strategy, str) else case.strategy.build()
+    recorder = ParityRecorder()
+    callbacks: list[Callback] = [recorder]
+    if case.fault is not None and not reference:
+        callbacks.append(FaultInjector(case.fault))
+    trainer_kwargs = dict(
+        accelerator="cpu", devices=devices, num_nodes=1, strategy=strategy, max_steps=case.steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=True, deterministic=True, num_sanity_val_steps=0, callbacks=callbacks,
+    )  # fmt: skip
+    trainer = L.Trainer(**{**trainer_kwargs, **case.trainer_kwargs})
+    if not reference and trainer.global_rank != int(env["RANK"]):
+        raise RuntimeError(f"Trainer global_rank {trainer.global_rank} != RANK {env['RANK']}")
+    group = dist.group.WORLD if dist.is_initialized() else None
+    start = time.perf_counter()
+    trainer.fit(model, train_dataloaders=loader)
+    wall_s = time.perf_counter() - start
+    if group is not None and (not dist.is_initialized() or dist.group.WORLD is not group):
+        raise RuntimeError(
+            f"{type(trainer.strategy).__name__} destroyed or replaced the default process group it found"
+            " open; a strategy must reuse a group it did not create and leave it open."
+        )
+    if recorder.payload is not None:  # rank 0, or the process running this reference
+        if reference:
+            recorder.payload["data_parallel"] = case.dp
+        case_s = time.perf_counter() - case_start
+        recorder.payload.update(
+            name=case.name, world_size=devices, wall_s=wall_s, case_s=case_s, startup_s=startup_s
+        )
+        torch.save(recorder.payload, out_file)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--cases", type=Path, required=True, help="pickled {'distributed': [...], 'reference': [...]}"
+    )
+    parser.add_argument("--out", type=Path, required=True, help="directory for results and markers")
+    parser.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout, seconds")
+    parser.add_argument(
+        "--no-init-pg", action="store_true", help="let the first case's strategy open the group"
+    )
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(1)
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*smaller than the logging interval.*")
+    warnings.filterwarnings("ignore", ".*treespec, LeafSpec.*")
+
+    dist_env = {k: os.environ[k] for k in _DIST_ENV if k in os.environ}
+    rank, nprocs = int(dist_env.get("RANK", 0)), int(dist_env.get("WORLD_SIZE", 1))
+    cases: dict[str, list[Case]] = pickle.loads(args.cases.read_bytes())
+    current = "<setup>"
+    try:
+        if cases["distributed"] and not args.no_init_pg:
+            timeout = timedelta(seconds=args.pg_timeout)
+            dist.init_process_group("gloo", rank=rank, world_size=nprocs, timeout=timeout)
+        startup_s = time.time() - float(os.environ.get("LP_HARNESS_LAUNCH_TIME", time.time()))
+        for index, case in enumerate(cases["distributed"]):
+            current = case.name
+            _run_case(case, args.out / f"result.{index}.pt", False, dist_env, startup_s)
+        current = "<closing the process group>"
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        # References: one process each, no process group, no launcher variables; spread over the ranks.
+        for index, case in enumerate(cases["reference"]):
+            if index % nprocs == rank:
+                current = f"{case.name} (reference)"
+                _run_case(case, args.out / f"reference.{index}.pt", True, {}, startup_s)
+        (args.out / f"done.rank{rank}").write_text("ok\n")
+    except BaseException:
+        message = f"rank {rank}, case {current}:\n{traceback.format_exc()}"
+        (args.out / f"error.rank{rank}.txt").write_text(message)
+        sys.stderr.write(message)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)  # never hang in interpreter shutdown with a broken process group
+
+
+if __name__ == "__main__":
+    main()

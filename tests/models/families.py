@@ -1,0 +1,163 @@
+"""The model families every parity test draws from, and the synthetic data they train on.
+
+``FAMILIES[name](**overrides)`` builds a fresh, seeded LightningModule: the same initial
+weights in every process that calls it. All families share one vocabulary and sequence
+length (``VOCAB_SIZE``, ``SEQ_LEN``) so one dataset serves them all. Imports are lazy: a
+family's dependencies (``transformers``, the recipe) load only when it is built, so a broken
+or missing optional family does not break the others.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+if TYPE_CHECKING:  # lightning is imported by the families themselves, when built
+    import lightning as L
+
+__all__ = [
+    "FAMILIES",
+    "SEQ_LEN",
+    "VOCAB_SIZE",
+    "TokenWindows",
+    "available_families",
+    "build",
+    "global_batch",
+    "make_dataloader",
+    "reference_dataloader",
+]
+
+VOCAB_SIZE = 128
+SEQ_LEN = 32
+MODEL_SEED = 1234
+
+
+def _nanogpt(**overrides: Any) -> L.LightningModule:
+    from tests.models.nanogpt import NanoGPTModule
+
+    return NanoGPTModule(**{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
+
+
+def _hf_gpt2(**overrides: Any) -> L.LightningModule:
+    from tests.models.hf import HFGPT2Module
+
+    return HFGPT2Module(**{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
+
+
+def _hf_llama(**overrides: Any) -> L.LightningModule:
+    from tests.models.hf import HFLlamaModule
+
+    return HFLlamaModule(**{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
+
+
+def _recipe_gpt(**overrides: Any) -> L.LightningModule:
+    """The project's GPT recipe at test size; only the arguments its signature accepts are passed."""
+    from recipes.gpt.module import GPTLightningModule
+
+    # eps: AdamW's default 1e-8 turns fp32 rounding in near-zero gradients into parameter
+    # differences above the parity tolerance (docs/testing.md); passed if the recipe takes it.
+    tiny = dict(
+        vocab_size=VOCAB_SIZE, block_size=SEQ_LEN, n_layer=2, n_head=4, n_embd=64, dropout=0.0,
+        learning_rate=1e-3, warmup_steps=1, lr_decay_steps=1000, eps=1e-5, adam_eps=1e-5,
+    )  # fmt: skip
+    accepted = inspect.signature(GPTLightningModule).parameters
+    kwargs = {k: v for k, v in {**tiny, **overrides}.items() if k in accepted or k in overrides}
+    return GPTLightningModule(**kwargs)
+
+
+FAMILIES: dict[str, Callable[..., L.LightningModule]] = {
+    "recipe_gpt": _recipe_gpt,
+    "nanogpt": _nanogpt,
+    "hf_gpt2": _hf_gpt2,
+    "hf_llama": _hf_llama,
+}
+
+_REQUIRES = {"recipe_gpt": "recipes.gpt.module", "hf_gpt2": "transformers", "hf_llama": "transformers"}
+
+
+def available_families() -> list[str]:
+    """Family names whose dependencies can be found (without importing them)."""
+    names = []
+    for name in FAMILIES:
+        module = _REQUIRES.get(name)
+        try:
+            found = module is None or importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # the parent package is missing
+            found = False
+        if found:
+            names.append(name)
+    return names
+
+
+def build(family: str, seed: int = MODEL_SEED, **overrides: Any) -> L.LightningModule:
+    """A fresh module of ``family`` with weights drawn from ``torch.manual_seed(seed)``."""
+    if family not in FAMILIES:
+        raise ValueError(f"Unknown model family {family!r}; known: {sorted(FAMILIES)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return FAMILIES[family](**overrides)
+
+
+class TokenWindows(Dataset):
+    """``num_samples`` windows ``(x, y)`` of ``seq_len`` tokens cut from one seeded random stream.
+
+    ``y`` is ``x`` shifted by one token. Sample ``i`` is the same in every process.
+    """
+
+    def __init__(
+        self, num_samples: int, seq_len: int = SEQ_LEN, vocab_size: int = VOCAB_SIZE, seed: int = 0
+    ) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        stream_len = 4 * num_samples * seq_len + 1
+        self.stream = torch.randint(vocab_size, (stream_len,), generator=generator)
+        self.starts = torch.randint(stream_len - seq_len, (num_samples,), generator=generator)
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = int(self.starts[i])
+        window = self.stream[s : s + self.seq_len + 1]
+        return window[:-1], window[1:]
+
+
+def global_batch(per_rank_batch_size: int, data_parallel: int) -> int:
+    """Samples per step over all data-parallel replicas: what one process must see to match them."""
+    return per_rank_batch_size * data_parallel
+
+
+def make_dataloader(batch_size: int, num_samples: int, seed: int = 0) -> DataLoader:
+    """Batches of ``batch_size`` :class:`TokenWindows` in order, for a distributed run.
+
+    Under ``use_distributed_sampler=True`` Lightning replaces the sampler with a
+    ``DistributedSampler`` that SHUFFLES (Lightning forces ``shuffle=True`` for every training
+    dataloader, whatever the loader says) with ``seed=PL_GLOBAL_SEED`` and epoch 0: rank ``r`` of
+    ``R`` gets ``perm[r], perm[r+R], ...``, so batch ``i`` of all ranks together holds exactly
+    the samples ``perm[i*b*R : (i+1)*b*R]``. :func:`reference_dataloader` loads those batches.
+    """
+    return DataLoader(
+        TokenWindows(num_samples, seed=seed), batch_size=batch_size, shuffle=False, num_workers=0
+    )
+
+
+def reference_dataloader(
+    batch_size: int, data_parallel: int, num_samples: int, sampler_seed: int, seed: int = 0
+) -> DataLoader:
+    """One process's loader whose batch ``i`` holds the samples of batch ``i`` of all replicas.
+
+    ``batch_size`` is per rank; batches hold ``global_batch(batch_size, data_parallel)`` samples
+    in the order of ``DistributedSampler(num_replicas=1, shuffle=True, seed=sampler_seed)``:
+    the same permutation the replicas' samplers split (``sampler_seed`` is the run's
+    ``seed_everything`` seed; ``set_epoch`` is called on it by Lightning as on theirs).
+    """
+    dataset = TokenWindows(num_samples, seed=seed)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=sampler_seed)
+    return DataLoader(
+        dataset, batch_size=global_batch(batch_size, data_parallel), sampler=sampler, num_workers=0
+    )

@@ -1,0 +1,74 @@
+"""Hugging Face ``transformers`` models in the ten-line LightningModule a user would write.
+
+Built from tiny config objects, never downloaded. The loss is computed in ``training_step``
+from the logits (not through ``labels=``), as a user who owns the loss would write it.
+
+Attention implementations, chosen on purpose:
+- GPT-2 runs ``attn_implementation="eager"``: HF's own hand-written attention (matmul, causal
+  mask, softmax), a second manual-attention code path next to nanoGPT's.
+- Llama runs ``attn_implementation="sdpa"``: what modern HF models default to, so the suite
+  covers ``scaled_dot_product_attention`` under tensor parallelism (see DESIGN.md 4.1), plus
+  grouped-query attention (4 query heads, 2 key/value heads) and RoPE.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+
+class _CausalLMModule(L.LightningModule):
+    """Shared training code; subclasses only build ``self.model``."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch  # (B, T), (B, T)
+        logits = self.model(input_ids=x).logits  # (B, T, V)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        hp = self.hparams
+        if hp.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=hp.learning_rate, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=hp.learning_rate, weight_decay=0.1, eps=1e-5)
+
+
+class HFGPT2Module(_CausalLMModule):
+    """``GPT2LMHeadModel``: fused ``c_attn`` as ``Conv1D`` (transposed weights), tied ``lm_head``."""
+
+    def __init__(
+        self, vocab_size: int = 128, block_size: int = 32, learning_rate: float = 0.1, optimizer: str = "sgd"
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        config = GPT2Config(
+            vocab_size=vocab_size, n_positions=block_size, n_embd=64, n_layer=2, n_head=4,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+            use_cache=False, attn_implementation="eager",
+        )  # fmt: skip
+        self.model = GPT2LMHeadModel(config)
+
+
+class HFLlamaModule(_CausalLMModule):
+    """``LlamaForCausalLM``: separate q/k/v/o and gate/up/down projections, RMSNorm, RoPE, GQA."""
+
+    def __init__(
+        self,
+        vocab_size: int = 128,
+        block_size: int = 32,
+        learning_rate: float = 1e-3,
+        optimizer: str = "adamw",
+        num_key_value_heads: int = 2,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        config = LlamaConfig(
+            vocab_size=vocab_size, max_position_embeddings=block_size, hidden_size=64,
+            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=num_key_value_heads, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+            use_cache=False, attn_implementation="sdpa",
+        )  # fmt: skip
+        self.model = LlamaForCausalLM(config)
