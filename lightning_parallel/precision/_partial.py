@@ -21,7 +21,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 GroupRanks = tuple[int, ...]
 """The global ranks of a process group: its identity, the same on every member."""
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
 
 
 def unique_parameters(parameters: Tensor | Iterable[Tensor]) -> list[Tensor]:
@@ -85,9 +90,10 @@ def _reduce_bucket(entries: list[tuple[Tensor, int]], group: ProcessGroup, reduc
     locals_ = [grad.to_local() for grad in grads]  # type: ignore[union-attr]
     with torch.no_grad():
         flat = torch.cat([local.reshape(-1) for local in locals_])
-        dist.all_reduce(flat, op=_REDUCE_OPS[reduce_op], group=group)
-        if reduce_op == "avg":
-            flat.div_(dist.get_world_size(group))
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(flat, op=_REDUCE_OPS[reduce_op], group=group)
+            if reduce_op == "avg":
+                flat.div_(dist.get_world_size(group))
         offset = 0
         for (param, mesh_dim), grad, local in zip(entries, grads, locals_, strict=True):
             numel = local.numel()

@@ -15,8 +15,7 @@ and the pieces are combined with as few all-reduces as the layout allows:
 
 Gradients are grouped by the *set* of process groups they must be summed over; a group of
 ranks appearing in several sets is all-reduced once, with one tensor holding every set it
-belongs to (sums over different axes commute, so the order of axes does not matter). A
-tensor-parallel-only layout thus costs a single all-reduce of one number.
+belongs to. A tensor-parallel-only layout thus costs a single all-reduce of one number.
 
 Assumption (true under ``HybridParallelStrategy``): the ranks of one process group hold
 parameters with the same layout, so they agree on which groups to reduce over. Whether a
@@ -181,14 +180,15 @@ def _shard_groups(tensor: Tensor, groups: dict[GroupRanks, ProcessGroup]) -> fro
 
 def _local_power_sum(tensors: list[Tensor], p: float, device: torch.device) -> Tensor:
     """``sum |x|^p`` over all elements (``max |x|`` for p = inf), in float64 to keep rtol ~1e-7."""
-    if not tensors:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
+    # Grouped for the foreach kernel; empty shards (uneven sharding) contribute nothing, and
+    # the inf-norm kernel refuses them.
+    by_device_dtype: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
     for tensor in tensors:
-        by_device[tensor.device].append(tensor)
-    norms: list[Tensor] = []
-    for tensors_on_device in by_device.values():
-        norms.extend(torch._foreach_norm(tensors_on_device, p, dtype=torch.float32))
+        if tensor.numel() > 0:
+            by_device_dtype[(tensor.device, tensor.dtype)].append(tensor)
+    norms: list[Tensor] = [torch.zeros((), dtype=torch.float32, device=device)]
+    for group in by_device_dtype.values():
+        norms.extend(torch._foreach_norm(group, p, dtype=torch.float32))
     stacked = torch.stack([norm.to(device) for norm in norms]).to(torch.float64)
     return stacked.max() if math.isinf(p) else stacked.pow(p).sum()
 
@@ -201,10 +201,14 @@ def _reduce_over_groups(
 ) -> None:
     """All-reduce each entry of ``values`` over every group of its key: one collective per group.
 
-    Groups are visited in one global order (sorted by their ranks) on every rank; with a
-    common order, ranks that share several groups can never wait on each other in a cycle.
+    Groups are visited in one order that every rank derives alike (:func:`_axis_order`). Two
+    properties depend on it. Correctness: a value sharded over two axes must be summed over
+    the axes in the same sequence on every rank; were rank 0 to sum over ``tp`` then ``dp``
+    while rank 2 sums over ``dp`` first, rank 0's ``dp`` partner would hand over a partial
+    sum of the wrong stage (seen: wrong norms on a 2x2 mesh). Liveness: with one global
+    order, ranks that share several groups can never wait on each other in a cycle.
     """
-    for ranks in sorted(groups):
+    for ranks in sorted(groups, key=_axis_order):
         indices = [index for index, key in enumerate(keys) if ranks in key]
         if not indices:
             continue
@@ -212,6 +216,17 @@ def _reduce_over_groups(
         selected = values.index_select(0, index_tensor)
         dist.all_reduce(selected, op=op, group=groups[ranks])
         values.index_copy_(0, index_tensor, selected)
+
+
+def _axis_order(ranks: GroupRanks) -> tuple[int, tuple[int, ...], GroupRanks]:
+    """Sort key of a group: its shape (size, rank offsets) first, then its ranks.
+
+    Groups of one mesh axis have the same shape on every rank (``tp`` is ``(0, 1)`` in a
+    row-major ``(dp, tp)`` mesh, ``dp`` is ``(0, tp)``) while their ranks differ, so sorting
+    by shape makes every rank visit the axes in the same sequence; the ranks break ties, so
+    the order stays total.
+    """
+    return len(ranks), tuple(rank - ranks[0] for rank in ranks), ranks
 
 
 def _local_grads(params: list[Tensor]) -> list[Tensor]:

@@ -46,7 +46,9 @@ class DistributedGradScaler(torch.amp.GradScaler):
         self.group = group
 
     @classmethod
-    def from_scaler(cls, scaler: torch.amp.GradScaler, *, group: ProcessGroup | None = None) -> DistributedGradScaler:
+    def from_scaler(
+        cls, scaler: torch.amp.GradScaler, *, group: ProcessGroup | None = None
+    ) -> DistributedGradScaler:
         """Build one with the configuration and state of ``scaler`` (e.g. the one Lightning created)."""
         if isinstance(scaler, DistributedGradScaler):
             scaler.group = group
@@ -81,7 +83,9 @@ class DistributedGradScaler(torch.amp.GradScaler):
         Unscaling is linear, so it is exact on shards and on ``Partial`` addends alike; an
         inf or nan in any addend makes the sum non-finite too, so checking addends is exact.
         """
-        per_device: dict[torch.device, dict[torch.dtype, list[Tensor]]] = defaultdict(lambda: defaultdict(list))
+        per_device: dict[torch.device, dict[torch.dtype, list[Tensor]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -102,7 +106,9 @@ class DistributedGradScaler(torch.amp.GradScaler):
                 device_found_inf = found_inf.to(device, copy=True)
                 device_inv_scale = inv_scale.to(device)
                 for grads in per_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(grads, device_found_inf, device_inv_scale)
+                    torch._amp_foreach_non_finite_check_and_unscale_(
+                        grads, device_found_inf, device_inv_scale
+                    )
                 found_inf_per_device[device] = device_found_inf
         return found_inf_per_device
 
@@ -116,7 +122,9 @@ class DistributedGradScaler(torch.amp.GradScaler):
         found_inf_per_device: dict[torch.device, Tensor] = state["found_inf_per_device"]
         assert self._scale is not None
         if not found_inf_per_device:
-            found_inf_per_device[self._scale.device] = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+            found_inf_per_device[self._scale.device] = torch.zeros(
+                (), dtype=torch.float32, device=self._scale.device
+            )
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             devices = list(found_inf_per_device)
             flags = torch.stack([found_inf_per_device[device].to(self._scale.device) for device in devices])
