@@ -35,8 +35,13 @@ def apply_data_parallel(root: nn.Module, dp_mesh: DeviceMesh, block_names: list[
     units: list[nn.Module] = []
     for name in block_names:
         units.append(replicate(root.get_submodule(name), mesh=dp_mesh))
-    for _, child in root.named_children():
-        if _has_params(child):
+    pending = [child for child in root.children() if _has_params(child)]
+    while pending:
+        child = pending.pop(0)
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            # Containers have no forward to hook; their members are called one by one.
+            pending[:0] = [c for c in child.children() if _has_params(c) and c not in units]
+        else:
             units.append(replicate(child, mesh=dp_mesh))
     return units
 

@@ -38,6 +38,8 @@ class ShardedContainer:
     @property
     def entry_suffixes(self) -> list[str]:
         """Entry names relative to the container."""
+        if not self.name:
+            return list(self.entries)
         return [entry[len(self.name) + 1 :] for entry in self.entries]
 
 

@@ -52,6 +52,7 @@ class GPTLightningModule(L.LightningModule):
         warmup_steps: Optimizer steps of linear warmup.
         lr_decay_steps: Step at which the cosine reaches ``min_lr_ratio``; ``None`` uses the
             trainer's total number of optimizer steps.
+        eps: AdamW's epsilon.
     """
 
     def __init__(
@@ -69,6 +70,7 @@ class GPTLightningModule(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 100,
         lr_decay_steps: int | None = None,
+        eps: float = 1e-8,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -117,7 +119,7 @@ class GPTLightningModule(L.LightningModule):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
+        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps)
 
         decay_steps = hp.lr_decay_steps
         if decay_steps is None:
