@@ -10,7 +10,6 @@ or missing optional family does not break the others.
 from __future__ import annotations
 
 import importlib.util
-import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -55,19 +54,31 @@ def _hf_llama(**overrides: Any) -> L.LightningModule:
     return HFLlamaModule(**{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
 
 
-def _recipe_gpt(**overrides: Any) -> L.LightningModule:
-    """The project's GPT recipe at test size; only the arguments its signature accepts are passed."""
+def _recipe_gpt(optimizer: str = "sgd", **overrides: Any) -> L.LightningModule:
+    """The project's GPT recipe at test size.
+
+    Its model, ``training_step`` and loss are the recipe's own. The optimizer is SGD with
+    momentum by default, as for the hand-written families (docs/testing.md, "Adam and the
+    parameter tolerance"): the recipe's AdamW turns rounding in near-zero gradients into
+    parameter differences above the fp32 parity tolerance even under plain DDP.
+    ``optimizer="adamw"`` keeps the recipe's own AdamW (with ``eps=1e-5``).
+    """
     from recipes.gpt.module import GPTLightningModule
 
-    # eps: AdamW's default 1e-8 turns fp32 rounding in near-zero gradients into parameter
-    # differences above the parity tolerance (docs/testing.md); passed if the recipe takes it.
     tiny = dict(
         vocab_size=VOCAB_SIZE, block_size=SEQ_LEN, n_layer=2, n_head=4, n_embd=64, dropout=0.0,
-        learning_rate=1e-3, warmup_steps=1, lr_decay_steps=1000, eps=1e-5, adam_eps=1e-5,
+        learning_rate=1e-3, warmup_steps=1, lr_decay_steps=1000, eps=1e-5,
     )  # fmt: skip
-    accepted = inspect.signature(GPTLightningModule).parameters
-    kwargs = {k: v for k, v in {**tiny, **overrides}.items() if k in accepted or k in overrides}
-    return GPTLightningModule(**kwargs)
+    if optimizer == "adamw":
+        return GPTLightningModule(**{**tiny, **overrides})
+    if optimizer != "sgd":
+        raise ValueError(f"recipe_gpt: optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
+
+    class RecipeGPTWithSGD(GPTLightningModule):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    return RecipeGPTWithSGD(**{**tiny, **overrides})
 
 
 FAMILIES: dict[str, Callable[..., L.LightningModule]] = {
