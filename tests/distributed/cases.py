@@ -169,6 +169,4 @@ ddp(
     "nanogpt",
     trainer_kwargs={"accumulate_grad_batches": 2, "gradient_clip_val": 0.5},
 )
-# Not yet "recipe_gpt": its AdamW has eps=1e-8 and no argument to change it, and with eps=1e-8 even
-# plain DDP misses the parameter tolerance (docs/testing.md, "Adam"). Once the recipe takes `eps`
-# (the family passes eps=1e-5), add: ddp("ddp2_recipe_gpt", "recipe_gpt")
+ddp("ddp2_recipe_gpt", "recipe_gpt")

@@ -1,6 +1,6 @@
 """The parity harness, validated with Lightning's own DDPStrategy before the project's exists.
 
-Positive: DDP over 2 processes equals one process on the global batch, for three model families
+Positive: DDP over 2 processes equals one process on the global batch, for every model family
 and for gradient accumulation with clipping, all in one launch. Negative: the harness can fail (a different learning rate in the reference, a
 rank that raises, a rank that quits with status 0, a launch that hangs), without hanging.
 """
@@ -27,10 +27,13 @@ from tests.distributed.harness import (
     reference,
     run_cases,
 )
+from tests.models.families import available_families
 
 PARITY_CASES = ["ddp2_nanogpt", "ddp2_hf_gpt2", "ddp2_hf_llama", "ddp2_nanogpt_accum_clip"]
+if "recipe_gpt" in available_families():
+    PARITY_CASES.append("ddp2_recipe_gpt")
 DDP = StrategySpec("lightning.pytorch.strategies:DDPStrategy", {"process_group_backend": "gloo"})
-LR_VARIANT = CASES["ddp2_nanogpt"].replace(name="nanogpt_lr_x1.1", model_kwargs={"learning_rate": 1.1e-3})
+LR_VARIANT = CASES["ddp2_nanogpt"].replace(name="nanogpt_lr_x1.1", model_kwargs={"learning_rate": 0.11})
 
 
 @pytest.fixture(scope="module")

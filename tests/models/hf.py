@@ -1,7 +1,9 @@
 """Hugging Face ``transformers`` models in the ten-line LightningModule a user would write.
 
 Built from tiny config objects, never downloaded. The loss is computed in ``training_step``
-from the logits (not through ``labels=``), as a user who owns the loss would write it.
+from the logits (not through ``labels=``), as a user who owns the loss would write it. The
+optimizer is SGD with momentum by default, AdamW (``eps=1e-5``) with ``optimizer="adamw"``; see
+docs/testing.md for why parity tests prefer SGD.
 
 Attention implementations, chosen on purpose:
 - GPT-2 runs ``attn_implementation="eager"``: HF's own hand-written attention (matmul, causal
@@ -32,15 +34,21 @@ class _CausalLMModule(L.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
         if hp.optimizer == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=hp.learning_rate, momentum=0.9)
-        return torch.optim.AdamW(self.parameters(), lr=hp.learning_rate, weight_decay=0.1, eps=1e-5)
+            lr = 0.1 if hp.learning_rate is None else hp.learning_rate
+            return torch.optim.SGD(self.parameters(), lr=lr, momentum=0.9)
+        lr = 1e-3 if hp.learning_rate is None else hp.learning_rate
+        return torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=0.1, eps=1e-5)
 
 
 class HFGPT2Module(_CausalLMModule):
     """``GPT2LMHeadModel``: fused ``c_attn`` as ``Conv1D`` (transposed weights), tied ``lm_head``."""
 
     def __init__(
-        self, vocab_size: int = 128, block_size: int = 32, learning_rate: float = 0.1, optimizer: str = "sgd"
+        self,
+        vocab_size: int = 128,
+        block_size: int = 32,
+        learning_rate: float | None = None,
+        optimizer: str = "sgd",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -59,8 +67,8 @@ class HFLlamaModule(_CausalLMModule):
         self,
         vocab_size: int = 128,
         block_size: int = 32,
-        learning_rate: float = 1e-3,
-        optimizer: str = "adamw",
+        learning_rate: float | None = None,  # None: 0.1 for SGD, 1e-3 for AdamW
+        optimizer: str = "sgd",
         num_key_value_heads: int = 2,
     ) -> None:
         super().__init__()
