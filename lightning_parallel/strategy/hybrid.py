@@ -309,8 +309,18 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from lightning.fabric.strategies.model_parallel import _is_full_checkpoint, _is_sharded_checkpoint
+
+        path = Path(self.broadcast(checkpoint_path))
+        if _is_sharded_checkpoint(path):
+            return self._load_sharded_checkpoint(path, weights_only)
+        if _is_full_checkpoint(path):
+            return self._load_full_checkpoint(path, weights_only)
+        return super().load_checkpoint(path, weights_only=weights_only)  # Lightning's error for a bad path
+
+    def _load_sharded_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """As Lightning's loader, but fused projections are read as Shard(dim) (see _contiguous_shards)."""
         from lightning.fabric.strategies.fsdp import _distributed_checkpoint_load
-        from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
         from lightning.fabric.utilities.load import _METADATA_FILENAME
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
@@ -318,10 +328,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
-        path = Path(self.broadcast(checkpoint_path))
-        if not _is_sharded_checkpoint(path):
-            return super().load_checkpoint(path, weights_only=weights_only)
-        # As Lightning's loader, but fused projections are read as Shard(dim) (see _contiguous_shards).
         assert self.model is not None and self.lightning_module is not None
         model_state = get_model_state_dict(self.model)
         readable = _contiguous_shards(model_state)
@@ -333,6 +339,26 @@ class HybridParallelStrategy(ModelParallelStrategy):
             _distributed_checkpoint_load({f"optimizer_{idx}": readable}, path)
             set_optimizer_state_dict(self.model, optimizer, _restore_strided(readable, optimizer_state))
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+    def _load_full_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """One consolidated file. Lightning's loader cuts each rank's shard out of the full tensor as one
+        box (torch's ``broadcast_from_rank0`` path), which silently loads the wrong rows of a fused
+        projection; ``distribute_tensor`` (``broadcast_from_rank0=False``) is right for every placement."""
+        from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        assert self.model is not None and self.lightning_module is not None
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+        options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
+        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
+        for idx, optimizer in enumerate(self.optimizers):
+            optimizer_state = _rekey_optimizer_state_if_needed(checkpoint["optimizer_states"][idx], self.model)
+            set_optimizer_state_dict(self.model, optimizer, optimizer_state, options=options)
+        return checkpoint
 
     # ---- training-time behaviour ---------------------------------------------------------
 
