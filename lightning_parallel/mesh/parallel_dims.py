@@ -64,7 +64,8 @@ class ParallelDims:
         if self.data_parallel % self.expert_parallel != 0:
             raise ValueError(
                 f"`expert_parallel={self.expert_parallel}` must divide the data-parallel size"
-                f" {self.data_parallel}: expert ranks are carved out of the data-parallel ranks."
+                f" {self.data_parallel}: expert ranks are carved out of the data-parallel ranks. Choose"
+                f" expert_parallel among {[d for d in range(1, self.data_parallel + 1) if self.data_parallel % d == 0]}."
             )
 
     @property
