@@ -39,6 +39,7 @@ from typing_extensions import override
 from lightning_parallel.data_parallel import apply_data_parallel, average_direct_parameters, no_gradient_sync
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.plans import ParallelPlan, auto_plan, plan_from_dict
+from lightning_parallel.precision import convert_precision_plugin
 from lightning_parallel.plans.report import record_parameter_shards
 from lightning_parallel.strategy.sample import sample_step
 from lightning_parallel.strategy.validation import check_not_yet_supported
@@ -189,6 +190,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         # Runs inside Trainer(...), before processes are launched: fail here, not in a collective.
         self.dims = self._resolve_dims()
+        convert_precision_plugin(self.precision_plugin)  # an unsupported plugin fails here, before launch
         super()._configure_launcher()
 
     @property
@@ -205,6 +207,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._device_mesh = self.dims.build_mesh(self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+        # Lightning's plugin, same precision, with clipping by the global norm over all shards and
+        # an fp16 overflow decision shared by every rank.
+        self.precision_plugin = convert_precision_plugin(self.precision_plugin)
         rank_zero_info(f"{type(self).__name__}: mesh {self.dims.describe()}")
 
     @property
