@@ -1,0 +1,210 @@
+"""``python -m lightning_parallel plan``: print the plan for a model before paying for the job.
+
+    python -m lightning_parallel plan --model recipes.gpt.module.GPTLightningModule \\
+        --init '{"n_layer": 2}' --tensor-parallel 2 --sequence-parallel
+    python -m lightning_parallel plan --config recipes/gpt/configs/tiny.yaml \\
+        --model recipes.gpt.module.GPTLightningModule --tensor-parallel 2
+
+The model class is imported by its dotted path and built on the CPU with the given keyword
+arguments (from ``--init`` JSON, or from the ``model:`` section of a LightningCLI YAML file:
+``class_path``/``init_args``, or plain arguments when the CLI fixes the class). No process
+group is created: the bytes per rank are computed from the plan's styles arithmetically
+(a sharded dimension is split ``tensor_parallel`` ways, the largest shard is reported), so
+this runs on a laptop for a model that will train on 512 GPUs, as long as it fits in memory.
+What it cannot do without the ranks is the numerical check of each block: that happens at
+``Trainer.fit`` setup (``docs/plans.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from lightning_parallel.plans import ParallelPlan, auto_plan, plan_from_dict
+from lightning_parallel.tensor_parallel.styles import is_conv1d
+
+__all__ = ["build_parser", "main", "parameter_shards"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---- bytes per rank without a process group ----------------------------------------------------
+
+
+def _sharded_dim(module: nn.Module, param_name: str, style: ParallelStyle) -> int | None:
+    """The tensor dim of ``module.<param_name>`` that ``style`` shards, or None (replicated).
+
+    Mirrors ``tensor_parallel/styles.py`` and torch's styles: column parallel splits the
+    output features (Linear weight dim 0, Conv1D weight dim 1, bias dim 0; an Embedding's
+    dim 1), row parallel the input features (Linear weight dim 1, Conv1D weight dim 0, an
+    Embedding's vocabulary dim 0; the bias stays whole). Anything else is replicated.
+    """
+    embedding = isinstance(module, nn.Embedding)
+    if isinstance(style, ColwiseParallel):
+        if param_name == "weight":
+            return 1 if embedding or is_conv1d(module) else 0
+        return 0 if param_name == "bias" else None
+    if isinstance(style, RowwiseParallel):
+        if param_name == "weight":
+            return 0 if embedding or is_conv1d(module) else 1
+        return None
+    return None
+
+
+def _local_numel(shape: torch.Size, dim: int | None, tp: int, num_chunks: int) -> int:
+    """Elements of the largest shard (DTensor splits like ``torch.chunk``: rank 0 gets the most)."""
+    if dim is None:
+        return math.prod(shape)
+    size = shape[dim]
+    local = num_chunks * math.ceil(size / num_chunks / tp) if size % num_chunks == 0 else math.ceil(size / tp)
+    return math.prod(shape) // size * min(local, size)
+
+
+def parameter_shards(plan: ParallelPlan, model: nn.Module, dtype: torch.dtype | None = None) -> dict:
+    """``{parameter name: (global numel, local numel on the largest rank, bytes per element)}``.
+
+    The same table ``record_parameter_shards`` fills from the sharded model, computed from
+    the unsharded model and the plan. Tied parameters appear once, under their first name.
+    """
+    shards: dict[str, tuple[int, int, int]] = {}
+    modules = dict(model.named_modules())
+    for name, param in model.named_parameters():
+        owner, _, attr = name.rpartition(".")
+        style = plan.styles.get(owner)
+        dim = _sharded_dim(modules[owner], attr, style) if style is not None else None
+        chunks = getattr(style, "num_chunks", 1)
+        element_size = torch.empty((), dtype=dtype or param.dtype).element_size()
+        shards[name] = (param.numel(), _local_numel(param.shape, dim, plan.tensor_parallel, chunks), element_size)
+    return shards
+
+
+# ---- building the model ----------------------------------------------------------------------
+
+
+def import_object(dotted: str) -> Any:
+    module_name, _, attr = dotted.rpartition(".")
+    if not module_name:
+        raise ValueError(f"`--model {dotted}` must be a dotted path such as `package.module.ClassName`.")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"`--model {dotted}`: cannot import {attr!r} from {module_name!r} ({error}).") from None
+
+
+def _strategy_settings(strategy: Any) -> dict[str, Any]:
+    """Tensor/sequence-parallel settings of a LightningCLI ``trainer.strategy`` entry, if it names ours."""
+    if isinstance(strategy, str):
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        import lightning_parallel  # noqa: F401  (registers the names)
+        from lightning_parallel.strategy import HybridParallelStrategy
+
+        entry = StrategyRegistry[strategy] if strategy in StrategyRegistry else None  # the entry, not .get()'s instance
+        if entry is None or entry["strategy"] is not HybridParallelStrategy:
+            return {}
+        return dict(entry["init_params"])
+    if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith("HybridParallelStrategy"):
+        return dict(strategy.get("init_args") or {})
+    return {}
+
+
+def read_config(path: str) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
+    """(model class path or None, model init args, strategy settings) from a LightningCLI YAML file."""
+    import yaml
+
+    config = yaml.safe_load(Path(path).read_text()) or {}
+    model = config.get("model") or {}
+    if not isinstance(model, dict):
+        raise ValueError(f"`--config {path}`: the `model:` section must be a mapping, got {type(model).__name__}.")
+    strategy = _strategy_settings((config.get("trainer") or {}).get("strategy"))
+    if "class_path" in model:
+        return model["class_path"], dict(model.get("init_args") or {}), strategy
+    return None, model, strategy
+
+
+def build_model(class_path: str, init_args: dict[str, Any]) -> nn.Module:
+    cls = import_object(class_path)
+    with torch.device("cpu"):
+        model = cls(**init_args)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"`--model {class_path}` built a {type(model).__name__}, not a torch.nn.Module.")
+    return model
+
+
+# ---- the command -----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lightning_parallel", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    plan = commands.add_parser("plan", help="print the tensor/sequence-parallel plan and the parameter bytes per rank")
+    plan.add_argument("--model", help="dotted path of the LightningModule or nn.Module class")
+    plan.add_argument("--init", default="{}", help="JSON object of keyword arguments for the class")
+    plan.add_argument("--config", help="LightningCLI YAML file: `model:` (class_path/init_args) and trainer.strategy")
+    plan.add_argument("--tensor-parallel", type=int, default=None, help="tensor-parallel degree (default 2)")
+    plan.add_argument("--sequence-parallel", action="store_true", default=None, help="also shard along the sequence")
+    plan.add_argument("--plan", dest="plan_dict", help='JSON dict {"module pattern": "style name"} instead of auto')
+    plan.add_argument("--dtype", choices=sorted(DTYPES), help="parameter dtype for the bytes (default: as built)")
+    return parser
+
+
+def _json_object(text: str, flag: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"`{flag}` is not valid JSON ({error}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"`{flag}` must be a JSON object ({{...}}), got {text!r}.")
+    return value
+
+
+def run_plan(args: argparse.Namespace) -> str:
+    class_path, init_args, strategy = args.model, {}, {}
+    if args.config:
+        config_class, init_args, strategy = read_config(args.config)
+        class_path = class_path or config_class
+    if not class_path:
+        raise ValueError("Give the model class with `--model package.module.Class` (or `model.class_path` in --config).")
+    init_args.update(_json_object(args.init, "--init"))
+    tp = args.tensor_parallel or strategy.get("tensor_parallel") or 2
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"`--tensor-parallel {tp}` must be a positive integer ('auto' needs the devices).")
+    sp = bool(args.sequence_parallel if args.sequence_parallel is not None else strategy.get("sequence_parallel"))
+    sp = sp and tp > 1
+
+    model = build_model(class_path, init_args)
+    patterns = _json_object(args.plan_dict, "--plan") if args.plan_dict else strategy.get("plan")
+    plan = plan_from_dict(model, patterns, tp, sp) if isinstance(patterns, dict) else auto_plan(model, tp, sp)
+    plan.parameter_shards = parameter_shards(plan, model, DTYPES.get(args.dtype) if args.dtype else None)
+
+    num_params = sum(g for g, _, _ in plan.parameter_shards.values())
+    largest = sorted(plan.parameter_shards.items(), key=lambda kv: -kv[1][1] * kv[1][2])[:5]
+    lines = [
+        f"model: {class_path} ({num_params:,} parameters)",
+        str(plan),
+        "  largest parameters on one rank:",
+        *(f"    {name}: {loc:,} of {glob:,} elements, {loc * size:,} B" for name, (glob, loc, size) in largest),
+        "  computed without processes; each block is verified sharded vs unsharded at Trainer.fit setup.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "plan":
+            print(run_plan(args))
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,1 @@
+"""Unit tests of lightning_parallel.mesh (no process group)."""

@@ -1,0 +1,1 @@
+"""Unit tests of lightning_parallel.plans (no process group)."""

@@ -1,0 +1,337 @@
+"""``auto_plan`` and ``plan_from_dict`` on unchanged models, without a process group.
+
+Four families, as a user would bring them: the recipe GPT, a nanoGPT-style model, and Hugging
+Face GPT-2 (``Conv1D``, fused ``c_attn``) and Llama (separate q/k/v, gate/up/down, GQA) built
+from tiny configs (no download). For each: which module gets which style, which attributes
+are rewritten for the local shard, norms only under sequence parallelism, and the errors for
+layouts that cannot be split evenly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
+
+from lightning_parallel.plans import ParallelPlan, auto_plan, plan_from_dict
+from lightning_parallel.plans.user import STYLE_NAMES
+from lightning_parallel.tensor_parallel import ColwiseProjection, RowwiseProjection
+from lightning_parallel.tensor_parallel.styles import is_conv1d, projection_dims
+
+# ---- the models ------------------------------------------------------------------------------
+
+
+def recipe_gpt(**overrides: int) -> nn.Module:
+    from recipes.gpt.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{"vocab_size": 320, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 64, **overrides}))
+
+
+def nanogpt(**overrides: int) -> nn.Module:
+    from tests.models.nanogpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{"vocab_size": 128, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 64, **overrides}))
+
+
+def hf_gpt2(**overrides: int) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        **{"vocab_size": 128, "n_positions": 32, "n_embd": 64, "n_layer": 2, "n_head": 4,
+           "bos_token_id": 0, "eos_token_id": 0, **overrides}
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def hf_llama(**overrides: int) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        **{"vocab_size": 128, "max_position_embeddings": 32, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": None, **overrides}
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+class GQAAttention(nn.Module):
+    """Grouped-query attention that stores its key/value head count (as many codebases do)."""
+
+    def __init__(self, dim: int = 64, n_head: int = 4, n_kv_head: int = 2) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, dim // n_head
+        self.wq = nn.Linear(dim, dim)
+        self.wk = nn.Linear(dim, n_kv_head * self.head_dim)
+        self.wv = nn.Linear(dim, n_kv_head * self.head_dim)
+        self.wo = nn.Linear(dim, dim)
+
+
+class GQAModel(nn.Module):
+    def __init__(self, n_kv_head: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([GQAAttention(n_kv_head=n_kv_head) for _ in range(2)])
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def _styles_by_suffix(plan: ParallelPlan, block: str) -> dict[str, object]:
+    prefix = block + "."
+    return {name[len(prefix) :]: style for name, style in plan.styles.items() if name.startswith(prefix)}
+
+
+def _assert_colwise(style: object, num_chunks: int = 1) -> None:
+    assert isinstance(style, ColwiseProjection), style
+    assert style.num_chunks == num_chunks
+    assert style.output_layouts[0] == Shard(-1)
+
+
+def _assert_rowwise(style: object, sequence_parallel: bool) -> None:
+    assert isinstance(style, RowwiseProjection), style
+    assert style.input_layouts[0] == Shard(-1)
+    assert style.output_layouts[0] == (Shard(1) if sequence_parallel else Replicate())
+
+
+def _assert_embedding_and_head(plan: ParallelPlan, embedding: str, head: str) -> None:
+    emb = plan.styles[embedding]
+    assert type(emb) is RowwiseParallel  # vocabulary-parallel embedding, output replicated
+    assert emb.input_layouts[0] == Replicate() and emb.output_layouts[0] == Replicate()
+    out = plan.styles[head]
+    assert isinstance(out, ColwiseProjection) and out.output_layouts[0] == Replicate()  # logits gathered
+
+
+def _container(plan: ParallelPlan, name: str):
+    container = plan.container(name)
+    assert container is not None, f"no container {name}; have {[c.name for c in plan.containers]}"
+    return container
+
+
+# ---- the recipe GPT and nanoGPT: fused q|k|v as nn.Linear -------------------------------------
+
+GPT_LIKE = [
+    pytest.param(recipe_gpt, "qkv", "proj", "fc", "proj", id="recipe_gpt"),
+    pytest.param(nanogpt, "c_attn", "c_proj", "c_fc", "c_proj", id="nanogpt"),
+]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize(("build", "qkv", "attn_out", "fc", "mlp_out"), GPT_LIKE)
+def test_gpt_like(build, qkv: str, attn_out: str, fc: str, mlp_out: str, sequence_parallel: bool) -> None:
+    plan = auto_plan(build(), 2, sequence_parallel)
+    assert plan.block_list == "transformer.h"
+    assert plan.block_names == ["transformer.h.0", "transformer.h.1"]
+    for block in plan.block_names:
+        styles = _styles_by_suffix(plan, block)
+        _assert_colwise(styles[f"attn.{qkv}"], num_chunks=3)  # each rank gets its slice of q, k and v
+        _assert_rowwise(styles[f"attn.{attn_out}"], sequence_parallel)
+        _assert_colwise(styles[f"mlp.{fc}"])
+        _assert_rowwise(styles[f"mlp.{mlp_out}"], sequence_parallel)
+        norms = {name for name, style in styles.items() if isinstance(style, SequenceParallel)}
+        assert norms == ({"ln_1", "ln_2"} if sequence_parallel else set())
+        attention = _container(plan, f"{block}.attn")
+        assert attention.kind == "attention"
+        assert attention.entries == [f"{block}.attn.{qkv}"] and attention.exit == f"{block}.attn.{attn_out}"
+        assert attention.scaled_attributes == {"n_head": (4, 2), "n_embd": (64, 32)}  # head_dim stays 16
+        mlp = _container(plan, f"{block}.mlp")
+        assert mlp.kind == "mlp" and mlp.hidden_size == 64
+    _assert_embedding_and_head(plan, "transformer.wte", "lm_head")
+    assert "transformer.wpe" not in plan.styles  # position embeddings stay replicated
+    assert "transformer.ln_f" not in plan.styles  # the final norm is outside the blocks
+    assert plan.norms == ([f"transformer.h.{i}.ln_{j}" for i in (0, 1) for j in (1, 2)] if sequence_parallel else [])
+
+
+def test_scaling_follows_the_degree() -> None:
+    plan = auto_plan(recipe_gpt(n_head=8, n_embd=128), 4, False)
+    assert _container(plan, "transformer.h.0.attn").scaled_attributes == {"n_head": (8, 2), "n_embd": (128, 32)}
+
+
+def test_vocabulary_not_divisible_leaves_embedding_and_head_replicated() -> None:
+    plan = auto_plan(recipe_gpt(vocab_size=321), 2, False)
+    assert "transformer.wte" not in plan.styles and "lm_head" not in plan.styles
+    assert any("vocabulary 321 not divisible by 2" in note for note in plan.notes)
+    assert "vocabulary 321 not divisible by 2" in str(plan)
+
+
+# ---- Hugging Face GPT-2: Conv1D (weights stored transposed), fused c_attn ---------------------
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_hf_gpt2(sequence_parallel: bool) -> None:
+    model = hf_gpt2()
+    c_attn = model.transformer.h[0].attn.c_attn
+    assert is_conv1d(c_attn) and tuple(c_attn.weight.shape) == (64, 192)  # (in, out): transposed
+    assert projection_dims(c_attn) == (64, 192)
+    plan = auto_plan(model, 2, sequence_parallel)
+    assert plan.block_list == "transformer.h"
+    for block in plan.block_names:
+        styles = _styles_by_suffix(plan, block)
+        _assert_colwise(styles["attn.c_attn"], num_chunks=3)
+        _assert_rowwise(styles["attn.c_proj"], sequence_parallel)
+        _assert_colwise(styles["mlp.c_fc"])
+        _assert_rowwise(styles["mlp.c_proj"], sequence_parallel)
+        norms = {name for name, style in styles.items() if isinstance(style, SequenceParallel)}
+        assert norms == ({"ln_1", "ln_2"} if sequence_parallel else set())
+        assert _container(plan, f"{block}.attn").scaled_attributes == {
+            "embed_dim": (64, 32),
+            "num_heads": (4, 2),
+            "split_size": (64, 32),
+        }
+    _assert_embedding_and_head(plan, "transformer.wte", "lm_head")
+
+
+# ---- Hugging Face Llama: separate q/k/v/o and gate/up/down, RMSNorm, GQA ----------------------
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_hf_llama(sequence_parallel: bool) -> None:
+    plan = auto_plan(hf_llama(), 2, sequence_parallel)
+    assert plan.block_list == "model.layers"
+    for block in plan.block_names:
+        styles = _styles_by_suffix(plan, block)
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            _assert_colwise(styles[name])  # separate projections: no chunking
+        _assert_rowwise(styles["self_attn.o_proj"], sequence_parallel)
+        _assert_rowwise(styles["mlp.down_proj"], sequence_parallel)
+        norms = {name for name, style in styles.items() if isinstance(style, SequenceParallel)}
+        assert norms == ({"input_layernorm", "post_attention_layernorm"} if sequence_parallel else set())
+        attention = _container(plan, f"{block}.self_attn")
+        assert attention.kind == "attention" and len(attention.entries) == 3
+        # transformers 5 attention reads `-1` heads and a fixed head_dim: nothing to rewrite.
+        assert attention.scaled_attributes == {}
+        assert _container(plan, f"{block}.mlp").entries == [f"{block}.mlp.gate_proj", f"{block}.mlp.up_proj"]
+    _assert_embedding_and_head(plan, "model.embed_tokens", "lm_head")
+    assert "model.norm" not in plan.styles
+
+
+# ---- layouts that cannot be split evenly ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("build", "tp", "fragments"),
+    [
+        pytest.param(
+            recipe_gpt, 3, ["`tensor_parallel=3`", "4 attention heads", "`transformer.h.0.attn`", "[1, 2, 4]"],
+            id="recipe_gpt-heads",
+        ),
+        pytest.param(
+            lambda: nanogpt(n_head=6, n_embd=96), 4,
+            ["`tensor_parallel=4`", "6 attention heads", "`transformer.h.0.attn`", "[1, 2, 3, 6]"],
+            id="nanogpt-heads",
+        ),
+        pytest.param(hf_gpt2, 3, ["4 attention heads", "`transformer.h.0.attn`"], id="hf_gpt2-heads"),
+        pytest.param(hf_llama, 3, ["4 attention heads", "`model.layers.0.self_attn`"], id="hf_llama-heads"),
+        pytest.param(
+            lambda: GQAModel(n_kv_head=2), 4,
+            ["`tensor_parallel=4`", "2 key/value heads", "`layers.0`", "[1, 2]"], id="gqa-kv-heads",
+        ),
+        pytest.param(
+            lambda: hf_llama(intermediate_size=99), 2,
+            ["`tensor_parallel=2`", "99 hidden units", "`model.layers.0.mlp`", "[1, 3, 9, 11, 33, 99]"],
+            id="hf_llama-mlp-width",
+        ),
+    ],
+)  # fmt: skip
+def test_degree_that_does_not_divide_is_a_value_error(build, tp: int, fragments: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        auto_plan(build(), tp, False)
+    for fragment in fragments:
+        assert fragment in str(info.value), f"{fragment!r} missing from: {info.value}"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="auto_plan reads the key/value head count from a module attribute; transformers 5 LlamaAttention"
+    " keeps it only in `config`, so 2 kv heads look like 4 and tp=4 is accepted (the setup verification"
+    " is then the only guard). Found by this test; fix belongs in plans/detect.py (k_proj width // head_dim).",
+)
+def test_hf_llama_kv_heads_not_divisible() -> None:
+    with pytest.raises(ValueError, match="2 key/value heads"):
+        auto_plan(hf_llama(num_key_value_heads=2), 4, False)
+
+
+def test_model_without_block_list() -> None:
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+    with pytest.raises(ValueError, match=r"Sequential has no repeated block list .* Pass `plan=`"):
+        auto_plan(model, 2, False)
+
+
+# ---- plan=dict --------------------------------------------------------------------------------
+
+
+def test_plan_from_dict_with_style_names() -> None:
+    patterns = {
+        "transformer.h.*.attn.c_attn": "fused_qkv",
+        "transformer.h.*.attn.c_proj": "rowwise",
+        "transformer.h.*.mlp.c_fc": "colwise",
+        "transformer.h.*.mlp.c_proj": "rowwise",
+        "transformer.h.*.ln_[12]": "sequence_parallel",
+        "transformer.wte": "embedding",
+        "lm_head": "head",
+    }
+    plan = plan_from_dict(nanogpt(), patterns, 2, True)
+    _assert_colwise(plan.styles["transformer.h.1.attn.c_attn"], num_chunks=3)
+    _assert_rowwise(plan.styles["transformer.h.1.attn.c_proj"], sequence_parallel=True)
+    assert isinstance(plan.styles["transformer.h.0.ln_2"], SequenceParallel)
+    _assert_embedding_and_head(plan, "transformer.wte", "lm_head")
+    assert len(plan.styles) == 2 * 6 + 2
+    assert plan.block_names == ["transformer.h.0", "transformer.h.1"]
+    # The containers are inferred from the colwise/rowwise pairs, with the same attribute rewriting.
+    assert _container(plan, "transformer.h.0.attn").scaled_attributes == {"n_head": (4, 2), "n_embd": (64, 32)}
+    assert _container(plan, "transformer.h.0.mlp").kind == "mlp"
+
+
+def test_plan_from_dict_replicate_removes_an_earlier_match() -> None:
+    patterns = {"transformer.h.*.mlp.c_*": "colwise", "transformer.h.*.mlp.c_proj": "replicate"}
+    plan = plan_from_dict(nanogpt(), patterns, 2, False)
+    assert sorted(plan.styles) == ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"]
+
+
+def test_plan_from_dict_pattern_matching_nothing_names_the_pattern() -> None:
+    with pytest.raises(ValueError) as info:
+        plan_from_dict(nanogpt(), {"transformer.h.*.attn.c_atn": "fused_qkv"}, 2, False)
+    message = str(info.value)
+    assert "'transformer.h.*.attn.c_atn'" in message and "matches no module of GPT" in message
+
+
+def test_plan_from_dict_missing_module_suggests_close_names() -> None:
+    with pytest.raises(ValueError, match=r"'lm_haed' matches no module .* Did you mean \['lm_head'\]"):
+        plan_from_dict(nanogpt(), {"lm_haed": "head"}, 2, False)
+
+
+def test_plan_from_dict_unknown_style_lists_the_names() -> None:
+    with pytest.raises(ValueError) as info:
+        plan_from_dict(nanogpt(), {"lm_head": "column"}, 2, False)
+    assert "'column'" in str(info.value)
+    for name in STYLE_NAMES:
+        assert name in str(info.value)
+
+
+def test_plan_from_dict_heads_not_divisible() -> None:
+    patterns = {"transformer.h.*.attn.c_attn": "fused_qkv", "transformer.h.*.attn.c_proj": "rowwise"}
+    with pytest.raises(ValueError, match=r"`tensor_parallel=3` does not divide the 4 heads of `transformer.h.0.attn`"):
+        plan_from_dict(nanogpt(), patterns, 3, False)
+
+
+# ---- the printed plan -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("build", [recipe_gpt, nanogpt, hf_gpt2, hf_llama], ids=lambda b: b.__name__)
+def test_printing_the_plan(build) -> None:
+    plan = auto_plan(build(), 2, True)
+    text = str(plan)
+    assert text.startswith("ParallelPlan(tensor_parallel=2, sequence_parallel=True)")
+    assert f"block stack: {plan.block_list} (2 blocks)" in text
+    for name, style in plan.styles.items():
+        assert name in text and repr(style) in text
+    for container in plan.containers:
+        for key, (global_value, local_value) in container.scaled_attributes.items():
+            assert f"{key} {global_value}->{local_value}" in text
+    assert "parameters per rank" not in text  # sizes are known only once recorded
+
+
+def test_printing_the_plan_with_parameter_sizes() -> None:
+    plan = auto_plan(recipe_gpt(), 2, False)
+    plan.parameter_shards = {"a": (100, 50, 4), "b": (28, 28, 4)}
+    assert "parameters per rank: 312 B of 512 B unsharded (60.9%)" in str(plan)

@@ -1,0 +1,1 @@
+"""Scripts run as separate processes (one per rank) by ``tests.strategy.launch``."""

@@ -1,0 +1,44 @@
+"""A 2-rank ``fit`` whose plan cannot be applied: every rank must raise a ``ValueError`` at setup.
+
+    python tests/strategy/scripts/bad_plan.py heads           # tp=2, a model with 3 attention heads
+    python tests/strategy/scripts/bad_plan.py missing-module  # plan= names a module that does not exist
+
+Run by ``tests/strategy/test_bad_input.py`` with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_parallel import HybridParallelStrategy
+from recipes.gpt.module import GPTLightningModule
+
+
+def main(case: str) -> None:
+    torch.set_num_threads(1)
+    L.seed_everything(0)
+    if case == "heads":
+        model = GPTLightningModule(vocab_size=128, block_size=16, n_layer=1, n_head=3, n_embd=48)
+        strategy = HybridParallelStrategy(tensor_parallel=2, timeout=30)
+    elif case == "missing-module":
+        model = GPTLightningModule(vocab_size=128, block_size=16, n_layer=1, n_head=4, n_embd=32)
+        plan = {"model.transformer.h.*.attn.qkv": "fused_qkv", "model.transformer.h.*.attn.c_proj": "rowwise"}
+        strategy = HybridParallelStrategy(tensor_parallel=2, plan=plan, timeout=30)
+    else:
+        raise SystemExit(f"unknown case {case!r}")
+    tokens = torch.randint(128, (8, 17))
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, loader)
+    print("fit finished: the bad plan was NOT refused", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,116 @@
+"""Bad input through the real ``Trainer``: refused early, on every rank, with a message that helps.
+
+- A layout that does not fit the devices, and arguments whose features have not landed, fail
+  in ``Trainer(...)`` / ``HybridParallelStrategy(...)``, before any process is launched (so
+  these run inside pytest: nothing is launched).
+- A model or ``plan=`` that cannot be applied fails at setup on every rank alike (2 processes,
+  launched as scripts), quickly, and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+from lightning_parallel import HybridParallelStrategy
+from tests.strategy import launch
+
+# ---- in the user's process, before launching --------------------------------------------------
+
+
+def test_layout_that_does_not_fit_the_devices_fails_in_the_trainer_constructor() -> None:
+    with pytest.raises(ValueError) as info:
+        L.Trainer(accelerator="cpu", devices=3, strategy=HybridParallelStrategy(tensor_parallel=2), logger=False)
+    message = str(info.value)
+    for fragment in ("HybridParallelStrategy", "`tensor_parallel=2`", "world size 3", "devices=3", "num_nodes=1"):
+        assert fragment in message, f"{fragment!r} missing from: {message}"
+
+
+def test_tensor_parallel_larger_than_the_devices_fails_in_the_trainer_constructor() -> None:
+    with pytest.raises(ValueError, match=r"`tensor_parallel=4` .* does not divide the world size 2"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=HybridParallelStrategy(tensor_parallel=4), logger=False)
+
+
+def test_registered_name_resolves_and_checks_the_layout() -> None:
+    import lightning_parallel  # noqa: F401  (registers the names)
+
+    with pytest.raises(ValueError, match=r"`tensor_parallel=2`.*world size 3"):
+        L.Trainer(accelerator="cpu", devices=3, strategy="tp2", logger=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        (dict(pipeline_parallel=2), "pipeline_parallel"),
+        (dict(expert_parallel=2), "expert_parallel"),
+        (dict(micro_batches=8), "micro_batches"),
+        (dict(pipeline_schedule="1f1b"), "pipeline_schedule"),
+        (dict(zero_stage=1), "zero_stage"),
+        (dict(offload="cpu"), "offload"),
+        (dict(activation_checkpointing="full"), "activation_checkpointing"),
+    ],
+)
+def test_features_not_yet_supported_are_refused_by_name(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError) as info:
+        HybridParallelStrategy(tensor_parallel=2, **kwargs)
+    (value,) = kwargs.values()
+    message = str(info.value)
+    assert f"`{name}={value!r}`" in message and "not supported yet" in message and f"Leave `{name}`" in message
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        (dict(tensor_parallel=0), "`tensor_parallel=0` must be a positive integer or 'auto'"),
+        (dict(tensor_parallel="two"), "`tensor_parallel='two'` must be a positive integer or 'auto'"),
+        (dict(plan="magic"), "`plan='magic'` must be 'auto', a dict of module-name patterns, or a ParallelPlan"),
+    ],
+)
+def test_invalid_arguments_are_refused_by_name(kwargs: dict, fragment: str) -> None:
+    with pytest.raises(ValueError) as info:
+        HybridParallelStrategy(**kwargs)
+    assert fragment in str(info.value)
+
+
+def test_sequence_parallel_without_tensor_parallel_warns() -> None:
+    with pytest.warns(UserWarning, match="`sequence_parallel=True` has no effect with `tensor_parallel=1`"):
+        HybridParallelStrategy(sequence_parallel=True)
+
+
+# ---- at setup, on every rank (2 processes) ----------------------------------------------------
+
+BOUND_S = 60
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("case", "fragments"),
+    [
+        pytest.param(
+            "heads",
+            ["ValueError: `tensor_parallel=2` does not divide the 3 attention heads of `model.transformer.h.0.attn`",
+             "Choose tensor_parallel among [1, 3]"],
+            id="tp-does-not-divide-heads",
+        ),
+        pytest.param(
+            "missing-module",
+            ["ValueError: `plan` pattern 'model.transformer.h.*.attn.c_proj' matches no module of GPTLightningModule",
+             "Did you mean", "'model.transformer.h.0.attn.proj'"],
+            id="plan-names-a-missing-module",
+        ),
+    ],
+)  # fmt: skip
+def test_unusable_plan_fails_on_every_rank(case: str, fragments: list[str], tmp_path: Path) -> None:
+    result = launch("bad_plan.py", [case], tmp_path, timeout_s=2 * BOUND_S, grace_s=20)
+    print(f"{case}: all ranks ended in {result.wall_s:.1f} s")
+    for rank in result.ranks:
+        assert not rank.killed, f"rank {rank.rank} had to be killed (it hung):\n{result.summary()}"
+        assert rank.returncode not in (0, None), f"rank {rank.rank} did not fail:\n{result.summary()}"
+        assert not rank.leftover, f"rank {rank.rank} left a process behind:\n{result.summary()}"
+        for fragment in fragments:
+            assert fragment in rank.output, f"rank {rank.rank}: {fragment!r} missing:\n{result.summary()}"
+        assert "fit finished" not in rank.output
+    assert result.wall_s < BOUND_S, f"took {result.wall_s:.1f} s (bound {BOUND_S} s):\n{result.summary()}"

@@ -1,0 +1,90 @@
+"""Save a checkpoint under tensor parallelism and resume it in the same layout: same losses.
+
+tp=2 on 2 processes, the recipe GPT (fused q|k|v, tied embedding), fp32, AdamW with a warmup +
+cosine schedule. One launch trains 6 steps straight, then 3 steps (one epoch) and saves the
+checkpoint twice: sharded (``torch.distributed.checkpoint``, the default) and consolidated.
+A second launch (fresh processes) resumes each to step 6. Steps 4-6 must equal the straight run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.strategy import launch
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(420)]
+
+RTOL = 1e-5
+
+
+def _read(out: Path, run: str, world_size: int = 2) -> list[dict]:
+    return [json.loads((out / f"{run}.rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def _assert_close(actual: list[float], expected: list[float], what: str) -> None:
+    assert len(actual) == len(expected), f"{what}: {actual} vs {expected}"
+    for step, (a, e) in enumerate(zip(actual, expected, strict=True), start=4):
+        assert abs(a - e) <= RTOL * abs(e), f"{what}, step {step}: {a} vs {e} (uninterrupted)\n{actual}\n{expected}"
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("checkpoint_resume")
+    for mode in ("first", "resume"):
+        result = launch("checkpoint_resume.py", [mode, str(out)], out, timeout_s=180)
+        print(f"{mode}: {result.wall_s:.1f} s")
+        result.assert_all_succeeded()
+    return out
+
+
+def test_resume_from_sharded_checkpoint_continues_the_same_run(checkpoint_runs: Path) -> None:
+    straight, first, resumed = (_read(checkpoint_runs, run) for run in ("straight", "first_half", "resumed"))
+    assert [r["global_step"] for r in straight + first + resumed] == [6, 6, 3, 3, 6, 6]
+    assert (checkpoint_runs / "step3.ckpt").is_dir()  # the sharded format, one folder for all ranks
+    reference = straight[0]["losses"]
+    assert len(reference) == 6 and reference[3:] != reference[:3]
+    for rank in range(2):
+        # Tensor-parallel ranks compute the same (replicated) loss.
+        assert straight[rank]["losses"] == reference
+        assert first[rank]["losses"] == pytest.approx(reference[:3], rel=RTOL)
+        _assert_close(resumed[rank]["losses"], reference[3:], f"resumed from the sharded checkpoint, rank {rank}")
+
+
+def test_resume_from_consolidated_checkpoint_continues_the_same_run(checkpoint_runs: Path) -> None:
+    straight, resumed = _read(checkpoint_runs, "straight"), _read(checkpoint_runs, "resumed_full")
+    assert (checkpoint_runs / "step3.full.ckpt").is_file()
+    for rank in range(2):
+        assert resumed[rank]["global_step"] == 6
+        _assert_close(resumed[rank]["losses"], straight[0]["losses"][3:], f"resumed from the full file, rank {rank}")
+
+
+def test_sharded_checkpoint_holds_the_unsharded_layout(checkpoint_runs: Path, tmp_path: Path) -> None:
+    """The folder converts to one ordinary state dict equal to the consolidated file: fused q|k|v
+    in the user's own [q; k; v] order, so the checkpoint can leave the strategy."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint_runs / "step3.ckpt", tmp_path / "converted.pt")
+    converted = torch.load(tmp_path / "converted.pt", weights_only=False)["state_dict"]
+    full = torch.load(checkpoint_runs / "step3.full.ckpt", weights_only=False)["state_dict"]
+    assert set(full) <= set(converted)
+    for name, tensor in full.items():
+        torch.testing.assert_close(converted[name], tensor, rtol=0, atol=0, msg=name)
+    assert converted["model.transformer.h.0.attn.qkv.weight"].shape == (96, 32)
+
+
+def test_cli_arithmetic_matches_the_sharded_model(checkpoint_runs: Path) -> None:
+    """``python -m lightning_parallel plan`` computes bytes per rank without processes; they must
+    be what the strategy recorded from the really sharded model."""
+    from lightning_parallel.cli import parameter_shards
+    from lightning_parallel.plans import auto_plan
+    from recipes.gpt.module import GPTLightningModule
+    from tests.strategy.scripts.checkpoint_resume import MODEL
+
+    recorded = {name: tuple(sizes) for name, sizes in _read(checkpoint_runs, "straight")[0]["parameter_shards"].items()}
+    model = GPTLightningModule(**MODEL)
+    computed = parameter_shards(auto_plan(model, 2, False), model)
+    assert computed == recorded
