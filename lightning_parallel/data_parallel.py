@@ -8,8 +8,8 @@ the user registered directly on the LightningModule (rare) are averaged by a gra
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist

@@ -15,8 +15,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 
 from lightning_parallel.plans.detect import (
-    KV_HEAD_COUNT_ATTRS,
     HEAD_COUNT_ATTRS,
+    KV_HEAD_COUNT_ATTRS,
     WIDTH_ATTRS,
     ContainerCandidate,
     containers_in,
@@ -79,7 +79,10 @@ def plan_attention(full_name: str, cand: ContainerCandidate, tp: int, sp: bool) 
             " attribute such as `n_head`, `num_heads` or `head_dim`. Pass `plan=` with explicit styles."
         )
     head_dim = head_dim or exit_in // heads
-    kv_heads = kv_head_count(module) or heads
+    kv_heads = kv_head_count(module)
+    if kv_heads is None and len(cand.entries) == 3:
+        kv_heads = projection_dims(cand.entries[1][1])[1] // head_dim  # from the key projection's width
+    kv_heads = kv_heads or heads
     _require_divisible(heads, tp, "attention heads", full_name)
     _require_divisible(kv_heads, tp, "key/value heads", full_name)
     styles: dict = {}

@@ -52,7 +52,8 @@ class ContainerCandidate:
     def looks_like_attention(self) -> bool:
         if ATTENTION_NAME.search(type(self.module).__name__) or ATTENTION_NAME.search(self.name.split(".")[-1]):
             return True
-        return head_count(self.module) is not None
+        # Own attributes only: a Hugging Face MLP shares the model config, heads included.
+        return _int_attr(self.module, HEAD_COUNT_ATTRS) is not None
 
 
 def _numel(module: nn.Module) -> int:
@@ -103,14 +104,25 @@ def _int_attr(module: nn.Module, pattern: re.Pattern[str]) -> tuple[str, int] | 
     return None
 
 
+def _config_int(module: nn.Module, pattern: re.Pattern[str]) -> int | None:
+    """The same attribute on a Hugging Face-style ``module.config`` (read in ``__init__`` only)."""
+    config = getattr(module, "config", None)
+    if config is None:
+        return None
+    for key, value in vars(config).items():
+        if pattern.match(key) and isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
 def head_count(module: nn.Module) -> int | None:
     found = _int_attr(module, HEAD_COUNT_ATTRS)
-    return found[1] if found else None
+    return found[1] if found else _config_int(module, HEAD_COUNT_ATTRS)
 
 
 def kv_head_count(module: nn.Module) -> int | None:
     found = _int_attr(module, KV_HEAD_COUNT_ATTRS)
-    return found[1] if found else None
+    return found[1] if found else _config_int(module, KV_HEAD_COUNT_ATTRS)
 
 
 def head_dim_of(module: nn.Module) -> int | None:

@@ -12,8 +12,9 @@ Lifecycle (Lightning's extension contract):
   and precision are set up on the sharded parameters.
 
 Checkpointing (``torch.distributed.checkpoint``, sharded per rank) and the barrier/broadcast
-collectives come from Lightning's ``ModelParallelStrategy``, which this class extends; its
-requirement that users write ``configure_model`` is exactly what we remove.
+collectives are Lightning's ``ModelParallelStrategy`` code, taken member by member in
+``strategy/base.py`` (see there why we do not subclass it); its requirement that users write
+``configure_model`` is exactly what we remove.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.tensor import DTensor, Shard
@@ -39,8 +39,9 @@ from typing_extensions import override
 from lightning_parallel.data_parallel import apply_data_parallel, average_direct_parameters, no_gradient_sync
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.plans import ParallelPlan, auto_plan, plan_from_dict
-from lightning_parallel.precision import convert_precision_plugin
 from lightning_parallel.plans.report import record_parameter_shards
+from lightning_parallel.precision import convert_precision_plugin
+from lightning_parallel.strategy.base import MeshParallelStrategy
 from lightning_parallel.strategy.sample import sample_step
 from lightning_parallel.strategy.validation import check_not_yet_supported
 from lightning_parallel.tensor_parallel import (
@@ -91,7 +92,7 @@ def _restore_strided(loaded: Any, like: Any) -> Any:
     return _map_tensors(loaded, restore, like)
 
 
-class HybridParallelStrategy(ModelParallelStrategy):
+class HybridParallelStrategy(MeshParallelStrategy):
     """Train an unchanged LightningModule with data, tensor and sequence parallelism.
 
     Args:

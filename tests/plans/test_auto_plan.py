@@ -240,12 +240,6 @@ def test_degree_that_does_not_divide_is_a_value_error(build, tp: int, fragments:
         assert fragment in str(info.value), f"{fragment!r} missing from: {info.value}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="auto_plan reads the key/value head count from a module attribute; transformers 5 LlamaAttention"
-    " keeps it only in `config`, so 2 kv heads look like 4 and tp=4 is accepted (the setup verification"
-    " is then the only guard). Found by this test; fix belongs in plans/detect.py (k_proj width // head_dim).",
-)
 def test_hf_llama_kv_heads_not_divisible() -> None:
     with pytest.raises(ValueError, match="2 key/value heads"):
         auto_plan(hf_llama(num_key_value_heads=2), 4, False)
