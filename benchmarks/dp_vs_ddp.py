@@ -1,0 +1,132 @@
+"""Data parallelism: ``HybridParallelStrategy()`` on 2 devices (FSDP2 ``replicate``) against ``strategy="ddp"``.
+
+    python -m benchmarks.dp_vs_ddp                    # 2 CPU processes over gloo, the "small" shape
+    python -m benchmarks.dp_vs_ddp --shape medium --steps 30
+
+The script starts its 2 ranks itself (``common.launch``: RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT set), so Lightning launches nothing and every ``Trainer`` of a rank
+reuses the one gloo process group the rank opened. In each rank both configurations run in
+ONE launch, each ``Trainer`` in its own thread, their training steps interleaved one by one
+(``common.run_lockstep``: only one thread runs at a time, in the same order on both ranks, so
+their collectives never mix). Same recipe GPT, same initial weights, same batches (Lightning's
+``DistributedSampler`` with the same seed in both). Rounds alternate which configuration steps
+first. Printed (from rank 0's times): the median step times and the ratio strategy / DDP
+(target <= 1.0), the median of the paired ratios of back-to-back steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    Baton,
+    LockstepTimer,
+    compare,
+    init_process_group,
+    launch,
+    machine,
+    quiet_lightning,
+    recipe_data,
+    recipe_model,
+    run_lockstep,
+    table,
+)
+
+SHAPES = {
+    "tiny": dict(n_layer=2, n_head=4, n_embd=64, block_size=64, batch_size=8),
+    "small": dict(n_layer=4, n_head=4, n_embd=256, block_size=128, batch_size=8),  # 3.3M parameters
+    "medium": dict(n_layer=6, n_head=8, n_embd=512, block_size=128, batch_size=8),  # 19M parameters
+}
+CONFIGS = ("ddp", "strategy")
+
+
+def _fit(config: str, shape: dict[str, Any], data: Any, args: argparse.Namespace, timer: Any) -> None:
+    import lightning as L
+
+    from lightning_parallel import HybridParallelStrategy
+
+    model = recipe_model(seed=1234, **{k: v for k, v in shape.items() if k != "batch_size"})
+    strategy = HybridParallelStrategy(timeout=120) if config == "strategy" else "ddp"
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps + args.warmup, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
+    )  # fmt: skip
+    trainer.fit(model, datamodule=recipe_data(shape["block_size"], shape["batch_size"], like=data))
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    quiet_lightning()
+    torch.set_num_threads(args.threads)
+    dist_env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    rank = init_process_group()
+    shape = SHAPES[args.shape]
+    data = recipe_data(shape["block_size"], shape["batch_size"])
+    data.setup("fit")
+
+    def run(baton: Baton, name: str) -> list[float]:
+        timer = LockstepTimer(baton, name, warmup=args.warmup)
+        _fit(name, shape, data, args, timer)
+        return timer.times
+
+    rounds = []
+    start = time.perf_counter()
+    for index in range(args.rounds):
+        os.environ.update(dist_env)  # Lightning's environment deletes WORLD_SIZE at teardown
+        order = CONFIGS if index % 2 == 0 else CONFIGS[::-1]
+        rounds.append(run_lockstep({name: run for name in order}))
+        if rank == 0:
+            c = compare(rounds[-1:], "ddp", "strategy")
+            print(f"round {index}: ddp {c['reference_s'] * 1e3:.2f} ms, strategy {c['candidate_s'] * 1e3:.2f} ms,"
+                  f" paired ratio {c['ratio']:.3f}", flush=True)  # fmt: skip
+    if rank == 0:
+        payload = {"rounds": rounds, "seconds": time.perf_counter() - start, "threads": torch.get_num_threads()}
+        (args.out / "dp_vs_ddp.json").write_text(json.dumps(payload))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds; each runs both configurations")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    forwarded = ["--worker", "--shape", args.shape, "--rounds", str(args.rounds), "--steps", str(args.steps),
+                 "--warmup", str(args.warmup), "--threads", str(args.threads)]  # fmt: skip
+    out = launch("benchmarks.dp_vs_ddp", forwarded, nprocs=2, timeout_s=3600, threads=args.threads)
+    result = json.loads((out / "dp_vs_ddp.json").read_text())
+    c = compare(result["rounds"], "ddp", "strategy")
+    shape = SHAPES[args.shape]
+    print(f"per-round ratios strategy / ddp: {', '.join(f'{r:.3f}' for r in c['per_round'])}")
+    print(f"\n# {machine()}, 2 ranks x {result['threads']} torch threads, gloo, load average {os.getloadavg()[0]:.1f}")
+    print(f"# recipe GPT {shape} (batch per rank); {args.rounds} rounds x {args.steps} timed steps"
+          f" (+{args.warmup} warm-up) per configuration, steps interleaved; {result['seconds']:.0f} s\n")  # fmt: skip
+    print(table(
+        ["configuration (rank 0)", "median step", "steps timed"],
+        [["Trainer(strategy='ddp'), devices=2", f"{c['reference_s'] * 1e3:.2f} ms", c["pairs"]],
+         ["Trainer(strategy=HybridParallelStrategy()), devices=2", f"{c['candidate_s'] * 1e3:.2f} ms", c["pairs"]]],
+    ))  # fmt: skip
+    verdict = "meets" if c["ratio"] <= 1.0 else "MISSES"
+    print(f"\nratio strategy / ddp: {c['ratio']:.3f} (median of {c['pairs']} back-to-back step pairs;"
+          f" quartiles {c['q1']:.3f}-{c['q3']:.3f}); {verdict} the target <= 1.0")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

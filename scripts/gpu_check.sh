@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# GPU check for a lent H200: GPT-1.3B step time, plain PyTorch vs Lightning vs HybridParallelStrategy vs compile.
+#
+#   bash scripts/gpu_check.sh            # from the repository root; about 4-6 minutes
+#
+# Uses the machine's preinstalled torch and lightning (installs nothing, needs no network), runs
+# the code from this checkout with PYTHONPATH=. and writes everything it prints to
+# $OUT/gpu_check.txt when $OUT is set (else ./gpu_check.txt), plus $OUT/gpu_step.json.
+#
+# Self-checking, in this order, stopping at the first failure (exit status != 0):
+#   1. a CUDA device is visible to torch, and lightning + the project import;
+#   2. `benchmarks.gpu_step --tiny --no-compile`: every phase's code path on the GPU in seconds
+#      (a broken path fails here, before the 1.3B run spends minutes);
+#   3. `benchmarks.gpu_step`: the measurement. It fails if a phase fails or if the phases do not
+#      start from the same loss; a missed speed target is reported, not a failure.
+# Time limits: 2 + 3 + 7 minutes at most (`timeout`), so a hang cannot eat the device budget.
+#
+#   GPU_CHECK_DRY_RUN=1 bash scripts/gpu_check.sh   # on a CPU machine: the script's own logic, with
+#                                                   # `--tiny --cpu --no-compile` in steps 2 and 3
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+export PYTHONPATH=.
+export PYTHONUNBUFFERED=1
+export TOKENIZERS_PARALLELISM=false
+RESULTS_DIR="${OUT:-.}"
+mkdir -p "$RESULTS_DIR"
+LOG="$RESULTS_DIR/gpu_check.txt"
+: > "$LOG"
+PY="${PYTHON:-python}"
+DRY="${GPU_CHECK_DRY_RUN:-}"
+STEP_ARGS=()
+[ -n "$DRY" ] && STEP_ARGS=(--tiny --cpu --no-compile)
+
+say() { echo "$@" | tee -a "$LOG"; }
+run() {  # run LIMIT_S CMD...: tee output into the log, keep the command's exit status
+    local limit=$1; shift
+    say "\$ $*"
+    timeout --signal=TERM --kill-after=15 "$limit" "$@" 2>&1 | grep -v -E "Warning|warnings.warn|^ *$" | tee -a "$LOG"
+    return "${PIPESTATUS[0]}"
+}
+fail() { say "GPU CHECK FAILED: $*"; exit 1; }
+
+say "# gpu_check.sh $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
+say "# commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 | tee -a "$LOG" || true
+
+run 120 "$PY" - <<'EOF' || fail "environment: no CUDA device, or lightning / the project does not import"
+import torch, lightning
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, lightning {lightning.__version__}")
+import os
+if not os.environ.get("GPU_CHECK_DRY_RUN"):
+    assert torch.cuda.is_available(), "torch sees no CUDA device"
+    print(f"device: {torch.cuda.get_device_name(0)}, bf16 supported: {torch.cuda.is_bf16_supported()}")
+import lightning_parallel, recipes.gpt.module, benchmarks.gpu_step  # noqa: F401
+print("imports ok")
+EOF
+
+run 180 "$PY" -m benchmarks.gpu_step --tiny --no-compile ${STEP_ARGS[@]+"${STEP_ARGS[@]}"} || fail "the tiny run on the GPU (a code path is broken)"
+
+run 420 "$PY" -m benchmarks.gpu_step --json "$RESULTS_DIR/gpu_step.json" ${STEP_ARGS[@]+"${STEP_ARGS[@]}"}
+status=$?
+[ "$status" -eq 124 ] && fail "the 1.3B run timed out after 420 s"
+[ "$status" -ne 0 ] && fail "the 1.3B run exited with status $status"
+grep -q "^RESULT strategy / eager" "$LOG" || fail "no RESULT line in the output"
+say "GPU CHECK OK"
