@@ -211,7 +211,9 @@ class HybridParallelStrategy(MeshParallelStrategy):
         # Lightning's plugin, same precision, with clipping by the global norm over all shards and
         # an fp16 overflow decision shared by every rank.
         self.precision_plugin = convert_precision_plugin(self.precision_plugin)
-        rank_zero_info(f"{type(self).__name__}: mesh {self.dims.describe()}")
+        rank_zero_info(
+            f"{type(self).__name__}: mesh {self.dims.describe()}, ranks from {type(self.cluster_environment).__name__}"
+        )
 
     @property
     @override
