@@ -25,7 +25,6 @@ from __future__ import annotations
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_parallel  # noqa: F401  (registers "hybrid_parallel" and the presets with Lightning)
-
 from recipes.gpt.data import TokenDataModule
 from recipes.gpt.module import GPTLightningModule
 
