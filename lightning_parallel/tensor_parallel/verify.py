@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils._pytree import tree_map
 
 from lightning_parallel.plans.plan import ParallelPlan, ShardedContainer
 from lightning_parallel.tensor_parallel.apply import install_container, scale_attributes
@@ -85,8 +86,13 @@ def _rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)).item()
 
 
+def _to_fp32(value: Any) -> Any:
+    """The check runs in fp32 whatever the training precision: cast floating inputs (masks, rotary tables)."""
+    return value.float() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
 def _run(block: nn.Module, inputs: Captured) -> tuple[torch.Tensor, torch.Tensor]:
-    args, kwargs = copy.deepcopy(inputs)
+    args, kwargs = tree_map(_to_fp32, copy.deepcopy(inputs))
     where, hidden = _find_hidden(args, kwargs)
     hidden = hidden.detach().float().requires_grad_(True)
     if isinstance(where, int):

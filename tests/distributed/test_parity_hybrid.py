@@ -50,6 +50,8 @@ EXTRA_FOUR = [
 BF16 = [
     hybrid("hybrid_tp2_sp_bf16_recipe_gpt", "recipe_gpt", world_size=2, tensor_parallel=2, sequence_parallel=True,
            timeout=60, case_fields={"trainer_kwargs": {"precision": "bf16-mixed"}}),
+    hybrid("hybrid_tp2_sp_bf16true_hf_llama", "hf_llama", world_size=2, tensor_parallel=2, sequence_parallel=True,
+           timeout=60, case_fields={"trainer_kwargs": {"precision": "bf16-true"}}),
 ]
 BF16_LOSS_RTOL = 2e-2  # project rule for bf16 runs: per-step loss within 2e-2 of the single process
 
