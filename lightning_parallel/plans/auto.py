@@ -178,4 +178,5 @@ def auto_plan(model: nn.Module, tensor_parallel: int, sequence_parallel: bool) -
         head = find_output_head(model, emb.num_embeddings, stack.name)
         if head is not None and emb.num_embeddings % tp == 0:
             plan.styles[head[0]] = ColwiseProjection(output_layouts=Replicate(), use_local_output=True)
+            plan.head = head[0]
     return plan

@@ -54,6 +54,7 @@ class ParallelPlan:
     block_list: str | None = None
     block_names: list[str] = field(default_factory=list)
     norms: list[str] = field(default_factory=list)
+    head: str | None = None  # the output projection to the vocabulary, if sharded
     notes: list[str] = field(default_factory=list)
     # Filled by the report once the model is known: name -> (global numel, local numel, bytes/elem)
     parameter_shards: dict[str, tuple[int, int, int]] = field(default_factory=dict)

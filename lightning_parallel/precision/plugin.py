@@ -21,12 +21,15 @@ from __future__ import annotations
 
 from typing import Literal
 
+import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.types import Steppable
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_parallel.precision._partial import reduce_partial_grads_
 from lightning_parallel.precision.grad_norm import clip_grad_norm_, clip_grad_value_
 from lightning_parallel.precision.loss_scaler import DistributedGradScaler
 
@@ -56,6 +59,17 @@ class HybridPrecision(Precision):
 
     def __init__(self, *, pipeline_group: ProcessGroup | None = None) -> None:
         self.pipeline_group = pipeline_group
+
+    @override
+    def _after_closure(self, model: pl.LightningModule, optimizer: Steppable) -> None:
+        """Reduce ``Partial`` gradients (sequence-parallel norms) in one bucketed all-reduce per group.
+
+        Left alone, the optimizer would reduce each such gradient separately inside its step
+        (one collective per norm weight); here it is done once, before the user's
+        ``on_before_optimizer_step`` hooks and clipping, which then see the true gradients.
+        """
+        reduce_partial_grads_(list(self.main_params(optimizer)))
+        super()._after_closure(model, optimizer)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:

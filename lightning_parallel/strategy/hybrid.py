@@ -49,6 +49,14 @@ from lightning_parallel.tensor_parallel import (
     capture_block_inputs,
     verify_and_choose_modes,
 )
+from lightning_parallel.tensor_parallel.loss_parallel import (
+    LossParallelState,
+    install_head_hook,
+    sharded_head_style,
+    sharded_loss_backward,
+    sharded_loss_step,
+    to_plain,
+)
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +121,10 @@ class HybridParallelStrategy(MeshParallelStrategy):
         compile: ``torch.compile`` each transformer block after sharding (as torchtitan does):
             per-block compilation keeps compile time flat in depth and leaves the
             communication hooks between blocks in eager mode.
+        loss_parallel: keep the output head's logits sharded over the vocabulary during the
+            training step and compute ``F.cross_entropy`` on the shards (Megatron's vocab-parallel
+            loss: no all-gather of the logits). Opt-in: the training step may only reshape the
+            logits and pass them to ``F.cross_entropy``.
         timeout: collective timeout: a rank that dies ends the job after this long.
     """
 
@@ -132,6 +144,7 @@ class HybridParallelStrategy(MeshParallelStrategy):
         plan: PlanArg = "auto",
         verify_plan: bool = True,
         compile: bool = False,
+        loss_parallel: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | float = timedelta(minutes=15),
@@ -165,6 +178,8 @@ class HybridParallelStrategy(MeshParallelStrategy):
         self._plan_arg = plan
         self.verify_plan = verify_plan
         self.compile = compile
+        self.loss_parallel = loss_parallel
+        self._loss_state = LossParallelState()
         self.dims: ParallelDims | None = None
         self.plan: ParallelPlan | None = None
         self._dp_units: list[torch.nn.Module] = []
@@ -288,7 +303,14 @@ class HybridParallelStrategy(MeshParallelStrategy):
                 captured = capture_block_inputs(step, blocks)
                 for line in verify_and_choose_modes(module, self.plan, tp_mesh, captured):
                     self.plan.notes.append(line)
+        if self.loss_parallel and self.plan.head is not None:
+            self.plan.styles[self.plan.head] = sharded_head_style()
+        elif self.loss_parallel:
+            rank_zero_warn("`loss_parallel=True`: no sharded output head was found; logits stay gathered.")
+            self.loss_parallel = False
         self._hooks += apply_tensor_parallel(module, self.plan, tp_mesh)
+        if self.loss_parallel:
+            self._hooks.append(install_head_hook(module.get_submodule(self.plan.head), self._loss_state))
         record_parameter_shards(self.plan, module)
         rank_zero_info(str(self.plan))
 
@@ -369,6 +391,21 @@ class HybridParallelStrategy(MeshParallelStrategy):
         return checkpoint
 
     # ---- training-time behaviour ---------------------------------------------------------
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.loss_parallel:
+            return super().training_step(*args, **kwargs)
+        assert self.lightning_module is not None
+        with sharded_loss_step(self.lightning_module, self._loss_state):
+            return to_plain(super().training_step(*args, **kwargs))
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not self.loss_parallel:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        with sharded_loss_backward():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @contextmanager
     @override
