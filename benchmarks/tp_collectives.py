@@ -406,7 +406,7 @@ def _measure(sp: bool, clip: bool) -> dict[str, Any]:
     counter = CollectiveCounter(step=1)
     trainer = L.Trainer(
         accelerator="cpu", devices=TP, strategy=HybridParallelStrategy(tensor_parallel=TP, sequence_parallel=sp,
-                                                                      timeout=120),
+                                                                      timeout=120, loss_parallel=LOSS_PARALLEL),
         max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[counter],
         gradient_clip_val=1.0 if clip else None,
@@ -416,6 +416,7 @@ def _measure(sp: bool, clip: bool) -> dict[str, Any]:
             "events": [asdict(e) for e in counter.events]}  # fmt: skip
 
 
+LOSS_PARALLEL = os.environ.get("LP_BENCH_LOSS_PARALLEL") == "1"  # set by --loss-parallel, read by the workers
 WITHOUT_CLIP = ((False, False), (True, False))  # (sequence_parallel, gradient clipping)
 WITH_CLIP = ((False, True), (True, True))
 
@@ -457,10 +458,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", action="store_true", help="also list every collective, in order")
     parser.add_argument("--no-clip", action="store_true", help="skip the runs with gradient_clip_val=1.0")
+    parser.add_argument("--loss-parallel", action="store_true", help="HybridParallelStrategy(loss_parallel=True)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--configs", default="00,10", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.loss_parallel:
+        os.environ["LP_BENCH_LOSS_PARALLEL"] = "1"
     if args.worker:
         worker(args.out, tuple((c[0] == "1", c[1] == "1") for c in args.configs.split(",")))
         return

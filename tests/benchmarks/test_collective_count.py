@@ -7,6 +7,8 @@ which also derives the minimum). Counted, never timed: the counts and sizes are 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from benchmarks.tp_collectives import BATCH, SHAPE, WITHOUT_CLIP, measure, megatron_minimum, summarize
@@ -41,3 +43,25 @@ def test_every_layer_communicates_the_megatron_minimum(results: dict[bool, dict]
             f" Megatron minimum {dict(want)}. Collectives:\n{_listing(result['events'], block)}"
         )
         assert sum(got.values()) == (8 if sequence_parallel else 4)
+
+
+@pytest.fixture(scope="module")
+def loss_parallel_result() -> dict:
+    """tp=2 without SP and with ``loss_parallel=True``: the logits stay sharded over the vocabulary."""
+    os.environ["LP_BENCH_LOSS_PARALLEL"] = "1"  # read by the launched workers
+    try:
+        return measure(((False, False),), timeout_s=170)[0]
+    finally:
+        del os.environ["LP_BENCH_LOSS_PARALLEL"]
+
+
+@pytest.mark.timeout(180)
+def test_whole_step_is_the_megatron_minimum_with_loss_parallel(loss_parallel_result: dict) -> None:
+    per_layer, per_category = summarize(loss_parallel_result["events"], loss_parallel_result["block_names"])
+    want = megatron_minimum(False, clip=False)
+    assert all(got == want["layer"] for got in per_layer)
+    for category in ("embedding", "final norm + head", "loss", "optimizer step"):
+        assert per_category[category] == want[category], (
+            f"{category}: measured {dict(per_category[category])}, Megatron minimum {dict(want[category])}"
+        )
+    assert not per_category.get("other"), f"unexpected collectives: {dict(per_category['other'])}"

@@ -47,6 +47,13 @@ EXTRA_FOUR = [
     hybrid("hybrid_dp2_tp2_sp_clip_hf_llama", "hf_llama", world_size=4, tensor_parallel=2,
            sequence_parallel=True, timeout=60, case_fields={"trainer_kwargs": {"gradient_clip_val": 0.05}}),
 ]
+LOSS_PARALLEL = [
+    # Vocabulary-parallel cross-entropy on sharded logits (no all-gather of the logits).
+    hybrid("hybrid_tp2_sp_loss_parallel_recipe_gpt", "recipe_gpt", world_size=2, tensor_parallel=2,
+           sequence_parallel=True, loss_parallel=True, timeout=60),
+    hybrid("hybrid_tp2_loss_parallel_clip_hf_llama", "hf_llama", world_size=2, tensor_parallel=2, loss_parallel=True,
+           timeout=60, case_fields={"trainer_kwargs": {"gradient_clip_val": 0.05}}),
+]
 BF16 = [
     hybrid("hybrid_tp2_sp_bf16_recipe_gpt", "recipe_gpt", world_size=2, tensor_parallel=2, sequence_parallel=True,
            timeout=60, case_fields={"trainer_kwargs": {"precision": "bf16-mixed"}}),
@@ -55,7 +62,7 @@ BF16 = [
 ]
 BF16_LOSS_RTOL = 2e-2  # project rule for bf16 runs: per-step loss within 2e-2 of the single process
 
-TWO = _cases(TWO_PROCESS_LAYOUTS, 2) + EXTRA_TWO + BF16
+TWO = _cases(TWO_PROCESS_LAYOUTS, 2) + EXTRA_TWO + LOSS_PARALLEL + BF16
 FOUR = _cases(FOUR_PROCESS_LAYOUTS, 4) + EXTRA_FOUR
 
 
