@@ -264,7 +264,9 @@ class HybridParallelStrategy(MeshParallelStrategy):
         if self.dims.dp_enabled:
             dp_mesh = self.device_mesh["dp"]
             block_names = self.plan.block_names if self.plan else []
-            self._dp_units = apply_data_parallel(module, dp_mesh, block_names)
+            self._dp_units = apply_data_parallel(
+                module, dp_mesh, block_names, sharded_parameters=self.dims.tp_enabled
+            )
             self._hooks += average_direct_parameters(module, dp_mesh)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
