@@ -39,6 +39,8 @@ __all__ = [
     "DIST_ENV",
     "Baton",
     "LockstepTimer",
+    "Timings",
+    "breakdown",
     "compare",
     "ROOT",
     "StepTimer",
@@ -68,7 +70,9 @@ class _StepTimerBase:
     def __init__(self, warmup: int = 2) -> None:
         self.warmup = warmup
         self.times: list[float] = []
+        self.phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
         self._start = 0.0
+        self._marks: dict[str, float] = {}
         self._seen = 0
 
     def _begin(self, device: torch.device | None) -> None:
@@ -77,10 +81,19 @@ class _StepTimerBase:
 
     def _end(self, device: torch.device | None) -> None:
         _sync(device)
-        elapsed = time.perf_counter() - self._start
+        end = time.perf_counter()
         self._seen += 1
         if self._seen > self.warmup:
-            self.times.append(elapsed)
+            self.times.append(end - self._start)
+            if {"backward", "optimizer"} <= self._marks.keys():  # phase marks (CPU timers only)
+                self.phases["forward"].append(self._marks["backward"] - self._start)
+                self.phases["backward"].append(self._marks["optimizer"] - self._marks["backward"])
+                self.phases["optimizer"].append(end - self._marks["optimizer"])
+        self._marks = {}
+
+    def result(self) -> dict[str, list[float]]:
+        """Step times and, where marked, the forward / backward / optimizer-and-rest part of each."""
+        return {"step": self.times, **{k: v for k, v in self.phases.items() if v}}
 
     @property
     def median(self) -> float:
@@ -153,20 +166,29 @@ def LockstepTimer(baton: Baton, name: str, warmup: int = 2) -> Any:  # noqa: N80
             baton.pass_on(name)
             self._begin(pl_module.device)
 
+        def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+            self._marks["backward"] = time.perf_counter()
+
+        def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+            self._marks["optimizer"] = time.perf_counter()
+
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             self._end(pl_module.device)
 
     return _LockstepTimer(warmup)
 
 
-def run_lockstep(runs: dict[str, Callable[[Baton, str], list[float]]]) -> dict[str, list[float]]:
-    """Run each ``runs[name](baton, name)`` in its own thread, steps interleaved; their step times.
+Timings = dict[str, list[float]]  # "step" (and "forward", "backward", "optimizer") -> seconds per step
 
-    A run builds its ``Trainer`` with ``LockstepTimer(baton, name)`` and returns the timer's times.
+
+def run_lockstep(runs: dict[str, Callable[[Baton, str], Timings]]) -> dict[str, Timings]:
+    """Run each ``runs[name](baton, name)`` in its own thread, steps interleaved; their timings.
+
+    A run builds its ``Trainer`` with ``LockstepTimer(baton, name)`` and returns ``timer.result()``.
     The first exception of any run is raised here after all threads end.
     """
     baton = Baton(list(runs))
-    results: dict[str, list[float]] = {}
+    results: dict[str, Timings] = {}
     errors: list[BaseException] = []
 
     def target(name: str) -> None:
@@ -313,25 +335,38 @@ def write_json(path: Path, payload: Any) -> None:
 # ---- reporting ----------------------------------------------------------------------------
 
 
-def compare(rounds: Sequence[dict[str, list[float]]], reference: str, candidate: str) -> dict[str, Any]:
-    """Step times of two interleaved configurations -> medians and the candidate / reference ratio.
+def compare(rounds: Sequence[dict[str, Timings]], reference: str, candidate: str, part: str = "step") -> dict[str, Any]:
+    """Timings of two interleaved configurations -> medians and the candidate / reference ratio.
 
     ``ratio``: the median over all rounds of the *paired* ratios ``candidate[i] / reference[i]``
     (step ``i`` of each ran back to back), robust to load that changes during the run.
     ``q1``/``q3``: the quartiles of those paired ratios; ``per_round``: each round's median pair.
+    ``part``: ``"step"``, or one of its parts ``"forward"``, ``"backward"``, ``"optimizer"``.
     """
     pairs, per_round = [], []
     for measured in rounds:
-        round_pairs = [c / r for r, c in zip(measured[reference], measured[candidate], strict=False)]
+        round_pairs = [c / r for r, c in zip(measured[reference][part], measured[candidate][part], strict=False)]
         pairs += round_pairs
         per_round.append(statistics.median(round_pairs))
     quartiles = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3
     return {
-        "reference_s": statistics.median([t for m in rounds for t in m[reference]]),
-        "candidate_s": statistics.median([t for m in rounds for t in m[candidate]]),
+        "reference_s": statistics.median([t for m in rounds for t in m[reference][part]]),
+        "candidate_s": statistics.median([t for m in rounds for t in m[candidate][part]]),
         "ratio": statistics.median(pairs), "q1": quartiles[0], "q3": quartiles[2],
         "per_round": per_round, "pairs": len(pairs),
     }  # fmt: skip
+
+
+def breakdown(rounds: Sequence[dict[str, Timings]], reference: str, candidate: str) -> str:
+    """One line per part of the step: medians of both and their paired ratio."""
+    lines = []
+    for part in ("forward", "backward", "optimizer"):
+        if all(part in m[reference] and part in m[candidate] for m in rounds):
+            c = compare(rounds, reference, candidate, part)
+            label = "optimizer step and the rest" if part == "optimizer" else part
+            lines.append(f"  {label:28} {reference} {c['reference_s'] * 1e3:8.2f} ms, {candidate}"
+                         f" {c['candidate_s'] * 1e3:8.2f} ms, paired ratio {c['ratio']:.3f}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def machine() -> str:

@@ -2,6 +2,7 @@
 
     python -m benchmarks.dp_vs_ddp                    # 2 CPU processes over gloo, the "small" shape
     python -m benchmarks.dp_vs_ddp --shape medium --steps 30
+    python -m benchmarks.dp_vs_ddp --collectives      # instead: the gradient collectives of one step of each
 
 The script starts its 2 ranks itself (``common.launch``: RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT set), so Lightning launches nothing and every ``Trainer`` of a rank
@@ -28,6 +29,8 @@ import torch
 from benchmarks.common import (
     Baton,
     LockstepTimer,
+    Timings,
+    breakdown,
     compare,
     init_process_group,
     launch,
@@ -62,6 +65,22 @@ def _fit(config: str, shape: dict[str, Any], data: Any, args: argparse.Namespace
     trainer.fit(model, datamodule=recipe_data(shape["block_size"], shape["batch_size"], like=data))
 
 
+def _collectives(shape: dict[str, Any], data: Any, args: argparse.Namespace, dist_env: dict[str, str]) -> dict:
+    """The collectives of one training step (the third) of each configuration, on this rank."""
+    from benchmarks.tp_collectives import CollectiveCounter
+
+    counts = {}
+    for name in CONFIGS:
+        os.environ.update(dist_env)
+        counter = CollectiveCounter(step=2)
+        args.steps, args.warmup = 3, 0
+        _fit(name, shape, data, args, counter)
+        start, end = counter.marks["backward"], counter.marks["optimizer"]
+        counts[name] = [f"{e.phase} {e.kind} of {e.elements:,} elements, issued at"
+                        f" {100 * (e.time_s - start) / (end - start):.0f}% of the backward" for e in counter.events]  # fmt: skip
+    return counts
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -72,11 +91,18 @@ def worker(args: argparse.Namespace) -> None:
     shape = SHAPES[args.shape]
     data = recipe_data(shape["block_size"], shape["batch_size"])
     data.setup("fit")
+    if args.collectives:
+        counts = _collectives(shape, data, args, dist_env)
+        if rank == 0:
+            (args.out / "collectives.json").write_text(json.dumps(counts))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
 
-    def run(baton: Baton, name: str) -> list[float]:
+    def run(baton: Baton, name: str) -> Timings:
         timer = LockstepTimer(baton, name, warmup=args.warmup)
         _fit(name, shape, data, args, timer)
-        return timer.times
+        return timer.result()
 
     rounds = []
     start = time.perf_counter()
@@ -102,6 +128,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--collectives", action="store_true", help="list each one's collectives of one step instead")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -110,6 +137,13 @@ def main() -> None:
         return
     forwarded = ["--worker", "--shape", args.shape, "--rounds", str(args.rounds), "--steps", str(args.steps),
                  "--warmup", str(args.warmup), "--threads", str(args.threads)]  # fmt: skip
+    if args.collectives:
+        out = launch("benchmarks.dp_vs_ddp", [*forwarded, "--collectives"], nprocs=2, timeout_s=600)
+        print(f"# {machine()}; recipe GPT {SHAPES[args.shape]}; one training step on rank 0")
+        for name, events in json.loads((out / "collectives.json").read_text()).items():
+            print(f"\n{name}: {len(events)} collectives")
+            print("\n".join(f"  {line}" for line in events))
+        return
     out = launch("benchmarks.dp_vs_ddp", forwarded, nprocs=2, timeout_s=3600, threads=args.threads)
     result = json.loads((out / "dp_vs_ddp.json").read_text())
     c = compare(result["rounds"], "ddp", "strategy")
@@ -126,6 +160,7 @@ def main() -> None:
     verdict = "meets" if c["ratio"] <= 1.0 else "MISSES"
     print(f"\nratio strategy / ddp: {c['ratio']:.3f} (median of {c['pairs']} back-to-back step pairs;"
           f" quartiles {c['q1']:.3f}-{c['q3']:.3f}); {verdict} the target <= 1.0")  # fmt: skip
+    print("parts of the step (medians; paired ratios):\n" + breakdown(result["rounds"], "ddp", "strategy"))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ import torch
 from benchmarks.common import (
     Baton,
     LockstepTimer,
+    Timings,
+    breakdown,
     compare,
     machine,
     quiet_lightning,
@@ -58,11 +60,11 @@ def _fit(config: str, shape: dict[str, Any], data: Any, steps: int, warmup: int,
     trainer.fit(model, datamodule=recipe_data(shape["block_size"], shape["batch_size"], like=data))
 
 
-def _round(order: tuple[str, ...], shape: dict[str, Any], data: Any, args: argparse.Namespace) -> dict[str, list[float]]:
-    def run(baton: Baton, name: str) -> list[float]:
+def _round(order: tuple[str, ...], shape: dict[str, Any], data: Any, args: argparse.Namespace) -> dict[str, Timings]:
+    def run(baton: Baton, name: str) -> Timings:
         timer = LockstepTimer(baton, name, warmup=args.warmup)
         _fit(name, shape, data, args.steps, args.warmup, args.accelerator, timer)
-        return timer.times
+        return timer.result()
 
     return run_lockstep({name: run for name in order})
 
@@ -107,6 +109,7 @@ def main() -> None:
     print(f"\nratio strategy / default: {c['ratio']:.3f} (median of {c['pairs']} back-to-back step pairs;"
           f" quartiles {c['q1']:.3f}-{c['q3']:.3f}); {verdict} the target <= 1.02")  # fmt: skip
     print(f"per-round ratios: {', '.join(f'{r:.3f}' for r in c['per_round'])}")
+    print("parts of the step (medians; paired ratios):\n" + breakdown(rounds, "default", "strategy"))
 
 
 if __name__ == "__main__":

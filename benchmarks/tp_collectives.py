@@ -1,6 +1,7 @@
 """Collectives per training step of the recipe GPT at tensor_parallel=2, against the Megatron minimum.
 
-    python -m benchmarks.tp_collectives            # 2 gloo processes: tp=2 without/with SP, without/with clipping
+    python -m benchmarks.tp_collectives            # tp=2 without/with SP, default and loss_parallel=True,
+                                                   # then without/with gradient clipping (2 gloo processes)
     python -m benchmarks.tp_collectives --events   # also every collective, in order, with where it came from
 
 What is counted: every collective issued during one training step (forward, backward, optimizer
@@ -33,9 +34,11 @@ width H, vocabulary V, L layers, tensor-parallel degree p > 1, activations of B*
   gathers the sequence-sharded input and the backward reduce-scatters the gradient. Megatron's
   loss is vocabulary-parallel: the logits stay sharded and the cross-entropy all-reduces three
   B*T tensors (max logit, sum of exponentials, target logit) forward, nothing backward.
-  Ours instead all-gathers the logits (B*T*V elements forward; the backward only slices) so
-  that the user's unchanged ``F.cross_entropy`` sees full logits: V/H (here 5x) more bytes than
-  one activation collective, and 3 small all-reduces fewer.
+  Ours by default all-gathers the logits (B*T*V elements forward; the backward only slices) so
+  that the user's unchanged ``F.cross_entropy`` sees full logits: V/H (here 5x; GPT-2/3 with
+  V=50304, H=2048: 25x) more bytes than one activation collective, and 3 small all-reduces
+  fewer. ``HybridParallelStrategy(loss_parallel=True)`` keeps the logits sharded and computes
+  the loss on the shards (torch's ``loss_parallel``): Megatron's scheme.
 - Optimizer step: with ``gradient_clip_val`` the global gradient norm needs one all-reduce of
   one element over the model-parallel group; without clipping, nothing.
 
@@ -48,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 import traceback
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -130,6 +134,7 @@ class Collective:
     phase: str  # forward, backward, optimizer
     where: str  # innermost tracked module (names relative to the LightningModule), or a step phase
     source: str  # the innermost Python frame outside torch.distributed/torch.utils that issued it
+    time_s: float  # when it was issued, seconds after the recording started
 
 
 class _Frame:
@@ -151,6 +156,8 @@ class CollectiveRecorder:
         self.root, self.block_names = root, block_names
         self.events: list[Collective] = []
         self.phase = "forward"
+        self.start = time.perf_counter()
+        self.marks: dict[str, float] = {}  # phase changes, seconds after the start
         self._ops = _collective_ops()
         self._stack: list[_Frame] = []  # forward
         self._active: list[_Frame] = []  # backward
@@ -211,7 +218,7 @@ class CollectiveRecorder:
         elements = sum(t.numel() for t in tensors)
         phase = "backward" if torch._C._current_graph_task_id() != -1 else self.phase
         self.events.append(Collective(kind, str(func), elements, sum(t.numel() * t.element_size() for t in tensors),
-                                      phase, self.where(), _source()))  # fmt: skip
+                                      phase, self.where(), _source(), time.perf_counter() - self.start))  # fmt: skip
 
     def __enter__(self) -> CollectiveRecorder:
         from torch.distributed.tensor import DTensor
@@ -252,24 +259,28 @@ def CollectiveCounter(step: int = 1) -> Any:  # noqa: N802 (Lightning imported l
         def __init__(self) -> None:
             self.recorder: CollectiveRecorder | None = None
             self.events: list[Collective] = []
+            self.marks: dict[str, float] = {}
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if batch_idx == step:
                 plan = getattr(trainer.strategy, "plan", None)
                 self.recorder = CollectiveRecorder(pl_module, list(plan.block_names) if plan else []).__enter__()
 
-        def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        def _mark(self, phase: str) -> None:
             if self.recorder is not None:
-                self.recorder.phase = "backward"
+                self.recorder.phase = phase
+                self.recorder.marks[phase] = time.perf_counter() - self.recorder.start
+
+        def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+            self._mark("backward")
 
         def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-            if self.recorder is not None:
-                self.recorder.phase = "optimizer"
+            self._mark("optimizer")
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if self.recorder is not None:
                 self.recorder.__exit__(None, None, None)
-                self.events, self.recorder = self.recorder.events, None
+                self.events, self.marks, self.recorder = self.recorder.events, self.recorder.marks, None
 
     return _Counter()
 
@@ -389,14 +400,21 @@ def report(result: dict[str, Any]) -> str:
     )
     rows.append(["total", "step", f"{sum(total_got.values())} calls ({_bytes(total_got):,} B)",
                  f"{sum(total_want.values())} calls ({_bytes(total_want):,} B)", _verdict(total_got, total_want)])
-    title = f"tp={TP}, sequence_parallel={sp}, gradient_clip_val={'1.0' if clip else 'None'}"
+    title = (f"tp={TP}, sequence_parallel={sp}, loss_parallel={result.get('loss_parallel', False)},"
+             f" gradient_clip_val={'1.0' if clip else 'None'}")  # fmt: skip
     return f"{title}\n" + table(["category", "phase", "measured", "Megatron minimum", "difference"], rows)
 
 
 # ---- the measurement ----------------------------------------------------------------------
 
 
-def _measure(sp: bool, clip: bool) -> dict[str, Any]:
+Config = tuple[bool, bool, bool]  # (sequence_parallel, gradient clipping, loss_parallel)
+WITHOUT_CLIP: tuple[Config, ...] = ((False, False, False), (True, False, False))
+LOSS_PARALLEL: tuple[Config, ...] = ((False, False, True), (True, False, True))
+WITH_CLIP: tuple[Config, ...] = ((False, True, False), (True, True, False))
+
+
+def _measure(sp: bool, clip: bool, loss_parallel: bool) -> dict[str, Any]:
     import lightning as L
 
     from lightning_parallel import HybridParallelStrategy
@@ -404,24 +422,18 @@ def _measure(sp: bool, clip: bool) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     model = recipe_model(**SHAPE)
     counter = CollectiveCounter(step=1)
+    strategy = HybridParallelStrategy(tensor_parallel=TP, sequence_parallel=sp, loss_parallel=loss_parallel, timeout=120)
     trainer = L.Trainer(
-        accelerator="cpu", devices=TP, strategy=HybridParallelStrategy(tensor_parallel=TP, sequence_parallel=sp,
-                                                                      timeout=120, loss_parallel=LOSS_PARALLEL),
-        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[counter],
-        gradient_clip_val=1.0 if clip else None,
+        accelerator="cpu", devices=TP, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[counter], gradient_clip_val=1.0 if clip else None,
     )  # fmt: skip
     trainer.fit(model, datamodule=recipe_data(SHAPE["block_size"], BATCH, random_tokens=4096))
-    return {"sequence_parallel": sp, "clip": clip, "block_names": list(trainer.strategy.plan.block_names),
-            "events": [asdict(e) for e in counter.events]}  # fmt: skip
+    return {"sequence_parallel": sp, "clip": clip, "loss_parallel": loss_parallel,
+            "block_names": list(trainer.strategy.plan.block_names), "events": [asdict(e) for e in counter.events]}  # fmt: skip
 
 
-LOSS_PARALLEL = os.environ.get("LP_BENCH_LOSS_PARALLEL") == "1"  # set by --loss-parallel, read by the workers
-WITHOUT_CLIP = ((False, False), (True, False))  # (sequence_parallel, gradient clipping)
-WITH_CLIP = ((False, True), (True, True))
-
-
-def worker(out: Path, configs: tuple[tuple[bool, bool], ...]) -> None:
+def worker(out: Path, configs: tuple[Config, ...]) -> None:
     import torch.distributed as dist
 
     quiet_lightning()
@@ -429,18 +441,18 @@ def worker(out: Path, configs: tuple[tuple[bool, bool], ...]) -> None:
     dist_env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     rank = init_process_group()
     results = []
-    for sp, clip in configs:
+    for config in configs:
         os.environ.update(dist_env)  # Lightning's environment deletes WORLD_SIZE at teardown
-        results.append(_measure(sp, clip))
+        results.append(_measure(*config))
     if rank == 0:
         (out / "collectives.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure(configs: tuple[tuple[bool, bool], ...] = WITHOUT_CLIP, timeout_s: float = 300.0) -> list[dict[str, Any]]:
-    """Launch 2 ranks, record one step of each (sequence_parallel, clip) config; rank 0's events."""
-    flags = ",".join(f"{int(sp)}{int(clip)}" for sp, clip in configs)
+def measure(configs: tuple[Config, ...] = WITHOUT_CLIP, timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    """Launch 2 ranks (one launch), record one step of each config; rank 0's results, in order."""
+    flags = ",".join("".join(str(int(flag)) for flag in config) for config in configs)
     out = launch("benchmarks.tp_collectives", ["--worker", "--configs", flags], nprocs=TP, timeout_s=timeout_s)
     return json.loads((out / "collectives.json").read_text())
 
@@ -458,22 +470,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", action="store_true", help="also list every collective, in order")
     parser.add_argument("--no-clip", action="store_true", help="skip the runs with gradient_clip_val=1.0")
-    parser.add_argument("--loss-parallel", action="store_true", help="HybridParallelStrategy(loss_parallel=True)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--configs", default="00,10", help=argparse.SUPPRESS)
+    parser.add_argument("--configs", default="000", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.loss_parallel:
-        os.environ["LP_BENCH_LOSS_PARALLEL"] = "1"
     if args.worker:
-        worker(args.out, tuple((c[0] == "1", c[1] == "1") for c in args.configs.split(",")))
+        worker(args.out, tuple(tuple(flag == "1" for flag in c) for c in args.configs.split(",")))  # type: ignore[misc]
         return
     B, T, H, V = BATCH, SHAPE["block_size"], SHAPE["n_embd"], SHAPE["vocab_size"]
     print(f"# {machine()}")
     print(f"# recipe GPT {SHAPE}, batch {B}: B*T*H={B * T * H}, B*T*V={B * T * V}, B*T={B * T}, H={H};"
           " fp32; B = tensor bytes (elements x 4); wire B = bytes sent per rank by ring algorithms;"
           " one training step on rank 0 after one warm-up step\n")  # fmt: skip
-    _print(measure(WITHOUT_CLIP), args.events)
+    _print(measure(WITHOUT_CLIP + LOSS_PARALLEL), args.events)
     if not args.no_clip:
         # A separate launch: gradient clipping under tensor parallelism may fail, which must not
         # hide the results above.

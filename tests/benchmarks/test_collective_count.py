@@ -1,23 +1,36 @@
 """Tensor parallelism communicates exactly Megatron's minimum inside every transformer layer.
 
 Two gloo processes train the recipe GPT at ``tensor_parallel=2`` (without and with sequence
-parallelism) and record every collective of one training step (``benchmarks.tp_collectives``,
-which also derives the minimum). Counted, never timed: the counts and sizes are deterministic.
+parallelism; and with ``loss_parallel=True``, where the whole step must be the minimum) and
+record every collective of one training step (``benchmarks.tp_collectives``, which also
+derives the minimum). Counted, never timed: the counts and sizes are deterministic.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
 from benchmarks.tp_collectives import BATCH, SHAPE, WITHOUT_CLIP, measure, megatron_minimum, summarize
 
+LOSS_PARALLEL_NO_SP = (False, False, True)  # (sequence_parallel, clip, loss_parallel)
+
 
 @pytest.fixture(scope="module")
-def results() -> dict[bool, dict]:
-    # One launch for both layouts: process start-up is most of the cost.
-    return {result["sequence_parallel"]: result for result in measure(WITHOUT_CLIP, timeout_s=170)}
+def launch_results() -> list[dict]:
+    # One launch for all layouts: process start-up is most of the cost.
+    return measure((*WITHOUT_CLIP, LOSS_PARALLEL_NO_SP), timeout_s=170)
+
+
+@pytest.fixture(scope="module")
+def results(launch_results: list[dict]) -> dict[bool, dict]:
+    """The default layouts (logits gathered), by ``sequence_parallel``."""
+    return {r["sequence_parallel"]: r for r in launch_results if not r["loss_parallel"]}
+
+
+@pytest.fixture(scope="module")
+def loss_parallel_result(launch_results: list[dict]) -> dict:
+    """tp=2 without SP and with ``loss_parallel=True``: the logits stay sharded over the vocabulary."""
+    return next(r for r in launch_results if r["loss_parallel"])
 
 
 def _listing(events: list[dict], layer: str) -> str:
@@ -43,16 +56,6 @@ def test_every_layer_communicates_the_megatron_minimum(results: dict[bool, dict]
             f" Megatron minimum {dict(want)}. Collectives:\n{_listing(result['events'], block)}"
         )
         assert sum(got.values()) == (8 if sequence_parallel else 4)
-
-
-@pytest.fixture(scope="module")
-def loss_parallel_result() -> dict:
-    """tp=2 without SP and with ``loss_parallel=True``: the logits stay sharded over the vocabulary."""
-    os.environ["LP_BENCH_LOSS_PARALLEL"] = "1"  # read by the launched workers
-    try:
-        return measure(((False, False),), timeout_s=170)[0]
-    finally:
-        del os.environ["LP_BENCH_LOSS_PARALLEL"]
 
 
 @pytest.mark.timeout(180)
