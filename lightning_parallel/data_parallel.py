@@ -70,7 +70,7 @@ def apply_data_parallel(
 
         children = _parameter_holders(root)
         for child in children:
-            ddp_replicate(child, process_group=dp_mesh.get_group(), bucket_cap_mb=bucket_bytes / 2**20)
+            ddp_replicate(child, process_group=dp_mesh.get_group())  # DDP's own buckets (1 MB first, then 25 MB)
         return children
 
     units: list[nn.Module] = []
