@@ -387,3 +387,15 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = [fmt.format(*cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     lines += [fmt.format(*row) for row in cells[1:]]
     return "\n".join(lines)
+
+
+def print_comparison(c: dict[str, Any], labels: tuple[str, str], name: str, target: float) -> None:
+    """The table of median step times and the paired ratio against its target, as both timing scripts print it."""
+    print(table(
+        ["configuration", "median step", "steps timed"],
+        [[labels[0], f"{c['reference_s'] * 1e3:.2f} ms", c["pairs"]],
+         [labels[1], f"{c['candidate_s'] * 1e3:.2f} ms", c["pairs"]]],
+    ))  # fmt: skip
+    verdict = "meets" if c["ratio"] <= target else "MISSES"
+    print(f"\nratio {name}: {c['ratio']:.3f} (median of {c['pairs']} back-to-back step pairs;"
+          f" quartiles {c['q1']:.3f}-{c['q3']:.3f}); {verdict} the target <= {target}")  # fmt: skip

@@ -35,11 +35,11 @@ from benchmarks.common import (
     init_process_group,
     launch,
     machine,
+    print_comparison,
     quiet_lightning,
     recipe_data,
     recipe_model,
     run_lockstep,
-    table,
 )
 
 SHAPES = {
@@ -152,14 +152,8 @@ def main() -> None:
     print(f"\n# {machine()}, 2 ranks x {result['threads']} torch threads, gloo, load average {os.getloadavg()[0]:.1f}")
     print(f"# recipe GPT {shape} (batch per rank); {args.rounds} rounds x {args.steps} timed steps"
           f" (+{args.warmup} warm-up) per configuration, steps interleaved; {result['seconds']:.0f} s\n")  # fmt: skip
-    print(table(
-        ["configuration (rank 0)", "median step", "steps timed"],
-        [["Trainer(strategy='ddp'), devices=2", f"{c['reference_s'] * 1e3:.2f} ms", c["pairs"]],
-         ["Trainer(strategy=HybridParallelStrategy()), devices=2", f"{c['candidate_s'] * 1e3:.2f} ms", c["pairs"]]],
-    ))  # fmt: skip
-    verdict = "meets" if c["ratio"] <= 1.0 else "MISSES"
-    print(f"\nratio strategy / ddp: {c['ratio']:.3f} (median of {c['pairs']} back-to-back step pairs;"
-          f" quartiles {c['q1']:.3f}-{c['q3']:.3f}); {verdict} the target <= 1.0")  # fmt: skip
+    print_comparison(c, ("Trainer(strategy='ddp'), devices=2", "Trainer(strategy=HybridParallelStrategy()), devices=2"),
+                     "strategy / ddp", 1.0)  # fmt: skip
     print("parts of the step (medians; paired ratios):\n" + breakdown(result["rounds"], "ddp", "strategy"))
 
 

@@ -31,11 +31,11 @@ from benchmarks.common import (
     breakdown,
     compare,
     machine,
+    print_comparison,
     quiet_lightning,
     recipe_data,
     recipe_model,
     run_lockstep,
-    table,
 )
 
 SHAPES = {
@@ -100,14 +100,8 @@ def main() -> None:
     print(f"\n# {machine()}, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
     print(f"# recipe GPT {shape}; {args.rounds} rounds x {args.steps} timed steps (+{args.warmup} warm-up) per"
           f" configuration, steps interleaved; {time.perf_counter() - start:.0f} s\n")  # fmt: skip
-    print(table(
-        ["configuration", "median step", "steps timed"],
-        [["Trainer(strategy='auto'), devices=1", f"{c['reference_s'] * 1e3:.2f} ms", c["pairs"]],
-         ["Trainer(strategy=HybridParallelStrategy()), devices=1", f"{c['candidate_s'] * 1e3:.2f} ms", c["pairs"]]],
-    ))  # fmt: skip
-    verdict = "meets" if c["ratio"] <= 1.02 else "MISSES"
-    print(f"\nratio strategy / default: {c['ratio']:.3f} (median of {c['pairs']} back-to-back step pairs;"
-          f" quartiles {c['q1']:.3f}-{c['q3']:.3f}); {verdict} the target <= 1.02")  # fmt: skip
+    print_comparison(c, ("Trainer(strategy='auto'), devices=1", "Trainer(strategy=HybridParallelStrategy()), devices=1"),
+                     "strategy / default", 1.02)  # fmt: skip
     print(f"per-round ratios: {', '.join(f'{r:.3f}' for r in c['per_round'])}")
     print("parts of the step (medians; paired ratios):\n" + breakdown(rounds, "default", "strategy"))
 
