@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from tests.models.optim import OPTIMIZERS, parity_optimizer
+
 if TYPE_CHECKING:  # lightning is imported by the families themselves, when built
     import lightning as L
 
@@ -71,12 +73,12 @@ def _recipe_gpt(optimizer: str = "sgd", **overrides: Any) -> L.LightningModule:
     )  # fmt: skip
     if optimizer == "adamw":
         return GPTLightningModule(**{**tiny, **overrides})
-    if optimizer != "sgd":
-        raise ValueError(f"recipe_gpt: optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"recipe_gpt: optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
 
     class RecipeGPTWithSGD(GPTLightningModule):
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            return parity_optimizer(self.parameters(), "sgd")
 
     return RecipeGPTWithSGD(**{**tiny, **overrides})
 

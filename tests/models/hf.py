@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from tests.models.optim import parity_optimizer
+
 
 class _CausalLMModule(L.LightningModule):
     """Shared training code; subclasses only build ``self.model``."""
@@ -32,12 +34,7 @@ class _CausalLMModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        hp = self.hparams
-        if hp.optimizer == "sgd":
-            lr = 0.1 if hp.learning_rate is None else hp.learning_rate
-            return torch.optim.SGD(self.parameters(), lr=lr, momentum=0.9)
-        lr = 1e-3 if hp.learning_rate is None else hp.learning_rate
-        return torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=0.1, eps=1e-5)
+        return parity_optimizer(self.parameters(), self.hparams.optimizer, self.hparams.learning_rate)
 
 
 class HFGPT2Module(_CausalLMModule):

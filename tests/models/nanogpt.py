@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tests.models.optim import parity_optimizer
+
 
 class LayerNorm(nn.Module):
     """LayerNorm with an optional bias (PyTorch's has no ``bias=False`` before 2.1)."""
@@ -200,10 +202,4 @@ class NanoGPTModule(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
-        if hp.optimizer == "sgd":
-            lr = 0.1 if hp.learning_rate is None else hp.learning_rate
-            return torch.optim.SGD(self.parameters(), lr=lr, momentum=0.9)
-        if hp.optimizer == "adamw":
-            lr = 1e-3 if hp.learning_rate is None else hp.learning_rate
-            return torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=hp.weight_decay, eps=hp.adam_eps)
-        raise ValueError(f"{type(self).__name__}: optimizer must be 'sgd' or 'adamw', got {hp.optimizer!r}")
+        return parity_optimizer(self.parameters(), hp.optimizer, hp.learning_rate, hp.weight_decay, hp.adam_eps)
