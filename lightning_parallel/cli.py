@@ -84,7 +84,11 @@ def parameter_shards(plan: ParallelPlan, model: nn.Module, dtype: torch.dtype | 
         dim = _sharded_dim(modules[owner], attr, style) if style is not None else None
         chunks = getattr(style, "num_chunks", 1)
         element_size = torch.empty((), dtype=dtype or param.dtype).element_size()
-        shards[name] = (param.numel(), _local_numel(param.shape, dim, plan.tensor_parallel, chunks), element_size)
+        shards[name] = (
+            param.numel(),
+            _local_numel(param.shape, dim, plan.tensor_parallel, chunks),
+            element_size,
+        )
     return shards
 
 
@@ -98,7 +102,9 @@ def import_object(dotted: str) -> Any:
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as error:
-        raise ValueError(f"`--model {dotted}`: cannot import {attr!r} from {module_name!r} ({error}).") from None
+        raise ValueError(
+            f"`--model {dotted}`: cannot import {attr!r} from {module_name!r} ({error})."
+        ) from None
 
 
 def _strategy_settings(strategy: Any) -> dict[str, Any]:
@@ -109,7 +115,9 @@ def _strategy_settings(strategy: Any) -> dict[str, Any]:
         import lightning_parallel  # noqa: F401  (registers the names)
         from lightning_parallel.strategy import HybridParallelStrategy
 
-        entry = StrategyRegistry[strategy] if strategy in StrategyRegistry else None  # the entry, not .get()'s instance
+        entry = (
+            StrategyRegistry[strategy] if strategy in StrategyRegistry else None
+        )  # the entry, not .get()'s instance
         if entry is None or entry["strategy"] is not HybridParallelStrategy:
             return {}
         return dict(entry["init_params"])
@@ -125,7 +133,9 @@ def read_config(path: str) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
     config = yaml.safe_load(Path(path).read_text()) or {}
     model = config.get("model") or {}
     if not isinstance(model, dict):
-        raise ValueError(f"`--config {path}`: the `model:` section must be a mapping, got {type(model).__name__}.")
+        raise ValueError(
+            f"`--config {path}`: the `model:` section must be a mapping, got {type(model).__name__}."
+        )
     strategy = _strategy_settings((config.get("trainer") or {}).get("strategy"))
     if "class_path" in model:
         return model["class_path"], dict(model.get("init_args") or {}), strategy
@@ -147,14 +157,24 @@ def build_model(class_path: str, init_args: dict[str, Any]) -> nn.Module:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lightning_parallel", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    plan = commands.add_parser("plan", help="print the tensor/sequence-parallel plan and the parameter bytes per rank")
+    plan = commands.add_parser(
+        "plan", help="print the tensor/sequence-parallel plan and the parameter bytes per rank"
+    )
     plan.add_argument("--model", help="dotted path of the LightningModule or nn.Module class")
     plan.add_argument("--init", default="{}", help="JSON object of keyword arguments for the class")
-    plan.add_argument("--config", help="LightningCLI YAML file: `model:` (class_path/init_args) and trainer.strategy")
+    plan.add_argument(
+        "--config", help="LightningCLI YAML file: `model:` (class_path/init_args) and trainer.strategy"
+    )
     plan.add_argument("--tensor-parallel", type=int, default=None, help="tensor-parallel degree (default 2)")
-    plan.add_argument("--sequence-parallel", action="store_true", default=None, help="also shard along the sequence")
-    plan.add_argument("--plan", dest="plan_dict", help='JSON dict {"module pattern": "style name"} instead of auto')
-    plan.add_argument("--dtype", choices=sorted(DTYPES), help="parameter dtype for the bytes (default: as built)")
+    plan.add_argument(
+        "--sequence-parallel", action="store_true", default=None, help="also shard along the sequence"
+    )
+    plan.add_argument(
+        "--plan", dest="plan_dict", help='JSON dict {"module pattern": "style name"} instead of auto'
+    )
+    plan.add_argument(
+        "--dtype", choices=sorted(DTYPES), help="parameter dtype for the bytes (default: as built)"
+    )
     return parser
 
 
@@ -174,12 +194,16 @@ def run_plan(args: argparse.Namespace) -> str:
         config_class, init_args, strategy = read_config(args.config)
         class_path = class_path or config_class
     if not class_path:
-        raise ValueError("Give the model class with `--model package.module.Class` (or `model.class_path` in --config).")
+        raise ValueError(
+            "Give the model class with `--model package.module.Class` (or `model.class_path` in --config)."
+        )
     init_args.update(_json_object(args.init, "--init"))
     tp = args.tensor_parallel or strategy.get("tensor_parallel") or 2
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"`--tensor-parallel {tp}` must be a positive integer ('auto' needs the devices).")
-    sp = bool(args.sequence_parallel if args.sequence_parallel is not None else strategy.get("sequence_parallel"))
+    sp = bool(
+        args.sequence_parallel if args.sequence_parallel is not None else strategy.get("sequence_parallel")
+    )
     sp = sp and tp > 1
 
     model = build_model(class_path, init_args)
@@ -193,7 +217,10 @@ def run_plan(args: argparse.Namespace) -> str:
         f"model: {class_path} ({num_params:,} parameters)",
         str(plan),
         "  largest parameters on one rank:",
-        *(f"    {name}: {loc:,} of {glob:,} elements, {loc * size:,} B" for name, (glob, loc, size) in largest),
+        *(
+            f"    {name}: {loc:,} of {glob:,} elements, {loc * size:,} B"
+            for name, (glob, loc, size) in largest
+        ),
         "  computed without processes; each block is verified sharded vs unsharded at Trainer.fit setup.",
     ]
     return "\n".join(lines)

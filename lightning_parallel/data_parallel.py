@@ -70,7 +70,9 @@ def apply_data_parallel(
 
         children = _parameter_holders(root)
         for child in children:
-            ddp_replicate(child, process_group=dp_mesh.get_group())  # DDP's own buckets (1 MB first, then 25 MB)
+            ddp_replicate(
+                child, process_group=dp_mesh.get_group()
+            )  # DDP's own buckets (1 MB first, then 25 MB)
         return children
 
     units: list[nn.Module] = []
@@ -107,7 +109,9 @@ def average_direct_parameters(root: nn.Module, dp_mesh: DeviceMesh) -> list[Remo
         dist.all_reduce(grad, group=group)
         grad.div_(size)
 
-    return [p.register_post_accumulate_grad_hook(hook) for p in root.parameters(recurse=False) if p.requires_grad]
+    return [
+        p.register_post_accumulate_grad_hook(hook) for p in root.parameters(recurse=False) if p.requires_grad
+    ]
 
 
 @contextmanager

@@ -104,4 +104,6 @@ class ParallelDims:
         return self._mesh
 
     def describe(self) -> str:
-        return " x ".join(f"{name}={self.degrees[name]}" for name in AXIS_NAMES) + f" (world {self.world_size})"
+        return (
+            " x ".join(f"{name}={self.degrees[name]}" for name in AXIS_NAMES) + f" (world {self.world_size})"
+        )

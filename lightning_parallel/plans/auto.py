@@ -47,7 +47,9 @@ def _require_divisible(value: int, tp: int, what: str, module: str) -> None:
 
 def exit_style(sequence_parallel: bool) -> RowwiseProjection:
     return RowwiseProjection(
-        input_layouts=Shard(-1), output_layouts=Shard(1) if sequence_parallel else Replicate(), use_local_output=True
+        input_layouts=Shard(-1),
+        output_layouts=Shard(1) if sequence_parallel else Replicate(),
+        use_local_output=True,
     )
 
 
@@ -66,7 +68,9 @@ def _scaled_attributes(module: nn.Module, tp: int, known: dict[str, int]) -> dic
     return scaled
 
 
-def plan_attention(full_name: str, cand: ContainerCandidate, tp: int, sp: bool) -> tuple[ShardedContainer, dict]:
+def plan_attention(
+    full_name: str, cand: ContainerCandidate, tp: int, sp: bool
+) -> tuple[ShardedContainer, dict]:
     module = cand.module
     exit_in, hidden = projection_dims(cand.exit[1])
     heads = head_count(module)
@@ -122,7 +126,11 @@ def plan_mlp(full_name: str, cand: ContainerCandidate, tp: int, sp: bool) -> tup
     styles: dict = {}
     for name, entry in cand.entries:
         entry_in, entry_out = projection_dims(entry)
-        if entry_in != hidden or entry_out not in (ffn, 2 * ffn) or (entry_out == 2 * ffn and len(cand.entries) > 1):
+        if (
+            entry_in != hidden
+            or entry_out not in (ffn, 2 * ffn)
+            or (entry_out == 2 * ffn and len(cand.entries) > 1)
+        ):
             raise ValueError(
                 f"`{join(full_name, name)}` ({entry_in}->{entry_out}) does not fit the MLP pattern around"
                 f" `{join(full_name, cand.exit[0])}` ({ffn}->{hidden}). Pass `plan=` with explicit styles."

@@ -17,7 +17,9 @@ from torch import nn
 
 from lightning_parallel.tensor_parallel.styles import is_projection, projection_dims
 
-HEAD_COUNT_ATTRS = re.compile(r"^(n_head|n_heads|num_heads|num_attention_heads|nheads|n_heads_q|num_q_heads)$")
+HEAD_COUNT_ATTRS = re.compile(
+    r"^(n_head|n_heads|num_heads|num_attention_heads|nheads|n_heads_q|num_q_heads)$"
+)
 KV_HEAD_COUNT_ATTRS = re.compile(r"^(n_kv_head|n_kv_heads|num_kv_heads|num_key_value_heads|n_head_kv)$")
 HEAD_DIM_ATTRS = ("head_dim", "head_size", "d_head", "attention_head_size")
 WIDTH_ATTRS = re.compile(
@@ -50,7 +52,9 @@ class ContainerCandidate:
         return self.projections[-1]
 
     def looks_like_attention(self) -> bool:
-        if ATTENTION_NAME.search(type(self.module).__name__) or ATTENTION_NAME.search(self.name.split(".")[-1]):
+        if ATTENTION_NAME.search(type(self.module).__name__) or ATTENTION_NAME.search(
+            self.name.split(".")[-1]
+        ):
             return True
         # Own attributes only: a Hugging Face MLP shares the model config, heads included.
         return _int_attr(self.module, HEAD_COUNT_ATTRS) is not None
@@ -139,12 +143,16 @@ def find_token_embedding(model: nn.Module, exclude_prefix: str | None) -> tuple[
     for name, module in model.named_modules():
         if exclude_prefix and name.startswith(exclude_prefix + "."):
             continue
-        if isinstance(module, nn.Embedding) and (best is None or module.num_embeddings > best[1].num_embeddings):
+        if isinstance(module, nn.Embedding) and (
+            best is None or module.num_embeddings > best[1].num_embeddings
+        ):
             best = (name, module)
     return best
 
 
-def find_output_head(model: nn.Module, vocab_size: int, exclude_prefix: str | None) -> tuple[str, nn.Module] | None:
+def find_output_head(
+    model: nn.Module, vocab_size: int, exclude_prefix: str | None
+) -> tuple[str, nn.Module] | None:
     """A projection outside the block stack that maps to the vocabulary."""
     for name, module in model.named_modules():
         if exclude_prefix and name.startswith(exclude_prefix + "."):

@@ -33,7 +33,9 @@ def record_parameter_shards(plan: ParallelPlan, model: nn.Module) -> None:
 
 
 def format_plan(plan: ParallelPlan) -> str:
-    lines = [f"ParallelPlan(tensor_parallel={plan.tensor_parallel}, sequence_parallel={plan.sequence_parallel})"]
+    lines = [
+        f"ParallelPlan(tensor_parallel={plan.tensor_parallel}, sequence_parallel={plan.sequence_parallel})"
+    ]
     if plan.block_list is not None:
         lines.append(f"  block stack: {plan.block_list} ({len(plan.block_names)} blocks)")
     width = max((len(name) for name in plan.styles), default=10)

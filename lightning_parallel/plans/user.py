@@ -20,7 +20,16 @@ from lightning_parallel.plans.detect import find_block_stack, head_count, head_d
 from lightning_parallel.plans.plan import ParallelPlan, ShardedContainer
 from lightning_parallel.tensor_parallel.styles import ColwiseProjection, is_projection, projection_dims
 
-STYLE_NAMES = ("colwise", "rowwise", "fused_qkv", "fused_gate_up", "embedding", "head", "sequence_parallel", "replicate")
+STYLE_NAMES = (
+    "colwise",
+    "rowwise",
+    "fused_qkv",
+    "fused_gate_up",
+    "embedding",
+    "head",
+    "sequence_parallel",
+    "replicate",
+)
 
 
 def style_from_name(name: str, sequence_parallel: bool) -> ParallelStyle | None:

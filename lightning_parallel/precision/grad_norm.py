@@ -115,8 +115,12 @@ def clip_grad_norm_(
     pipeline_group: ProcessGroup | None = None,
     *,
     error_if_nonfinite: bool = False,
+    norm_exclude: set[int] | None = None,
 ) -> Tensor:
     """Scale all gradients in place so that their global norm is at most ``max_norm``.
+
+    ``norm_exclude``: ids of parameters that are scaled but not measured, because another
+    rank measures the same weight (one tied across pipeline stages).
 
     Same arguments and result as :func:`global_grad_norm` (the norm before clipping). Every
     rank multiplies by the same coefficient, computed from the same replicated norm, so
@@ -124,7 +128,8 @@ def clip_grad_norm_(
     (coefficient clamped to 1) to avoid a host sync on the norm.
     """
     params = unique_parameters(parameters)
-    total_norm = global_grad_norm(params, norm_type, pipeline_group, error_if_nonfinite=error_if_nonfinite)
+    measured = [p for p in params if id(p) not in norm_exclude] if norm_exclude else params
+    total_norm = global_grad_norm(measured, norm_type, pipeline_group, error_if_nonfinite=error_if_nonfinite)
     coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
     by_device_dtype: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
     for local in _local_grads(params):

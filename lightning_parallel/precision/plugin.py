@@ -59,6 +59,8 @@ class HybridPrecision(Precision):
 
     def __init__(self, *, pipeline_group: ProcessGroup | None = None) -> None:
         self.pipeline_group = pipeline_group
+        # Weights held by two pipeline stages (a tied embedding and head) count once in the norm.
+        self.norm_exclude: set[int] = set()
 
     @override
     def _after_closure(self, model: pl.LightningModule, optimizer: Steppable) -> None:
@@ -74,7 +76,12 @@ class HybridPrecision(Precision):
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Clip by the norm of the full model: shards summed, replicas counted once, stages summed."""
-        clip_grad_norm_(list(self.main_params(optimizer)), clip_val, pipeline_group=self.pipeline_group)
+        clip_grad_norm_(
+            list(self.main_params(optimizer)),
+            clip_val,
+            pipeline_group=self.pipeline_group,
+            norm_exclude=getattr(self, "norm_exclude", set()),
+        )
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:

@@ -27,7 +27,9 @@ def _map_tensors(state: Any, fn: Callable[[Any, Any], Any], like: Any = None) ->
     if isinstance(state, dict):
         return {k: _map_tensors(v, fn, like[k] if like is not None else None) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(_map_tensors(v, fn, like[i] if like is not None else None) for i, v in enumerate(state))
+        return type(state)(
+            _map_tensors(v, fn, like[i] if like is not None else None) for i, v in enumerate(state)
+        )
     return fn(state, like) if isinstance(state, torch.Tensor) else state
 
 
@@ -54,7 +56,9 @@ def _restore_strided(loaded: Any, like: Any) -> Any:
     """Inverse of :func:`_contiguous_shards`: back to the placements of ``like``."""
 
     def restore(value: Any, original: Any) -> Any:
-        return value.redistribute(original.device_mesh, original.placements) if _is_strided(original) else value
+        return (
+            value.redistribute(original.device_mesh, original.placements) if _is_strided(original) else value
+        )
 
     return _map_tensors(loaded, restore, like)
 
@@ -108,7 +112,9 @@ class ShardedCheckpointing(MeshParallelStrategy):
         model_state = get_model_state_dict(self.model)
         readable = _contiguous_shards(model_state)
         _distributed_checkpoint_load({"state_dict": readable}, path)
-        self.model.load_state_dict(_restore_strided(readable, model_state), strict=self.lightning_module.strict_loading)
+        self.model.load_state_dict(
+            _restore_strided(readable, model_state), strict=self.lightning_module.strict_loading
+        )
         for idx, optimizer in enumerate(self.optimizers):
             optimizer_state = get_optimizer_state_dict(self.model, optimizer)
             readable = _contiguous_shards(optimizer_state)
@@ -132,6 +138,8 @@ class ShardedCheckpointing(MeshParallelStrategy):
         options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
         set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
         for idx, optimizer in enumerate(self.optimizers):
-            optimizer_state = _rekey_optimizer_state_if_needed(checkpoint["optimizer_states"][idx], self.model)
+            optimizer_state = _rekey_optimizer_state_if_needed(
+                checkpoint["optimizer_states"][idx], self.model
+            )
             set_optimizer_state_dict(self.model, optimizer, optimizer_state, options=options)
         return checkpoint

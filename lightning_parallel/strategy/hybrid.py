@@ -34,10 +34,17 @@ from typing_extensions import override
 
 from lightning_parallel.data_parallel import apply_data_parallel, average_direct_parameters, no_gradient_sync
 from lightning_parallel.mesh import ParallelDims
+from lightning_parallel.pipeline.runner import PipelineRunner
+from lightning_parallel.pipeline.setup import filter_plan_to_kept_modules
 from lightning_parallel.plans import ParallelPlan, auto_plan, plan_from_dict
 from lightning_parallel.plans.report import record_parameter_shards
 from lightning_parallel.precision import convert_precision_plugin
 from lightning_parallel.strategy.checkpointing import ShardedCheckpointing
+from lightning_parallel.strategy.pipelined import (
+    PIPELINE_BOUNDARIES_KEY,
+    PipelineArguments,
+    PipelineStrategyMixin,
+)
 from lightning_parallel.strategy.sample import sample_step
 from lightning_parallel.strategy.validation import check_not_yet_supported
 from lightning_parallel.tensor_parallel import (
@@ -59,7 +66,7 @@ log = logging.getLogger(__name__)
 PlanArg = Literal["auto"] | dict[str, ParallelStyle | str] | ParallelPlan
 
 
-class HybridParallelStrategy(ShardedCheckpointing):
+class HybridParallelStrategy(PipelineStrategyMixin, ShardedCheckpointing):
     """Train an unchanged LightningModule with data, tensor and sequence parallelism.
 
     Args:
@@ -67,7 +74,15 @@ class HybridParallelStrategy(ShardedCheckpointing):
             uses all devices of a node. Must divide the attention heads and hidden sizes.
         sequence_parallel: with ``tensor_parallel > 1``, also shard norms/dropout activations
             along the sequence (all-gather/reduce-scatter instead of all-reduce).
-        pipeline_parallel, micro_batches, pipeline_schedule: pipeline stages (not yet supported).
+        pipeline_parallel: pipeline stages: the repeated blocks are cut into contiguous runs
+            (balanced by parameter count, or ``plan={"pipeline_boundaries": [...]}``), the
+            embeddings go to the first stage, final norm, head and loss to the last.
+        micro_batches: micro-batches per batch (default: enough to fill the pipeline). Must
+            divide the DataLoader's batch size.
+        pipeline_schedule: ``"gpipe"``, ``"1f1b"`` (default), ``"interleaved_1f1b"``,
+            ``"looped_bfs"``, ``"interleaved_zero_bubble"``, ``"zbv"`` or ``"dualpipev"``
+            (torch.distributed.pipelining's schedules).
+        pipeline_virtual_stages: stages per rank for the interleaved schedules (default 2).
         expert_parallel: ranks that shard Mixture-of-Experts experts (not yet supported).
         zero_stage, offload: DeepSpeed ZeRO sharding and offloading (not yet supported).
         activation_checkpointing: ``"full"`` or ``"selective"`` recomputation (not yet supported).
@@ -97,6 +112,7 @@ class HybridParallelStrategy(ShardedCheckpointing):
         sequence_parallel: bool = False,
         micro_batches: int | None = None,
         pipeline_schedule: str | None = None,
+        pipeline_virtual_stages: int | None = None,
         zero_stage: int = 0,
         offload: Literal["cpu", "nvme"] | None = None,
         activation_checkpointing: Literal["full", "selective"] | None = None,
@@ -116,10 +132,7 @@ class HybridParallelStrategy(ShardedCheckpointing):
             timeout=timeout,
         )
         check_not_yet_supported(
-            pipeline_parallel=pipeline_parallel,
             expert_parallel=expert_parallel,
-            micro_batches=micro_batches,
-            pipeline_schedule=pipeline_schedule,
             zero_stage=zero_stage,
             offload=offload,
             activation_checkpointing=activation_checkpointing,
@@ -129,7 +142,12 @@ class HybridParallelStrategy(ShardedCheckpointing):
         if sequence_parallel and tensor_parallel == 1:
             rank_zero_warn("`sequence_parallel=True` has no effect with `tensor_parallel=1`; it is ignored.")
         if not (plan == "auto" or isinstance(plan, (dict, ParallelPlan))):
-            raise ValueError(f"`plan={plan!r}` must be 'auto', a dict of module-name patterns, or a ParallelPlan.")
+            raise ValueError(
+                f"`plan={plan!r}` must be 'auto', a dict of module-name patterns, or a ParallelPlan."
+            )
+        self.pipeline = PipelineArguments.resolve(
+            pipeline_parallel, micro_batches, pipeline_schedule, pipeline_virtual_stages, loss_parallel
+        )
         self._tensor_parallel_arg = tensor_parallel
         self.sequence_parallel = sequence_parallel
         self.pipeline_parallel = pipeline_parallel
@@ -143,6 +161,8 @@ class HybridParallelStrategy(ShardedCheckpointing):
         self.plan: ParallelPlan | None = None
         self._dp_units: list[torch.nn.Module] = []
         self._hooks: list[Any] = []
+        self.pipeline_runner: PipelineRunner | None = None
+        self._sync_blocked = False
 
     # ---- layout --------------------------------------------------------------------------
 
@@ -184,7 +204,8 @@ class HybridParallelStrategy(ShardedCheckpointing):
         self.lightning_module._device_mesh = self._device_mesh
         # Lightning's plugin, same precision, with clipping by the global norm over all shards and
         # an fp16 overflow decision shared by every rank.
-        self.precision_plugin = convert_precision_plugin(self.precision_plugin)
+        pp_group = self._device_mesh["pp"].get_group() if self.dims.pp_enabled else None
+        self.precision_plugin = convert_precision_plugin(self.precision_plugin, pipeline_group=pp_group)
         rank_zero_info(
             f"{type(self).__name__}: mesh {self.dims.describe()}, ranks from {type(self.cluster_environment).__name__}"
         )
@@ -202,7 +223,8 @@ class HybridParallelStrategy(ShardedCheckpointing):
         if isinstance(self._plan_arg, ParallelPlan):
             return self._plan_arg
         if isinstance(self._plan_arg, dict):
-            return plan_from_dict(module, self._plan_arg, tp, sp)
+            styles = {k: v for k, v in self._plan_arg.items() if k != PIPELINE_BOUNDARIES_KEY}
+            return plan_from_dict(module, styles, tp, sp)
         return auto_plan(module, tp, sp)
 
     @override
@@ -216,11 +238,18 @@ class HybridParallelStrategy(ShardedCheckpointing):
         if self.dims.tp_enabled:
             self.plan = self.build_plan(module)  # pure: a bad model fails here on every rank alike
         self._sync_parameters(module)
+        layout = self._plan_pipeline(trainer, module) if self.dims.pp_enabled else None
         if self.dims.tp_enabled:
-            self._apply_tensor_parallel(trainer, module)
+            self._verify_tensor_parallel(trainer, module)
+        if layout is not None:
+            self._cut_pipeline(module, layout)
+        if self.dims.tp_enabled:
+            self._apply_tensor_parallel(module)
+        if layout is not None:
+            self._build_pipeline_runner(module, layout)
         if self.compile:
             self._compile_blocks(module)
-        if self.dims.dp_enabled:
+        if self.dims.dp_enabled and layout is None:
             dp_mesh = self.device_mesh["dp"]
             block_names = self.plan.block_names if self.plan else []
             self._dp_units = apply_data_parallel(
@@ -249,7 +278,7 @@ class HybridParallelStrategy(ShardedCheckpointing):
 
             _sync_module_states(module, torch.distributed.group.WORLD, 250 * 1024 * 1024, 0, set())
 
-    def _apply_tensor_parallel(self, trainer: Trainer, module: LightningModule) -> None:
+    def _verify_tensor_parallel(self, trainer: Trainer, module: LightningModule) -> None:
         assert self.plan is not None
         tp_mesh = self.device_mesh["tp"]
         if self.verify_plan:
@@ -259,11 +288,19 @@ class HybridParallelStrategy(ShardedCheckpointing):
             blocks = {name: module.get_submodule(name) for name in firsts.values()}
             step = sample_step(trainer, self)
             if step is None:
-                rank_zero_warn("No batch available before training: the tensor-parallel plan was not verified.")
+                rank_zero_warn(
+                    "No batch available before training: the tensor-parallel plan was not verified."
+                )
             else:
                 captured = capture_block_inputs(step, blocks)
                 for line in verify_and_choose_modes(module, self.plan, tp_mesh, captured):
                     self.plan.notes.append(line)
+
+    def _apply_tensor_parallel(self, module: LightningModule) -> None:
+        assert self.plan is not None
+        tp_mesh = self.device_mesh["tp"]
+        if self.pipeline_runner is not None or self.dims.pp_enabled:
+            filter_plan_to_kept_modules(self.plan, module)
         if self.loss_parallel and self.plan.head is not None:
             self.plan.styles[self.plan.head] = sharded_head_style()
         elif self.loss_parallel:
@@ -279,6 +316,8 @@ class HybridParallelStrategy(ShardedCheckpointing):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline_runner is not None:
+            return self._pipelined_training_step(*args, **kwargs)
         if not self.loss_parallel:
             return super().training_step(*args, **kwargs)
         assert self.lightning_module is not None
@@ -287,22 +326,54 @@ class HybridParallelStrategy(ShardedCheckpointing):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.pipeline_runner is not None:
+            return self._pipelined_backward(closure_loss)
         if not self.loss_parallel:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         with sharded_loss_backward():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline_runner is not None:
+            return self._pipelined_eval_step(
+                "validation_step", self.precision_plugin.val_step_context, *args, **kwargs
+            )
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline_runner is not None:
+            return self._pipelined_eval_step(
+                "test_step", self.precision_plugin.test_step_context, *args, **kwargs
+            )
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline_runner is not None:
+            return self._pipelined_eval_step(
+                "predict_step", self.precision_plugin.predict_step_context, *args, **kwargs
+            )
+        return super().predict_step(*args, **kwargs)
+
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        with no_gradient_sync(self._dp_units):
-            yield
+        # Gradient accumulation: no data-parallel reduction until the last batch of the step.
+        self._sync_blocked = True
+        try:
+            with no_gradient_sync(self._dp_units):
+                yield
+        finally:
+            self._sync_blocked = False
 
     @override
     def teardown(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self.pipeline_runner = None
         super().teardown()
 
     @classmethod
@@ -313,7 +384,12 @@ class HybridParallelStrategy(ShardedCheckpointing):
         )
         strategy_registry.register("tp2", cls, description="tensor_parallel=2", tensor_parallel=2)
         strategy_registry.register(
-            "tp2_sp", cls, description="tensor_parallel=2 with sequence parallelism", tensor_parallel=2,
+            "tp2_sp",
+            cls,
+            description="tensor_parallel=2 with sequence parallelism",
+            tensor_parallel=2,
             sequence_parallel=True,
         )
-        strategy_registry.register("tp_auto", cls, description="tensor parallel over each node", tensor_parallel="auto")
+        strategy_registry.register(
+            "tp_auto", cls, description="tensor parallel over each node", tensor_parallel="auto"
+        )

@@ -31,15 +31,24 @@ def _first_batch(loader: Any) -> Any:
     return next(iter(loader))
 
 
-def sample_step(trainer: Trainer, strategy: Strategy) -> Callable[[], Any] | None:
-    """A zero-argument callable running the user's step on a real batch, or None if no data."""
-    loop_name, step_name = _LOOP_AND_STEP.get(trainer.state.fn, ("fit_loop", "training_step"))
+def first_batch(trainer: Trainer, strategy: Strategy) -> Any | None:
+    """The first batch of the current stage's dataloader, on the device; None if there is no data."""
+    loop_name, _ = _LOOP_AND_STEP.get(trainer.state.fn, ("fit_loop", "training_step"))
     source = getattr(getattr(trainer, loop_name, None), "_data_source", None)
     if source is None or not source.is_defined():
         return None
     try:
-        batch = strategy.batch_to_device(_first_batch(source.dataloader()))
+        return strategy.batch_to_device(_first_batch(source.dataloader()))
     except (StopIteration, TypeError, NotImplementedError):
+        return None
+
+
+def sample_step(trainer: Trainer, strategy: Strategy, batch: Any | None = None) -> Callable[[], Any] | None:
+    """A zero-argument callable running the user's step on a real batch, or None if no data."""
+    _, step_name = _LOOP_AND_STEP.get(trainer.state.fn, ("fit_loop", "training_step"))
+    if batch is None:
+        batch = first_batch(trainer, strategy)
+    if batch is None:
         return None
     module = strategy.lightning_module
     assert module is not None

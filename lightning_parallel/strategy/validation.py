@@ -9,10 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 NOT_YET = {
-    "pipeline_parallel": (1, "pipeline parallelism"),
     "expert_parallel": (1, "expert parallelism (Mixture-of-Experts)"),
-    "micro_batches": (None, "pipeline micro-batches"),
-    "pipeline_schedule": (None, "pipeline schedules"),
     "zero_stage": (0, "DeepSpeed ZeRO sharding"),
     "offload": (None, "ZeRO CPU/NVMe offloading"),
     "activation_checkpointing": (None, "activation checkpointing"),
@@ -25,6 +22,6 @@ def check_not_yet_supported(**arguments: Any) -> None:
         if value != default:
             raise ValueError(
                 f"HybridParallelStrategy(`{name}={value!r}`): {feature} is not supported yet in this version of"
-                f" lightning_parallel. Leave `{name}` at {default!r}; data, tensor and sequence parallelism are"
-                " available now."
+                f" lightning_parallel. Leave `{name}` at {default!r}; data, tensor, sequence and pipeline"
+                " parallelism are available now."
             )

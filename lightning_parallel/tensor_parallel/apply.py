@@ -79,6 +79,10 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceM
     if plan.sequence_parallel and plan.block_names:
         first, last = model.get_submodule(plan.block_names[0]), model.get_submodule(plan.block_names[-1])
         handles += install_sequence_region(first, last, tp_mesh)
-    log.info("applied tensor parallelism (tp=%d, sp=%s) to %d modules", plan.tensor_parallel,
-             plan.sequence_parallel, len(plan.styles))
+    log.info(
+        "applied tensor parallelism (tp=%d, sp=%s) to %d modules",
+        plan.tensor_parallel,
+        plan.sequence_parallel,
+        len(plan.styles),
+    )
     return handles

@@ -88,4 +88,3 @@ def sharded_loss_step(module: nn.Module, state: LossParallelState) -> Iterator[N
 def sharded_loss_backward() -> Iterator[None]:
     with loss_parallel():
         yield
-

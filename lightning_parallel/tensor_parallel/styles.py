@@ -97,7 +97,9 @@ class ColwiseProjection(ColwiseParallel):
         if isinstance(module, nn.Embedding):
             return super()._apply(module, device_mesh)
         if not is_projection(module):
-            raise NotImplementedError(f"ColwiseProjection supports Linear, Conv1D and Embedding, not {type(module)}")
+            raise NotImplementedError(
+                f"ColwiseProjection supports Linear, Conv1D and Embedding, not {type(module)}"
+            )
         output_fn = self._prepare_fused_output_fn if self.num_chunks > 1 else self._prepare_output_fn
         return distribute_module(
             module,

@@ -66,8 +66,13 @@ def _relative_plan(plan: ParallelPlan, prefix: str, narrow: set[str]) -> Paralle
     cut = len(prefix) + 1
     styles = {name[cut:]: style for name, style in plan.styles.items() if name.startswith(prefix + ".")}
     containers = [
-        dataclasses.replace(c, name=c.name[cut:], entries=[e[cut:] for e in c.entries], exit=c.exit[cut:],
-                            narrow_input=c.name in narrow)
+        dataclasses.replace(
+            c,
+            name=c.name[cut:],
+            entries=[e[cut:] for e in c.entries],
+            exit=c.exit[cut:],
+            narrow_input=c.name in narrow,
+        )
         for c in plan.containers
         if c.name.startswith(prefix + ".")
     ]
@@ -120,7 +125,9 @@ def _compare_once(block: nn.Module, inputs: Captured, plan: ParallelPlan, mesh: 
     out, grad = _run(sharded, inputs)
     problems = []
     if (err := _rel_error(out, ref_out)) > TOLERANCE:
-        problems.append(f"output differs (relative error {err:.2e}, shapes {tuple(out.shape)} vs {tuple(ref_out.shape)})")
+        problems.append(
+            f"output differs (relative error {err:.2e}, shapes {tuple(out.shape)} vs {tuple(ref_out.shape)})"
+        )
     if (err := _rel_error(grad, ref_grad)) > TOLERANCE:
         problems.append(f"input gradient differs (relative error {err:.2e})")
     for name, ref_param in reference.named_parameters():
@@ -152,7 +159,9 @@ def verify_and_choose_modes(
     lines = []
     for block_name, inputs in captured.items():
         block = model.get_submodule(block_name)
-        block_containers: list[ShardedContainer] = [c for c in plan.containers if c.name.startswith(block_name + ".")]
+        block_containers: list[ShardedContainer] = [
+            c for c in plan.containers if c.name.startswith(block_name + ".")
+        ]
         attention = {c.name for c in block_containers if c.kind == "attention"}
         failures = []
         for mode, narrowed in (("full-width", set()), ("width-sliced", attention)):

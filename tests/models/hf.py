@@ -46,11 +46,12 @@ class HFGPT2Module(_CausalLMModule):
         block_size: int = 32,
         learning_rate: float | None = None,
         optimizer: str = "sgd",
+        n_layer: int = 2,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         config = GPT2Config(
-            vocab_size=vocab_size, n_positions=block_size, n_embd=64, n_layer=2, n_head=4,
+            vocab_size=vocab_size, n_positions=block_size, n_embd=64, n_layer=n_layer, n_head=4,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
             use_cache=False, attn_implementation="eager",
         )  # fmt: skip
@@ -67,12 +68,13 @@ class HFLlamaModule(_CausalLMModule):
         learning_rate: float | None = None,  # None: 0.1 for SGD, 1e-3 for AdamW
         optimizer: str = "sgd",
         num_key_value_heads: int = 2,
+        n_layer: int = 2,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         config = LlamaConfig(
             vocab_size=vocab_size, max_position_embeddings=block_size, hidden_size=64,
-            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=128, num_hidden_layers=n_layer, num_attention_heads=4,
             num_key_value_heads=num_key_value_heads, bos_token_id=0, eos_token_id=0, pad_token_id=None,
             use_cache=False, attn_implementation="sdpa",
         )  # fmt: skip

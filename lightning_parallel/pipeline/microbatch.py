@@ -1,0 +1,139 @@
+"""Cut the user's batch into micro-batches, and turn per-micro-batch ``self.log`` calls into one.
+
+The user's ``training_step`` runs once per micro-batch on the last stage, so each of its
+``self.log`` calls happens ``M`` times per optimizer step, on the last stage only. Lightning's
+logger writes on global rank 0, which holds the *first* stage. So during a pipelined step the
+calls are recorded, averaged over the micro-batches (equal sizes: the mean of means is the
+batch mean), sent from the last stage to every stage of the pipeline, and replayed once.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def split_batch(batch: Any, micro_batches: int) -> list[Any]:
+    """``micro_batches`` copies of ``batch`` with every tensor cut along dim 0 (other leaves shared)."""
+    if micro_batches == 1:
+        return [batch]
+    return [_take(batch, micro_batches, index) for index in range(micro_batches)]
+
+
+def batch_size_of(batch: Any) -> int | None:
+    for leaf in _leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return leaf.size(0)
+    return None
+
+
+def check_divisible(batch: Any, micro_batches: int) -> None:
+    for leaf in _leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.size(0) % micro_batches:
+            raise ValueError(
+                f"`micro_batches={micro_batches}` does not divide the batch size {leaf.size(0)} (a tensor of shape"
+                f" {tuple(leaf.shape)} in the batch). Use a DataLoader batch size that is a multiple of"
+                f" {micro_batches}, or change `micro_batches` to a divisor of {leaf.size(0)}."
+            )
+
+
+def _leaves(batch: Any) -> Iterator[Any]:
+    if isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from _leaves(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            yield from _leaves(value)
+    else:
+        yield batch
+
+
+def _take(batch: Any, parts: int, index: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            return batch
+        return batch.tensor_split(parts, dim=0)[index]
+    if isinstance(batch, Mapping):
+        items = {key: _take(value, parts, index) for key, value in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:  # mappings whose constructor takes something else
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_take(value, parts, index) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_take(value, parts, index) for value in batch)
+    return batch
+
+
+class LogRecorder:
+    """Collects ``self.log`` calls of the micro-batches of one step; replays their mean once."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, dict[str, tuple[Any, dict[str, Any]]]] = defaultdict(dict)
+
+    @contextmanager
+    def recording(self, module: nn.Module, micro_batch: Callable[[], int]) -> Iterator[None]:
+        """Patch ``module.log`` (``log_dict`` calls ``log``) to record under the current micro-batch."""
+
+        def log(name: str, value: Any, **kwargs: Any) -> None:
+            # A later call for the same micro-batch (torch's shape inference runs micro-batch 0
+            # once more) replaces the earlier one.
+            self.calls[micro_batch()][name] = (value, kwargs)
+
+        module.log = log  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del module.log
+
+    def averaged(self, module: nn.Module) -> list[tuple[str, Any, dict[str, Any]]]:
+        """``[(name, value, kwargs)]``: tensors and numbers averaged, metrics named by their module path."""
+        names: dict[str, None] = {}
+        for calls in self.calls.values():
+            names.update(dict.fromkeys(calls))
+        out: list[tuple[str, Any, dict[str, Any]]] = []
+        for name in names:
+            entries = [calls[name] for calls in self.calls.values() if name in calls]
+            value, kwargs = entries[-1]
+            if isinstance(value, nn.Module):  # a torchmetrics Metric: send where it lives, not its state
+                path = next((n for n, m in module.named_modules() if m is value), None)
+                out.append((name, ("module", path), kwargs))
+                continue
+            values = [
+                torch.as_tensor(v.detach() if isinstance(v, torch.Tensor) else v).float().cpu()
+                for v, _ in entries
+            ]
+            out.append((name, ("value", torch.stack(values).mean()), kwargs))
+        return out
+
+    def clear(self) -> None:
+        self.calls.clear()
+
+
+def replay_logs(
+    module: nn.Module, records: Sequence[tuple[str, Any, dict[str, Any]]], device: torch.device
+) -> None:
+    """Call the real ``module.log`` once per recorded name, with the same keyword arguments."""
+    for name, (kind, payload), kwargs in records:
+        if kind == "module":
+            if payload is None:
+                continue
+            module.log(name, module.get_submodule(payload), **kwargs)
+        else:
+            module.log(name, payload.to(device), **kwargs)
+
+
+def broadcast_from(obj: Any, src_group_rank: int, group: dist.ProcessGroup | None) -> Any:
+    """Send a picklable object from one rank of ``group`` to all of them."""
+    if group is None or dist.get_world_size(group) == 1:
+        return obj
+    box = [obj if dist.get_rank(group) == src_group_rank else None]
+    dist.broadcast_object_list(box, group_src=src_group_rank, group=group)
+    return box[0]

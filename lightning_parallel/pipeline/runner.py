@@ -1,0 +1,322 @@
+"""Run the user's step as a pipeline inside the Trainer's step: training, evaluation, gradient sync.
+
+Training uses torch's schedules (``torch.distributed.pipelining``): each rank's stages are
+:class:`~lightning_parallel.pipeline.stages.StageModule` objects whose forward runs the user's
+``training_step`` on one micro-batch, cut to the stage. The last stage's output *is* the
+user's loss; the schedule's loss function only scales it (micro-batches, gradient
+accumulation, the fp16 loss scale), and runs backward.
+
+Evaluation (validation, test, predict) is forward-only and needs no autograd, so it is a plain
+chain of point-to-point sends in stage order (shapes travel with the tensors: evaluation
+batches may differ in size from training ones).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.distributed.tensor import DTensor
+
+from lightning_parallel.pipeline.discover import PipelineSetupError, extract_loss
+from lightning_parallel.pipeline.microbatch import LogRecorder, broadcast_from, replay_logs, split_batch
+from lightning_parallel.pipeline.schedules import ScheduleSpec
+from lightning_parallel.pipeline.stages import StageExit, StageLayout, StageModule, StageRuntime
+
+_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+@dataclass
+class _StepContext:
+    step_fn: Callable[..., Any]
+    micro_batches: list[Any]
+    step_args: tuple[Any, ...]
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)
+    current: int = 0
+
+
+class PipelineRunner:
+    """One rank's stages, its schedule, and the collectives a pipelined step needs."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        layout: StageLayout,
+        spec: ScheduleSpec,
+        my_stages: list[int],
+        micro_batches: int,
+        pp_group: dist.ProcessGroup,
+        dp_group: dist.ProcessGroup | None,
+        device: torch.device,
+        runtime: StageRuntime,
+        owned_names: set[str],
+        tied_groups: dict[str, dist.ProcessGroup],
+    ) -> None:
+        self.module = module
+        self.layout = layout
+        self.spec = spec
+        self.my_stages = my_stages
+        self.micro_batches = micro_batches
+        self.pp_group = pp_group
+        self.pp_rank = dist.get_rank(pp_group)
+        self.dp_group = dp_group
+        self.device = device
+        self.runtime = runtime
+        self.tied_groups = tied_groups  # canonical name -> group of the ranks holding that tied weight
+        self.last_stage = layout.num_stages - 1
+        self.last_owner = layout.owners[self.last_stage]
+        self.logs = LogRecorder()
+        self._ctx: _StepContext | None = None
+        self._loss_factor: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
+        params = dict(module.named_parameters())
+        self.parameters = [params[n] for n in sorted(owned_names) if n in params]
+        self.stage_modules = [StageModule(s, self._stage_parameters(s, params), self) for s in my_stages]
+        self.stages = [
+            PipelineStage(sm, s, layout.num_stages, device, group=pp_group)
+            for sm, s in zip(self.stage_modules, my_stages, strict=False)
+        ]
+        schedule_cls = get_schedule_class(spec.torch_name)
+        target = self.stages if spec.multi_stage else self.stages[0]
+        try:
+            self.schedule = schedule_cls(
+                target, n_microbatches=micro_batches, loss_fn=self._loss_fn, scale_grads=False
+            )
+        except (ValueError, AssertionError) as error:
+            raise ValueError(
+                f"`pipeline_schedule={spec.name!r}` with `micro_batches={micro_batches}` and"
+                f" {layout.num_stages} stages: torch refused the layout ({error})."
+            ) from None
+
+    def _stage_parameters(self, stage: int, params: dict[str, nn.Parameter]) -> list[nn.Parameter]:
+        names = {n for n, stages in self.layout.parameter_stages.items() if stage in stages}
+        return [params[n] for n in sorted(names) if n in params]
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.last_stage in self.my_stages
+
+    # ---- inside the schedule -------------------------------------------------------------
+
+    def run_stage(self, stage: int, received: torch.Tensor | None, mb_index: int) -> Any:
+        ctx = self._ctx
+        if ctx is None:
+            raise RuntimeError("A pipeline stage ran outside a pipelined step.")
+        ctx.current = mb_index
+        self.runtime.active_stage = stage
+        self.runtime.injected = received
+        try:
+            output = ctx.step_fn(ctx.micro_batches[mb_index], *ctx.step_args)
+        except StageExit as exit_:
+            return exit_.hidden
+        finally:
+            self.runtime.active_stage = None
+            self.runtime.injected = None
+        if stage != self.last_stage:
+            raise PipelineSetupError(
+                f"Pipeline stage {stage} finished the step without reaching the end of its blocks."
+            )
+        ctx.outputs[mb_index] = output
+        return output
+
+    def _loss_fn(self, output: Any, target: Any) -> torch.Tensor:
+        ctx = self._ctx
+        assert ctx is not None
+        loss = extract_loss(output)
+        ctx.losses[ctx.current] = loss.detach()
+        return self._loss_factor(loss)
+
+    # ---- training ------------------------------------------------------------------------
+
+    def train_step(
+        self,
+        step_fn: Callable[..., Any],
+        batch: Any,
+        step_args: Sequence[Any],
+        loss_factor: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """One pipelined forward+backward; returns the batch loss (mean over micro-batches) on every stage."""
+        m = self.micro_batches
+        self._ctx = _StepContext(step_fn, split_batch(batch, m), tuple(step_args))
+        self._loss_factor = lambda loss: loss_factor(loss) / m
+        self.logs.clear()
+        index = torch.arange(m, device=self.device)
+        target = torch.zeros(m, device=self.device)
+        try:
+            with self.logs.recording(self.module, lambda: self._ctx.current if self._ctx else 0):
+                self.schedule.step(mb_index=index, target=target, return_outputs=False)
+            loss = self._finish(self._ctx.losses)
+        finally:
+            self._ctx = None
+        return loss
+
+    def _finish(self, losses: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Send the mean loss and the recorded logs from the last stage to every stage; replay the logs."""
+        payload = None
+        if self.holds_last_stage:
+            mean = torch.stack([losses[i].float() for i in sorted(losses)]).mean().cpu()
+            payload = (mean, self.logs.averaged(self.module))
+        mean, records = broadcast_from(payload, self.last_owner, self.pp_group)
+        replay_logs(self.module, records, self.device)
+        self.logs.clear()
+        return mean.to(self.device)
+
+    def detach_gradients(self) -> list[torch.Tensor | None]:
+        """Take the ``.grad`` tensors out of the parameters (they become None); returns them."""
+        grads = [p.grad for p in self.parameters]
+        for p in self.parameters:
+            p.grad = None
+        return grads
+
+    def attach_gradients(self, grads: list[torch.Tensor | None], add: bool) -> None:
+        """Put gradients back, or add them to what the parameters hold now."""
+        for p, grad in zip(self.parameters, grads, strict=True):
+            if grad is None:
+                continue
+            if add and p.grad is not None:
+                p.grad.add_(grad)
+            else:
+                p.grad = grad
+
+    def sync_gradients(self) -> None:
+        """Average gradients over data-parallel replicas; sum weights tied across stages (once per optimizer step)."""
+        for name, group in self.tied_groups.items():
+            param = self.module.get_parameter(name)
+            _all_reduce_grads([param], group, average=False)
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            _all_reduce_grads(self.parameters, self.dp_group, average=True)
+
+    # ---- evaluation ----------------------------------------------------------------------
+
+    def eval_step(self, step_fn: Callable[..., Any], batch: Any, step_args: Sequence[Any]) -> Any:
+        """Forward-only pipeline: micro-batches flow down the stages; the last stage's outputs go to every stage."""
+        size = _leading_size(batch)
+        m = math.gcd(self.micro_batches, size) if size else 1
+        micro = split_batch(batch, m)
+        self._ctx = _StepContext(step_fn, micro, tuple(step_args))
+        self.logs.clear()
+        pending: list[Any] = []
+        try:
+            with self.logs.recording(self.module, lambda: self._ctx.current if self._ctx else 0):
+                for mb in range(m):
+                    carried: torch.Tensor | None = None
+                    for stage in range(self.layout.num_stages):
+                        owner = self.layout.owners[stage]
+                        if owner != self.pp_rank:
+                            continue
+                        if stage > 0 and self.layout.owners[stage - 1] != self.pp_rank:
+                            carried = _recv(self.layout.owners[stage - 1], self.pp_group, self.device)
+                        out = self.run_stage(stage, carried, mb)
+                        carried = out if stage < self.last_stage else None
+                        if stage < self.last_stage and self.layout.owners[stage + 1] != self.pp_rank:
+                            pending += _send(out, self.layout.owners[stage + 1], self.pp_group)
+            for work in pending:
+                work.wait()
+            outputs = [self._ctx.outputs[i] for i in range(m)] if self.holds_last_stage else None
+            result = None
+            if self.holds_last_stage:
+                result = (_merge_outputs(outputs), self.logs.averaged(self.module))
+                result = (_to_cpu(result[0]), result[1])
+            merged, records = broadcast_from(result, self.last_owner, self.pp_group)
+            replay_logs(self.module, records, self.device)
+        finally:
+            self._ctx = None
+            self.logs.clear()
+        return _to_device(merged, self.device)
+
+
+def _leading_size(batch: Any) -> int | None:
+    from lightning_parallel.pipeline.microbatch import batch_size_of
+
+    return batch_size_of(batch)
+
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
+
+
+def _send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> list[Any]:
+    tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    tensor = tensor.detach().contiguous()
+    header = torch.zeros(10, dtype=torch.int64, device=tensor.device)
+    header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+    header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    return [dist.isend(header, group=group, group_dst=dst), dist.isend(tensor, group=group, group_dst=dst)]
+
+
+def _recv(src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    header = torch.zeros(10, dtype=torch.int64, device=device)
+    dist.recv(header, group=group, group_src=src)
+    ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+    buffer = torch.empty([int(x) for x in header[2 : 2 + ndim]], dtype=dtype, device=device)
+    dist.recv(buffer, group=group, group_src=src)
+    return buffer
+
+
+def _merge_outputs(outputs: list[Any]) -> Any:
+    """One step output from the micro-batches': scalar losses averaged, batched tensors concatenated."""
+    first = outputs[0]
+    if len(outputs) == 1 or first is None:
+        return first
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            return torch.stack([o.float() for o in outputs]).mean()
+        return torch.cat(outputs, dim=0)
+    if isinstance(first, dict):
+        return {k: _merge_outputs([o[k] for o in outputs]) for k in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(_merge_outputs(list(items)) for items in zip(*outputs, strict=False))
+    return first
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
+def _all_reduce_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup, average: bool) -> None:
+    """Bucketed all-reduce of the gradients' local shards (missing gradients count as zeros)."""
+    size = dist.get_world_size(group)
+    grads: list[torch.Tensor] = []
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        grad = param.grad
+        grads.append(grad.to_local() if isinstance(grad, DTensor) else grad)
+    buckets: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+    for grad in grads:
+        lists = buckets.setdefault((grad.device, grad.dtype), [[]])
+        if sum(g.numel() * g.element_size() for g in lists[-1]) > _BUCKET_BYTES:
+            lists.append([])
+        lists[-1].append(grad)
+    for lists in buckets.values():
+        for bucket in lists:
+            flat = torch._utils._flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=group)
+            if average:
+                flat.div_(size)
+            for grad, reduced in zip(
+                bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=False
+            ):
+                grad.copy_(reduced)

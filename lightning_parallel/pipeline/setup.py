@@ -1,0 +1,154 @@
+"""Build one rank's pipeline: find the blocks, cut the stages, make the groups, pick the schedule.
+
+Called by the strategy at setup, on every rank alike (every decision depends only on the
+model, the first batch and the layout, which all ranks share), so a bad configuration fails
+everywhere with the same ``ValueError`` before any pipeline communication starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_parallel.pipeline.discover import Discovery, discover
+from lightning_parallel.pipeline.schedules import (
+    ScheduleSpec,
+    check_micro_batches,
+    stage_owner,
+    stages_of_rank,
+)
+from lightning_parallel.pipeline.split import balanced_boundaries, check_user_boundaries, stage_ranges
+from lightning_parallel.pipeline.stages import StageLayout, StageRuntime, cut_into_stages
+
+
+@dataclass
+class PipelineConfig:
+    """The user's pipeline arguments, resolved."""
+
+    pipeline_parallel: int
+    spec: ScheduleSpec
+    virtual_stages: int
+    micro_batches: int
+    boundaries: Sequence[int] | None = (
+        None  # first block of stages 1..S-1 (``plan={"pipeline_boundaries": ...}``)
+    )
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline_parallel * self.virtual_stages
+
+    def check(self) -> None:
+        check_micro_batches(self.spec, self.micro_batches, self.pipeline_parallel)
+
+
+def find_block_names(module: nn.Module) -> list[str]:
+    from lightning_parallel.plans.detect import find_block_stack
+
+    stack = find_block_stack(module)
+    if stack is None:
+        raise ValueError(
+            f"Pipeline parallelism cuts the model between its repeated blocks, but no block list (an"
+            f" nn.ModuleList of same-class modules) was found in {type(module).__name__}."
+        )
+    return [f"{stack.name}.{i}" for i in range(len(stack.blocks))]
+
+
+def plan_stages(
+    module: nn.Module, config: PipelineConfig, step: Callable[[], Any], training: bool = True
+) -> StageLayout:
+    """Discover the model (one real step) and decide which blocks each stage holds."""
+    block_names = find_block_names(module)
+    n = len(block_names)
+    if config.boundaries is not None:
+        starts = check_user_boundaries(list(config.boundaries), n, config.num_stages)
+    else:
+        costs = [sum(p.numel() for p in module.get_submodule(b).parameters()) for b in block_names]
+        starts = balanced_boundaries(costs, config.num_stages)
+    discovery: Discovery = discover(module, block_names, step, training)
+    owners = [stage_owner(config.spec, s, config.pipeline_parallel) for s in range(config.num_stages)]
+    return StageLayout.build(module, stage_ranges(starts, n), owners, discovery)
+
+
+def cut_for_rank(
+    module: nn.Module, layout: StageLayout, config: PipelineConfig, pp_rank: int, runtime: StageRuntime
+) -> tuple[list[int], set[str]]:
+    my_stages = stages_of_rank(config.spec, pp_rank, config.pipeline_parallel, config.virtual_stages)
+    owned = cut_into_stages(module, layout, my_stages, runtime)
+    return my_stages, owned
+
+
+def tied_weight_groups(layout: StageLayout, mesh: DeviceMesh) -> dict[str, dist.ProcessGroup]:
+    """A process group per weight held on several pipeline ranks (GPT's embedding and head).
+
+    Every rank creates every group in the same order (``new_group`` is collective over the
+    world); each keeps the one its own (dp, tp) position belongs to.
+    """
+    tied = layout.tied_across_ranks()
+    if not tied:
+        return {}
+    grid = mesh.mesh  # (pp, dp, tp) global ranks
+    me = dist.get_rank()
+    by_ranks: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+    for ranks in sorted(set(tied.values())):
+        if len(ranks) == grid.size(0):
+            by_ranks[ranks] = mesh["pp"].get_group()
+            continue
+        mine = None
+        for d in range(grid.size(1)):
+            for t in range(grid.size(2)):
+                members = [int(grid[r, d, t]) for r in ranks]
+                group = dist.new_group(members)
+                if me in members:
+                    mine = group
+        by_ranks[ranks] = mine
+    pp_rank = mesh["pp"].get_local_rank()
+    return {
+        name: by_ranks[ranks]
+        for name, ranks in tied.items()
+        if pp_rank in ranks and by_ranks[ranks] is not None
+    }
+
+
+def norm_duplicates(layout: StageLayout, pp_rank: int, module: nn.Module) -> set[int]:
+    """Ids of tied weights this rank must leave out of the global gradient norm (counted on their first rank)."""
+    out = set()
+    for name, ranks in layout.tied_across_ranks().items():
+        if pp_rank != ranks[0]:
+            out.add(id(module.get_parameter(name)))
+    return out
+
+
+def filter_plan_to_kept_modules(plan: Any, module: nn.Module) -> Any:
+    """Drop tensor-parallel styles for modules another stage holds (they have no parameters here)."""
+    from lightning_parallel.pipeline.stages import SkippedBlock
+
+    def kept(name: str) -> bool:
+        try:
+            target = module.get_submodule(name)
+        except AttributeError:
+            return False
+        if isinstance(target, SkippedBlock):
+            return False
+        return any(True for _ in target.parameters())
+
+    plan.styles = {name: style for name, style in plan.styles.items() if kept(name)}
+    plan.containers = [c for c in plan.containers if kept(c.name)]
+    if plan.head is not None and not kept(plan.head):
+        plan.head = None
+    return plan
+
+
+__all__ = [
+    "PipelineConfig",
+    "cut_for_rank",
+    "filter_plan_to_kept_modules",
+    "find_block_names",
+    "norm_duplicates",
+    "plan_stages",
+    "tied_weight_groups",
+]

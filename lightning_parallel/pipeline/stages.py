@@ -1,0 +1,188 @@
+"""Turn one rank's copy of the model into its pipeline stages, in place, without editing model code.
+
+The user's forward runs unchanged on every stage, from its first line, once per micro-batch:
+
+- blocks other ranks hold are replaced by :class:`SkippedBlock` (no parameters: the memory
+  is freed); blocks this rank holds for *another* of its stages are passed through the same way;
+- entering the stage's first block, the hidden state is replaced by the activation received
+  from the previous stage; leaving its last block, :class:`StageExit` stops the forward and
+  carries the hidden state out (the rest of the user's step never runs on that stage);
+- parameters outside the blocks that this rank does not own (the embedding on later stages,
+  the head on earlier ones) are replaced by zero tensors that take no memory
+  (``torch.zeros(()).expand(shape)``), so code before the first block still runs; its result
+  is discarded at the injection point, so the zeros never reach a gradient or a loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_parallel.pipeline.discover import Discovery, OutputTemplate
+from lightning_parallel.tensor_parallel.regions import _find_hidden, _replace
+
+
+class StageExit(Exception):  # noqa: N818 - control flow, not an error
+    """Raised leaving a stage's last block: the hidden state is the stage's output."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+
+class SkippedBlock(nn.Module):
+    """Stands in for a block held by another rank: returns the hidden state it was given."""
+
+    def __init__(self, name: str, template: OutputTemplate) -> None:
+        super().__init__()
+        self.held_elsewhere = name
+        self.template = template
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.template.build(_find_hidden(args, kwargs)[1])
+
+    def extra_repr(self) -> str:
+        return f"{self.held_elsewhere!r} runs on another pipeline stage"
+
+
+@dataclass
+class StageLayout:
+    """Which blocks and parameters each stage holds; the same on every rank."""
+
+    ranges: list[range]  # blocks of each stage, by global stage index
+    owners: list[int]  # pipeline rank of each stage
+    discovery: Discovery
+    parameter_stages: dict[str, set[int]] = field(default_factory=dict)  # see :meth:`build`
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.ranges)
+
+    def stage_of_block(self, block: int) -> int:
+        return next(s for s, r in enumerate(self.ranges) if block in r)
+
+    @classmethod
+    def build(
+        cls, module: nn.Module, ranges: list[range], owners: list[int], discovery: Discovery
+    ) -> StageLayout:
+        """Also record, before any surgery, which stages hold each parameter (canonical names)."""
+        layout = cls(ranges, owners, discovery)
+        d = discovery
+        last = layout.num_stages - 1
+        out = layout.parameter_stages
+        for index, name in enumerate(d.block_names):
+            stage = layout.stage_of_block(index)
+            for pname, _ in module.get_submodule(name).named_parameters(prefix=name):
+                out.setdefault(pname, set()).add(stage)
+        for pname in d.pre_parameters | d.other_parameters:
+            out.setdefault(pname, set()).add(0)
+        for pname in d.post_parameters:
+            out.setdefault(pname, set()).add(last)
+        return layout
+
+    def tied_across_ranks(self) -> dict[str, tuple[int, ...]]:
+        """Parameters held by stages on different pipeline ranks -> those ranks (sorted)."""
+        out = {}
+        for name, stages in sorted(self.parameter_stages.items()):
+            ranks = tuple(sorted({self.owners[s] for s in stages}))
+            if len(ranks) > 1:
+                out[name] = ranks
+        return out
+
+
+@dataclass
+class StageRuntime:
+    """What the hooks read while a stage runs (set by the runner around each stage forward)."""
+
+    active_stage: int | None = None
+    injected: torch.Tensor | None = None
+    handles: list[RemovableHandle] = field(default_factory=list)
+
+
+def cut_into_stages(
+    module: nn.Module, layout: StageLayout, my_stages: list[int], runtime: StageRuntime
+) -> set[str]:
+    """Apply the surgery for the stages in ``my_stages``; returns the canonical names of the kept parameters."""
+    d = layout.discovery
+    owned_names = {n for n, stages in layout.parameter_stages.items() if stages & set(my_stages)}
+    # Parameters outside the blocks that this rank does not own become zero placeholders.
+    block_ids = {id(p) for name in d.block_names for p in module.get_submodule(name).parameters()}
+    canonical = {id(p): n for n, p in module.named_parameters()}
+    for holder in module.modules():
+        for attr, param in list(holder.named_parameters(recurse=False)):
+            if id(param) in block_ids or canonical[id(param)] in owned_names:
+                continue
+            del holder._parameters[attr]
+            setattr(holder, attr, torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape))
+    for index, name in enumerate(d.block_names):
+        stage = layout.stage_of_block(index)
+        if stage not in my_stages:
+            parent_name, _, child = name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            setattr(parent, child, SkippedBlock(name, d.template))
+        elif len(my_stages) > 1:
+            _gate(module.get_submodule(name), stage, d.template, runtime)
+    for stage in my_stages:
+        first = module.get_submodule(d.block_names[layout.ranges[stage][0]])
+        last = module.get_submodule(d.block_names[layout.ranges[stage][-1]])
+        if stage > 0:
+            runtime.handles.append(
+                first.register_forward_pre_hook(_injector(stage, runtime), with_kwargs=True)
+            )
+        if stage < layout.num_stages - 1:
+            runtime.handles.append(last.register_forward_hook(_exiter(stage, runtime)))
+    return owned_names
+
+
+def _gate(block: nn.Module, stage: int, template: OutputTemplate, runtime: StageRuntime) -> None:
+    """Pass ``block`` through while another stage of this rank runs (its forward starts at line one too)."""
+    original = block.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if runtime.active_stage is not None and runtime.active_stage != stage:
+            return template.build(_find_hidden(args, kwargs)[1])
+        return original(*args, **kwargs)
+
+    block.forward = forward  # type: ignore[method-assign]
+
+
+def _injector(stage: int, runtime: StageRuntime) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if runtime.active_stage != stage or runtime.injected is None:
+            return None
+        where, _ = _find_hidden(args, kwargs)
+        return _replace(args, kwargs, where, runtime.injected)
+
+    return hook
+
+
+def _exiter(stage: int, runtime: StageRuntime) -> Any:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        if runtime.active_stage == stage:
+            raise StageExit(OutputTemplate.hidden_of(output))
+
+    return hook
+
+
+class StageModule(nn.Module):
+    """The ``submodule`` torch's ``PipelineStage`` runs: the user's step, cut to one stage.
+
+    Its parameters are exactly the stage's (the zero-bubble schedules compute weight
+    gradients for ``submod.parameters()``); the step itself is the runner's.
+    """
+
+    def __init__(self, stage_index: int, parameters: Iterable[nn.Parameter], runner: Any) -> None:
+        super().__init__()
+        self.stage_index = stage_index
+        self.stage_parameters = nn.ParameterList(list(parameters))
+        object.__setattr__(self, "_runner", runner)  # not a submodule: no second copy of its parameters
+
+    def forward(self, *received: torch.Tensor, mb_index: torch.Tensor) -> torch.Tensor:
+        return self._runner.run_stage(
+            self.stage_index, received[0] if received else None, int(mb_index.item())
+        )
