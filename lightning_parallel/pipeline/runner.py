@@ -302,6 +302,10 @@ def _all_reduce_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup, 
     for param in params:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
+        if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+            # The same weight's gradient may arrive in another layout on another stage (a tied
+            # embedding's is replicated, the head's sharded): bring both to the weight's layout.
+            param.grad = param.grad.redistribute(param.device_mesh, param.placements)
         grad = param.grad
         grads.append(grad.to_local() if isinstance(grad, DTensor) else grad)
     buckets: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
