@@ -14,12 +14,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel.strategy.base import MeshParallelStrategy
+
+
+# Optimizer state keyed per parameter name ("param_groups.<fqn>.lr", "state.<fqn>.exp_avg"), not
+# as one list of parameter groups: under pipeline parallelism each rank holds different
+# parameters, and a shared list would be saved by one rank only and loaded wrongly by the rest.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _map_tensors(state: Any, fn: Callable[[Any, Any], Any], like: Any = None) -> Any:
@@ -85,7 +92,7 @@ class ShardedCheckpointing(MeshParallelStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.model is not None
-        return _contiguous_shards(get_optimizer_state_dict(self.model, optimizer))
+        return _contiguous_shards(get_optimizer_state_dict(self.model, optimizer, options=_FLAT))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -116,10 +123,12 @@ class ShardedCheckpointing(MeshParallelStrategy):
             _restore_strided(readable, model_state), strict=self.lightning_module.strict_loading
         )
         for idx, optimizer in enumerate(self.optimizers):
-            optimizer_state = get_optimizer_state_dict(self.model, optimizer)
+            optimizer_state = get_optimizer_state_dict(self.model, optimizer, options=_FLAT)
             readable = _contiguous_shards(optimizer_state)
             _distributed_checkpoint_load({f"optimizer_{idx}": readable}, path)
-            set_optimizer_state_dict(self.model, optimizer, _restore_strided(readable, optimizer_state))
+            set_optimizer_state_dict(
+                self.model, optimizer, _restore_strided(readable, optimizer_state), options=_FLAT
+            )
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     def _load_full_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:

@@ -54,6 +54,29 @@ def test_resume_from_sharded_checkpoint_continues_the_same_run(checkpoint_runs: 
         _assert_close(resumed[rank]["losses"], reference[3:], f"resumed from the sharded checkpoint, rank {rank}")
 
 
+@pytest.fixture(scope="module")
+def pipeline_checkpoint_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("checkpoint_resume_pp2")
+    for mode in ("first", "resume"):
+        result = launch("checkpoint_resume.py", [mode, str(out), "pp2"], out, timeout_s=180)
+        print(f"pp2 {mode}: {result.wall_s:.1f} s")
+        result.assert_all_succeeded()
+    return out
+
+
+def test_pipeline_resume_from_sharded_checkpoint_continues_the_same_run(pipeline_checkpoint_runs: Path) -> None:
+    """Two pipeline stages (each saves only its own blocks; the tied embedding/head on both ends,
+    identical): stop after one epoch, resume in fresh processes, same losses as the straight run."""
+    out = pipeline_checkpoint_runs
+    straight, first, resumed = (_read(out, run) for run in ("straight", "first_half", "resumed"))
+    assert [r["global_step"] for r in straight + first + resumed] == [6, 6, 3, 3, 6, 6]
+    reference = straight[0]["losses"]
+    for rank in range(2):
+        # Every stage reports the last stage's loss.
+        assert straight[rank]["losses"] == reference
+        _assert_close(resumed[rank]["losses"], reference[3:], f"pp=2, resumed from the sharded checkpoint, rank {rank}")
+
+
 def test_resume_from_consolidated_checkpoint_continues_the_same_run(checkpoint_runs: Path) -> None:
     straight, resumed = _read(checkpoint_runs, "straight"), _read(checkpoint_runs, "resumed_full")
     assert (checkpoint_runs / "step3.full.ckpt").is_file()

@@ -1,7 +1,10 @@
 """Save and resume a sharded checkpoint in the same layout (tp=2 on 2 ranks), recording losses.
 
-    python tests/strategy/scripts/checkpoint_resume.py first  OUT_DIR  # 6 steps straight; 3 steps + save
-    python tests/strategy/scripts/checkpoint_resume.py resume OUT_DIR  # fresh processes: resume to step 6
+    python tests/strategy/scripts/checkpoint_resume.py first  OUT_DIR [LAYOUT]  # 6 steps straight; 3 steps + save
+    python tests/strategy/scripts/checkpoint_resume.py resume OUT_DIR [LAYOUT]  # fresh processes: resume to step 6
+
+``LAYOUT`` is ``tp2`` (default) or ``pp2`` (two pipeline stages, 2 micro-batches, 1F1B; the
+sharded checkpoint only: each stage writes its own blocks).
 
 Two checkpoints of the same state are written after step 3: ``step3.ckpt``, sharded (a folder of
 ``torch.distributed.checkpoint`` files, the strategy's default), and ``step3.full.ckpt``, one
@@ -51,12 +54,20 @@ def loader() -> DataLoader:
     return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=BATCH_SIZE, shuffle=False)
 
 
-def fit(out: Path, run: str, epochs: int, ckpt_path: Path | None = None, save_to: Path | None = None) -> None:
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "tp2": dict(tensor_parallel=2),
+    "pp2": dict(pipeline_parallel=2, micro_batches=2, pipeline_schedule="1f1b"),
+}
+
+
+def fit(
+    out: Path, run: str, epochs: int, ckpt_path: Path | None = None, save_to: Path | None = None, layout: str = "tp2"
+) -> None:
     L.seed_everything(0)
     model = GPTLightningModule(**MODEL)
     recorder = RecordLosses()
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=HybridParallelStrategy(tensor_parallel=2, timeout=60),
+        accelerator="cpu", devices=2, strategy=HybridParallelStrategy(timeout=60, **LAYOUTS[layout]),
         precision="32-true", max_epochs=epochs, use_distributed_sampler=False, callbacks=[recorder],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -64,27 +75,29 @@ def fit(out: Path, run: str, epochs: int, ckpt_path: Path | None = None, save_to
     trainer.fit(model, loader(), ckpt_path=ckpt_path)
     if save_to is not None:
         trainer.save_checkpoint(save_to)  # sharded
-        trainer.strategy._save_distributed_checkpoint = False
-        trainer.save_checkpoint(save_to.with_suffix(".full.ckpt"))  # consolidated
+        if layout == "tp2":
+            trainer.strategy._save_distributed_checkpoint = False
+            trainer.save_checkpoint(save_to.with_suffix(".full.ckpt"))  # consolidated
     result: dict[str, Any] = {"losses": recorder.losses, "global_step": trainer.global_step}
-    if trainer.global_rank == 0:
+    if trainer.global_rank == 0 and layout == "tp2":
         plan = trainer.strategy.plan
         result["parameter_shards"] = {name: list(sizes) for name, sizes in plan.parameter_shards.items()}
     (out / f"{run}.rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
-def main(mode: str, out: Path) -> None:
+def main(mode: str, out: Path, layout: str = "tp2") -> None:
     torch.set_num_threads(1)
     checkpoint = out / "step3.ckpt"
     if mode == "first":
-        fit(out, "straight", epochs=2)
-        fit(out, "first_half", epochs=1, save_to=checkpoint)
+        fit(out, "straight", epochs=2, layout=layout)
+        fit(out, "first_half", epochs=1, save_to=checkpoint, layout=layout)
     elif mode == "resume":
-        fit(out, "resumed", epochs=2, ckpt_path=checkpoint)
-        fit(out, "resumed_full", epochs=2, ckpt_path=checkpoint.with_suffix(".full.ckpt"))
+        fit(out, "resumed", epochs=2, ckpt_path=checkpoint, layout=layout)
+        if layout == "tp2":
+            fit(out, "resumed_full", epochs=2, ckpt_path=checkpoint.with_suffix(".full.ckpt"))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), *sys.argv[3:])
