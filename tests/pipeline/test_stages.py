@@ -1,0 +1,149 @@
+"""The stage surgery, checked in one process: chaining the cut stages by hand equals the whole model.
+
+Each stage is a deep copy of the model cut for one pipeline rank. Running the user's own
+``training_step`` on stage 0 stops at its last block (``StageExit``); the next stage runs the
+same step from its first line with that hidden state injected at its first block; the last
+stage returns the loss. Loss and every gradient must equal the uncut model's, for a model with
+a tied embedding/head (nanoGPT), one without (Llama) and the interleaved placement where one
+rank holds two non-adjacent stages.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_parallel.pipeline.discover import PipelineSetupError, discover
+from lightning_parallel.pipeline.schedules import resolve_schedule, stage_owner, stages_of_rank
+from lightning_parallel.pipeline.setup import find_block_names
+from lightning_parallel.pipeline.split import balanced_boundaries, stage_ranges
+from lightning_parallel.pipeline.stages import SkippedBlock, StageExit, StageLayout, StageRuntime, cut_into_stages
+from tests.models.families import FAMILIES, available_families
+
+
+def _quiet(module: Any) -> Any:
+    module.log = lambda *args, **kwargs: None
+    return module
+
+
+def _batch(vocab: int = 128, seq: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(vocab, (2, seq + 1), generator=torch.Generator().manual_seed(0))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _layout(model: Any, batch: Any, schedule: str, pp: int, virtual: int) -> StageLayout:
+    names = find_block_names(model)
+    spec = resolve_schedule(schedule)
+    num_stages = pp * virtual
+    ranges = stage_ranges(balanced_boundaries([1] * len(names), num_stages), len(names))
+    discovery = discover(model, names, lambda: model.training_step(batch, 0))
+    return StageLayout.build(model, ranges, [stage_owner(spec, s, pp) for s in range(num_stages)], discovery)
+
+
+def _chain(model: Any, batch: Any, schedule: str, pp: int, virtual: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and gradients (by canonical name, summed over the ranks holding a weight) of the cut model."""
+    layout = _layout(model, batch, schedule, pp, virtual)
+    spec = resolve_schedule(schedule)
+    ranks = []
+    for rank in range(pp):
+        copy_ = _quiet(copy.deepcopy(model))
+        runtime = StageRuntime()
+        cut_into_stages(copy_, layout, stages_of_rank(spec, rank, pp, virtual), runtime)
+        ranks.append((copy_, runtime))
+    received: torch.Tensor | None = None
+    boundary_inputs, boundary_outputs = [], []
+    loss = None
+    for stage in range(layout.num_stages):
+        copy_, runtime = ranks[layout.owners[stage]]
+        runtime.active_stage, runtime.injected = stage, received
+        try:
+            loss = copy_.training_step(batch, 0)
+        except StageExit as exit_:
+            boundary_outputs.append(exit_.hidden)
+            received = exit_.hidden.detach().requires_grad_()
+            boundary_inputs.append(received)
+        finally:
+            runtime.active_stage, runtime.injected = None, None
+    assert loss is not None
+    # Backward stage by stage, as the schedule does: loss, then each boundary's gradient upstream.
+    loss.backward()
+    for out, inp in reversed(list(zip(boundary_outputs, boundary_inputs, strict=True))):
+        out.backward(inp.grad)
+    grads: dict[str, torch.Tensor] = {}
+    for copy_, _ in ranks:
+        for name, param in copy_.named_parameters():
+            if param.grad is not None:
+                grads[name] = grads[name] + param.grad if name in grads else param.grad.clone()
+    return loss.detach(), grads
+
+
+CASES = [
+    ("nanogpt", "1f1b", 2, 1),
+    ("nanogpt", "interleaved_1f1b", 2, 2),
+    ("nanogpt", "zbv", 2, 2),
+    ("hf_llama", "1f1b", 2, 1),
+    ("hf_llama", "interleaved_1f1b", 2, 2),
+    ("recipe_gpt", "1f1b", 4, 1),
+]
+
+
+@pytest.mark.parametrize(("family", "schedule", "pp", "virtual"), CASES)
+def test_chained_stages_equal_the_whole_model(family: str, schedule: str, pp: int, virtual: int) -> None:
+    if family not in available_families():
+        pytest.skip(f"{family} needs an optional dependency")
+    model = _quiet(FAMILIES[family](n_layer=4))
+    batch = _batch()
+    loss, grads = _chain(model, batch, schedule, pp, virtual)
+    reference = model.training_step(batch, 0)
+    model.zero_grad()
+    reference.backward()
+    assert torch.equal(loss, reference.detach()), (loss, reference)
+    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(grads) == set(expected)
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_each_rank_keeps_only_its_weights() -> None:
+    model = _quiet(FAMILIES["nanogpt"](n_layer=4))
+    batch = _batch()
+    layout = _layout(model, batch, "1f1b", 2, 1)
+    d = layout.discovery
+    assert {"model.transformer.wte.weight", "model.transformer.wpe.weight"} <= d.pre_parameters
+    assert "model.transformer.ln_f.weight" in d.post_parameters
+    assert "model.transformer.wte.weight" in d.post_parameters  # tied to lm_head: both ends
+    assert layout.tied_across_ranks() == {"model.transformer.wte.weight": (0, 1)}
+    first, last = copy.deepcopy(model), copy.deepcopy(model)
+    cut_into_stages(first, layout, [0], StageRuntime())
+    cut_into_stages(last, layout, [1], StageRuntime())
+    first_names = {n for n, _ in first.named_parameters()}
+    last_names = {n for n, _ in last.named_parameters()}
+    assert "model.transformer.wpe.weight" in first_names and "model.transformer.wpe.weight" not in last_names
+    assert "model.transformer.ln_f.weight" in last_names and "model.transformer.ln_f.weight" not in first_names
+    assert not any(n.startswith("model.transformer.h.2") for n in first_names)
+    assert isinstance(first.model.transformer.h[3], SkippedBlock)
+    assert first_names & last_names == {"model.transformer.wte.weight"}
+    # The placeholders take no memory.
+    assert last.model.transformer.wpe.weight.stride() == (0, 0)
+
+
+def test_a_step_that_calls_the_blocks_twice_is_refused() -> None:
+    model = _quiet(FAMILIES["nanogpt"](n_layer=2))
+    batch = _batch()
+
+    def twice() -> torch.Tensor:
+        model.training_step(batch, 0)
+        return model.training_step(batch, 0)
+
+    with pytest.raises(PipelineSetupError, match=r"called in the order \[0, 1, 0, 1\], not once each in order"):
+        discover(model, find_block_names(model), twice)
+
+
+def test_a_step_without_a_loss_is_refused() -> None:
+    model = _quiet(FAMILIES["nanogpt"](n_layer=2))
+    batch = _batch()
+    with pytest.raises(PipelineSetupError, match="not a scalar loss tensor"):
+        discover(model, find_block_names(model), lambda: model.model(batch[0]))
