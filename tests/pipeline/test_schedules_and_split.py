@@ -31,7 +31,9 @@ def test_names_are_case_and_dash_insensitive(name: str | None, expected: str) ->
 
 
 def test_unknown_schedule_is_refused_with_the_choices() -> None:
-    with pytest.raises(ValueError, match=r"`pipeline_schedule='2f2b'` is not a known schedule\. Choose one of 'gpipe'"):
+    with pytest.raises(
+        ValueError, match=r"`pipeline_schedule='2f2b'` is not a known schedule\. Choose one of 'gpipe'"
+    ):
         resolve_schedule("2f2b")
 
 
@@ -61,7 +63,9 @@ def test_stage_placement_loop_and_v() -> None:
     [("interleaved_1f1b", 3, "multiple of `pipeline_parallel=2`"), ("zbv", 1, "at least `pipeline_parallel=2`"),
      ("dualpipev", 3, "at least 2 x `pipeline_parallel` = 4"), ("1f1b", 0, "must be a positive integer")],
 )  # fmt: skip
-def test_micro_batch_counts_a_schedule_cannot_run_are_refused(name: str, micro_batches: int, fragment: str) -> None:
+def test_micro_batch_counts_a_schedule_cannot_run_are_refused(
+    name: str, micro_batches: int, fragment: str
+) -> None:
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace("`", "`")):
         check_micro_batches(resolve_schedule(name), micro_batches, 2)
 

@@ -20,7 +20,13 @@ from lightning_parallel.pipeline.discover import PipelineSetupError, discover
 from lightning_parallel.pipeline.schedules import resolve_schedule, stage_owner, stages_of_rank
 from lightning_parallel.pipeline.setup import find_block_names
 from lightning_parallel.pipeline.split import balanced_boundaries, stage_ranges
-from lightning_parallel.pipeline.stages import SkippedBlock, StageExit, StageLayout, StageRuntime, cut_into_stages
+from lightning_parallel.pipeline.stages import (
+    SkippedBlock,
+    StageExit,
+    StageLayout,
+    StageRuntime,
+    cut_into_stages,
+)
 from tests.models.families import FAMILIES, available_families
 
 
@@ -43,7 +49,9 @@ def _layout(model: Any, batch: Any, schedule: str, pp: int, virtual: int) -> Sta
     return StageLayout.build(model, ranges, [stage_owner(spec, s, pp) for s in range(num_stages)], discovery)
 
 
-def _chain(model: Any, batch: Any, schedule: str, pp: int, virtual: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _chain(
+    model: Any, batch: Any, schedule: str, pp: int, virtual: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss and gradients (by canonical name, summed over the ranks holding a weight) of the cut model."""
     layout = _layout(model, batch, schedule, pp, virtual)
     spec = resolve_schedule(schedule)
@@ -122,7 +130,9 @@ def test_each_rank_keeps_only_its_weights() -> None:
     first_names = {n for n, _ in first.named_parameters()}
     last_names = {n for n, _ in last.named_parameters()}
     assert "model.transformer.wpe.weight" in first_names and "model.transformer.wpe.weight" not in last_names
-    assert "model.transformer.ln_f.weight" in last_names and "model.transformer.ln_f.weight" not in first_names
+    assert (
+        "model.transformer.ln_f.weight" in last_names and "model.transformer.ln_f.weight" not in first_names
+    )
     assert not any(n.startswith("model.transformer.h.2") for n in first_names)
     assert isinstance(first.model.transformer.h[3], SkippedBlock)
     assert first_names & last_names == {"model.transformer.wte.weight"}
@@ -138,7 +148,9 @@ def test_a_step_that_calls_the_blocks_twice_is_refused() -> None:
         model.training_step(batch, 0)
         return model.training_step(batch, 0)
 
-    with pytest.raises(PipelineSetupError, match=r"called in the order \[0, 1, 0, 1\], not once each in order"):
+    with pytest.raises(
+        PipelineSetupError, match=r"called in the order \[0, 1, 0, 1\], not once each in order"
+    ):
         discover(model, find_block_names(model), twice)
 
 
