@@ -43,10 +43,7 @@ def test_registered_name_resolves_and_checks_the_layout() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        (dict(pipeline_parallel=2), "pipeline_parallel"),
         (dict(expert_parallel=2), "expert_parallel"),
-        (dict(micro_batches=8), "micro_batches"),
-        (dict(pipeline_schedule="1f1b"), "pipeline_schedule"),
         (dict(zero_stage=1), "zero_stage"),
         (dict(offload="cpu"), "offload"),
         (dict(activation_checkpointing="full"), "activation_checkpointing"),
@@ -72,6 +69,35 @@ def test_invalid_arguments_are_refused_by_name(kwargs: dict, fragment: str) -> N
     with pytest.raises(ValueError) as info:
         HybridParallelStrategy(**kwargs)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        (dict(pipeline_schedule="2f2b", pipeline_parallel=2), "`pipeline_schedule='2f2b'` is not a known schedule"),
+        (dict(micro_batches=8), "`micro_batches=8` needs `pipeline_parallel` > 1"),
+        (dict(pipeline_schedule="1f1b"), "`pipeline_schedule='1f1b'` needs `pipeline_parallel` > 1"),
+        (dict(pipeline_parallel=2, pipeline_schedule="interleaved_1f1b", micro_batches=3),
+         "`micro_batches=3`: the 'interleaved_1f1b' schedule needs a multiple of `pipeline_parallel=2`"),
+        (dict(pipeline_parallel=2, pipeline_schedule="dualpipev", micro_batches=2),
+         "the 'dualpipev' schedule needs at least 2 x `pipeline_parallel` = 4 micro-batches"),
+        (dict(pipeline_parallel=2, pipeline_schedule="1f1b", pipeline_virtual_stages=2),
+         "the '1f1b' schedule holds one stage per rank"),
+        (dict(pipeline_parallel=2, tensor_parallel=2, loss_parallel=True),
+         "`loss_parallel=True` with `pipeline_parallel` > 1 is not supported"),
+        (dict(pipeline_parallel=0), "`pipeline_parallel=0` must be a positive integer"),
+    ],
+)  # fmt: skip
+def test_bad_pipeline_arguments_are_refused_at_construction(kwargs: dict, fragment: str) -> None:
+    with pytest.raises(ValueError) as info:
+        HybridParallelStrategy(**kwargs)
+    assert fragment in str(info.value)
+
+
+def test_pipeline_degree_that_does_not_fit_the_devices_fails_in_the_trainer_constructor() -> None:
+    with pytest.raises(ValueError, match=r"`pipeline_parallel=2` = 4 does not divide the world size 2"):
+        L.Trainer(accelerator="cpu", devices=2, logger=False,
+                  strategy=HybridParallelStrategy(tensor_parallel=2, pipeline_parallel=2))  # fmt: skip
 
 
 def test_sequence_parallel_without_tensor_parallel_warns() -> None:
@@ -100,6 +126,22 @@ BOUND_S = 60
             ["ValueError: `plan` pattern 'model.transformer.h.*.attn.c_proj' matches no module of GPTLightningModule",
              "Did you mean", "'model.transformer.h.0.attn.proj'"],
             id="plan-names-a-missing-module",
+        ),
+        pytest.param(
+            "pp-more-stages-than-blocks",
+            ["ValueError: The pipeline has 2 stages", "only 1 blocks", "Lower `pipeline_parallel`"],
+            id="pp-more-stages-than-blocks",
+        ),
+        pytest.param(
+            "pp-batch-not-divisible",
+            ["ValueError: `micro_batches=3` does not divide the batch size 4", "multiple of 3"],
+            id="pp-batch-not-divisible-by-micro-batches",
+        ),
+        pytest.param(
+            "pp-step-calls-model-twice",
+            ["PipelineSetupError: During one training step the blocks", "not once each in order",
+             "must call the model's forward once"],
+            id="pp-training-step-calls-the-model-twice",
         ),
     ],
 )  # fmt: skip

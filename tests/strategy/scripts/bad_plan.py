@@ -2,6 +2,9 @@
 
     python tests/strategy/scripts/bad_plan.py heads           # tp=2, a model with 3 attention heads
     python tests/strategy/scripts/bad_plan.py missing-module  # plan= names a module that does not exist
+    python tests/strategy/scripts/bad_plan.py pp-more-stages-than-blocks   # pp=2, one block
+    python tests/strategy/scripts/bad_plan.py pp-batch-not-divisible       # batch 4, micro_batches=3
+    python tests/strategy/scripts/bad_plan.py pp-step-calls-model-twice    # training_step runs the model twice
 
 Run by ``tests/strategy/test_bad_input.py`` with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set.
 """
@@ -18,6 +21,13 @@ from lightning_parallel import HybridParallelStrategy
 from recipes.gpt.module import GPTLightningModule
 
 
+class TwiceGPT(GPTLightningModule):
+    """A step the pipeline cannot cut: the model runs twice (e.g. a consistency loss)."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) + 0.1 * super().training_step(batch, batch_idx)
+
+
 def main(case: str) -> None:
     torch.set_num_threads(1)
     L.seed_everything(0)
@@ -28,6 +38,15 @@ def main(case: str) -> None:
         model = GPTLightningModule(vocab_size=128, block_size=16, n_layer=1, n_head=4, n_embd=32)
         plan = {"model.transformer.h.*.attn.qkv": "fused_qkv", "model.transformer.h.*.attn.c_proj": "rowwise"}
         strategy = HybridParallelStrategy(tensor_parallel=2, plan=plan, timeout=30)
+    elif case == "pp-more-stages-than-blocks":
+        model = GPTLightningModule(vocab_size=128, block_size=16, n_layer=1, n_head=4, n_embd=32)
+        strategy = HybridParallelStrategy(pipeline_parallel=2, timeout=30)
+    elif case == "pp-batch-not-divisible":
+        model = GPTLightningModule(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32)
+        strategy = HybridParallelStrategy(pipeline_parallel=2, micro_batches=3, pipeline_schedule="gpipe", timeout=30)
+    elif case == "pp-step-calls-model-twice":
+        model = TwiceGPT(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32)
+        strategy = HybridParallelStrategy(pipeline_parallel=2, timeout=30)
     else:
         raise SystemExit(f"unknown case {case!r}")
     tokens = torch.randint(128, (8, 17))
