@@ -22,7 +22,6 @@ from typing_extensions import override
 
 from lightning_parallel.strategy.base import MeshParallelStrategy
 
-
 # Optimizer state keyed per parameter name ("param_groups.<fqn>.lr", "state.<fqn>.exp_avg"), not
 # as one list of parameter groups: under pipeline parallelism each rank holds different
 # parameters, and a shared list would be saved by one rank only and loaded wrongly by the rest.

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -62,6 +63,19 @@ from lightning_parallel.tensor_parallel.loss_parallel import (
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _ParallelState:
+    """What ``setup`` did to a module, kept on the module for the next Trainer entry point."""
+
+    degrees: dict[str, int]
+    plan: ParallelPlan | None
+    pipeline_runner: PipelineRunner | None
+    dp_units: list[torch.nn.Module]
+    hooks: list[Any]
+    norm_exclude: set[int]
+
 
 PlanArg = Literal["auto"] | dict[str, ParallelStyle | str] | ParallelPlan
 
@@ -235,6 +249,48 @@ class HybridParallelStrategy(PipelineStrategyMixin, ShardedCheckpointing):
         self.model_to_device()
         module = self.lightning_module
         assert module is not None
+        if not self._restore_parallel_state(module):
+            self._parallelize(trainer, module)
+            module._lp_parallel_state = _ParallelState(  # type: ignore[assignment]
+                dict(self.dims.degrees),
+                self.plan,
+                self.pipeline_runner,
+                self._dp_units,
+                self._hooks,
+                getattr(self.precision_plugin, "norm_exclude", set()),
+            )
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _restore_parallel_state(self, module: LightningModule) -> bool:
+        """A module already parallelized by an earlier ``fit``/``validate``/... keeps its layout.
+
+        Lightning calls ``setup`` once per Trainer entry point on the same module; sharding,
+        cutting or wrapping it again would fail, so the earlier result is reused as it is.
+        """
+        state: _ParallelState | None = getattr(module, "_lp_parallel_state", None)
+        if state is None:
+            return False
+        assert self.dims is not None
+        if state.degrees != self.dims.degrees:
+            raise ValueError(
+                f"This module was already parallelized with the layout {state.degrees}; it cannot be re-laid out as"
+                f" {self.dims.degrees}. Create a new module (or load a checkpoint into one) for another layout."
+            )
+        self.plan, self.pipeline_runner, self._dp_units, self._hooks = (
+            state.plan,
+            state.pipeline_runner,
+            state.dp_units,
+            state.hooks,
+        )
+        if hasattr(self.precision_plugin, "norm_exclude"):
+            self.precision_plugin.norm_exclude = state.norm_exclude
+        return True
+
+    def _parallelize(self, trainer: Trainer, module: LightningModule) -> None:
+        assert self.dims is not None
         if self.dims.tp_enabled:
             self.plan = self.build_plan(module)  # pure: a bad model fails here on every rank alike
         self._sync_parameters(module)
@@ -256,10 +312,6 @@ class HybridParallelStrategy(PipelineStrategyMixin, ShardedCheckpointing):
                 module, dp_mesh, block_names, sharded_parameters=self.dims.tp_enabled
             )
             self._hooks += average_direct_parameters(module, dp_mesh)
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
 
     def _compile_blocks(self, module: LightningModule) -> None:
         from lightning_parallel.plans.detect import find_block_stack
@@ -370,8 +422,8 @@ class HybridParallelStrategy(PipelineStrategyMixin, ShardedCheckpointing):
 
     @override
     def teardown(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
+        # The hooks stay: they belong to the parallelized module (its parameters stay sharded and
+        # its blocks cut), which a later fit/validate/test/predict reuses as it is.
         self._hooks = []
         self.pipeline_runner = None
         super().teardown()

@@ -31,6 +31,35 @@ def _first_batch(loader: Any) -> Any:
     return next(iter(loader))
 
 
+def _metric_states(module: Any) -> list[tuple[Any, dict[str, Any]]]:
+    """Snapshot the torchmetrics states a step may update (``self.val_ppl(logits, y)``): the sample
+    step must leave no trace in what the first real epoch reports."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a Lightning dependency
+        return []
+    saved = []
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            state = {name: _clone(getattr(metric, name)) for name in metric._defaults}
+            state["_update_count"] = metric._update_count
+            state["_computed"] = metric._computed
+            saved.append((metric, state))
+    return saved
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, list):
+        return [v.clone() for v in value]
+    return value.clone() if hasattr(value, "clone") else value
+
+
+def _restore_metric_states(saved: list[tuple[Any, dict[str, Any]]]) -> None:
+    for metric, state in saved:
+        for name, value in state.items():
+            setattr(metric, name, value)
+
+
 def first_batch(trainer: Trainer, strategy: Strategy) -> Any | None:
     """The first batch of the current stage's dataloader, on the device; None if there is no data."""
     loop_name, _ = _LOOP_AND_STEP.get(trainer.state.fn, ("fit_loop", "training_step"))
@@ -56,9 +85,11 @@ def sample_step(trainer: Trainer, strategy: Strategy, batch: Any | None = None) 
     def run() -> Any:
         module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
         module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        saved = _metric_states(module)
         try:
             return getattr(module, step_name)(batch, 0)
         finally:
             del module.log, module.log_dict
+            _restore_metric_states(saved)
 
     return run
