@@ -175,7 +175,36 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--dtype", choices=sorted(DTYPES), help="parameter dtype for the bytes (default: as built)"
     )
+    plan.add_argument(
+        "--pipeline-parallel", type=int, default=None, help="pipeline stages: print which blocks each holds"
+    )
+    plan.add_argument("--pipeline-schedule", default=None, help="pipeline schedule name (default 1f1b)")
+    plan.add_argument(
+        "--pipeline-virtual-stages", type=int, default=None, help="stages per rank (interleaved)"
+    )
     return parser
+
+
+def pipeline_lines(model: nn.Module, pp: int, schedule: str | None, virtual: int | None) -> list[str]:
+    """Which blocks each pipeline stage will hold (the split the strategy makes at setup)."""
+    from lightning_parallel.pipeline.schedules import resolve_schedule, stage_owner, virtual_stages_for
+    from lightning_parallel.pipeline.setup import find_block_names
+    from lightning_parallel.pipeline.split import balanced_boundaries, stage_ranges
+
+    spec = resolve_schedule(schedule)
+    stages = pp * virtual_stages_for(spec, virtual)
+    names = find_block_names(model)
+    costs = [sum(p.numel() for p in model.get_submodule(n).parameters()) for n in names]
+    ranges = stage_ranges(balanced_boundaries(costs, stages), len(names))
+    lines = [f"  pipeline: {pp} ranks, {stages} stages, schedule {spec.name!r}"]
+    for stage, blocks in enumerate(ranges):
+        params = sum(costs[i] for i in blocks)
+        lines.append(
+            f"    stage {stage} (rank {stage_owner(spec, stage, pp)}): {names[blocks.start]}..{names[blocks.stop - 1]}"
+            f" ({len(blocks)} blocks, {params:,} parameters)"
+        )
+    lines.append("    + weights before the first block on stage 0, after the last block on the last stage")
+    return lines
 
 
 def _json_object(text: str, flag: str) -> dict[str, Any]:
@@ -223,6 +252,14 @@ def run_plan(args: argparse.Namespace) -> str:
         ),
         "  computed without processes; each block is verified sharded vs unsharded at Trainer.fit setup.",
     ]
+    pp = args.pipeline_parallel or strategy.get("pipeline_parallel") or 1
+    if pp > 1:
+        lines += pipeline_lines(
+            model,
+            pp,
+            args.pipeline_schedule or strategy.get("pipeline_schedule"),
+            args.pipeline_virtual_stages or strategy.get("pipeline_virtual_stages"),
+        )
     return "\n".join(lines)
 
 

@@ -157,3 +157,15 @@ def test_python_dash_m(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "ParallelPlan(tensor_parallel=2, sequence_parallel=True)" in result.stdout
     assert "parameters per rank: 269.2 KiB of 503.0 KiB unsharded" in result.stdout
+
+
+def test_pipeline_stages_are_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(
+        capsys, "--model", "recipes.gpt.module.GPTLightningModule", "--init", '{"n_layer": 6}',
+        "--tensor-parallel", "1", "--pipeline-parallel", "2", "--pipeline-schedule", "zbv",
+    )  # fmt: skip
+    assert code == 0
+    assert "pipeline: 2 ranks, 4 stages, schedule 'zbv'" in out
+    # V placement: stage 3 comes back to rank 0; 6 blocks over 4 stages, the first stages get fewer.
+    assert "stage 0 (rank 0): model.transformer.h.0..model.transformer.h.0 (1 blocks" in out
+    assert "stage 3 (rank 0): model.transformer.h.4..model.transformer.h.5 (2 blocks" in out
