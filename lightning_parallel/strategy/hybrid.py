@@ -314,14 +314,21 @@ class HybridParallelStrategy(PipelineStrategyMixin, ShardedCheckpointing):
             self._hooks += average_direct_parameters(module, dp_mesh)
 
     def _compile_blocks(self, module: LightningModule) -> None:
+        from lightning_parallel.pipeline.stages import SkippedBlock
         from lightning_parallel.plans.detect import find_block_stack
 
-        stack = find_block_stack(module)
-        if stack is None:
-            rank_zero_warn("`compile=True`: no block list found; nothing was compiled.")
-            return
-        for block in stack.blocks:
-            block.compile()
+        if self.pipeline_runner is not None:  # the cut block list mixes real and skipped blocks
+            names = self.pipeline_runner.layout.discovery.block_names
+            blocks = [module.get_submodule(n) for n in names]
+        else:
+            stack = find_block_stack(module)
+            if stack is None:
+                rank_zero_warn("`compile=True`: no block list found; nothing was compiled.")
+                return
+            blocks = list(stack.blocks)
+        for block in blocks:
+            if not isinstance(block, SkippedBlock):
+                block.compile()
 
     def _sync_parameters(self, module: LightningModule) -> None:
         """Start every rank from rank 0's weights (as DDP does), whatever each rank's init was."""
