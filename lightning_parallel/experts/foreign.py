@@ -1,0 +1,292 @@
+"""MoE blocks in models nobody here wrote: finding them, and giving them expert parallelism.
+
+Found structurally, not by class name (``find_moe_blocks``):
+
+- ``"lightning_parallel"``: this library's ``MoE``.
+- ``"fused"``: a block with a router (a child ``nn.Linear(H, E)``, or a child holding an
+  ``(E, H)`` ``weight`` as Hugging Face's ``MixtralTopKRouter``) and an experts child whose
+  parameters are 3-D tensors with E leading (transformers 5's ``MixtralExperts``,
+  ``Qwen2MoeExperts``: ``gate_up_proj (E, 2I, H)``, ``down_proj (E, H, I)``), called as
+  ``experts(hidden_NH, top_k_index_NK, top_k_weights_NK)``.
+- ``"module_list"``: a block with a router ``nn.Linear(H, E)`` and an ``nn.ModuleList`` of E
+  modules of one class with equal parameter shapes (transformers 4's Mixtral, most hand-written
+  MoEs).
+
+Expert parallelism without editing the model (``parallel.ExpertParallel.apply`` calls these):
+
+- fused: only the experts module's ``forward`` is replaced (instance attribute). The block still
+  routes with its own code; the new forward sends each (token, choice) row to the rank holding
+  its expert, where the experts' ORIGINAL forward runs on the local weight slice with each row
+  given its local expert id and weight 1, and weights the returned rows with the block's
+  routing weights. Whatever the experts compute (activation, gating, bias, transposed layout,
+  HF's eager/grouped_mm/batched_mm implementations) is therefore reproduced, not re-implemented.
+- module_list: the block's routing lives in its ``forward``, which loops over experts; it is
+  replaced (instance attribute) by softmax/top-k routing with this library's dispatch, plus a
+  ``shared_expert`` (gated by a ``shared_expert_gate`` if present) as in Qwen-MoE. Whether the
+  top-k weights are renormalised (``norm_topk_prob``, or tried both ways) and what the block
+  returns are decided by running the original forward and the replacement on the same random
+  input first: a block whose output cannot be reproduced raises ``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import types
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from lightning_parallel.experts.dispatch import ProcessGroup, dispatch, group_rank, group_size
+from lightning_parallel.experts.layer import MoE
+from lightning_parallel.experts.router import route_topk
+
+BlockKind = Literal["lightning_parallel", "fused", "module_list"]
+_TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "k", "topk", "moe_top_k")
+_ROUTER_NAME = re.compile(r"gate|router|gating", re.IGNORECASE)
+
+
+@dataclass
+class MoEBlockInfo:
+    """One MoE block found in a model.
+
+    Attributes:
+        name: Qualified module name of the block ("" for the root).
+        block: The block module.
+        kind: ``"lightning_parallel"``, ``"fused"`` or ``"module_list"`` (module docstring).
+        num_experts: Routed experts E (global, as built).
+        top_k: Experts per token if the block or its router says (``top_k``,
+            ``num_experts_per_tok``, ...), else None.
+        router_name: Child name of the router in the block (``"router"``, ``"gate"``, ...).
+        experts_name: Child name of the experts in the block.
+        expert_param_names: Qualified names of the expert parameters (not router, not shared).
+        normalize_top_k: For ``module_list`` blocks, the renormalisation the verification chose.
+        returns_logits: For ``module_list`` blocks: the original forward returns
+            ``(output, router_logits)``.
+    """
+
+    name: str
+    block: nn.Module
+    kind: BlockKind
+    num_experts: int
+    top_k: int | None
+    router_name: str | None
+    experts_name: str
+    expert_param_names: list[str] = field(default_factory=list)
+    normalize_top_k: bool | None = None
+    returns_logits: bool = False
+
+    @property
+    def router(self) -> nn.Module | None:
+        return None if self.router_name is None else getattr(self.block, self.router_name)
+
+    @property
+    def experts(self) -> nn.Module:
+        return getattr(self.block, self.experts_name)
+
+
+def _router_experts(module: nn.Module) -> dict[str, int]:
+    """Children that look like a router: name -> number of experts they score.
+
+    A router is named like one (``gate``, ``router``, ``gating``, in its attribute or class name)
+    and is an ``nn.Linear`` or a leaf module with a 2-D ``(E, H)`` weight (not an embedding).
+    """
+    found = {}
+    for name, child in module.named_children():
+        if not (_ROUTER_NAME.search(name) or _ROUTER_NAME.search(type(child).__name__)):
+            continue
+        if isinstance(child, nn.Linear) and child.out_features > 1:
+            found[name] = child.out_features
+        elif not list(child.children()) and not isinstance(child, nn.Embedding):
+            weight = getattr(child, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] > 1:
+                found[name] = weight.shape[0]
+    return found
+
+
+def _identical(modules: list[nn.Module]) -> bool:
+    first = modules[0]
+    shapes = [tuple(p.shape) for p in first.parameters()]
+    return bool(shapes) and all(
+        type(m) is type(first) and [tuple(p.shape) for p in m.parameters()] == shapes for m in modules[1:]
+    )
+
+
+def _top_k(block: nn.Module, router: nn.Module | None) -> int | None:
+    for owner in (block, router):
+        for attr in _TOP_K_ATTRS:
+            value = getattr(owner, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def _match(prefix: str, block: nn.Module) -> MoEBlockInfo | None:
+    if isinstance(block, MoE):
+        names = [f"{prefix}experts.{n}" for n, _ in block.experts.named_parameters()]
+        return MoEBlockInfo(prefix.rstrip("."), block, "lightning_parallel", block.num_experts, block.top_k,
+                            "router", "experts", names)  # fmt: skip
+    routers = _router_experts(block)
+    for name, child in block.named_children():
+        if isinstance(child, nn.ModuleList) and len(child) > 1 and _identical(list(child)):
+            kind: BlockKind = "module_list"
+            num_experts = len(child)
+        else:
+            stacked = [p for p in child.parameters(recurse=False) if p.dim() >= 3]
+            if not stacked or len({p.shape[0] for p in stacked}) != 1 or name in routers:
+                continue
+            if len(inspect.signature(child.forward).parameters) < 3:
+                continue  # not called with (hidden, top_k_index, top_k_weights)
+            kind, num_experts = "fused", stacked[0].shape[0]
+        router_names = [r for r, n in routers.items() if n == num_experts and r != name]
+        if not router_names:
+            continue
+        router_name = router_names[0]
+        if kind == "module_list" and not isinstance(getattr(block, router_name), nn.Linear):
+            continue
+        params = [
+            f"{prefix}{name}.{n}"
+            for n, p in child.named_parameters()
+            if kind == "module_list" or p.dim() >= 3
+        ]
+        return MoEBlockInfo(prefix.rstrip("."), block, kind, num_experts,
+                            _top_k(block, getattr(block, router_name)), router_name, name, params)  # fmt: skip
+    return None
+
+
+def find_moe_blocks(model: nn.Module) -> list[MoEBlockInfo]:
+    """Every MoE block in ``model`` (itself included), outermost match first, never nested."""
+    found: list[MoEBlockInfo] = []
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        if any(name == t or name.startswith(t + ".") for t in taken):
+            continue
+        info = _match(f"{name}." if name else "", module)
+        if info is not None:
+            found.append(info)
+            taken.append(name)
+    return found
+
+
+# ---- fused experts (transformers 5) --------------------------------------------------------------
+
+
+def adapt_fused_experts(info: MoEBlockInfo, ep_group: ProcessGroup) -> None:
+    """Give a fused experts module expert parallelism; its stacked weights must be sliced already."""
+    experts = info.experts
+    original = experts.forward  # bound method of the class (HF's implementation dispatcher)
+    num_experts, size = info.num_experts, group_size(ep_group)
+    if hasattr(experts, "num_experts"):
+        experts.num_experts = num_experts // size  # the original forward indexes the local slice
+
+    def forward(self: nn.Module, hidden_NH: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+        num_tokens, top_k = top_k_index.shape
+
+        def compute(x_MH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+            local_M = torch.repeat_interleave(torch.arange(counts_L.numel(), device=x_MH.device), counts_L)
+            ones = torch.ones(x_MH.shape[0], 1, dtype=top_k_weights.dtype, device=x_MH.device)
+            y_MH = original(x_MH, local_M[:, None], ones, *args, **kwargs)
+            if x_MH.shape[0] == 0:  # keep the weights in the graph: zero gradients, not None
+                y_MH = y_MH + sum(p.sum() for p in self.parameters()) * 0
+            return y_MH
+
+        token_A = torch.arange(num_tokens * top_k, device=hidden_NH.device) // top_k
+        y_AH = dispatch(hidden_NH, token_A, top_k_index.reshape(-1), num_experts, compute, ep_group)
+        y_AH = y_AH * top_k_weights.reshape(-1, 1).to(y_AH.dtype)
+        return y_AH.view(num_tokens, top_k, -1).sum(1).to(hidden_NH.dtype)
+
+    experts.forward = types.MethodType(forward, experts)
+
+
+# ---- router + ModuleList blocks ------------------------------------------------------------------
+
+
+def _module_list_forward(
+    info: MoEBlockInfo, ep_group: ProcessGroup | None, normalize: bool, returns_logits: bool
+):
+    block, num_experts = info.block, info.num_experts
+    top_k = info.top_k
+
+    def forward(self: nn.Module, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        x_NH = hidden.reshape(-1, hidden.shape[-1])
+        num_tokens = x_NH.shape[0]
+        logits_NE = getattr(self, info.router_name)(x_NH)
+        routing = route_topk(logits_NE, top_k, normalize)
+        local = list(getattr(self, info.experts_name).children())
+
+        def compute(x_MH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+            outs = [expert(chunk) for expert, chunk in zip(local, x_MH.split(counts_L.tolist()), strict=True)]
+            return torch.cat(outs)
+
+        token_A = torch.arange(num_tokens * top_k, device=x_NH.device) // top_k
+        y_AH = dispatch(x_NH, token_A, routing.experts_NK.reshape(-1), num_experts, compute, ep_group)
+        y_AH = y_AH * routing.weights_NK.reshape(-1, 1).to(y_AH.dtype)
+        out_NH = y_AH.view(num_tokens, top_k, -1).sum(1).to(hidden.dtype)
+        shared = getattr(self, "shared_expert", None)
+        if shared is not None:
+            gate = getattr(self, "shared_expert_gate", None)
+            shared_NH = shared(x_NH)
+            out_NH = out_NH + (shared_NH if gate is None else torch.sigmoid(gate(x_NH)) * shared_NH)
+        out = out_NH.view(hidden.shape)
+        return (out, logits_NE) if returns_logits else out
+
+    return types.MethodType(forward, block)
+
+
+def _first_tensor(value: Any) -> torch.Tensor:
+    return value[0] if isinstance(value, (tuple, list)) else value
+
+
+@torch.no_grad()
+def check_module_list(info: MoEBlockInfo) -> None:
+    """Decide, by running both, how the replacement forward must route; ``ValueError`` if no way fits.
+
+    Sets ``info.normalize_top_k`` and ``info.returns_logits``. Runs the original forward once on a
+    seeded random ``(2, 8, H)`` input in eval mode (no router jitter), all experts local.
+    """
+    block = info.block
+    router = info.router
+    label = info.name or type(block).__name__
+    if info.top_k is None:
+        raise ValueError(
+            f"ExpertParallel: cannot tell top-k of MoE block {label!r} (no top_k/num_experts_per_tok)."
+        )
+    width = router.in_features
+    param = next(router.parameters())
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(2, 8, width, generator=generator).to(param.device, param.dtype)
+    was_training = block.training
+    block.eval()
+    try:
+        want = block(x)
+        returns_logits = isinstance(want, (tuple, list))
+        declared = getattr(block, "norm_topk_prob", None)
+        for normalize in [bool(declared)] if declared is not None else [True, False]:
+            got = _module_list_forward(info, None, normalize, returns_logits)(x)
+            if torch.allclose(_first_tensor(got), _first_tensor(want), rtol=1e-4, atol=1e-5):
+                info.normalize_top_k, info.returns_logits = normalize, returns_logits
+                return
+    finally:
+        block.train(was_training)
+    raise ValueError(
+        f"ExpertParallel: MoE block {label!r} ({type(block).__name__}) routes differently from softmax top-{info.top_k}"
+        f" over {info.num_experts} experts (with or without renormalisation), so its forward cannot be"
+        " replaced by an expert-parallel one. Wrap its experts in lightning_parallel.experts.MoE instead."
+    )
+
+
+def adapt_module_list(info: MoEBlockInfo, ep_group: ProcessGroup) -> None:
+    """Keep only this rank's experts (global indices kept in their names) and patch the forward."""
+    if info.normalize_top_k is None:
+        check_module_list(info)
+    size, rank = group_size(ep_group), group_rank(ep_group)
+    num_local = info.num_experts // size
+    keep = {str(i) for i in range(rank * num_local, (rank + 1) * num_local)}
+    experts = info.experts
+    for key in list(experts._modules):
+        if key not in keep:
+            del experts._modules[key]
+    info.block.forward = _module_list_forward(info, ep_group, info.normalize_top_k, info.returns_logits)
