@@ -1,0 +1,263 @@
+"""Activation checkpointing for unchanged modules: recompute instead of keeping activations.
+
+Applied by patching the *instance's* ``forward`` (``block.forward = recomputed(block.forward)``),
+never by wrapping the module: parameter names, state-dict keys and attribute paths stay the
+user's. Whatever ``forward`` the instance has is chained (a pipeline stage's gate, for one),
+and the module's own hooks stay outside the recomputed region, so they run once: the pipeline's
+injection/exit hooks and the sequence-parallel scatter/gather on the first and last block. Hooks
+of modules *inside* a recomputed block (tensor-parallel container hooks) run again during the
+recomputation, on every tensor-parallel rank alike (all ranks recompute the same blocks in the
+same order in backward), so their collectives stay matched.
+
+- ``"full"``: every block is recomputed from its inputs; only the inputs are kept.
+- ``"selective"``: with policy ``"ops"`` (the default), Megatron's selective recomputation as
+  torch's selective activation checkpointing: inside every block, the outputs of the expensive
+  ops (matmuls, attention kernels, collectives) are kept and the cheap ops (norms, activations,
+  elementwise ops, softmax) are recomputed. With an integer ``k``, every ``k``-th block (0, k,
+  2k, ...) is recomputed fully; with a list of module-name patterns (``fnmatch``, on names from
+  ``named_modules()`` of the LightningModule), the matching modules are.
+
+Built on ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` and
+``create_selective_checkpoint_contexts``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from lightning_parallel.memory.counting import active_counter
+
+__all__ = [
+    "CheckpointingConfig",
+    "apply_activation_checkpointing",
+    "is_checkpointed",
+    "keep_op",
+    "select_modules",
+]
+
+Mode = Literal["full", "selective"]
+Policy = Literal["ops"] | int | Sequence[str] | None
+# Called at forward time; returns a context manager factory that restores that state for the recomputation.
+StateCapture = Callable[[], Callable[[], AbstractContextManager[Any]]]
+
+
+def _ops(*names: str) -> set[Any]:
+    found = set()
+    for name in names:
+        namespace, _, op = name.partition(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None:
+            found.add(packet)
+    return found
+
+
+# Expensive to recompute, so kept by selective checkpointing (torchtitan's list, as packets).
+KEEP_OPS = _ops(
+    "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm", "aten.linear",
+    "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._flash_attention_forward", "aten._efficient_attention_forward",
+    "_c10d_functional.all_reduce", "_c10d_functional.all_gather_into_tensor",
+    "_c10d_functional.reduce_scatter_tensor", "_c10d_functional.all_to_all_single",
+)  # fmt: skip
+
+
+def keep_op(op: Any) -> bool:
+    """Whether selective checkpointing keeps this op's output (else it is recomputed)."""
+    return getattr(op, "overloadpacket", op) in KEEP_OPS
+
+
+@dataclass(frozen=True)
+class CheckpointingConfig:
+    """What to recompute; built and checked from the strategy's arguments at construction."""
+
+    mode: Mode
+    every: int | None = None  # every k-th block, recomputed fully
+    patterns: tuple[str, ...] = ()  # modules recomputed fully
+    ops: bool = False  # op-level selective recomputation in every block
+
+    @classmethod
+    def resolve(cls, mode: str | None, policy: Policy) -> CheckpointingConfig | None:
+        if mode is None:
+            if policy is not None:
+                raise ValueError(
+                    f"`activation_checkpointing_policy={policy!r}` needs `activation_checkpointing='selective'`;"
+                    " without it nothing is recomputed."
+                )
+            return None
+        if mode not in ("full", "selective"):
+            raise ValueError(
+                f"`activation_checkpointing={mode!r}` is not supported: use 'full' (recompute every block),"
+                " 'selective' (see `activation_checkpointing_policy`) or None."
+            )
+        if mode == "full":
+            if policy is not None:
+                raise ValueError(
+                    f"`activation_checkpointing='full'` recomputes every block; `activation_checkpointing_policy="
+                    f"{policy!r}` chooses what to recompute, so use it with `activation_checkpointing='selective'`."
+                )
+            return cls("full")
+        if policy is None or policy == "ops":
+            return cls("selective", ops=True)
+        if isinstance(policy, int) and not isinstance(policy, bool):
+            if policy < 1:
+                raise ValueError(
+                    f"`activation_checkpointing_policy={policy!r}`: every k-th block needs k >= 1."
+                )
+            return cls("selective", every=policy)
+        if isinstance(policy, (list, tuple)) and policy and all(isinstance(p, str) for p in policy):
+            return cls("selective", patterns=tuple(policy))
+        raise ValueError(
+            f"`activation_checkpointing_policy={policy!r}` is not supported: use 'ops' (Megatron-style selective"
+            " recomputation inside every block), an integer k (recompute every k-th block), or a list of"
+            " module-name patterns such as ['model.transformer.h.*.mlp']."
+        )
+
+    def describe(self) -> str:
+        if self.mode == "full":
+            return "full (every block recomputed)"
+        if self.ops:
+            return "selective (matmul/attention/collective outputs kept, other ops recomputed)"
+        if self.every is not None:
+            return f"selective (every {self.every}-th block recomputed)"
+        return f"selective (modules matching {list(self.patterns)} recomputed)"
+
+
+def select_modules(
+    root: nn.Module, config: CheckpointingConfig, block_names: Sequence[str]
+) -> list[tuple[str, nn.Module]]:
+    """The ``(name, module)`` pairs to recompute, in model order.
+
+    ``block_names`` are the repeated blocks in forward order (all of them, also those another
+    pipeline stage holds, so every k-th block means the same blocks under every layout).
+    """
+    if config.patterns:
+        chosen = [
+            (name, module)
+            for name, module in root.named_modules()
+            if name and any(fnmatch.fnmatchcase(name, p) for p in config.patterns)
+        ]
+        unmatched = [p for p in config.patterns if not any(fnmatch.fnmatchcase(n, p) for n, _ in chosen)]
+        if unmatched:
+            example = block_names[0] if block_names else next(n for n, _ in root.named_modules() if n)
+            raise ValueError(
+                f"`activation_checkpointing_policy` pattern(s) {unmatched} match no module of"
+                f" {type(root).__name__}. Patterns are matched against names from `named_modules()`, for"
+                f" example {example!r} or {example + '.*'!r}."
+            )
+        # A module inside another chosen one is already recomputed with it.
+        names = [n for n, _ in chosen]
+        return [(n, m) for n, m in chosen if not any(n.startswith(o + ".") for o in names)]
+    if not block_names:
+        raise ValueError(
+            f"`activation_checkpointing={config.mode!r}`: no repeated block list (an nn.ModuleList of"
+            f" same-class modules) was found in {type(root).__name__}. Name the modules to recompute with"
+            " `activation_checkpointing='selective', activation_checkpointing_policy=['pattern', ...]`."
+        )
+    every = config.every or 1
+    return [(name, root.get_submodule(name)) for index, name in enumerate(block_names) if index % every == 0]
+
+
+def _count_keyword_inputs(kwargs: dict[str, Any]) -> None:
+    # Positional inputs are saved through the saved-tensor hooks (torch's checkpoint saves them
+    # as autograd saved tensors, so they are counted, offloaded and compressed like any other);
+    # keyword arguments stay referenced by the recomputation closure.
+    counter = active_counter()
+    if counter is not None and kwargs:
+        counter.hold(kwargs.values(), "inputs")
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if not keep_op(op):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    counter = active_counter()
+    if counter is not None:
+        output = ctx.op_output
+        counter.hold(output if isinstance(output, (tuple, list)) else [output], "kept")
+    return CheckpointPolicy.MUST_SAVE
+
+
+def _context_fn(ops: bool, capture: StateCapture | None) -> Callable[[], tuple[Any, Any]]:
+    def make() -> tuple[Any, Any]:
+        forward_ctx, recompute_ctx = (
+            create_selective_checkpoint_contexts(_selective_policy) if ops else (nullcontext(), nullcontext())
+        )
+        if capture is None:
+            return forward_ctx, recompute_ctx
+        restore = capture()
+        return forward_ctx, _Both(restore(), recompute_ctx)
+
+    return make
+
+
+class _Both:
+    """Enter two context managers, in order (what ``context_fn`` may return is one object)."""
+
+    def __init__(self, first: AbstractContextManager[Any], second: AbstractContextManager[Any]) -> None:
+        self.first, self.second = first, second
+
+    def __enter__(self) -> None:
+        self.first.__enter__()
+        self.second.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.second.__exit__(*exc)
+        finally:
+            self.first.__exit__(*exc)
+
+
+def _recomputed(forward: Callable[..., Any], ops: bool, capture: StateCapture | None) -> Callable[..., Any]:
+    context_fn = _context_fn(ops, capture)
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        _count_keyword_inputs(kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    run._lp_recomputed = True  # type: ignore[attr-defined]
+    return run
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    return getattr(module.__dict__.get("forward"), "_lp_recomputed", False)
+
+
+def apply_activation_checkpointing(
+    root: nn.Module,
+    config: CheckpointingConfig,
+    block_names: Sequence[str],
+    *,
+    skip: Callable[[nn.Module], bool] = lambda module: False,
+    capture_state: StateCapture | None = None,
+) -> list[str]:
+    """Patch the forward of the modules ``config`` selects; returns their names.
+
+    Args:
+        root: the LightningModule (names are relative to it).
+        config: see :class:`CheckpointingConfig`.
+        block_names: the repeated blocks in forward order.
+        skip: modules to leave alone (blocks another pipeline stage holds).
+        capture_state: called at forward time; returns a context factory that restores, for the
+            recomputation in backward, state the forward depended on (a pipeline stage's
+            active-stage flag).
+    """
+    done = []
+    for name, module in select_modules(root, config, block_names):
+        if skip(module) or is_checkpointed(module):
+            continue
+        whole = not config.ops
+        module.forward = _recomputed(module.forward, ops=not whole, capture=capture_state)  # type: ignore[method-assign]
+        done.append(name)
+    return done

@@ -1,0 +1,213 @@
+"""Exact accounting of the activation memory a training step holds for its backward pass.
+
+Autograd keeps, from the forward to the backward, every tensor an op saved for its gradient.
+:class:`SavedTensorCounter` sees each of them through ``torch.autograd.graph.saved_tensors_hooks``
+(the same hooks the offload and compression savers use) and adds up *distinct storages*: the
+``q``, ``k`` and ``v`` views of one fused projection hold one buffer, and a tensor saved by two
+ops is held once. Parameters (weights saved by matmuls) are not activations and are skipped.
+
+Activation checkpointing saves the positional inputs of a recomputed region as ordinary saved
+tensors (so they are counted, offloaded and compressed like the others), but also holds
+tensors outside autograd's saved tensors: keyword-argument inputs (kept by the recomputation
+closure) and, for selective checkpointing, the outputs of the ops it keeps. The checkpoint
+wrappers report those here (:meth:`SavedTensorCounter.hold`), so one number covers every option.
+
+All byte counts are per process (local shards under tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "ActivationBytes",
+    "SavedTensorCounter",
+    "StorageSet",
+    "active_counter",
+    "counting",
+    "local_tensor",
+    "storage_key",
+]
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns memory on this process (a DTensor's local shard)."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    local = local_tensor(tensor)
+    return (str(local.device), local.untyped_storage().data_ptr())
+
+
+def _storage_bytes(tensor: torch.Tensor) -> int:
+    return local_tensor(tensor).untyped_storage().nbytes()
+
+
+class StorageSet:
+    """Storages seen so far, by address, that are still alive.
+
+    A storage freed during the forward pass (its activation was copied by a saver) can have its
+    address reused by a new one; each entry keeps a weak reference to its storage, so a reused
+    address counts as new. (Storages keep their Python object while the memory lives.)
+    """
+
+    def __init__(self) -> None:
+        self._refs: dict[tuple[str, int], weakref.ref] = {}
+
+    def __contains__(self, tensor: torch.Tensor) -> bool:
+        ref = self._refs.get(storage_key(tensor))
+        return ref is not None and ref() is not None
+
+    def add(self, tensor: torch.Tensor) -> None:
+        self._refs[storage_key(tensor)] = weakref.ref(local_tensor(tensor).untyped_storage())
+
+    def clear(self) -> None:
+        self._refs.clear()
+
+
+@dataclass
+class ActivationBytes:
+    """Bytes held for the backward pass of one training step (one process).
+
+    Attributes:
+        saved: activations autograd saved outside recomputed regions (including the inputs of
+            recomputed regions), as produced: distinct storages, parameters excluded.
+        stored: what is actually kept for ``saved`` after compression (``saved`` without it).
+        offloaded: the part of ``stored`` that lives in host memory.
+        recompute_inputs: keyword-argument inputs of checkpointed regions, kept to recompute them.
+        recompute_kept: outputs of the ops selective checkpointing keeps instead of recomputing.
+        tensors: number of saved tensors seen (before de-duplication).
+    """
+
+    saved: int = 0
+    stored: int = 0
+    offloaded: int = 0
+    recompute_inputs: int = 0
+    recompute_kept: int = 0
+    tensors: int = 0
+
+    @property
+    def on_device(self) -> int:
+        """Activation bytes that stay in accelerator memory until the backward pass."""
+        return self.stored - self.offloaded + self.recompute_inputs + self.recompute_kept
+
+    @property
+    def total(self) -> int:
+        """Activation bytes held anywhere (accelerator and host)."""
+        return self.stored + self.recompute_inputs + self.recompute_kept
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "saved": self.saved,
+            "stored": self.stored,
+            "offloaded": self.offloaded,
+            "recompute_inputs": self.recompute_inputs,
+            "recompute_kept": self.recompute_kept,
+            "on_device": self.on_device,
+            "total": self.total,
+            "tensors": self.tensors,
+        }
+
+
+@dataclass
+class SavedTensorCounter:
+    """Counts the activation bytes of the forward passes run while it is active.
+
+    Use :func:`counting` (or a saver's context, which consults :func:`active_counter`).
+    ``parameters`` are recognised by storage and never counted as activations.
+    """
+
+    parameters: Iterable[torch.Tensor] = ()
+    bytes: ActivationBytes = field(default_factory=ActivationBytes)
+    _param_keys: set[tuple[str, int]] = field(default_factory=set)
+    _seen: StorageSet = field(default_factory=StorageSet)
+    _held: StorageSet = field(default_factory=StorageSet)
+
+    def __post_init__(self) -> None:
+        self._param_keys = {storage_key(p) for p in self.parameters}
+        self.parameters = ()
+
+    @classmethod
+    def for_module(cls, module: nn.Module) -> SavedTensorCounter:
+        return cls(parameters=list(module.parameters()))
+
+    def is_parameter(self, tensor: torch.Tensor) -> bool:
+        return storage_key(tensor) in self._param_keys
+
+    def reset(self) -> None:
+        self.bytes = ActivationBytes()
+        self._seen.clear()
+        self._held.clear()
+
+    # ---- what the savers report ----------------------------------------------------------
+
+    def saw(self, tensor: torch.Tensor) -> bool:
+        """A saved activation; returns whether its storage is new (counted now)."""
+        self.bytes.tensors += 1
+        if tensor in self._seen or tensor in self._held:
+            return False
+        self._seen.add(tensor)
+        self.bytes.saved += _storage_bytes(tensor)
+        return True
+
+    def stored(self, num_bytes: int, offloaded: bool) -> None:
+        self.bytes.stored += num_bytes
+        if offloaded:
+            self.bytes.offloaded += num_bytes
+
+    def hold(self, tensors: Iterable[Any], kind: str) -> None:
+        """Tensors a checkpointed region keeps: ``"inputs"`` or ``"kept"`` (selective outputs)."""
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or self.is_parameter(tensor):
+                continue
+            if tensor in self._held or tensor in self._seen:
+                continue
+            self._held.add(tensor)
+            if kind == "inputs":
+                self.bytes.recompute_inputs += _storage_bytes(tensor)
+            else:
+                self.bytes.recompute_kept += _storage_bytes(tensor)
+
+    # ---- a plain counting context (no saver) ---------------------------------------------
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self.is_parameter(tensor) and self.saw(tensor):
+            self.stored(_storage_bytes(tensor), offloaded=False)
+        return tensor
+
+
+_ACTIVE: list[SavedTensorCounter] = []
+
+
+def active_counter() -> SavedTensorCounter | None:
+    """The innermost counter entered with :func:`counting` or a saver's context, if any."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+@contextmanager
+def activate(counter: SavedTensorCounter | None) -> Iterator[None]:
+    """Make ``counter`` the one checkpoint wrappers and savers report to (no hooks installed)."""
+    if counter is None:
+        yield
+        return
+    _ACTIVE.append(counter)
+    try:
+        yield
+    finally:
+        _ACTIVE.remove(counter)
+
+
+@contextmanager
+def counting(counter: SavedTensorCounter) -> Iterator[SavedTensorCounter]:
+    """Count the activations of the forward passes run inside (no offload, no compression)."""
+    with activate(counter), torch.autograd.graph.saved_tensors_hooks(counter._pack, lambda t: t):
+        yield counter
