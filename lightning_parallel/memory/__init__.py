@@ -13,11 +13,13 @@ from lightning_parallel.memory.checkpointing import (
     select_modules,
 )
 from lightning_parallel.memory.counting import ActivationBytes, SavedTensorCounter, counting
+from lightning_parallel.memory.monitor import ActivationMemoryMonitor
 from lightning_parallel.memory.saved_tensors import COMPRESSIONS, ActivationSaver
 
 __all__ = [
     "COMPRESSIONS",
     "ActivationBytes",
+    "ActivationMemoryMonitor",
     "ActivationSaver",
     "CheckpointingConfig",
     "SavedTensorCounter",

@@ -74,6 +74,8 @@ class PipelineRunner:
         self.last_stage = layout.num_stages - 1
         self.last_owner = layout.owners[self.last_stage]
         self.logs = LogRecorder()
+        # A lightning_parallel.comm.BucketCompressor for the data-parallel average (set by the strategy).
+        self.gradient_compressor: Any = None
         self._ctx: _StepContext | None = None
         self._loss_factor: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
         params = dict(module.named_parameters())
@@ -191,7 +193,9 @@ class PipelineRunner:
             param = self.module.get_parameter(name)
             _all_reduce_grads([param], group, average=False)
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-            _all_reduce_grads(self.parameters, self.dp_group, average=True)
+            _all_reduce_grads(
+                self.parameters, self.dp_group, average=True, compressor=self.gradient_compressor
+            )
 
     # ---- evaluation ----------------------------------------------------------------------
 
@@ -295,8 +299,14 @@ def _to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
-def _all_reduce_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup, average: bool) -> None:
-    """Bucketed all-reduce of the gradients' local shards (missing gradients count as zeros)."""
+def _all_reduce_grads(
+    params: Sequence[nn.Parameter], group: dist.ProcessGroup, average: bool, compressor: Any = None
+) -> None:
+    """Bucketed all-reduce of the gradients' local shards (missing gradients count as zeros).
+
+    ``compressor`` (a ``lightning_parallel.comm.BucketCompressor``) averages each bucket in a
+    compressed form instead; only for ``average=True`` (the data-parallel mean).
+    """
     size = dist.get_world_size(group)
     grads: list[torch.Tensor] = []
     for param in params:
@@ -314,13 +324,15 @@ def _all_reduce_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup, 
         if sum(g.numel() * g.element_size() for g in lists[-1]) > _BUCKET_BYTES:
             lists.append([])
         lists[-1].append(grad)
-    for lists in buckets.values():
-        for bucket in lists:
-            flat = torch._utils._flatten_dense_tensors(bucket)
+    ordered = [bucket for lists in buckets.values() for bucket in lists]
+    for index, bucket in enumerate(ordered):
+        flat = torch._utils._flatten_dense_tensors(bucket)
+        if compressor is not None and average:
+            last = index == len(ordered) - 1
+            compressor.all_reduce_mean(flat, [g.shape for g in bucket], group, index, last)
+        else:
             dist.all_reduce(flat, group=group)
             if average:
                 flat.div_(size)
-            for grad, reduced in zip(
-                bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=False
-            ):
-                grad.copy_(reduced)
+        for grad, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=False):
+            grad.copy_(reduced)

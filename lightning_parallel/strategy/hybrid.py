@@ -41,6 +41,7 @@ from lightning_parallel.plans import ParallelPlan, auto_plan, plan_from_dict
 from lightning_parallel.plans.report import record_parameter_shards
 from lightning_parallel.precision import convert_precision_plugin
 from lightning_parallel.strategy.checkpointing import ShardedCheckpointing
+from lightning_parallel.strategy.memory_savers import MemorySaverArguments, MemorySaversMixin
 from lightning_parallel.strategy.pipelined import (
     PIPELINE_BOUNDARIES_KEY,
     PipelineArguments,
@@ -80,7 +81,7 @@ class _ParallelState:
 PlanArg = Literal["auto"] | dict[str, ParallelStyle | str] | ParallelPlan
 
 
-class HybridParallelStrategy(PipelineStrategyMixin, ShardedCheckpointing):
+class HybridParallelStrategy(PipelineStrategyMixin, MemorySaversMixin, ShardedCheckpointing):
     """Train an unchanged LightningModule with data, tensor and sequence parallelism.
 
     Args:
@@ -99,7 +100,18 @@ class HybridParallelStrategy(PipelineStrategyMixin, ShardedCheckpointing):
         pipeline_virtual_stages: stages per rank for the interleaved schedules (default 2).
         expert_parallel: ranks that shard Mixture-of-Experts experts (not yet supported).
         zero_stage, offload: DeepSpeed ZeRO sharding and offloading (not yet supported).
-        activation_checkpointing: ``"full"`` or ``"selective"`` recomputation (not yet supported).
+        activation_checkpointing: ``"full"`` (recompute every block from its input) or ``"selective"``
+            (see ``activation_checkpointing_policy``); parameter names are unchanged (docs/memory.md).
+        activation_checkpointing_policy: with ``"selective"``: ``"ops"`` (default: keep matmul,
+            attention and collective outputs, recompute the cheap ops, as Megatron), an integer
+            ``k`` (recompute every k-th block) or a list of module-name patterns to recompute.
+        activation_offload: keep activations saved for backward in (pinned) host memory, copied
+            back one block ahead of the backward pass.
+        activation_compression: ``"bf16"`` or ``"fp8"``: store activations saved for backward in
+            that format (the forward pass is unchanged; gradients see the rounding).
+        gradient_compression: ``"bf16"``/``"fp16"`` (all-reduce in half precision), ``"powersgd"``
+            or ``lightning_parallel.comm.PowerSGD(rank=...)`` on the data-parallel all-reduce
+            (data parallel alone, or with pipeline stages; not with tensor parallel alone).
         plan: ``"auto"`` to discover the layout, a dict ``{module-name pattern: style}`` (a torch
             ``ParallelStyle`` or one of ``"colwise"``, ``"rowwise"``, ``"fused_qkv"``,
             ``"fused_gate_up"``, ``"embedding"``, ``"head"``, ``"sequence_parallel"``,
@@ -130,6 +142,10 @@ class HybridParallelStrategy(PipelineStrategyMixin, ShardedCheckpointing):
         zero_stage: int = 0,
         offload: Literal["cpu", "nvme"] | None = None,
         activation_checkpointing: Literal["full", "selective"] | None = None,
+        activation_checkpointing_policy: Literal["ops"] | int | list[str] | None = None,
+        activation_offload: bool = False,
+        activation_compression: Literal["bf16", "fp8"] | None = None,
+        gradient_compression: Any = None,
         plan: PlanArg = "auto",
         verify_plan: bool = True,
         compile: bool = False,
@@ -149,7 +165,6 @@ class HybridParallelStrategy(PipelineStrategyMixin, ShardedCheckpointing):
             expert_parallel=expert_parallel,
             zero_stage=zero_stage,
             offload=offload,
-            activation_checkpointing=activation_checkpointing,
         )
         if tensor_parallel != "auto" and (not isinstance(tensor_parallel, int) or tensor_parallel < 1):
             raise ValueError(f"`tensor_parallel={tensor_parallel!r}` must be a positive integer or 'auto'.")
@@ -161,6 +176,15 @@ class HybridParallelStrategy(PipelineStrategyMixin, ShardedCheckpointing):
             )
         self.pipeline = PipelineArguments.resolve(
             pipeline_parallel, micro_batches, pipeline_schedule, pipeline_virtual_stages, loss_parallel
+        )
+        self.memory_savers = MemorySaverArguments.resolve(
+            activation_checkpointing,
+            activation_checkpointing_policy,
+            activation_offload,
+            activation_compression,
+            gradient_compression,
+            tensor_parallel,
+            self.pipeline.config,
         )
         self._tensor_parallel_arg = tensor_parallel
         self.sequence_parallel = sequence_parallel
@@ -303,6 +327,7 @@ class HybridParallelStrategy(PipelineStrategyMixin, ShardedCheckpointing):
             self._apply_tensor_parallel(module)
         if layout is not None:
             self._build_pipeline_runner(module, layout)
+        self._apply_memory_savers(module)
         if self.compile:
             self._compile_blocks(module)
         if self.dims.dp_enabled and layout is None:
@@ -312,6 +337,7 @@ class HybridParallelStrategy(PipelineStrategyMixin, ShardedCheckpointing):
                 module, dp_mesh, block_names, sharded_parameters=self.dims.tp_enabled
             )
             self._hooks += average_direct_parameters(module, dp_mesh)
+        self._apply_gradient_compression(module)
 
     def _compile_blocks(self, module: LightningModule) -> None:
         from lightning_parallel.pipeline.stages import SkippedBlock
@@ -375,13 +401,14 @@ class HybridParallelStrategy(PipelineStrategyMixin, ShardedCheckpointing):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline_runner is not None:
-            return self._pipelined_training_step(*args, **kwargs)
-        if not self.loss_parallel:
-            return super().training_step(*args, **kwargs)
-        assert self.lightning_module is not None
-        with sharded_loss_step(self.lightning_module, self._loss_state):
-            return to_plain(super().training_step(*args, **kwargs))
+        with self._saved_tensors_context():  # activation offload/compression (memory_savers.py)
+            if self.pipeline_runner is not None:
+                return self._pipelined_training_step(*args, **kwargs)
+            if not self.loss_parallel:
+                return super().training_step(*args, **kwargs)
+            assert self.lightning_module is not None
+            with sharded_loss_step(self.lightning_module, self._loss_state):
+                return to_plain(super().training_step(*args, **kwargs))
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:

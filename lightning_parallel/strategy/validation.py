@@ -12,7 +12,6 @@ NOT_YET = {
     "expert_parallel": (1, "expert parallelism (Mixture-of-Experts)"),
     "zero_stage": (0, "DeepSpeed ZeRO sharding"),
     "offload": (None, "ZeRO CPU/NVMe offloading"),
-    "activation_checkpointing": (None, "activation checkpointing"),
 }
 
 
