@@ -7,6 +7,8 @@ work by name, also from ``LightningCLI`` YAML files.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_parallel.comm import PowerSGD
+from lightning_parallel.memory import ActivationMemoryMonitor
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.plans import ParallelPlan, auto_plan
 from lightning_parallel.strategy import HybridParallelStrategy
@@ -14,4 +16,11 @@ from lightning_parallel.strategy import HybridParallelStrategy
 if HybridParallelStrategy.strategy_name not in StrategyRegistry:
     HybridParallelStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["HybridParallelStrategy", "ParallelDims", "ParallelPlan", "auto_plan"]
+__all__ = [
+    "ActivationMemoryMonitor",
+    "HybridParallelStrategy",
+    "ParallelDims",
+    "ParallelPlan",
+    "PowerSGD",
+    "auto_plan",
+]

@@ -46,7 +46,6 @@ def test_registered_name_resolves_and_checks_the_layout() -> None:
         (dict(expert_parallel=2), "expert_parallel"),
         (dict(zero_stage=1), "zero_stage"),
         (dict(offload="cpu"), "offload"),
-        (dict(activation_checkpointing="full"), "activation_checkpointing"),
     ],
 )
 def test_features_not_yet_supported_are_refused_by_name(kwargs: dict, name: str) -> None:
