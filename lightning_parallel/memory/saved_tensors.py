@@ -49,7 +49,7 @@ _FP8_MAX = float(torch.finfo(_FP8).max)
 
 def compress(tensor: torch.Tensor, kind: Compression) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``(stored, scale)`` for a floating-point tensor worth compressing, else ``None``."""
-    if not tensor.is_floating_point() or tensor.dim() == 0:
+    if not tensor.is_floating_point() or tensor.numel() == 0:
         return None
     if kind == "bf16":
         if tensor.element_size() <= 2:
@@ -68,93 +68,94 @@ def decompress(stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dt
     return (stored.float() * scale.to(stored.device)).to(dtype)
 
 
-class _HostCopy:
-    """One storage copied to host memory, shared by every saved view of it."""
+class _StoredStorage:
+    """One storage of saved activations as the saver keeps it: compressed and/or in host memory.
 
-    __slots__ = ("host", "device", "group", "ready", "event", "live", "__weakref__")
+    Every saved view of the storage (``q``, ``k`` and ``v`` of one fused projection, a tensor
+    and its reshaped copy) shares this one object, so nothing is compressed or copied twice.
+    """
 
-    def __init__(self, storage: torch.UntypedStorage, device: torch.device, group: int) -> None:
-        self.device, self.group = device, group
-        source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-        pin = device.type == "cuda"
-        self.host = torch.empty(source.shape, dtype=torch.uint8, device="cpu", pin_memory=pin)
-        self.host.copy_(source, non_blocking=pin)
+    __slots__ = (
+        "data", "scale", "dtype", "device", "numel", "group", "offloaded", "ready", "event", "live", "__weakref__"
+    )  # fmt: skip
+
+    def __init__(
+        self, flat: torch.Tensor, compression: Compression | None, offload: bool, group: int
+    ) -> None:
+        self.dtype, self.device, self.numel, self.group = flat.dtype, flat.device, flat.numel(), group
+        self.offloaded = offload  # in host memory (on a CPU-only machine: a second copy in the same memory)
+        packed = compress(flat, compression) if compression else None
+        data, self.scale = packed if packed is not None else (flat, None)
+        if offload:
+            pin = data.device.type == "cuda"
+            host = torch.empty(data.shape, dtype=data.dtype, device="cpu", pin_memory=pin)
+            host.copy_(data, non_blocking=pin)
+            data = host
+        self.data = data
         self.ready: torch.Tensor | None = None  # the copy back, once prefetched
         self.event: Any = None
-        self.live: weakref.ref | None = None  # the copy back, while restored views use it
+        self.live: weakref.ref | None = None  # the restored storage, while backward uses it
 
     @property
-    def nbytes(self) -> int:
-        return self.host.numel()
-
-    def prefetch(self, stream: Any) -> None:
-        if self.ready is not None or (self.live is not None and self.live() is not None):
-            return
-        if stream is None:  # CPU (or no side stream): the same copy, synchronously
-            self.ready = self.host.to(self.device, copy=True)
-            return
-        with torch.cuda.stream(stream):
-            self.ready = self.host.to(self.device, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record(stream)
-
-    def fetch(self) -> torch.UntypedStorage:
-        """The storage back on the device: prefetched, still in use by another view, or copied now."""
-        storage = self.live() if self.live is not None else None
-        if storage is not None:
-            return storage
-        if self.ready is None:
-            self.prefetch(None)
-        ready = self.ready
-        assert ready is not None
-        if self.event is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(self.event)
-            ready.record_stream(current)
-        storage = ready.untyped_storage()
-        self.ready, self.event, self.live = None, None, weakref.ref(storage)
-        return storage
-
-
-class _Packed:
-    """One saved activation as the saver keeps it until the backward pass."""
-
-    __slots__ = ("data", "scale", "dtype", "spec", "host", "geometry")
-
-    def __init__(self, tensor: torch.Tensor, compression: Compression | None) -> None:
-        local = local_tensor(tensor).detach()
-        self.spec = (
-            (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
-            if isinstance(tensor, DTensor)
-            else None
-        )
-        self.dtype = local.dtype
-        packed = compress(local, compression) if compression else None
-        self.data, self.scale = packed if packed is not None else (local, None)
-        self.host: _HostCopy | None = None
-        self.geometry: tuple[torch.dtype, int, tuple[int, ...], tuple[int, ...]] | None = None
-
-    @property
-    def compressed(self) -> bool:
-        return self.data.dtype != self.dtype
+    def copies(self) -> bool:
+        return self.offloaded or self.data.dtype != self.dtype
 
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + (4 if self.scale is not None else 0)
 
-    def move_to_host(self, host: _HostCopy) -> None:
-        """Keep only ``host`` (a copy of the storage of ``data``) and where ``data`` lies in it."""
-        data = self.data
-        self.geometry = (data.dtype, data.storage_offset(), tuple(data.shape), data.stride())
-        self.host, self.data = host, torch.empty(0, dtype=data.dtype)
+    def prefetch(self, stream: Any) -> None:
+        if not self.offloaded or self.ready is not None or self._alive() is not None:
+            return
+        if stream is None:  # CPU (or no side stream): the same copy, synchronously
+            self.ready = self.data.to(self.device, copy=True)
+            return
+        with torch.cuda.stream(stream):
+            self.ready = self.data.to(self.device, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(stream)
+
+    def _alive(self) -> torch.UntypedStorage | None:
+        return self.live() if self.live is not None else None
 
     def restore(self) -> torch.Tensor:
+        """The whole storage, back on the device in its dtype (shared while backward uses it)."""
+        storage = self._alive()
+        if storage is not None:
+            return torch.empty(0, dtype=self.dtype, device=self.device).set_(storage)
         data = self.data
-        if self.host is not None and self.geometry is not None:
-            dtype, offset, shape, stride = self.geometry
-            data = torch.empty(0, dtype=dtype, device=self.host.device)
-            data.set_(self.host.fetch(), offset, shape, stride)
-        local = decompress(data, self.scale, self.dtype) if data.dtype != self.dtype else data
+        if self.offloaded:
+            if self.ready is None:
+                self.prefetch(None)
+            data = self.ready
+            assert data is not None
+            if self.event is not None:
+                current = torch.cuda.current_stream(self.device)
+                current.wait_event(self.event)
+                data.record_stream(current)
+            self.ready, self.event = None, None
+        full = decompress(data, self.scale, self.dtype) if data.dtype != self.dtype else data
+        self.live = weakref.ref(full.untyped_storage())
+        return full
+
+
+class _SavedView:
+    """A saved activation: where it lies in a :class:`_StoredStorage`, and its DTensor layout."""
+
+    __slots__ = ("stored", "geometry", "spec")
+
+    def __init__(self, tensor: torch.Tensor, local: torch.Tensor, stored: _StoredStorage) -> None:
+        self.stored = stored
+        self.geometry = (local.storage_offset(), tuple(local.shape), local.stride())
+        self.spec = (
+            (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
+            if isinstance(tensor, DTensor)
+            else None
+        )
+
+    def restore(self) -> torch.Tensor:
+        offset, shape, stride = self.geometry
+        local = self.stored.restore().as_strided(shape, stride, offset)
         if self.spec is None:
             return local
         mesh, placements, shape, stride = self.spec
@@ -184,10 +185,9 @@ class ActivationSaver:
         self.compression = compression
         self.offload = offload
         self._param_keys = {storage_key(p) for p in parameters}
-        # Two ops saving the same tensor share one packed copy (weakly keyed by its live storage).
-        self._cache: dict[tuple, tuple[weakref.ref, _Packed]] = {}
-        self._hosted: dict[tuple, tuple[weakref.ref, _HostCopy]] = {}
-        self._groups: dict[int, list[weakref.ref[_HostCopy]]] = {}
+        # Storages packed in this step, weakly keyed by the live storage (see StorageSet).
+        self._stored: dict[tuple[str, int], tuple[weakref.ref, _StoredStorage]] = {}
+        self._groups: dict[int, list[weakref.ref[_StoredStorage]]] = {}
         self._prefetched: set[int] = set()
         self._block_entries = 0
         self._stream: Any = None
@@ -210,54 +210,38 @@ class ActivationSaver:
             with activate(counter), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
-            self._cache.clear()
-            self._hosted.clear()
+            self._stored.clear()
 
     # ---- hooks ---------------------------------------------------------------------------
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if storage_key(tensor) in self._param_keys:
+        key = storage_key(tensor)
+        if key in self._param_keys:
             return tensor
         counter = active_counter()
         new_storage = counter.saw(tensor) if counter is not None else True
         local = local_tensor(tensor)
-        key = (storage_key(tensor), local.storage_offset(), tuple(local.shape), local.stride(), local.dtype,
-               local._version)  # fmt: skip
-        hit = self._cache.get(key)
-        if hit is not None and hit[0]() is not None:
-            return hit[1]
-        with torch.no_grad():
-            packed = _Packed(tensor, self.compression)
-            self._cache[key] = (weakref.ref(local.untyped_storage()), packed)
-            if packed.compressed and counter is not None:
-                counter.stored(packed.nbytes, offloaded=self.offload)
-            if self.offload:
-                self._offload(packed, counter, new_storage)
-            elif not packed.compressed:
-                if counter is not None and new_storage:
-                    counter.stored(local.untyped_storage().nbytes(), offloaded=False)
-                return tensor  # nothing to do for this one (an fp16 tensor under bf16 compression)
-        return packed
-
-    def _offload(self, packed: _Packed, counter: SavedTensorCounter | None, new_storage: bool) -> None:
-        """Copy the storage behind ``packed.data`` to host memory, once per storage."""
-        storage = packed.data.untyped_storage()
-        key = (str(packed.data.device), storage.data_ptr())
-        hit = self._hosted.get(key)
-        host = hit[1] if hit is not None and hit[0]() is not None else None
-        if host is None:
-            host = _HostCopy(storage, packed.data.device, self._block_entries)
-            self._hosted[key] = (weakref.ref(storage), host)
-            self._groups.setdefault(host.group, []).append(weakref.ref(host))
-            if counter is not None and not packed.compressed:
-                counter.stored(host.nbytes, offloaded=True)
-        packed.move_to_host(host)
+        storage = local.untyped_storage()
+        hit = self._stored.get(key)
+        stored = hit[1] if hit is not None and hit[0]() is not None else None
+        if stored is None:
+            with torch.no_grad():
+                flat = torch.empty(0, dtype=local.dtype, device=local.device).set_(storage)
+                stored = _StoredStorage(flat, self.compression, self.offload, self._block_entries)
+            self._stored[key] = (weakref.ref(storage), stored)
+            if stored.offloaded:
+                self._groups.setdefault(stored.group, []).append(weakref.ref(stored))
+            if counter is not None and (stored.copies or new_storage):
+                counter.stored(stored.nbytes, offloaded=stored.offloaded)
+        if not stored.copies:
+            return tensor  # nothing to do (an fp16 tensor under bf16 compression, an integer index)
+        return _SavedView(tensor, local, stored)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        if packed.host is not None:
-            self._prefetch(packed.host.group - 1, packed.host.device)
+        if packed.stored.offloaded:
+            self._prefetch(packed.stored.group - 1, packed.stored.device)
         return packed.restore()
 
     def _prefetch(self, group: int, device: torch.device) -> None:
@@ -271,9 +255,9 @@ class ActivationSaver:
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(device))
         for ref in self._groups.get(group, []):
-            host = ref()
-            if host is not None:
-                host.prefetch(stream)
+            stored = ref()
+            if stored is not None:
+                stored.prefetch(stream)
 
     def remove(self) -> None:
         for handle in self.handles:
