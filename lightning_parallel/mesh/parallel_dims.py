@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 AXIS_NAMES: tuple[str, ...] = ("pp", "dp", "tp")
+EXPERT_AXIS_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "ep", "tp")  # with expert parallelism; "dp" is flattened
 
 
 @dataclass
@@ -93,8 +94,20 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         if self._mesh is None:
-            shape = tuple(self.degrees[name] for name in AXIS_NAMES)
-            self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXIS_NAMES)
+            if self.ep_enabled:
+                # dp = dp_replicate x ep: experts are sharded over "ep" and replicated over
+                # "dp_replicate"; everything else is averaged over the flattened "dp".
+                shape = (
+                    self.pipeline_parallel,
+                    self.data_parallel // self.expert_parallel,
+                    self.expert_parallel,
+                    self.tensor_parallel,
+                )
+                self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_AXIS_NAMES)
+                self._mesh["dp_replicate", "ep"]._flatten("dp")
+            else:
+                shape = tuple(self.degrees[name] for name in AXIS_NAMES)
+                self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXIS_NAMES)
         return self._mesh
 
     @property

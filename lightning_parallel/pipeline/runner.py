@@ -25,12 +25,11 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor
 
+from lightning_parallel.grad_sync import GradientGroup, GradientSync
 from lightning_parallel.pipeline.discover import PipelineSetupError, extract_loss
 from lightning_parallel.pipeline.microbatch import LogRecorder, broadcast_from, replay_logs, split_batch
 from lightning_parallel.pipeline.schedules import ScheduleSpec
 from lightning_parallel.pipeline.stages import StageExit, StageLayout, StageModule, StageRuntime
-
-_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 @dataclass
@@ -54,7 +53,6 @@ class PipelineRunner:
         my_stages: list[int],
         micro_batches: int,
         pp_group: dist.ProcessGroup,
-        dp_group: dist.ProcessGroup | None,
         device: torch.device,
         runtime: StageRuntime,
         owned_names: set[str],
@@ -67,15 +65,15 @@ class PipelineRunner:
         self.micro_batches = micro_batches
         self.pp_group = pp_group
         self.pp_rank = dist.get_rank(pp_group)
-        self.dp_group = dp_group
         self.device = device
         self.runtime = runtime
         self.tied_groups = tied_groups  # canonical name -> group of the ranks holding that tied weight
         self.last_stage = layout.num_stages - 1
         self.last_owner = layout.owners[self.last_stage]
         self.logs = LogRecorder()
-        # A lightning_parallel.comm.BucketCompressor for the data-parallel average (set by the strategy).
-        self.gradient_compressor: Any = None
+        # The reductions after the last accumulation batch (set by the strategy: it knows the mesh).
+        self.gradient_sync: GradientSync | None = None
+        self._gradient_compressor: Any = None
         self._ctx: _StepContext | None = None
         self._loss_factor: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
         params = dict(module.named_parameters())
@@ -187,15 +185,20 @@ class PipelineRunner:
             else:
                 p.grad = grad
 
-    def sync_gradients(self) -> None:
-        """Average gradients over data-parallel replicas; sum weights tied across stages (once per optimizer step)."""
-        for name, group in self.tied_groups.items():
-            param = self.module.get_parameter(name)
-            _all_reduce_grads([param], group, average=False)
-        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-            _all_reduce_grads(
-                self.parameters, self.dp_group, average=True, compressor=self.gradient_compressor
-            )
+    def tied_gradient_groups(self) -> list[GradientGroup]:
+        """Weights held by several stages (a tied embedding and head): their gradients are summed."""
+        return [GradientGroup([self.module.get_parameter(n)], g) for n, g in self.tied_groups.items()]
+
+    @property
+    def gradient_compressor(self) -> Any:
+        return self._gradient_compressor
+
+    @gradient_compressor.setter
+    def gradient_compressor(self, compressor: Any) -> None:
+        """Compress the data-parallel average of the gradients (``gradient_compression=``)."""
+        self._gradient_compressor = compressor
+        if self.gradient_sync is not None:
+            self.gradient_sync.set_compressor(compressor)
 
     # ---- evaluation ----------------------------------------------------------------------
 
@@ -297,42 +300,3 @@ def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_to_device(v, device) for v in value)
     return value
-
-
-def _all_reduce_grads(
-    params: Sequence[nn.Parameter], group: dist.ProcessGroup, average: bool, compressor: Any = None
-) -> None:
-    """Bucketed all-reduce of the gradients' local shards (missing gradients count as zeros).
-
-    ``compressor`` (a ``lightning_parallel.comm.BucketCompressor``) averages each bucket in a
-    compressed form instead; only for ``average=True`` (the data-parallel mean).
-    """
-    size = dist.get_world_size(group)
-    grads: list[torch.Tensor] = []
-    for param in params:
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
-            # The same weight's gradient may arrive in another layout on another stage (a tied
-            # embedding's is replicated, the head's sharded): bring both to the weight's layout.
-            param.grad = param.grad.redistribute(param.device_mesh, param.placements)
-        grad = param.grad
-        grads.append(grad.to_local() if isinstance(grad, DTensor) else grad)
-    buckets: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
-    for grad in grads:
-        lists = buckets.setdefault((grad.device, grad.dtype), [[]])
-        if sum(g.numel() * g.element_size() for g in lists[-1]) > _BUCKET_BYTES:
-            lists.append([])
-        lists[-1].append(grad)
-    ordered = [bucket for lists in buckets.values() for bucket in lists]
-    for index, bucket in enumerate(ordered):
-        flat = torch._utils._flatten_dense_tensors(bucket)
-        if compressor is not None and average:
-            last = index == len(ordered) - 1
-            compressor.all_reduce_mean(flat, [g.shape for g in bucket], group, index, last)
-        else:
-            dist.all_reduce(flat, group=group)
-            if average:
-                flat.div_(size)
-        for grad, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=False):
-            grad.copy_(reduced)

@@ -91,7 +91,8 @@ def tied_weight_groups(layout: StageLayout, mesh: DeviceMesh) -> dict[str, dist.
     tied = layout.tied_across_ranks()
     if not tied:
         return {}
-    grid = mesh.mesh  # (pp, dp, tp) global ranks
+    pp_size, tp_size = mesh["pp"].size(), mesh["tp"].size()
+    grid = mesh.mesh.reshape(pp_size, -1, tp_size)  # (pp, dp, tp) global ranks (dp flattened under ep)
     me = dist.get_rank()
     by_ranks: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
     for ranks in sorted(set(tied.values())):

@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_parallel.grad_sync import GradientGroup, GradientSync
 from lightning_parallel.pipeline.microbatch import check_divisible
 from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.pipeline.schedules import ideal_efficiency, resolve_schedule, virtual_stages_for
@@ -89,6 +90,7 @@ class PipelineStrategyMixin:
     pipeline_runner: PipelineRunner | None
     _sync_blocked: bool
     _pending_gradients: list[torch.Tensor | None]
+    _gradient_sync: Any
     _plan_arg: Any
     _runtime: StageRuntime
 
@@ -122,7 +124,6 @@ class PipelineStrategyMixin:
         config = self.pipeline.config
         assert config is not None
         mesh = self.device_mesh  # type: ignore[attr-defined]
-        dp_group = mesh["dp"].get_group() if mesh["dp"].size() > 1 else None
         self.pipeline_runner = PipelineRunner(
             module,
             layout,
@@ -130,12 +131,17 @@ class PipelineStrategyMixin:
             self._my_stages,
             config.micro_batches,
             mesh["pp"].get_group(),
-            dp_group,
             self.root_device,  # type: ignore[attr-defined]
             self._runtime,
             self._owned,
             tied_weight_groups(layout, mesh),
         )
+        dp = mesh["dp"]
+        groups = self.pipeline_runner.tied_gradient_groups()
+        groups.append(GradientGroup(self.pipeline_runner.parameters, dp.get_group(), dp.size()))
+        self.pipeline_runner.gradient_sync = self._gradient_sync = GradientSync(groups)
+        if self.pipeline_runner.gradient_compressor is not None:
+            self._gradient_sync.set_compressor(self.pipeline_runner.gradient_compressor)
         self.precision_plugin.norm_exclude = norm_duplicates(layout, mesh["pp"].get_local_rank(), module)  # type: ignore[attr-defined]
         self._hooks += self._runtime.handles  # type: ignore[attr-defined]
         ranges = ", ".join(
@@ -206,7 +212,7 @@ class PipelineStrategyMixin:
         runner.attach_gradients(self._pending_gradients, add=True)
         self._pending_gradients = []
         if not self._sync_blocked:
-            runner.sync_gradients()
+            self._gradient_sync()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)  # type: ignore[attr-defined]
         self.post_backward(closure_loss)  # type: ignore[attr-defined]
         return closure_loss
