@@ -45,6 +45,7 @@ from lightning_parallel.experts.router import route_topk
 
 BlockKind = Literal["lightning_parallel", "fused", "module_list"]
 _TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "k", "topk", "moe_top_k")
+SHARD_ATTR = "_lp_expert_shard"  # set on expert parameters by parallel.ExpertParallel.apply
 _ROUTER_NAME = re.compile(r"gate|router|gating", re.IGNORECASE)
 
 
@@ -114,6 +115,12 @@ def _identical(modules: list[nn.Module]) -> bool:
     )
 
 
+def _global_experts(param: torch.Tensor, local: int) -> int:
+    """Experts of the block as built: after ``ExpertParallel.apply`` a rank holds fewer."""
+    shard = getattr(param, SHARD_ATTR, None)
+    return local if shard is None else shard.num_experts
+
+
 def _top_k(block: nn.Module, router: nn.Module | None) -> int | None:
     for owner in (block, router):
         for attr in _TOP_K_ATTRS:
@@ -132,14 +139,14 @@ def _match(prefix: str, block: nn.Module) -> MoEBlockInfo | None:
     for name, child in block.named_children():
         if isinstance(child, nn.ModuleList) and len(child) > 1 and _identical(list(child)):
             kind: BlockKind = "module_list"
-            num_experts = len(child)
+            num_experts = _global_experts(next(child.parameters()), len(child))
         else:
             stacked = [p for p in child.parameters(recurse=False) if p.dim() >= 3]
             if not stacked or len({p.shape[0] for p in stacked}) != 1 or name in routers:
                 continue
             if len(inspect.signature(child.forward).parameters) < 3:
                 continue  # not called with (hidden, top_k_index, top_k_weights)
-            kind, num_experts = "fused", stacked[0].shape[0]
+            kind, num_experts = "fused", _global_experts(stacked[0], stacked[0].shape[0])
         router_names = [r for r, n in routers.items() if n == num_experts and r != name]
         if not router_names:
             continue

@@ -77,7 +77,7 @@ def plan_queues(
         )
     capacity = expert_capacity(total_tokens, num_experts, top_k, capacity_factor)
     positions_NK = queue_positions(experts_NK, num_experts)
-    if replicas > 1:
+    if replicas > 1 and experts_NK.shape[0] > 0:
         offsets_KBE = global_queue_offsets(counts_RKBE, group_rank(token_group), token_order)
         sample_N = torch.arange(experts_NK.shape[0], device=experts_NK.device) // (
             experts_NK.shape[0] // num_samples

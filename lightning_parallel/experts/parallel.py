@@ -35,6 +35,7 @@ from torch import nn
 
 from lightning_parallel.experts.dispatch import ProcessGroup, group_rank, group_size
 from lightning_parallel.experts.foreign import (
+    SHARD_ATTR,
     MoEBlockInfo,
     adapt_fused_experts,
     adapt_module_list,
@@ -43,7 +44,7 @@ from lightning_parallel.experts.foreign import (
 )
 from lightning_parallel.experts.layer import MoE
 
-_SHARD_ATTR = "_lp_expert_shard"
+_SHARD_ATTR = SHARD_ATTR
 
 
 @dataclass(frozen=True)

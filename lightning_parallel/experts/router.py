@@ -106,6 +106,8 @@ def assignment_counts(experts_NK: torch.Tensor, num_experts: int, num_samples: i
     The input to :func:`global_queue_offsets`; summed, it is tokens per expert.
     """
     num_tokens, top_k = experts_NK.shape
+    if num_tokens == 0:
+        return experts_NK.new_zeros(top_k, num_samples, num_experts)
     if num_tokens % num_samples:
         raise ValueError(f"{num_tokens} tokens cannot be split into {num_samples} samples of equal length.")
     tokens_per_sample = num_tokens // num_samples
@@ -167,6 +169,7 @@ def load_balancing_loss(
     (what data-parallel gradient averaging computes) is exactly the loss of the global batch.
     """
     num_experts = probs_NE.shape[-1]
+    total_tokens = max(total_tokens, 1)  # no tokens: a loss of 0 (an empty sum), not a division by 0
     f_E = tokens_per_expert_E.detach().to(probs_NE.dtype) / (top_k * total_tokens)
     p_E = probs_NE.sum(0) * (replicas / total_tokens)
     return num_experts * torch.sum(f_E * p_E)

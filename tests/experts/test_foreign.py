@@ -1,0 +1,169 @@
+"""MoE blocks of unchanged models: detection, adapters (checked in one process), aux-loss collection."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_parallel.experts import AuxLossCollector, MoE, expert_parameters, find_moe_blocks, moe_aux_loss
+from lightning_parallel.experts.foreign import check_module_list
+from tests.experts import ep_workers as w
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+
+def _tiny_qwen2_moe() -> nn.Module:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=12,
+                            shared_expert_intermediate_size=20, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                            max_position_embeddings=32)  # fmt: skip
+    return Qwen2MoeForCausalLM(config)
+
+
+def test_finds_hf_mixtral_and_qwen2_moe_blocks() -> None:
+    for model, num_experts in ((w.tiny_mixtral(), 4), (_tiny_qwen2_moe(), 4)):
+        blocks = find_moe_blocks(model)
+        assert [b.name for b in blocks] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+        for b in blocks:
+            assert (b.kind, b.num_experts, b.top_k, b.router_name, b.experts_name) == (
+                "fused",
+                num_experts,
+                2,
+                "gate",
+                "experts",
+            )
+        assert sorted(expert_parameters(model)) == sorted(
+            f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")
+        )  # the shared expert and the routers are not expert parameters
+
+
+def test_finds_module_list_blocks_and_this_librarys_layer() -> None:
+    model = nn.Sequential(w.LegacySparseMoE(), nn.Linear(16, 16), w.LegacySparseMoE(shared=True))
+    blocks = find_moe_blocks(model)
+    assert [(b.name, b.kind, b.num_experts, b.top_k, b.router_name) for b in blocks] == [
+        ("0", "module_list", 4, 2, "gate"), ("2", "module_list", 4, 2, "gate")
+    ]  # fmt: skip
+    assert "2.shared_expert.w1.weight" not in expert_parameters(model)
+    assert "2.experts.3.w2.weight" in expert_parameters(model)
+    layer = MoE(8, 16, num_experts=4, shared_expert_hidden_dim=8)
+    info = find_moe_blocks(nn.Sequential(layer))[0]
+    assert (info.name, info.kind, info.num_experts) == ("0", "lightning_parallel", 4)
+    assert info.expert_param_names == ["0.experts.w_in", "0.experts.w_out"]
+
+
+def test_no_moe_blocks_in_dense_models() -> None:
+    from recipes.gpt.model import GPT, GPTConfig
+    from tests.models.hf import HFLlamaModule
+
+    # block_size == n_layer: a position table with as many rows as blocks is not a router
+    assert find_moe_blocks(GPT(GPTConfig(vocab_size=64, block_size=2, n_layer=2, n_head=2, n_embd=16))) == []
+    assert find_moe_blocks(HFLlamaModule(vocab_size=64, block_size=16)) == []
+
+
+def test_module_list_check_chooses_normalisation_and_refuses_foreign_routing() -> None:
+    plain, shared = find_moe_blocks(nn.Sequential(w.legacy_block(), w.legacy_block(shared=True)))
+    check_module_list(plain)
+    check_module_list(shared)
+    assert (plain.normalize_top_k, plain.returns_logits) == (True, True)
+    assert (shared.normalize_top_k, shared.returns_logits) == (False, False)
+
+    class SigmoidRouted(w.LegacySparseMoE):
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            x = hidden_states.view(-1, hidden_states.shape[-1])
+            weights = torch.sigmoid(self.gate(x))
+            return sum(weights[:, i : i + 1] * e(x) for i, e in enumerate(self.experts)).view(
+                hidden_states.shape
+            )
+
+    (odd,) = find_moe_blocks(nn.Sequential(w._init(SigmoidRouted())))
+    with pytest.raises(ValueError, match="routes differently from softmax top-2"):
+        check_module_list(odd)
+
+
+def _hf_aux(logits: torch.Tensor, num_experts: int, top_k: int) -> torch.Tensor:
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    return load_balancing_loss_func((logits,), num_experts, top_k)
+
+
+def test_collector_matches_switch_loss_and_hf_per_layer_up_to_k() -> None:
+    model = w.tiny_mixtral(num_layers=1)
+    collector = AuxLossCollector(model, coef=1.0)
+    ids = torch.randint(64, (2, 8))
+    collector.reset()
+    out = model(ids, output_router_logits=True)  # labels absent: HF computes its aux but adds nothing
+    added = collector.add_to_loss(torch.zeros(()))
+    # ours: f sums to 1; Hugging Face's: f sums to k (here 2)
+    torch.testing.assert_close(added * 2, out.aux_loss.float(), rtol=1e-5, atol=1e-6)
+    assert added.requires_grad
+    assert float(collector.add_to_loss(torch.zeros(()))) == 0.0  # consumed: counted once
+
+
+def test_collector_adds_nothing_when_hf_already_added_its_own() -> None:
+    model = w.tiny_mixtral(num_layers=1)
+    collector = AuxLossCollector(model, coef=1.0)
+    ids = torch.randint(64, (2, 8))
+    collector.reset()
+    out = model(ids, labels=ids, output_router_logits=True)
+    with pytest.warns(UserWarning, match="already added"):
+        total = collector.add_to_loss(out.loss)
+    assert total is out.loss
+    collector.reset()
+    out = model(ids, labels=ids)  # config.output_router_logits=False: HF adds nothing, we do
+    assert float((collector.add_to_loss(out.loss) - out.loss).detach()) > 0
+
+
+def test_collector_counts_this_librarys_layers_once() -> None:
+    model = nn.Sequential(MoE(8, 16, num_experts=4, aux_loss_coef=0.1), nn.Linear(8, 8))
+    collector = AuxLossCollector(model)
+    collector.reset()
+    model(torch.randn(3, 8))
+    want = collector.total()
+    assert want is not None and float(want) > 0
+    torch.testing.assert_close(collector.add_to_loss(torch.zeros(())), want)
+    collector.reset()
+    model(torch.randn(3, 8))
+    moe_aux_loss(model)  # the user added it in training_step
+    assert float(collector.add_to_loss(torch.zeros(()))) == 0.0
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(3, 8))
+    assert collector.total() is None  # evaluation forwards record nothing
+
+
+def test_backward_mode_gives_the_same_gradients_as_adding_to_the_loss() -> None:
+    ids = torch.randint(64, (2, 8))
+    grads = []
+    for mode in ("loss", "backward"):
+        model = w.tiny_mixtral(num_layers=1)
+        collector = AuxLossCollector(model, coef=0.5, z_loss_coef=0.01, mode=mode)
+        collector.grad_scale = 0.5  # e.g. two accumulated batches: the main loss is halved too
+        collector.reset()
+        loss = model(ids).logits.square().mean() * 0.5
+        if mode == "loss":
+            loss = loss + collector.add_to_loss(torch.zeros(())) * 0.5
+        else:
+            assert collector.add_to_loss(loss) is loss
+        loss.backward()
+        grads.append(model.model.layers[0].mlp.gate.weight.grad.clone())
+        collector.remove()
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+
+
+def test_collector_bad_input() -> None:
+    with pytest.raises(ValueError, match="no MoE block"):
+        AuxLossCollector(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="mode='sideways'"):
+        AuxLossCollector(w.legacy_block(), mode="sideways")  # type: ignore[arg-type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AuxLossCollector(w.legacy_block()).remove()
