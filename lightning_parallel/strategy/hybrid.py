@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from typing_extensions import override
 
 from lightning_parallel.data_parallel import apply_data_parallel, average_direct_parameters, no_gradient_sync
+from lightning_parallel.grad_sync import GradientSync
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.pipeline.setup import filter_plan_to_kept_modules
@@ -41,6 +42,7 @@ from lightning_parallel.plans import ParallelPlan, auto_plan, plan_from_dict
 from lightning_parallel.plans.report import record_parameter_shards
 from lightning_parallel.precision import convert_precision_plugin
 from lightning_parallel.strategy.checkpointing import ShardedCheckpointing
+from lightning_parallel.strategy.experts import ExpertStrategyMixin, check_expert_arguments
 from lightning_parallel.strategy.memory_savers import MemorySaverArguments, MemorySaversMixin
 from lightning_parallel.strategy.pipelined import (
     PIPELINE_BOUNDARIES_KEY,
@@ -76,12 +78,18 @@ class _ParallelState:
     dp_units: list[torch.nn.Module]
     hooks: list[Any]
     norm_exclude: set[int]
+    extras: dict[str, Any] = field(default_factory=dict)  # strategy attributes to restore as they were
 
+
+# Set by the setup steps (experts, pipeline gradient sync); a later Trainer entry point reuses them.
+_RESTORED_ATTRIBUTES = ("_manual_gradient_sync", "_expert_parameter_ids", "_aux_losses", "_gradient_sync")
 
 PlanArg = Literal["auto"] | dict[str, ParallelStyle | str] | ParallelPlan
 
 
-class HybridParallelStrategy(PipelineStrategyMixin, MemorySaversMixin, ShardedCheckpointing):
+class HybridParallelStrategy(
+    PipelineStrategyMixin, ExpertStrategyMixin, MemorySaversMixin, ShardedCheckpointing
+):
     """Train an unchanged LightningModule with data, tensor and sequence parallelism.
 
     Args:
@@ -98,7 +106,12 @@ class HybridParallelStrategy(PipelineStrategyMixin, MemorySaversMixin, ShardedCh
             ``"looped_bfs"``, ``"interleaved_zero_bubble"``, ``"zbv"`` or ``"dualpipev"``
             (torch.distributed.pipelining's schedules).
         pipeline_virtual_stages: stages per rank for the interleaved schedules (default 2).
-        expert_parallel: ranks that shard Mixture-of-Experts experts (not yet supported).
+        expert_parallel: ranks that shard the experts of Mixture-of-Experts blocks (this
+            library's ``MoE``, Hugging Face Mixtral/Qwen2-MoE, any router + identical experts),
+            carved out of the data-parallel ranks; tokens reach their expert by all-to-all.
+        moe_aux_loss_coef: add the Switch load-balancing loss of every MoE block, times this,
+            to the gradients (the user's loss is left as it is); ``None``: off (the default:
+            the user's step may already add it). ``moe_z_loss_coef``: the router z-loss.
         zero_stage, offload: DeepSpeed ZeRO sharding and offloading (not yet supported).
         activation_checkpointing: ``"full"`` (recompute every block from its input) or ``"selective"``
             (see ``activation_checkpointing_policy``); parameter names are unchanged (docs/memory.md).
@@ -135,6 +148,8 @@ class HybridParallelStrategy(PipelineStrategyMixin, MemorySaversMixin, ShardedCh
         tensor_parallel: int | Literal["auto"] = 1,
         pipeline_parallel: int = 1,
         expert_parallel: int = 1,
+        moe_aux_loss_coef: float | None = None,
+        moe_z_loss_coef: float = 0.0,
         sequence_parallel: bool = False,
         micro_batches: int | None = None,
         pipeline_schedule: str | None = None,
@@ -161,8 +176,8 @@ class HybridParallelStrategy(PipelineStrategyMixin, MemorySaversMixin, ShardedCh
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        check_expert_arguments(expert_parallel, moe_aux_loss_coef, moe_z_loss_coef)
         check_not_yet_supported(
-            expert_parallel=expert_parallel,
             zero_stage=zero_stage,
             offload=offload,
         )
@@ -190,6 +205,9 @@ class HybridParallelStrategy(PipelineStrategyMixin, MemorySaversMixin, ShardedCh
         self.sequence_parallel = sequence_parallel
         self.pipeline_parallel = pipeline_parallel
         self.expert_parallel = expert_parallel
+        self.moe_aux_loss_coef = moe_aux_loss_coef
+        self.moe_z_loss_coef = moe_z_loss_coef
+        self._manual_gradient_sync = None
         self._plan_arg = plan
         self.verify_plan = verify_plan
         self.compile = compile
@@ -282,6 +300,7 @@ class HybridParallelStrategy(PipelineStrategyMixin, MemorySaversMixin, ShardedCh
                 self._dp_units,
                 self._hooks,
                 getattr(self.precision_plugin, "norm_exclude", set()),
+                {name: getattr(self, name, None) for name in _RESTORED_ATTRIBUTES},
             )
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -311,6 +330,8 @@ class HybridParallelStrategy(PipelineStrategyMixin, MemorySaversMixin, ShardedCh
         )
         if hasattr(self.precision_plugin, "norm_exclude"):
             self.precision_plugin.norm_exclude = state.norm_exclude
+        for name, value in state.extras.items():
+            setattr(self, name, value)
         return True
 
     def _parallelize(self, trainer: Trainer, module: LightningModule) -> None:
@@ -323,6 +344,7 @@ class HybridParallelStrategy(PipelineStrategyMixin, MemorySaversMixin, ShardedCh
             self._verify_tensor_parallel(trainer, module)
         if layout is not None:
             self._cut_pipeline(module, layout)
+        self._apply_expert_parallel(module)
         if self.dims.tp_enabled:
             self._apply_tensor_parallel(module)
         if layout is not None:
@@ -330,7 +352,10 @@ class HybridParallelStrategy(PipelineStrategyMixin, MemorySaversMixin, ShardedCh
         self._apply_memory_savers(module)
         if self.compile:
             self._compile_blocks(module)
-        if self.dims.dp_enabled and layout is None:
+        if self.dims.ep_enabled and layout is None:
+            params = [p for p in module.parameters() if p.requires_grad]
+            self._manual_gradient_sync = GradientSync(self._expert_gradient_groups(params))
+        elif self.dims.dp_enabled and layout is None:
             dp_mesh = self.device_mesh["dp"]
             block_names = self.plan.block_names if self.plan else []
             self._dp_units = apply_data_parallel(
@@ -404,6 +429,7 @@ class HybridParallelStrategy(PipelineStrategyMixin, MemorySaversMixin, ShardedCh
         with self._saved_tensors_context():  # activation offload/compression (memory_savers.py)
             if self.pipeline_runner is not None:
                 return self._pipelined_training_step(*args, **kwargs)
+            self._set_aux_loss_scale(self._backward_loss_scale())
             if not self.loss_parallel:
                 return super().training_step(*args, **kwargs)
             assert self.lightning_module is not None
@@ -415,9 +441,20 @@ class HybridParallelStrategy(PipelineStrategyMixin, MemorySaversMixin, ShardedCh
         if self.pipeline_runner is not None:
             return self._pipelined_backward(closure_loss)
         if not self.loss_parallel:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        with sharded_loss_backward():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            result = super().backward(closure_loss, optimizer, *args, **kwargs)
+        else:
+            with sharded_loss_backward():
+                result = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._manual_gradient_sync is not None and not self._sync_blocked:
+            self._manual_gradient_sync()  # expert parallelism: experts and the rest reduced differently
+        return result
+
+    def _backward_loss_scale(self) -> float:
+        """What Lightning multiplies the step's loss by before backward: 1 / accumulation x the fp16 scale."""
+        assert self.lightning_module is not None
+        scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return scale * float(scaler.get_scale()) if scaler is not None else scale
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_parallel.grad_sync import GradientGroup, GradientSync
+from lightning_parallel.grad_sync import GradientSync
 from lightning_parallel.pipeline.microbatch import check_divisible
 from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.pipeline.schedules import ideal_efficiency, resolve_schedule, virtual_stages_for
@@ -136,9 +136,8 @@ class PipelineStrategyMixin:
             self._owned,
             tied_weight_groups(layout, mesh),
         )
-        dp = mesh["dp"]
         groups = self.pipeline_runner.tied_gradient_groups()
-        groups.append(GradientGroup(self.pipeline_runner.parameters, dp.get_group(), dp.size()))
+        groups += self._expert_gradient_groups(self.pipeline_runner.parameters)  # type: ignore[attr-defined]
         self.pipeline_runner.gradient_sync = self._gradient_sync = GradientSync(groups)
         if self.pipeline_runner.gradient_compressor is not None:
             self._gradient_sync.set_compressor(self.pipeline_runner.gradient_compressor)
@@ -178,6 +177,10 @@ class PipelineStrategyMixin:
         def loss_factor(loss: torch.Tensor) -> torch.Tensor:
             loss = loss / accumulate
             return scaler.scale(loss) if scaler is not None else loss
+
+        # MoE auxiliary gradients follow the scale of each micro-batch's loss.
+        scale = 1.0 / (accumulate * runner.micro_batches)
+        self._set_aux_loss_scale(scale * float(scaler.get_scale()) if scaler is not None else scale)  # type: ignore[attr-defined]
 
         step_fn = functools.partial(module.training_step, **kwargs) if kwargs else module.training_step
         # Lightning zeroes gradients *between* training_step and backward (first batch of an

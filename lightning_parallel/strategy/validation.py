@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 NOT_YET = {
-    "expert_parallel": (1, "expert parallelism (Mixture-of-Experts)"),
     "zero_stage": (0, "DeepSpeed ZeRO sharding"),
     "offload": (None, "ZeRO CPU/NVMe offloading"),
 }
@@ -21,6 +20,6 @@ def check_not_yet_supported(**arguments: Any) -> None:
         if value != default:
             raise ValueError(
                 f"HybridParallelStrategy(`{name}={value!r}`): {feature} is not supported yet in this version of"
-                f" lightning_parallel. Leave `{name}` at {default!r}; data, tensor, sequence and pipeline"
-                " parallelism are available now."
+                f" lightning_parallel. Leave `{name}` at {default!r}; data, tensor, sequence, pipeline and"
+                " expert parallelism are available now."
             )

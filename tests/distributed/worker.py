@@ -83,13 +83,19 @@ class ParityRecorder(Callback):
         from torch.distributed.tensor import DTensor
 
         params = {}
+        slices: dict[str, tuple[int, torch.Tensor]] = {}  # expert shards: name -> (first expert, slice)
         for name, param in pl_module.named_parameters():
             tensor = param.detach()
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
-            if not tensor.is_meta:
+            if tensor.is_meta:
+                continue
+            shard = getattr(param, "_lp_expert_shard", None)
+            if shard is not None and shard.dim == 0 and shard.ep_size > 1:
+                slices[name] = (shard.first_expert, tensor.cpu().clone())
+            else:
                 params[name] = tensor.cpu().clone()
-        mine = (self.losses, params)
+        mine = (self.losses, params, slices)
         if dist.is_available() and dist.is_initialized():
             gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
             dist.gather_object(mine, gathered, dst=0)
@@ -97,14 +103,37 @@ class ParityRecorder(Callback):
                 return
         else:
             gathered = [mine]
+        # Expert-parallel stacked weights: each rank holds experts [first, first + n) of the same
+        # name; the full tensor is their concatenation. Replicas of one slice must agree.
+        by_name: dict[str, dict[int, list[torch.Tensor]]] = {}
+        for _, _, rank_slices in gathered:
+            for name, (first, tensor) in rank_slices.items():
+                by_name.setdefault(name, {}).setdefault(first, []).append(tensor)
+        experts_full: dict[str, torch.Tensor] = {}
+        for name, parts in by_name.items():
+            experts_full[name] = torch.cat([parts[first][0] for first in sorted(parts)], dim=0)
+        replica_sets = [dict(p) for _, p, _ in gathered]
+        for name, parts in by_name.items():
+            # Compare replicas of each slice through merge_replicas: one entry per (name, slice).
+            for first, copies in parts.items():
+                for rank_params, copy in zip(replica_sets, copies, strict=False):
+                    rank_params[f"{name}[experts {first}:]"] = copy
+        gathered = [(losses, params) for (losses, _, _), params in zip(gathered, replica_sets, strict=True)]
         sampler_kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
         self.payload = {
             "losses": mean_over_ranks([losses for losses, _ in gathered]),
             "rank_losses": [losses for losses, _ in gathered],
-            **merge_replicas([p for _, p in gathered]),
+            **_with_experts(merge_replicas([p for _, p in gathered]), experts_full),
             "global_step": trainer.global_step,
             "data_parallel": int(sampler_kwargs.get("num_replicas", 1)),
         }
+
+
+def _with_experts(merged: dict, experts_full: dict[str, torch.Tensor]) -> dict:
+    """Replace the per-slice entries by the reassembled full expert tensors (the reference's names)."""
+    params = {n: t for n, t in merged["params"].items() if "[experts " not in n}
+    params.update(experts_full)
+    return {**merged, "params": params}
 
 
 class FaultInjector(Callback):

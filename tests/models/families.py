@@ -56,6 +56,12 @@ def _hf_llama(**overrides: Any) -> L.LightningModule:
     return HFLlamaModule(**{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
 
 
+def _hf_mixtral(**overrides: Any) -> L.LightningModule:
+    from tests.models.hf import HFMixtralModule
+
+    return HFMixtralModule(**{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
+
+
 def _recipe_gpt(optimizer: str = "sgd", **overrides: Any) -> L.LightningModule:
     """The project's GPT recipe at test size.
 
@@ -88,9 +94,15 @@ FAMILIES: dict[str, Callable[..., L.LightningModule]] = {
     "nanogpt": _nanogpt,
     "hf_gpt2": _hf_gpt2,
     "hf_llama": _hf_llama,
+    "hf_mixtral": _hf_mixtral,
 }
 
-_REQUIRES = {"recipe_gpt": "recipes.gpt.module", "hf_gpt2": "transformers", "hf_llama": "transformers"}
+_REQUIRES = {
+    "recipe_gpt": "recipes.gpt.module",
+    "hf_gpt2": "transformers",
+    "hf_llama": "transformers",
+    "hf_mixtral": "transformers",
+}
 
 
 def available_families() -> list[str]:

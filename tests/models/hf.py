@@ -18,7 +18,14 @@ from __future__ import annotations
 import lightning as L
 import torch
 import torch.nn.functional as F
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+)
 
 from tests.models.optim import parity_optimizer
 
@@ -79,3 +86,26 @@ class HFLlamaModule(_CausalLMModule):
             use_cache=False, attn_implementation="sdpa",
         )  # fmt: skip
         self.model = LlamaForCausalLM(config)
+
+
+class HFMixtralModule(_CausalLMModule):
+    """``MixtralForCausalLM``: Llama attention plus sparse MoE blocks (router ``gate``, fused experts), top-2."""
+
+    def __init__(
+        self,
+        vocab_size: int = 128,
+        block_size: int = 32,
+        learning_rate: float | None = None,
+        optimizer: str = "sgd",
+        n_layer: int = 2,
+        num_experts: int = 4,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        config = MixtralConfig(
+            vocab_size=vocab_size, max_position_embeddings=block_size, hidden_size=64,
+            intermediate_size=96, num_hidden_layers=n_layer, num_attention_heads=4, num_key_value_heads=2,
+            num_local_experts=num_experts, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0,
+            pad_token_id=None, use_cache=False, attn_implementation="sdpa",
+        )  # fmt: skip
+        self.model = MixtralForCausalLM(config)
