@@ -1,0 +1,100 @@
+"""Memory savers leave training equal to the single-process run, under dp=2, tp=2 and pp=2.
+
+Recomputation (full and selective activation checkpointing) and activation offload change
+where activations live, not what is computed: parity at the project's fp32 tolerance (1e-5
+per step, final parameters). bf16 activation compression changes what the backward pass
+reads: its losses must stay within the bound derived in :func:`compression_bound`.
+
+One 2-process launch runs every case (the references ride along): data parallel on the recipe
+GPT (DDP reducer), tensor parallel on the nanoGPT-style model (narrow attention hooks inside
+every block, re-run by the recomputation; one case with sequence parallelism, whose
+all-gathers are re-run too), pipeline parallel (1F1B) on the recipe GPT (its tied
+embedding/head split over the two stages).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.cases import CASES, Case, hybrid
+from tests.distributed.harness import Result, assert_parity, reference, run_cases
+
+pytestmark = [pytest.mark.distributed]
+
+SAVERS = {
+    "full": {"activation_checkpointing": "full"},
+    "selective": {"activation_checkpointing": "selective"},
+    "offload": {"activation_offload": True},
+}
+LAYOUTS = {  # name: (family, tensor_parallel, pipeline_parallel, extra strategy arguments)
+    "dp2": ("recipe_gpt", 1, 1, {}),
+    "tp2": ("nanogpt", 2, 1, {}),
+    "pp2": ("recipe_gpt", 1, 2, {"pipeline_schedule": "1f1b"}),
+}
+
+
+def _case(name: str, layout: str, **savers: object) -> Case:
+    if name in CASES:
+        return CASES[name]
+    family, tp, pp, extra = LAYOUTS[layout]
+    return hybrid(name, family, world_size=2, tensor_parallel=tp, pipeline_parallel=pp, timeout=60,
+                  **extra, **savers)  # fmt: skip
+
+
+EXACT = [
+    *[
+        _case(f"mem_{layout}_{saver}", layout, **kwargs)
+        for layout in LAYOUTS
+        for saver, kwargs in SAVERS.items()
+    ],
+    _case("mem_tp2_sp_full", "tp2", sequence_parallel=True, activation_checkpointing="full"),
+    _case("mem_pp2_full_offload", "pp2", activation_checkpointing="full", activation_offload=True),
+]
+COMPRESSED = [_case(f"mem_{layout}_bf16", layout, activation_compression="bf16") for layout in LAYOUTS]
+
+# Relative error of a gradient under bf16 activation compression: at most 2^-6 (asserted on one
+# step in tests/memory/test_activation_memory.py; measured 5e-3 there).
+GRADIENT_ERROR = 2**-6
+
+
+def compression_bound(ref_losses: list[float], step: int) -> float:
+    """How far step ``step``'s loss may move when every gradient has relative error <= GRADIENT_ERROR.
+
+    The forward pass is exact, so step 0 is exact. With SGD (learning rate lr, momentum <= 1)
+    the parameters after ``k`` steps differ by at most ``lr * eps * sum_{j<k} (j + 1) |g_j|``,
+    and the loss by ``|g_k|`` times that. With ``|g_j| <= 2 |g_0|`` (these short runs) and
+    ``lr |g_0|^2 ~= L_0 - L_1`` (first-order decrease of the first step), the loss moves by at most
+    ``eps * 4 * k (k + 1) / 2 * |L_0 - L_1|``; plus the fp32 parity tolerance.
+    """
+    first_decrease = abs(ref_losses[0] - ref_losses[1])
+    return GRADIENT_ERROR * 4 * step * (step + 1) / 2 * first_decrease + 1e-5 * abs(ref_losses[step])
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, Result]:
+    cases = EXACT + COMPRESSED
+    return run_cases(cases, 2, timeout_s=600, references_for=cases)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", EXACT, ids=lambda c: c.name)
+def test_recomputation_and_offload_match_the_single_process_run(
+    results: dict[str, Result], case: Case
+) -> None:
+    assert_parity(results[case.name], reference(case))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", COMPRESSED, ids=lambda c: c.name)
+def test_bf16_activation_compression_stays_within_its_bound(results: dict[str, Result], case: Case) -> None:
+    got, ref = results[case.name].losses, reference(case).losses
+    assert len(got) == len(ref) == case.steps
+    assert got[0] == pytest.approx(ref[0], rel=1e-5, abs=0)  # the forward pass reads no compressed tensor
+    for step in range(1, len(ref)):
+        bound = compression_bound(ref, step)
+        print(
+            f"{case.name} step {step}: |loss - reference| = {abs(got[step] - ref[step]):.2e} (bound {bound:.2e})"
+        )
+        assert abs(got[step] - ref[step]) <= bound, (
+            f"step {step}: {got[step]} vs {ref[step]} (bound {bound:.2e})"
+        )

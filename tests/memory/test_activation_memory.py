@@ -1,0 +1,233 @@
+"""Activation memory held for backward, counted exactly, for every saver; gradients they leave.
+
+One process, no Trainer (the strategy wiring is tested in ``test_strategy_memory.py`` and the
+layouts in ``tests/distributed/test_parity_memory.py``): the recipe GPT at test size, one
+forward and backward per option, counted through ``saved_tensors_hooks``
+(:class:`~lightning_parallel.memory.SavedTensorCounter`).
+
+Expected bytes are computed from shapes. With B=2 sequences of T=32 tokens, width C=64,
+vocabulary V=128 and fp32 activations, what the recipe's step saves *outside* the blocks is:
+token ids (B T int64) for the embedding, the positions (T int64), the final LayerNorm's input
+and output (2 B T C fp32) and its mean and 1/std (2 B T fp32), the log-softmax of the logits
+(B T V fp32), the targets (B T int64) and the loss's total weight (one fp32). Full
+checkpointing adds only each block's input (B T C fp32) per block.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lightning_parallel.memory import (
+    ActivationBytes,
+    ActivationSaver,
+    CheckpointingConfig,
+    SavedTensorCounter,
+    apply_activation_checkpointing,
+    counting,
+    is_checkpointed,
+)
+from lightning_parallel.plans.detect import find_block_stack
+
+B, T, C, V, HEADS = 2, 32, 64, 128, 4
+F32, I64 = 4, 8
+
+
+def gpt(n_layer: int = 2) -> torch.nn.Module:
+    from recipes.gpt.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=n_layer, n_head=HEADS, n_embd=C))
+
+
+def block_names(model: torch.nn.Module) -> list[str]:
+    stack = find_block_stack(model)
+    assert stack is not None
+    return [f"{stack.name}.{i}" for i in range(len(stack.blocks))]
+
+
+def outside_blocks_bytes() -> int:
+    return B * T * I64 + T * I64 + 2 * B * T * C * F32 + 2 * B * T * F32 + B * T * V * F32 + B * T * I64 + F32
+
+
+def step(
+    model: torch.nn.Module, checkpointing: CheckpointingConfig | None = None, **saver: object
+) -> tuple[ActivationBytes, float, dict[str, torch.Tensor]]:
+    """One forward+backward: the bytes held for backward, the loss, the gradients."""
+    if checkpointing is not None:
+        apply_activation_checkpointing(model, checkpointing, block_names(model))
+    counter = SavedTensorCounter.for_module(model)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randint(V, (B, T), generator=generator)
+    y = torch.randint(V, (B, T), generator=generator)
+    if saver:
+        blocks = list(find_block_stack(model).blocks)
+        context = ActivationSaver(parameters=list(model.parameters()), blocks=blocks, **saver).context(
+            counter
+        )
+    else:
+        context = counting(counter)
+    with context:
+        loss = torch.nn.functional.cross_entropy(model(x).view(-1, V), y.view(-1))
+    loss.backward()
+    return counter.bytes, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("n_layer", [2, 3])
+def test_full_checkpointing_keeps_only_the_block_inputs(n_layer: int) -> None:
+    held, _, _ = step(gpt(n_layer), CheckpointingConfig.resolve("full", None))
+    assert held.total == outside_blocks_bytes() + n_layer * B * T * C * F32
+    assert held.recompute_kept == 0 and held.recompute_inputs == 0  # inputs are positional: saved tensors
+
+
+def test_every_option_against_the_baseline() -> None:
+    base = gpt()
+    options = {
+        "none": {},
+        "selective (ops)": {"checkpointing": CheckpointingConfig.resolve("selective", "ops")},
+        "selective (every 2nd block)": {"checkpointing": CheckpointingConfig.resolve("selective", 2)},
+        "full": {"checkpointing": CheckpointingConfig.resolve("full", None)},
+        "offload": {"offload": True},
+        "bf16 compression": {"compression": "bf16"},
+        "fp8 compression": {"compression": "fp8"},
+        "full + offload": {"checkpointing": CheckpointingConfig.resolve("full", None), "offload": True},
+    }
+    held = {name: step(copy.deepcopy(base), **kwargs)[0] for name, kwargs in options.items()}
+    baseline = held["none"].total
+    print(f"\nactivation bytes held for backward, recipe GPT B={B} T={T} C={C} 2 blocks (fp32):")
+    for name, counted in held.items():
+        print(f"  {name:28s} on device {counted.on_device:8d} ({counted.on_device / baseline:5.1%})"
+              f"  total {counted.total:8d}  offloaded {counted.offloaded:8d}")  # fmt: skip
+
+    per_block = (baseline - outside_blocks_bytes()) // 2
+    assert baseline == outside_blocks_bytes() + 2 * per_block
+    # Selective: the inputs plus the kept matmul/attention outputs: qkv (3C), attention out (C)
+    # and its log-sum-exp (HEADS per token), projection (C), fc (4C), mlp projection (C).
+    selective = held["selective (ops)"]
+    assert selective.recompute_kept == 2 * (10 * B * T * C + B * HEADS * T) * F32
+    assert selective.total == held["full"].total + selective.recompute_kept
+    assert held["selective (every 2nd block)"].total == outside_blocks_bytes() + B * T * C * F32 + per_block
+    assert held["offload"].on_device == 0 and held["offload"].offloaded == baseline
+    assert held["full + offload"].on_device == 0 and held["full + offload"].total == held["full"].total
+    integers = (B * T + T + B * T) * I64  # ids, positions, targets: never compressed
+    assert held["bf16 compression"].total == integers + (baseline - integers) // 2
+    scales = F32 * held["fp8 compression"].tensors  # at most one fp32 scale per saved storage
+    assert held["fp8 compression"].total <= integers + (baseline - integers) // 4 + scales
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("full", {"checkpointing": CheckpointingConfig("full")}),
+        ("selective", {"checkpointing": CheckpointingConfig("selective", ops=True)}),
+        ("every 2nd", {"checkpointing": CheckpointingConfig("selective", every=2)}),
+        ("patterns", {"checkpointing": CheckpointingConfig("selective", patterns=("transformer.h.*.mlp",))}),
+        ("offload", {"offload": True}),
+        ("offload + full", {"offload": True, "checkpointing": CheckpointingConfig("full")}),
+    ],
+)
+def test_recomputation_and_offload_leave_loss_and_gradients_bitwise_equal(name: str, options: dict) -> None:
+    base = gpt()
+    _, ref_loss, ref_grads = step(copy.deepcopy(base))
+    _, loss, grads = step(copy.deepcopy(base), **options)
+    assert loss == ref_loss
+    for key, grad in grads.items():
+        assert torch.equal(grad, ref_grads[key]), f"{name}: gradient of {key} differs"
+
+
+# Relative error of every parameter's gradient after one step (measured on this model: bf16
+# 5.0e-3, fp8 8.4e-2). bf16 rounds each saved element with relative error <= 2^-9; a gradient
+# goes through several rounded factors (about 2^-9 each, adding up along the backward path),
+# so the bound is 2^-6 (8 such factors in the worst case); fp8 e4m3 rounds with <= 2^-4, bound 2^-2.
+GRADIENT_BOUND = {"bf16": 2**-6, "fp8": 2**-2}
+
+
+@pytest.mark.parametrize("compression", ["bf16", "fp8"])
+def test_compression_leaves_the_loss_exact_and_gradients_within_bound(compression: str) -> None:
+    base = gpt()
+    _, ref_loss, ref_grads = step(copy.deepcopy(base))
+    _, loss, grads = step(copy.deepcopy(base), compression=compression)
+    assert loss == ref_loss  # the forward pass never reads a compressed tensor
+    worst = max(float((grads[k] - g).norm() / g.norm()) for k, g in ref_grads.items() if g.norm() > 0)
+    print(
+        f"\n{compression}: worst relative gradient error {worst:.2e} (bound {GRADIENT_BOUND[compression]:.2e})"
+    )
+    assert 0 < worst < GRADIENT_BOUND[compression]
+
+
+def test_offload_prefetches_the_previous_block_during_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_parallel.memory import saved_tensors
+
+    model = gpt(3)
+    look_ahead: list[int] = []
+    restored_from_prefetch: list[bool] = []
+    original_prefetch = saved_tensors.ActivationSaver._prefetch
+    original_restore = saved_tensors._StoredStorage.restore
+
+    def prefetch(self: saved_tensors.ActivationSaver, group: int, device: torch.device) -> None:
+        if group >= 0 and group not in self._prefetched:
+            look_ahead.append(group)
+        original_prefetch(self, group, device)
+
+    def restore(self: saved_tensors._StoredStorage) -> torch.Tensor:
+        if self._alive() is None:
+            restored_from_prefetch.append(self.ready is not None)
+        return original_restore(self)
+
+    monkeypatch.setattr(saved_tensors.ActivationSaver, "_prefetch", prefetch)
+    monkeypatch.setattr(saved_tensors._StoredStorage, "restore", restore)
+    step(model, offload=True)
+    # Groups count block entries: 0 before the first block, 1..3 from blocks 0..2 on (the head
+    # and loss belong to group 3). The first activation unpacked from group g starts copying
+    # group g - 1 back: the blocks come back in backward order, one ahead.
+    assert look_ahead == [2, 1, 0]
+    # Only the head's group (nothing unpacked before it) is copied on demand; every other came prefetched.
+    assert restored_from_prefetch.count(False) >= 1 and sum(restored_from_prefetch) >= 3 * 5
+
+
+def test_checkpointing_keeps_parameter_names_and_state_dict_keys() -> None:
+    model = gpt()
+    keys = list(model.state_dict())
+    names = [n for n, _ in model.named_parameters()]
+    apply_activation_checkpointing(model, CheckpointingConfig("full"), block_names(model))
+    assert list(model.state_dict()) == keys and [n for n, _ in model.named_parameters()] == names
+    assert all(is_checkpointed(block) for block in find_block_stack(model).blocks)
+    # Applying twice does not wrap twice.
+    assert apply_activation_checkpointing(model, CheckpointingConfig("full"), block_names(model)) == []
+
+
+def test_patterns_that_match_nothing_are_refused_with_an_example() -> None:
+    model = gpt()
+    config = CheckpointingConfig("selective", patterns=("model.blocks.*",))
+    with pytest.raises(
+        ValueError, match=r"pattern\(s\) \['model.blocks.\*'\] match no module of GPT.*'transformer.h.0'"
+    ):
+        apply_activation_checkpointing(model, config, block_names(model))
+
+
+@pytest.mark.parametrize("family", ["nanogpt", "hf_llama"])
+def test_full_checkpointing_on_other_families_is_bitwise_equal(family: str) -> None:
+    from tests.models.families import available_families, build
+
+    if family not in available_families():
+        pytest.skip(f"{family} needs an optional dependency")
+    torch.manual_seed(0)
+    x = torch.randint(V, (B, T))
+    results = []
+    for checkpointed in (False, True):
+        module = build(family)
+        if checkpointed:
+            stack = find_block_stack(module)
+            apply_activation_checkpointing(
+                module, CheckpointingConfig("full"), [f"{stack.name}.{i}" for i in range(len(stack.blocks))]
+            )
+        counter = SavedTensorCounter.for_module(module)
+        with counting(counter):
+            loss = module.training_step((x, x.roll(-1, 1)), 0)
+        loss.backward()
+        results.append((loss.item(), [p.grad.clone() for p in module.parameters()], counter.bytes))
+    (ref_loss, ref_grads, ref_bytes), (loss, grads, held) = results
+    assert loss == ref_loss and all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
+    assert held.total < ref_bytes.total / 2
