@@ -101,6 +101,8 @@ class AuxLossCollector:
         self.coef, self.z_loss_coef, self.mode = coef, z_loss_coef, mode
         self.token_group = token_group if group_size(token_group) > 1 else None
         self.grad_scale = 1.0
+        # backward mode: the (detached) weighted losses injected since ``reset``, for reporting
+        self.injected: list[torch.Tensor] = []
         self._pending: list[torch.Tensor] = []
         self._model_added_its_own = False
         self._warned = False
@@ -129,6 +131,7 @@ class AuxLossCollector:
                 return None
             # backward mode: attach to an output that the block's combine step differentiates
             # (HF routers return (logits, weights, indices) and the block discards the logits)
+            self.injected.append(loss.detach().reshape(()))
             if isinstance(output, tuple) and len(output) >= 2:
                 return (output[0], _InjectAuxGrad.apply(output[1], loss, self.grad_scale), *output[2:])
             return _InjectAuxGrad.apply(output, loss, self.grad_scale)
@@ -151,7 +154,9 @@ class AuxLossCollector:
     def _inject_layer(self, layer: MoE, args: Any, output: torch.Tensor) -> torch.Tensor | None:
         if not (layer.training and torch.is_grad_enabled()):
             return None
-        return _InjectAuxGrad.apply(output, layer.take_aux_loss(), self.grad_scale)
+        aux = layer.take_aux_loss()
+        self.injected.append(aux.detach().reshape(()))
+        return _InjectAuxGrad.apply(output, aux, self.grad_scale)
 
     def _detect_own_aux(self, module: nn.Module, args: Any, output: Any) -> None:
         if getattr(output, "aux_loss", None) is not None and getattr(output, "loss", None) is not None:
@@ -162,6 +167,7 @@ class AuxLossCollector:
     def reset(self) -> None:
         """Forget what earlier forwards recorded; call before each training step / micro-batch."""
         self._pending.clear()
+        self.injected.clear()
         self._model_added_its_own = False
         for info in self.blocks:
             if info.kind == "lightning_parallel":

@@ -40,6 +40,7 @@ class _StepContext:
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)
     current: int = 0
+    aux: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (stage, mb) -> injected MoE aux
 
 
 class PipelineRunner:
@@ -73,6 +74,8 @@ class PipelineRunner:
         self.logs = LogRecorder()
         # The reductions after the last accumulation batch (set by the strategy: it knows the mesh).
         self.gradient_sync: GradientSync | None = None
+        # An ``AuxLossCollector`` in backward mode (MoE models): the strategy sets it.
+        self.aux_collector: Any = None
         self._gradient_compressor: Any = None
         self._ctx: _StepContext | None = None
         self._loss_factor: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
@@ -112,6 +115,8 @@ class PipelineRunner:
         ctx.current = mb_index
         self.runtime.active_stage = stage
         self.runtime.injected = received
+        collector = self.aux_collector
+        first_aux = len(collector.injected) if collector is not None else 0
         try:
             output = ctx.step_fn(ctx.micro_batches[mb_index], *ctx.step_args)
         except StageExit as exit_:
@@ -119,6 +124,9 @@ class PipelineRunner:
         finally:
             self.runtime.active_stage = None
             self.runtime.injected = None
+            if collector is not None and len(collector.injected) > first_aux:
+                # keyed by (stage, micro-batch): torch's shape inference may run micro-batch 0 twice
+                ctx.aux[(stage, mb_index)] = torch.stack(collector.injected[first_aux:]).sum()
         if stage != self.last_stage:
             raise PipelineSetupError(
                 f"Pipeline stage {stage} finished the step without reaching the end of its blocks."
@@ -152,10 +160,22 @@ class PipelineRunner:
         try:
             with self.logs.recording(self.module, lambda: self._ctx.current if self._ctx else 0):
                 self.schedule.step(mb_index=index, target=target, return_outputs=False)
-            loss = self._finish(self._ctx.losses)
+            loss = self._finish(self._ctx.losses) + self._aux_mean(self._ctx)
         finally:
             self._ctx = None
         return loss
+
+    def _aux_mean(self, ctx: _StepContext) -> torch.Tensor:
+        """MoE auxiliary losses injected on every stage, averaged over micro-batches: the part of the
+        user's loss that the last stage cannot see (its ``moe_aux_loss`` gets 0 for injected layers)."""
+        if self.aux_collector is None:
+            return torch.zeros((), device=self.device)
+        local = torch.zeros((), dtype=torch.float32, device=self.device)
+        for value in ctx.aux.values():
+            local += value.float().to(self.device)
+        local /= self.micro_batches
+        dist.all_reduce(local, group=self.pp_group)
+        return local
 
     def _finish(self, losses: dict[int, torch.Tensor]) -> torch.Tensor:
         """Send the mean loss and the recorded logs from the last stage to every stage; replay the logs."""

@@ -122,6 +122,11 @@ def check_micro_batches(spec: ScheduleSpec, micro_batches: int, pipeline_paralle
             f"`micro_batches={micro_batches}`: the 'interleaved_1f1b' schedule needs a multiple of"
             f" `pipeline_parallel={pipeline_parallel}` micro-batches. Use {_next_multiple(micro_batches, pipeline_parallel)}."
         )
+    if spec.name == "1f1b" and micro_batches < pipeline_parallel:
+        raise ValueError(
+            f"`micro_batches={micro_batches}`: the '1f1b' schedule needs at least `pipeline_parallel="
+            f"{pipeline_parallel}` micro-batches (one in flight per stage). Use 'gpipe' for fewer."
+        )
     if spec.placement in ("loop", "v") and micro_batches < pipeline_parallel:
         raise ValueError(
             f"`micro_batches={micro_batches}`: the {spec.name!r} schedule needs at least"

@@ -68,10 +68,15 @@ class ExpertStrategyMixin:
             rank_zero_info(
                 f"Expert parallel: {len(blocks)} MoE blocks on this rank, experts sharded over ep={dims.expert_parallel}"
             )
-        if self.moe_aux_loss_coef is not None and find_moe_blocks(module):
+        blocks = find_moe_blocks(module)
+        # Under pipeline parallelism the last stage cannot reach the aux losses of the MoE layers of
+        # other stages, so every layer's is injected into its own backward (counted once: the
+        # user's ``moe_aux_loss`` then gets 0 for it); foreign blocks only with a coefficient.
+        own_layers = dims.pp_enabled and any(b.kind == "lightning_parallel" for b in blocks)
+        if blocks and (self.moe_aux_loss_coef is not None or own_layers):
             group = mesh["dp"].get_group() if mesh["dp"].size() > 1 else None
             self._aux_losses = AuxLossCollector(
-                module, coef=self.moe_aux_loss_coef, z_loss_coef=self.moe_z_loss_coef, token_group=group,
+                module, coef=self.moe_aux_loss_coef or 0.0, z_loss_coef=self.moe_z_loss_coef, token_group=group,
                 mode="backward",
             )  # fmt: skip
 

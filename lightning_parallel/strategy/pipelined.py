@@ -139,6 +139,7 @@ class PipelineStrategyMixin:
         groups = self.pipeline_runner.tied_gradient_groups()
         groups += self._expert_gradient_groups(self.pipeline_runner.parameters)  # type: ignore[attr-defined]
         self.pipeline_runner.gradient_sync = self._gradient_sync = GradientSync(groups)
+        self.pipeline_runner.aux_collector = getattr(self, "_aux_losses", None)
         if self.pipeline_runner.gradient_compressor is not None:
             self._gradient_sync.set_compressor(self.pipeline_runner.gradient_compressor)
         self.precision_plugin.norm_exclude = norm_duplicates(layout, mesh["pp"].get_local_rank(), module)  # type: ignore[attr-defined]

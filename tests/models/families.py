@@ -62,6 +62,23 @@ def _hf_mixtral(**overrides: Any) -> L.LightningModule:
     return HFMixtralModule(**{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
 
 
+def _recipe_moe(**overrides: Any) -> L.LightningModule:
+    """The project's MoE recipe at test size: 4 experts, top-2, capacity factor 1.25 (tokens dropped),
+    its own training step (task loss + the layers' aux losses), SGD like the other families."""
+    from recipes.moe.module import MoEGPTLightningModule
+
+    tiny = dict(
+        vocab_size=VOCAB_SIZE, block_size=SEQ_LEN, n_layer=2, n_head=4, n_embd=64, num_experts=4, top_k=2,
+        capacity_factor=1.25, dropout=0.0, learning_rate=1e-3, warmup_steps=1, lr_decay_steps=1000,
+    )  # fmt: skip
+
+    class RecipeMoEWithSGD(MoEGPTLightningModule):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return parity_optimizer(self.parameters(), "sgd")
+
+    return RecipeMoEWithSGD(**{**tiny, **overrides})
+
+
 def _recipe_gpt(optimizer: str = "sgd", **overrides: Any) -> L.LightningModule:
     """The project's GPT recipe at test size.
 
@@ -95,6 +112,7 @@ FAMILIES: dict[str, Callable[..., L.LightningModule]] = {
     "hf_gpt2": _hf_gpt2,
     "hf_llama": _hf_llama,
     "hf_mixtral": _hf_mixtral,
+    "recipe_moe": _recipe_moe,
 }
 
 _REQUIRES = {
@@ -102,6 +120,7 @@ _REQUIRES = {
     "hf_gpt2": "transformers",
     "hf_llama": "transformers",
     "hf_mixtral": "transformers",
+    "recipe_moe": "recipes.moe.module",
 }
 
 

@@ -61,7 +61,8 @@ def test_stage_placement_loop_and_v() -> None:
 @pytest.mark.parametrize(
     ("name", "micro_batches", "fragment"),
     [("interleaved_1f1b", 3, "multiple of `pipeline_parallel=2`"), ("zbv", 1, "at least `pipeline_parallel=2`"),
-     ("dualpipev", 3, "at least 2 x `pipeline_parallel` = 4"), ("1f1b", 0, "must be a positive integer")],
+     ("dualpipev", 3, "at least 2 x `pipeline_parallel` = 4"), ("1f1b", 0, "must be a positive integer"),
+     ("1f1b", 1, "needs at least `pipeline_parallel=2` micro-batches")],
 )  # fmt: skip
 def test_micro_batch_counts_a_schedule_cannot_run_are_refused(
     name: str, micro_batches: int, fragment: str
