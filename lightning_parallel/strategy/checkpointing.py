@@ -69,6 +69,57 @@ def _restore_strided(loaded: Any, like: Any) -> Any:
     return _map_tensors(loaded, restore, like)
 
 
+def _expert_layouts(model: torch.nn.Module) -> dict[str, Any]:
+    """Parameters that hold a slice of a stacked expert weight (expert parallelism), by name."""
+    from lightning_parallel.experts import expert_shard
+
+    out = {}
+    for name, param in model.named_parameters():
+        shard = expert_shard(param)
+        if shard is not None and shard.dim == 0 and shard.ep_size > 1:
+            out[name] = shard
+    return out
+
+
+def _owner_name(key: str, optimizer: bool) -> str:
+    """The parameter name of a state-dict key (flattened optimizer keys are ``state.<fqn>.<state>``)."""
+    if not optimizer:
+        return key
+    return key[len("state.") :].rpartition(".")[0] if key.startswith("state.") else ""
+
+
+def _experts_as_dtensors(
+    state: dict[str, Any], layouts: dict[str, Any], mesh: Any, optimizer: bool
+) -> dict[str, Any]:
+    """Expert slices are the same name on every ep rank with different rows: as plain tensors,
+    ``torch.distributed.checkpoint`` would keep one rank's rows. As ``Shard(0)`` DTensors over the
+    ``ep`` axis the files hold the whole stacked tensor, which also reshards to another ``ep``."""
+    if not layouts:
+        return state
+    out = dict(state)
+    for key, value in state.items():
+        shard = layouts.get(_owner_name(key, optimizer))
+        if shard is None or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            continue
+        if value.dim() == 0 or value.shape[0] != shard.num_local:
+            continue
+        global_shape = torch.Size((shard.num_experts, *value.shape[1:]))
+        stride = torch.empty(global_shape, device="meta").stride()
+        out[key] = DTensor.from_local(
+            value, mesh, [Shard(0)], run_check=False, shape=global_shape, stride=stride
+        )
+    return out
+
+
+def _experts_as_local(state: dict[str, Any], layouts: dict[str, Any], optimizer: bool) -> dict[str, Any]:
+    if not layouts:
+        return state
+    return {
+        k: v.to_local() if isinstance(v, DTensor) and _owner_name(k, optimizer) in layouts else v
+        for k, v in state.items()
+    }
+
+
 class ShardedCheckpointing(MeshParallelStrategy):
     """``MeshParallelStrategy`` whose checkpoints keep fused projections in the user's layout."""
 
@@ -79,7 +130,15 @@ class ShardedCheckpointing(MeshParallelStrategy):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         assert self.model is not None
-        return _contiguous_shards(get_model_state_dict(self.model))
+        layouts = _expert_layouts(self.model)
+        state = _experts_as_dtensors(
+            get_model_state_dict(self.model), layouts, self._ep_mesh(), optimizer=False
+        )
+        return _contiguous_shards(state)
+
+    def _ep_mesh(self) -> Any:
+        dims = getattr(self, "dims", None)
+        return self.device_mesh["ep"] if dims is not None and dims.ep_enabled else None
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -91,7 +150,9 @@ class ShardedCheckpointing(MeshParallelStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.model is not None
-        return _contiguous_shards(get_optimizer_state_dict(self.model, optimizer, options=_FLAT))
+        state = get_optimizer_state_dict(self.model, optimizer, options=_FLAT)
+        layouts = _expert_layouts(self.model)
+        return _contiguous_shards(_experts_as_dtensors(state, layouts, self._ep_mesh(), optimizer=True))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -115,19 +176,23 @@ class ShardedCheckpointing(MeshParallelStrategy):
         )
 
         assert self.model is not None and self.lightning_module is not None
-        model_state = get_model_state_dict(self.model)
+        layouts, ep_mesh = _expert_layouts(self.model), self._ep_mesh()
+        model_state = _experts_as_dtensors(
+            get_model_state_dict(self.model), layouts, ep_mesh, optimizer=False
+        )
         readable = _contiguous_shards(model_state)
         _distributed_checkpoint_load({"state_dict": readable}, path)
         self.model.load_state_dict(
-            _restore_strided(readable, model_state), strict=self.lightning_module.strict_loading
+            _experts_as_local(_restore_strided(readable, model_state), layouts, optimizer=False),
+            strict=self.lightning_module.strict_loading,
         )
         for idx, optimizer in enumerate(self.optimizers):
             optimizer_state = get_optimizer_state_dict(self.model, optimizer, options=_FLAT)
+            optimizer_state = _experts_as_dtensors(optimizer_state, layouts, ep_mesh, optimizer=True)
             readable = _contiguous_shards(optimizer_state)
             _distributed_checkpoint_load({f"optimizer_{idx}": readable}, path)
-            set_optimizer_state_dict(
-                self.model, optimizer, _restore_strided(readable, optimizer_state), options=_FLAT
-            )
+            restored = _experts_as_local(_restore_strided(readable, optimizer_state), layouts, optimizer=True)
+            set_optimizer_state_dict(self.model, optimizer, restored, options=_FLAT)
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     def _load_full_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:

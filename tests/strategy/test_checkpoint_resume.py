@@ -77,6 +77,36 @@ def test_pipeline_resume_from_sharded_checkpoint_continues_the_same_run(pipeline
         _assert_close(resumed[rank]["losses"], reference[3:], f"pp=2, resumed from the sharded checkpoint, rank {rank}")
 
 
+@pytest.fixture(scope="module")
+def expert_checkpoint_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("checkpoint_resume_ep2")
+    for mode in ("first", "resume"):
+        result = launch("checkpoint_resume.py", [mode, str(out), "ep2"], out, timeout_s=180)
+        print(f"ep2 {mode}: {result.wall_s:.1f} s")
+        result.assert_all_succeeded()
+    return out
+
+
+def test_expert_parallel_resume_from_sharded_checkpoint(expert_checkpoint_runs: Path, tmp_path: Path) -> None:
+    """ep=2 (MoE recipe, 4 experts, drops): each rank holds 2 experts' rows of the same stacked
+    weights; the checkpoint must hold all 4 and resume to the same losses."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = expert_checkpoint_runs
+    straight, resumed = _read(out, "straight"), _read(out, "resumed")
+    assert [r["global_step"] for r in straight + resumed] == [6, 6, 6, 6]
+    for rank in range(2):
+        _assert_close(resumed[rank]["losses"], straight[rank]["losses"][3:], f"ep=2, resumed, rank {rank}")
+    dcp_to_torch_save(out / "step3.ckpt", tmp_path / "converted.pt")
+    converted = torch.load(tmp_path / "converted.pt", weights_only=False)
+    experts = {k: v for k, v in converted["state_dict"].items() if ".experts." in k}
+    assert experts and all(v.shape[0] == 4 for v in experts.values()), {k: v.shape for k, v in experts.items()}
+    optimizer_experts = [k for k in converted["optimizer_0"] if ".experts." in k and k.startswith("state.")]
+    assert optimizer_experts and all(
+        converted["optimizer_0"][k].shape[0] == 4 for k in optimizer_experts if converted["optimizer_0"][k].dim()
+    )
+
+
 def test_resume_from_consolidated_checkpoint_continues_the_same_run(checkpoint_runs: Path) -> None:
     straight, resumed = _read(checkpoint_runs, "straight"), _read(checkpoint_runs, "resumed_full")
     assert (checkpoint_runs / "step3.full.ckpt").is_file()

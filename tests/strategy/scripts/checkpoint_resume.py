@@ -3,8 +3,9 @@
     python tests/strategy/scripts/checkpoint_resume.py first  OUT_DIR [LAYOUT]  # 6 steps straight; 3 steps + save
     python tests/strategy/scripts/checkpoint_resume.py resume OUT_DIR [LAYOUT]  # fresh processes: resume to step 6
 
-``LAYOUT`` is ``tp2`` (default) or ``pp2`` (two pipeline stages, 2 micro-batches, 1F1B; the
-sharded checkpoint only: each stage writes its own blocks).
+``LAYOUT`` is ``tp2`` (default), ``pp2`` (two pipeline stages, 2 micro-batches, 1F1B; the
+sharded checkpoint only: each stage writes its own blocks) or ``ep2`` (the MoE recipe with its
+4 experts sharded over 2 ranks; sharded checkpoint only).
 
 Two checkpoints of the same state are written after step 3: ``step3.ckpt``, sharded (a folder of
 ``torch.distributed.checkpoint`` files, the strategy's default), and ``step3.full.ckpt``, one
@@ -57,14 +58,23 @@ def loader() -> DataLoader:
 LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2": dict(tensor_parallel=2),
     "pp2": dict(pipeline_parallel=2, micro_batches=2, pipeline_schedule="1f1b"),
+    "ep2": dict(expert_parallel=2),
 }
+
+
+def build_model(layout: str) -> L.LightningModule:
+    if layout == "ep2":
+        from recipes.moe.module import MoEGPTLightningModule
+
+        return MoEGPTLightningModule(**MODEL, num_experts=4, top_k=2, capacity_factor=1.25)
+    return GPTLightningModule(**MODEL)
 
 
 def fit(
     out: Path, run: str, epochs: int, ckpt_path: Path | None = None, save_to: Path | None = None, layout: str = "tp2"
 ) -> None:
     L.seed_everything(0)
-    model = GPTLightningModule(**MODEL)
+    model = build_model(layout)
     recorder = RecordLosses()
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=HybridParallelStrategy(timeout=60, **LAYOUTS[layout]),
