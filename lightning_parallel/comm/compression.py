@@ -109,6 +109,24 @@ def resolve_gradient_compression(value: Any) -> GradientCompression | None:
     )
 
 
+def half_precision_hook(dtype: torch.dtype) -> Callable[[Any, Any], torch.futures.Future[torch.Tensor]]:
+    """torch's compress hook for ``dtype`` (mean computed in ``dtype``, result cast back in place).
+
+    A function of its own: DDP refuses torch's ``bf16_compress_hook`` *by name* unless CUDA and
+    NCCL are present, although gloo all-reduces bf16 tensors; the computation is torch's.
+    """
+
+    def half_precision_all_reduce(group, bucket):  # type: ignore[no-untyped-def]
+        return default_hooks._compress_hook(dtype, group, bucket)
+
+    # DDP checks the hook's annotations as objects (this module's are strings): give it those.
+    half_precision_all_reduce.__annotations__ = {
+        "bucket": dist.GradBucket,
+        "return": torch.futures.Future[torch.Tensor],
+    }
+    return half_precision_all_reduce
+
+
 def register_ddp_compression(units: Iterable[nn.Module], compression: GradientCompression, group: Any) -> int:
     """Register the compression hook on each DDP-replicated unit; returns how many."""
     count = 0
@@ -116,12 +134,7 @@ def register_ddp_compression(units: Iterable[nn.Module], compression: GradientCo
         if isinstance(compression, PowerSGD):
             unit.register_comm_hook(compression.state(group), powerSGD_hook)
         else:
-            hook = (
-                default_hooks.bf16_compress_hook
-                if compression == "bf16"
-                else default_hooks.fp16_compress_hook
-            )
-            unit.register_comm_hook(group, hook)
+            unit.register_comm_hook(group, half_precision_hook(CASTS[compression]))
         count += 1
     return count
 
@@ -169,12 +182,7 @@ class BucketCompressor:
             state = self.states.setdefault(group, self.compression.state(group))
             result = powerSGD_hook(state, bucket).wait()  # type: ignore[arg-type]
         else:
-            hook = (
-                default_hooks.bf16_compress_hook
-                if self.compression == "bf16"
-                else default_hooks.fp16_compress_hook
-            )
-            result = hook(group, bucket).wait()  # type: ignore[arg-type]
+            result = half_precision_hook(CASTS[self.compression])(group, bucket).wait()
         if result.data_ptr() != flat.data_ptr():
             flat.copy_(result)
 

@@ -1,8 +1,8 @@
 """Memory-efficient optimizers usable from an ordinary ``configure_optimizers``.
 
 - :class:`Adafactor` is ``torch.optim.Adafactor`` (factored second moments: a row and a column
-  vector per weight matrix instead of a full matrix, no first moment). It works on DTensor
-  parameters under ``tensor_parallel`` (tested at tp=2 through the real Trainer).
+  vector per weight matrix instead of a full matrix, no first moment) made to step DTensor
+  parameters too (torch's own fails on them under ``tensor_parallel``; see :mod:`.adafactor`).
 - :func:`low_bit_adamw`: AdamW with 8-bit, 4-bit or fp8 optimizer states from torchao (an
   optional dependency: ``pip install --no-deps torchao``, which never touches torch).
 - :func:`optimizer_state_bytes`: bytes an optimizer's state holds (this process's shards).
@@ -19,9 +19,9 @@ from typing import Any, Literal
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["Adafactor", "low_bit_adamw", "optimizer_state_bytes", "tensor_bytes"]
+from lightning_parallel.optim.adafactor import Adafactor
 
-Adafactor = torch.optim.Adafactor
+__all__ = ["Adafactor", "low_bit_adamw", "optimizer_state_bytes", "tensor_bytes"]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:

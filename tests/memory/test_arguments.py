@@ -37,8 +37,14 @@ def test_saver_arguments_are_off_by_default() -> None:
 
 
 def test_gradient_compression_values() -> None:
-    assert HybridParallelStrategy(gradient_compression="powersgd").memory_savers.gradient_compression == PowerSGD()
-    assert HybridParallelStrategy(gradient_compression=PowerSGD(rank=2)).memory_savers.gradient_compression.rank == 2
+    assert (
+        HybridParallelStrategy(gradient_compression="powersgd").memory_savers.gradient_compression
+        == PowerSGD()
+    )
+    assert (
+        HybridParallelStrategy(gradient_compression=PowerSGD(rank=2)).memory_savers.gradient_compression.rank
+        == 2
+    )
     assert HybridParallelStrategy(gradient_compression="bf16").memory_savers.gradient_compression == "bf16"
     # With pipeline stages the pipeline's own all-reduce compresses, also under tensor parallelism.
     strategy = HybridParallelStrategy(tensor_parallel=2, pipeline_parallel=2, gradient_compression="fp16")
@@ -83,7 +89,10 @@ def test_bad_saver_arguments_are_refused_at_construction(kwargs: dict, fragments
 
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
-    [(dict(rank=0), "`PowerSGD(rank=0)`"), (dict(start_iter=1), "`PowerSGD(start_iter=1)`: torch's PowerSGD")],
+    [
+        (dict(rank=0), "`PowerSGD(rank=0)`"),
+        (dict(start_iter=1), "`PowerSGD(start_iter=1)`: torch's PowerSGD"),
+    ],
 )
 def test_bad_powersgd_settings(kwargs: dict, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):

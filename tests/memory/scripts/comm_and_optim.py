@@ -1,0 +1,165 @@
+"""Gradient compression and Adafactor on 2 ranks, through the real Trainer; results as JSON.
+
+    python tests/memory/scripts/comm_and_optim.py OUT_DIR   # RANK/WORLD_SIZE/MASTER_* set by the launcher
+
+1. ``HybridParallelStrategy()`` on 2 data-parallel ranks (torch's DDP reducer), the recipe GPT:
+   ``gradient_compression=None``, ``"bf16"`` and ``PowerSGD(rank=2, start_iter=2)``; the payload
+   of every Python all-reduce is counted per optimizer step (the uncompressed reducer runs in
+   C++, so its payload is the gradient bytes), and the parameters of both replicas compared.
+2. The pipeline path's bucketed all-reduce (``all_reduce_gradients`` with a ``BucketCompressor``),
+   called directly on 2 ranks with different random gradients: bf16 and PowerSGD.
+3. ``tensor_parallel=2`` with ``torch.optim.Adafactor`` from ``configure_optimizers``: losses,
+   then (rank 0) the same model, data order and optimizer in one process without a Trainer.
+
+Rank 0 writes ``OUT_DIR/result.json``. Run by ``tests/memory/test_comm_and_optim.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from lightning_parallel import HybridParallelStrategy, PowerSGD
+from lightning_parallel.comm import count_all_reduce_bytes, gradient_bytes
+from lightning_parallel.optim import Adafactor, optimizer_state_bytes
+from tests.models.families import build, make_dataloader, reference_dataloader
+
+STEPS, BATCH = 5, 2
+
+
+class StepBytes(L.Callback):
+    """Losses and the all-reduce payload of each optimizer step."""
+
+    def __init__(self, log: Any) -> None:
+        self.counts, self.bytes, self.losses, self.seen = log, [], [], 0
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, i: int
+    ) -> None:
+        self.losses.append(float(outputs["loss"]))
+        self.bytes.append(self.counts.bytes - self.seen)
+        self.seen = self.counts.bytes
+
+
+def trainer(strategy: HybridParallelStrategy, callbacks: list[L.Callback]) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     callbacks=callbacks, deterministic=True)  # fmt: skip
+
+
+def replicas_agree(module: torch.nn.Module) -> bool:
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    other = flat.clone()
+    dist.broadcast(other, src=0)
+    return bool(torch.equal(flat, other))
+
+
+def gradient_compression() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, compression in (("none", None), ("bf16", "bf16"), ("powersgd", PowerSGD(rank=2, start_iter=2))):
+        L.seed_everything(0, verbose=False)
+        model = build("recipe_gpt")
+        with count_all_reduce_bytes() as log:
+            record = StepBytes(log)
+            trainer(HybridParallelStrategy(gradient_compression=compression, timeout=60), [record]).fit(
+                model, make_dataloader(BATCH, STEPS * BATCH * 2)
+            )
+        out[name] = {"bytes": record.bytes, "losses": record.losses, "replicas_agree": replicas_agree(model)}
+        out["gradient_bytes"] = gradient_bytes(model.parameters())
+        out["gradient_shapes"] = [list(p.shape) for p in model.parameters() if p.requires_grad]
+    return out
+
+
+def pipeline_all_reduce() -> dict[str, Any]:
+    from lightning_parallel.comm import BucketCompressor
+    from lightning_parallel.grad_sync import all_reduce_gradients
+
+    shapes = [(96, 64), (64,), (256, 64), (8, 8)]
+    out: dict[str, Any] = {}
+    for name, compression in (("bf16", "bf16"), ("powersgd", PowerSGD(rank=2, start_iter=2))):
+        compressor, errors, payloads = BucketCompressor(compression), [], []
+        for step in range(4):
+            generator = torch.Generator().manual_seed(100 * step + dist.get_rank())
+            params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=generator)
+            exact = [p.grad.clone() for p in params]
+            for g in exact:
+                dist.all_reduce(g)
+                g.div_(2)
+            with count_all_reduce_bytes() as log:
+                all_reduce_gradients(params, dist.group.WORLD, divisor=2, compressor=compressor)
+            payloads.append(log.bytes)
+            errors.append(
+                max(float((p.grad - e).norm() / e.norm()) for p, e in zip(params, exact, strict=True))
+            )
+        out[name] = {"bytes": payloads, "errors": errors, "shapes": [list(s) for s in shapes]}
+    return out
+
+
+def adafactor_tensor_parallel() -> dict[str, Any]:
+    from recipes.gpt.module import GPTLightningModule
+
+    class WithAdafactor(GPTLightningModule):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return Adafactor(self.parameters(), lr=1e-2)
+
+    tiny = dict(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64, dropout=0.0)
+
+    def fresh() -> WithAdafactor:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1234)
+            return WithAdafactor(**tiny)
+
+    L.seed_everything(0, verbose=False)
+    losses = StepBytes(type("NoLog", (), {"bytes": 0})())
+    fit = trainer(HybridParallelStrategy(tensor_parallel=2, timeout=60), [losses])
+    model = fresh()
+    fit.fit(model, make_dataloader(BATCH, STEPS * BATCH))
+    state_bytes = optimizer_state_bytes(fit.optimizers[0])
+    result: dict[str, Any] = {"losses": losses.losses, "state_bytes_rank0": state_bytes}
+    if dist.get_rank() == 0:  # the single-process reference: same model, optimizer and batches
+        L.seed_everything(0, verbose=False)
+        ref = fresh()
+        optimizer = Adafactor(ref.parameters(), lr=1e-2)
+        ref_losses = []
+        for batch in reference_dataloader(BATCH, 1, STEPS * BATCH, sampler_seed=0):
+            loss = torch.nn.functional.cross_entropy(ref.model(batch[0]).view(-1, 128), batch[1].view(-1))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            ref_losses.append(loss.item())
+        result["reference_losses"] = ref_losses
+        result["reference_state_bytes"] = optimizer_state_bytes(optimizer)
+    return result
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    results = {
+        "gradient_compression": gradient_compression(),
+        "pipeline_all_reduce": pipeline_all_reduce(),
+        "adafactor_tp2": adafactor_tensor_parallel(),
+    }
+    if dist.get_rank() == 0:
+        (out_dir / "result.json").write_text(json.dumps(results, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+    print("done")
+
+
+if __name__ == "__main__":
+    main()

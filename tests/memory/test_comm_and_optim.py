@@ -1,0 +1,90 @@
+"""Gradient compression (bytes counted, loss effect bounded) and Adafactor under tp=2: one 2-rank launch.
+
+The launch (``tests/memory/scripts/comm_and_optim.py``) trains through the real Trainer and
+writes what it measured; the assertions are here. Bytes are the payloads handed to each
+all-reduce (per process): the uncompressed DDP reducer sends every gradient once per step
+(``gradient_bytes``), bf16 half of that, PowerSGD at rank r ``(n + m) r`` numbers per
+compressed n x m matrix plus the uncompressed vectors and small matrices.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_parallel import PowerSGD
+from lightning_parallel.comm import powersgd_payload_bytes
+from tests.strategy import launch
+
+pytestmark = [pytest.mark.distributed]
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "comm_and_optim.py"
+# A bf16 all-reduce rounds each rank's gradient (<= 2^-9 relative), then the sum (<= 2^-9 more).
+BF16_ALL_REDUCE_ERROR = 2**-8
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("comm_and_optim")
+    result = launch(str(SCRIPT), [str(out)], out, timeout_s=400, grace_s=30)
+    result.assert_all_succeeded()
+    print(f"launch: {result.wall_s:.1f} s")
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.mark.timeout(600)
+def test_bf16_gradient_all_reduce_sends_half_the_bytes(measured: dict) -> None:
+    runs, gradient = measured["gradient_compression"], measured["gradient_compression"]["gradient_bytes"]
+    other = runs["none"]["bytes"]  # Python all-reduces outside the gradient sync (Lightning's, at step 0)
+    assert [b - o for b, o in zip(runs["bf16"]["bytes"], other, strict=True)] == [gradient // 2] * len(other)
+    assert all(run["replicas_agree"] for name, run in runs.items() if name != "gradient_bytes" and isinstance(run, dict)
+               and "replicas_agree" in run)  # fmt: skip
+    plain, compressed = runs["none"]["losses"], runs["bf16"]["losses"]
+    assert compressed[0] == plain[0]
+    for step in range(1, len(plain)):  # the bound of tests/distributed/test_parity_memory.py, eps = 2^-8
+        bound = BF16_ALL_REDUCE_ERROR * 4 * step * (step + 1) / 2 * abs(plain[0] - plain[1]) + 1e-5 * abs(
+            plain[step]
+        )
+        assert abs(compressed[step] - plain[step]) <= bound, (step, compressed[step], plain[step], bound)
+
+
+@pytest.mark.timeout(600)
+def test_powersgd_sends_the_low_rank_factors_after_its_warm_up(measured: dict) -> None:
+    runs = measured["gradient_compression"]
+    gradient, other = runs["gradient_bytes"], runs["none"]["bytes"]
+    shapes = [torch.Size(s) for s in runs["gradient_shapes"]]
+    config = PowerSGD(rank=2, start_iter=2)
+    sent = [b - o for b, o in zip(runs["powersgd"]["bytes"], other, strict=True)]
+    compressed = powersgd_payload_bytes(shapes, config)
+    print(
+        f"\nPowerSGD rank 2: {compressed} bytes per step against {gradient} ({gradient / compressed:.1f}x less)"
+    )
+    assert sent == [gradient, gradient] + [compressed] * (len(sent) - 2)
+    assert compressed < gradient / 10
+    # Plain all-reduce for start_iter steps: identical to the uncompressed run until then.
+    assert runs["powersgd"]["losses"][:3] == runs["none"]["losses"][:3]
+    assert runs["powersgd"]["replicas_agree"]
+
+
+@pytest.mark.timeout(600)
+def test_pipeline_all_reduce_compression(measured: dict) -> None:
+    bf16, powersgd = measured["pipeline_all_reduce"]["bf16"], measured["pipeline_all_reduce"]["powersgd"]
+    shapes = [torch.Size(s) for s in bf16["shapes"]]
+    numel = sum(s.numel() for s in shapes)
+    assert bf16["bytes"] == [numel * 2] * 4
+    assert max(bf16["errors"]) <= BF16_ALL_REDUCE_ERROR
+    config = PowerSGD(rank=2, start_iter=2)
+    assert powersgd["bytes"] == [numel * 4] * 2 + [powersgd_payload_bytes(shapes, config)] * 2
+    assert powersgd["errors"][:2] == [0.0, 0.0]  # warm-up steps are exact means
+
+
+@pytest.mark.timeout(600)
+def test_adafactor_steps_tensor_parallel_parameters_like_one_process(measured: dict) -> None:
+    run = measured["adafactor_tp2"]
+    for step, (got, want) in enumerate(zip(run["losses"], run["reference_losses"], strict=True)):
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} vs {want}"
+    assert (
+        run["state_bytes_rank0"] < run["reference_state_bytes"]
+    )  # the factors of sharded weights are sharded
