@@ -18,7 +18,13 @@ from lightning_parallel.experts.aux_loss import AuxLossCollector
 from lightning_parallel.experts.experts import GroupedExperts, grouped_mm
 from lightning_parallel.experts.foreign import MoEBlockInfo, find_moe_blocks
 from lightning_parallel.experts.layer import MoE, SharedExpert, moe_aux_loss, moe_layers
-from lightning_parallel.experts.parallel import ExpertParallel, ExpertShard, expert_parameters, expert_shard
+from lightning_parallel.experts.parallel import (
+    ExpertParallel,
+    ExpertShard,
+    expert_parameters,
+    expert_shard,
+    reduce_expert_gradients,
+)
 from lightning_parallel.experts.router import (
     Router,
     Routing,
@@ -48,6 +54,7 @@ __all__ = [
     "moe_aux_loss",
     "moe_layers",
     "queue_positions",
+    "reduce_expert_gradients",
     "route_topk",
     "router_z_loss",
 ]

@@ -92,6 +92,16 @@ def sum_over_group(value: torch.Tensor, group: ProcessGroup | None) -> torch.Ten
     return value
 
 
+def sum_in_place(tensors: list[torch.Tensor], group: ProcessGroup | None) -> None:
+    """All-reduce sum of ``tensors`` over ``group``, coalesced into one collective, in place."""
+    if group_size(group) == 1 or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    for tensor, reduced in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+        tensor.copy_(reduced.view_as(tensor))
+
+
 def _inverse(permutation: torch.Tensor) -> torch.Tensor:
     inverse = torch.empty_like(permutation)
     inverse[permutation] = torch.arange(permutation.numel(), device=permutation.device)

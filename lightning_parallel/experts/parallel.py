@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_parallel.experts.dispatch import ProcessGroup, group_rank, group_size
+from lightning_parallel.experts.dispatch import ProcessGroup, group_rank, group_size, sum_in_place
 from lightning_parallel.experts.foreign import (
     SHARD_ATTR,
     MoEBlockInfo,
@@ -164,6 +164,23 @@ class ExpertParallel:
                     adapt_module_list(info, ep_group)
                 _mark_module_list(info, rank, size)
         return blocks
+
+
+def reduce_expert_gradients(
+    params: list[torch.Tensor], replica_group: ProcessGroup | None, data_parallel_size: int
+) -> None:
+    """Data-parallel reduction of expert gradients: sum over ``replica_group``, / ``data_parallel_size``.
+
+    ``replica_group``: the ranks holding the same experts (same ep rank, other ep groups);
+    ``None`` when there is one ep group. One coalesced all-reduce. Parameters without a gradient
+    are skipped (they must be the same on every rank of the group).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    sum_in_place(grads, replica_group)
+    for g in grads:
+        g.div_(data_parallel_size)
 
 
 def expert_parameters(module: nn.Module) -> dict[str, nn.Parameter]:

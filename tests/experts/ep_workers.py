@@ -325,3 +325,36 @@ def check_bad_input(rank: int, world: int) -> dict:
     with pytest.raises(ValueError, match="already expert-parallel"):
         ExpertParallel.apply(block, dist.group.WORLD)
     return {}
+
+
+def check_gradient_reduction(rank: int, world: int, expert_parallel: bool) -> dict:
+    """Mean losses, data-parallel averaging: expert grads summed over replicas / dp size == reference.
+
+    ``expert_parallel=True``: ep=world (one ep group, no replicas); ``False``: ep=1, every rank
+    holds all experts and the replica group is the world.
+    """
+    from lightning_parallel.experts import reduce_expert_gradients
+
+    torch.manual_seed(0)
+    reference = MoE(16, 24, num_experts=4, top_k=2, capacity_factor=1.0)
+    layer = copy.deepcopy(reference)
+    X, G = _inputs(2 * world, 6, 16)
+    (reference(X) * G).mean().backward()
+    group = dist.group.WORLD
+    ExpertParallel.apply(layer, group if expert_parallel else None, token_group=group)
+    (layer(X[rank::world]) * G[rank::world]).mean().backward()
+    experts = expert_parameters(layer)
+    reduce_expert_gradients(list(experts.values()), None if expert_parallel else group, world)
+    ref_params = dict(reference.named_parameters())
+    for name, param in layer.named_parameters():
+        want = ref_params[name].grad
+        if name in experts:
+            shard = expert_shard(param)
+            _close(
+                f"gradient of {name}",
+                param.grad,
+                want[shard.first_expert : shard.first_expert + shard.num_local],
+            )
+        else:
+            _close(f"gradient of {name}", _summed(param.grad) / world, want)
+    return {}

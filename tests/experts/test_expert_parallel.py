@@ -41,6 +41,8 @@ CASES = {
     "module_list_block": dict(build=w.legacy_block),
     "module_list_block_shared_expert": dict(build=functools.partial(w.legacy_block, True)),
     "hf_mixtral_model_with_aux_collector": dict(fn=w.check_hf_model),
+    "gradient_reduction_ep2": dict(fn=w.check_gradient_reduction, expert_parallel=True),
+    "gradient_reduction_ep1_dp2": dict(fn=w.check_gradient_reduction, expert_parallel=False),
     "bad_input": dict(fn=w.check_bad_input),
 }
 
