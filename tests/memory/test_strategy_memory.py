@@ -1,0 +1,85 @@
+"""The savers through ``HybridParallelStrategy`` and the real Trainer (one CPU process).
+
+``ActivationMemoryMonitor`` reads the strategy's count of each step; the numbers must be the
+ones the library functions give without a Trainer (tests/memory/test_activation_memory.py),
+and the losses those of the run without savers.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import lightning as L
+import pytest
+
+from lightning_parallel import ActivationMemoryMonitor, HybridParallelStrategy
+from tests.memory.test_activation_memory import F32, B, C, T, outside_blocks_bytes
+from tests.models.families import build, make_dataloader
+
+STEPS = 3
+
+
+class Losses(L.Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, i) -> None:  # type: ignore[no-untyped-def]
+        self.values.append(float(outputs["loss"]))
+
+
+def fit(model: L.LightningModule, **strategy_kwargs: object) -> tuple[list[float], ActivationMemoryMonitor]:
+    L.seed_everything(0, verbose=False)
+    monitor, losses = ActivationMemoryMonitor(), Losses()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=HybridParallelStrategy(**strategy_kwargs),
+                        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[monitor, losses])  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, make_dataloader(B, STEPS * B))
+    return losses.values, monitor
+
+
+@pytest.fixture(autouse=True)
+def quiet() -> None:
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+
+
+def test_savers_through_the_strategy() -> None:
+    runs = {
+        name: fit(build("recipe_gpt"), **kwargs)
+        for name, kwargs in {
+            "none": {},
+            "full": {"activation_checkpointing": "full"},
+            "selective": {"activation_checkpointing": "selective"},
+            "offload": {"activation_offload": True},
+            "bf16": {"activation_compression": "bf16"},
+        }.items()
+    }
+    baseline = runs["none"][1].steps[0].total
+    for name, (losses, monitor) in runs.items():
+        assert len(monitor.steps) == STEPS and len({step.total for step in monitor.steps}) == 1
+        print(f"{name:10s} activation bytes on device {monitor.steps[0].on_device:7d}"
+              f" ({monitor.steps[0].on_device / baseline:.1%}), losses {losses}")  # fmt: skip
+        if name != "bf16":
+            assert losses == runs["none"][0], name
+    assert runs["full"][1].steps[0].total == outside_blocks_bytes() + 2 * B * T * C * F32
+    assert runs["selective"][1].steps[0].on_device < baseline
+    assert runs["offload"][1].steps[0].on_device == 0 and runs["offload"][1].steps[0].offloaded == baseline
+    assert runs["bf16"][0][0] == runs["none"][0][0]  # the forward pass reads no compressed tensor
+    assert runs["bf16"][1].steps[0].on_device < 0.51 * baseline
+
+
+def test_a_second_fit_of_the_same_module_keeps_its_savers() -> None:
+    model = build("recipe_gpt")
+    fit(model, activation_offload=True)
+    _, monitor = fit(model, activation_offload=True)  # the parallelized module is reused as it is
+    assert monitor.steps[0].offloaded > 0 and monitor.steps[0].on_device == 0
+
+
+def test_monitor_needs_the_hybrid_strategy() -> None:
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[ActivationMemoryMonitor()])  # fmt: skip
+    with pytest.raises(ValueError, match="ActivationMemoryMonitor needs HybridParallelStrategy"):
+        trainer.fit(build("recipe_gpt"), make_dataloader(B, B))
