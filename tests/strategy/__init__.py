@@ -76,7 +76,12 @@ def _kill(process: subprocess.Popen) -> None:
 
 
 def launch(
-    script: str, args: list[str], tmp_path: Path, world_size: int = 2, timeout_s: float = 120, grace_s: float = 30
+    script: str,
+    args: list[str],
+    tmp_path: Path,
+    world_size: int = 2,
+    timeout_s: float = 120,
+    grace_s: float = 30,
 ) -> Launch:
     """Run ``tests/strategy/scripts/<script>`` on ``world_size`` ranks; wait for all of them."""
     port = _free_port()
@@ -93,7 +98,9 @@ def launch(
         env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
         command = [sys.executable, str(SCRIPTS / script), *args]
         processes.append(
-            subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         )
         logs.append(log)
     killed = [False] * world_size
@@ -103,7 +110,9 @@ def launch(
             now = time.monotonic()
             if first_failure is None and any(p.poll() not in (None, 0) for p in processes):
                 first_failure = now
-            too_long = now - start > timeout_s or (first_failure is not None and now - first_failure > grace_s)
+            too_long = now - start > timeout_s or (
+                first_failure is not None and now - first_failure > grace_s
+            )
             if too_long:
                 for rank, process in enumerate(processes):
                     if process.poll() is None:

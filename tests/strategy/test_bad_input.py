@@ -22,15 +22,25 @@ from tests.strategy import launch
 
 def test_layout_that_does_not_fit_the_devices_fails_in_the_trainer_constructor() -> None:
     with pytest.raises(ValueError) as info:
-        L.Trainer(accelerator="cpu", devices=3, strategy=HybridParallelStrategy(tensor_parallel=2), logger=False)
+        L.Trainer(
+            accelerator="cpu", devices=3, strategy=HybridParallelStrategy(tensor_parallel=2), logger=False
+        )
     message = str(info.value)
-    for fragment in ("HybridParallelStrategy", "`tensor_parallel=2`", "world size 3", "devices=3", "num_nodes=1"):
+    for fragment in (
+        "HybridParallelStrategy",
+        "`tensor_parallel=2`",
+        "world size 3",
+        "devices=3",
+        "num_nodes=1",
+    ):
         assert fragment in message, f"{fragment!r} missing from: {message}"
 
 
 def test_tensor_parallel_larger_than_the_devices_fails_in_the_trainer_constructor() -> None:
     with pytest.raises(ValueError, match=r"`tensor_parallel=4` .* does not divide the world size 2"):
-        L.Trainer(accelerator="cpu", devices=2, strategy=HybridParallelStrategy(tensor_parallel=4), logger=False)
+        L.Trainer(
+            accelerator="cpu", devices=2, strategy=HybridParallelStrategy(tensor_parallel=4), logger=False
+        )
 
 
 def test_registered_name_resolves_and_checks_the_layout() -> None:
@@ -43,7 +53,6 @@ def test_registered_name_resolves_and_checks_the_layout() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        (dict(expert_parallel=2), "expert_parallel"),
         (dict(zero_stage=1), "zero_stage"),
         (dict(offload="cpu"), "offload"),
     ],
@@ -53,7 +62,9 @@ def test_features_not_yet_supported_are_refused_by_name(kwargs: dict, name: str)
         HybridParallelStrategy(tensor_parallel=2, **kwargs)
     (value,) = kwargs.values()
     message = str(info.value)
-    assert f"`{name}={value!r}`" in message and "not supported yet" in message and f"Leave `{name}`" in message
+    assert (
+        f"`{name}={value!r}`" in message and "not supported yet" in message and f"Leave `{name}`" in message
+    )
 
 
 @pytest.mark.parametrize(
@@ -61,7 +72,10 @@ def test_features_not_yet_supported_are_refused_by_name(kwargs: dict, name: str)
     [
         (dict(tensor_parallel=0), "`tensor_parallel=0` must be a positive integer or 'auto'"),
         (dict(tensor_parallel="two"), "`tensor_parallel='two'` must be a positive integer or 'auto'"),
-        (dict(plan="magic"), "`plan='magic'` must be 'auto', a dict of module-name patterns, or a ParallelPlan"),
+        (
+            dict(plan="magic"),
+            "`plan='magic'` must be 'auto', a dict of module-name patterns, or a ParallelPlan",
+        ),
     ],
 )
 def test_invalid_arguments_are_refused_by_name(kwargs: dict, fragment: str) -> None:
@@ -91,6 +105,29 @@ def test_bad_pipeline_arguments_are_refused_at_construction(kwargs: dict, fragme
     with pytest.raises(ValueError) as info:
         HybridParallelStrategy(**kwargs)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        (dict(expert_parallel=0), "`expert_parallel=0` must be a positive integer"),
+        (
+            dict(expert_parallel=2, moe_aux_loss_coef=-1.0),
+            "`moe_aux_loss_coef=-1.0` must be a non-negative number",
+        ),
+    ],
+)
+def test_bad_expert_arguments_are_refused_at_construction(kwargs: dict, fragment: str) -> None:
+    with pytest.raises(ValueError) as info:
+        HybridParallelStrategy(**kwargs)
+    assert fragment in str(info.value)
+
+
+def test_expert_degree_that_does_not_divide_data_parallel_fails_in_the_trainer_constructor() -> None:
+    with pytest.raises(ValueError, match=r"`expert_parallel=4` must divide the data-parallel size 2"):
+        L.Trainer(
+            accelerator="cpu", devices=2, logger=False, strategy=HybridParallelStrategy(expert_parallel=4)
+        )
 
 
 def test_pipeline_degree_that_does_not_fit_the_devices_fails_in_the_trainer_constructor() -> None:
@@ -135,6 +172,12 @@ BOUND_S = 60
             "pp-batch-not-divisible",
             ["ValueError: `micro_batches=3` does not divide the batch size 4", "multiple of 3"],
             id="pp-batch-not-divisible-by-micro-batches",
+        ),
+        pytest.param(
+            "ep-experts-not-divisible",
+            ["ValueError: ExpertParallel:", "has 3 experts, which expert_parallel=2 does not divide",
+             "Choose expert_parallel among [1, 3]"],
+            id="ep-does-not-divide-experts",
         ),
         pytest.param(
             "pp-step-calls-model-twice",

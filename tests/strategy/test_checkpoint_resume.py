@@ -28,7 +28,9 @@ def _read(out: Path, run: str, world_size: int = 2) -> list[dict]:
 def _assert_close(actual: list[float], expected: list[float], what: str) -> None:
     assert len(actual) == len(expected), f"{what}: {actual} vs {expected}"
     for step, (a, e) in enumerate(zip(actual, expected, strict=True), start=4):
-        assert abs(a - e) <= RTOL * abs(e), f"{what}, step {step}: {a} vs {e} (uninterrupted)\n{actual}\n{expected}"
+        assert abs(a - e) <= RTOL * abs(e), (
+            f"{what}, step {step}: {a} vs {e} (uninterrupted)\n{actual}\n{expected}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,9 @@ def test_resume_from_sharded_checkpoint_continues_the_same_run(checkpoint_runs: 
         # Tensor-parallel ranks compute the same (replicated) loss.
         assert straight[rank]["losses"] == reference
         assert first[rank]["losses"] == pytest.approx(reference[:3], rel=RTOL)
-        _assert_close(resumed[rank]["losses"], reference[3:], f"resumed from the sharded checkpoint, rank {rank}")
+        _assert_close(
+            resumed[rank]["losses"], reference[3:], f"resumed from the sharded checkpoint, rank {rank}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +68,9 @@ def pipeline_checkpoint_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_pipeline_resume_from_sharded_checkpoint_continues_the_same_run(pipeline_checkpoint_runs: Path) -> None:
+def test_pipeline_resume_from_sharded_checkpoint_continues_the_same_run(
+    pipeline_checkpoint_runs: Path,
+) -> None:
     """Two pipeline stages (each saves only its own blocks; the tied embedding/head on both ends,
     identical): stop after one epoch, resume in fresh processes, same losses as the straight run."""
     out = pipeline_checkpoint_runs
@@ -74,7 +80,9 @@ def test_pipeline_resume_from_sharded_checkpoint_continues_the_same_run(pipeline
     for rank in range(2):
         # Every stage reports the last stage's loss.
         assert straight[rank]["losses"] == reference
-        _assert_close(resumed[rank]["losses"], reference[3:], f"pp=2, resumed from the sharded checkpoint, rank {rank}")
+        _assert_close(
+            resumed[rank]["losses"], reference[3:], f"pp=2, resumed from the sharded checkpoint, rank {rank}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +108,14 @@ def test_expert_parallel_resume_from_sharded_checkpoint(expert_checkpoint_runs: 
     dcp_to_torch_save(out / "step3.ckpt", tmp_path / "converted.pt")
     converted = torch.load(tmp_path / "converted.pt", weights_only=False)
     experts = {k: v for k, v in converted["state_dict"].items() if ".experts." in k}
-    assert experts and all(v.shape[0] == 4 for v in experts.values()), {k: v.shape for k, v in experts.items()}
+    assert experts and all(v.shape[0] == 4 for v in experts.values()), {
+        k: v.shape for k, v in experts.items()
+    }
     optimizer_experts = [k for k in converted["optimizer_0"] if ".experts." in k and k.startswith("state.")]
     assert optimizer_experts and all(
-        converted["optimizer_0"][k].shape[0] == 4 for k in optimizer_experts if converted["optimizer_0"][k].dim()
+        converted["optimizer_0"][k].shape[0] == 4
+        for k in optimizer_experts
+        if converted["optimizer_0"][k].dim()
     )
 
 
@@ -112,7 +124,9 @@ def test_resume_from_consolidated_checkpoint_continues_the_same_run(checkpoint_r
     assert (checkpoint_runs / "step3.full.ckpt").is_file()
     for rank in range(2):
         assert resumed[rank]["global_step"] == 6
-        _assert_close(resumed[rank]["losses"], straight[0]["losses"][3:], f"resumed from the full file, rank {rank}")
+        _assert_close(
+            resumed[rank]["losses"], straight[0]["losses"][3:], f"resumed from the full file, rank {rank}"
+        )
 
 
 def test_sharded_checkpoint_holds_the_unsharded_layout(checkpoint_runs: Path, tmp_path: Path) -> None:
@@ -137,7 +151,10 @@ def test_cli_arithmetic_matches_the_sharded_model(checkpoint_runs: Path) -> None
     from recipes.gpt.module import GPTLightningModule
     from tests.strategy.scripts.checkpoint_resume import MODEL
 
-    recorded = {name: tuple(sizes) for name, sizes in _read(checkpoint_runs, "straight")[0]["parameter_shards"].items()}
+    recorded = {
+        name: tuple(sizes)
+        for name, sizes in _read(checkpoint_runs, "straight")[0]["parameter_shards"].items()
+    }
     model = GPTLightningModule(**MODEL)
     computed = parameter_shards(auto_plan(model, 2, False), model)
     assert computed == recorded

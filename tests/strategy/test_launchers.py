@@ -26,7 +26,15 @@ MESH_LINE = "mesh pp=1 x dp=1 x tp=2 (world 2)"
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_"))}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "NODE_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
         env.pop(key, None)
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return env
@@ -68,12 +76,22 @@ def test_slurm_tasks(tmp_path: Path) -> None:
     common = dict(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_NODEID="0",
                   SLURM_JOB_NAME="lightning-parallel-test", SLURM_JOB_ID="4242", SLURM_NODELIST="127.0.0.1",
                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
-    command = [sys.executable, "-m", "recipes.gpt", "fit", f"--config={TINY}", "--trainer.strategy=tp2", *SHORT]
+    command = [
+        sys.executable,
+        "-m",
+        "recipes.gpt",
+        "fit",
+        f"--config={TINY}",
+        "--trainer.strategy=tp2",
+        *SHORT,
+    ]
     ranks = []
     for rank in range(2):
         log = open(tmp_path / f"rank{rank}.log", "w+")  # noqa: SIM115 - closed below
         env = _env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), **common)
-        ranks.append((subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        ranks.append(
+            (subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT), log)
+        )
     outputs = []
     try:
         for process, log in ranks:

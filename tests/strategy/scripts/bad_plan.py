@@ -5,6 +5,7 @@
     python tests/strategy/scripts/bad_plan.py pp-more-stages-than-blocks   # pp=2, one block
     python tests/strategy/scripts/bad_plan.py pp-batch-not-divisible       # batch 4, micro_batches=3
     python tests/strategy/scripts/bad_plan.py pp-step-calls-model-twice    # training_step runs the model twice
+    python tests/strategy/scripts/bad_plan.py ep-experts-not-divisible     # 3 experts, expert_parallel=2
 
 Run by ``tests/strategy/test_bad_input.py`` with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set.
 """
@@ -43,7 +44,16 @@ def main(case: str) -> None:
         strategy = HybridParallelStrategy(pipeline_parallel=2, timeout=30)
     elif case == "pp-batch-not-divisible":
         model = GPTLightningModule(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32)
-        strategy = HybridParallelStrategy(pipeline_parallel=2, micro_batches=3, pipeline_schedule="gpipe", timeout=30)
+        strategy = HybridParallelStrategy(
+            pipeline_parallel=2, micro_batches=3, pipeline_schedule="gpipe", timeout=30
+        )
+    elif case == "ep-experts-not-divisible":
+        from recipes.moe.module import MoEGPTLightningModule
+
+        model = MoEGPTLightningModule(
+            vocab_size=128, block_size=16, n_layer=1, n_head=4, n_embd=32, num_experts=3
+        )
+        strategy = HybridParallelStrategy(expert_parallel=2, timeout=30)
     elif case == "pp-step-calls-model-twice":
         model = TwiceGPT(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32)
         strategy = HybridParallelStrategy(pipeline_parallel=2, timeout=30)

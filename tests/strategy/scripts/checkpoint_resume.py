@@ -45,7 +45,9 @@ class RecordLosses(L.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
 
-    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, i: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, i: int
+    ) -> None:
         self.losses.append(float(outputs["loss"]))
 
 
@@ -71,7 +73,12 @@ def build_model(layout: str) -> L.LightningModule:
 
 
 def fit(
-    out: Path, run: str, epochs: int, ckpt_path: Path | None = None, save_to: Path | None = None, layout: str = "tp2"
+    out: Path,
+    run: str,
+    epochs: int,
+    ckpt_path: Path | None = None,
+    save_to: Path | None = None,
+    layout: str = "tp2",
 ) -> None:
     L.seed_everything(0)
     model = build_model(layout)
