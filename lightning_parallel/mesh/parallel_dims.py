@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 AXIS_NAMES: tuple[str, ...] = ("pp", "dp", "tp")
-EXPERT_AXIS_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "ep", "tp")  # with expert parallelism; "dp" is flattened
+# With expert parallelism: dp is split into dp_replicate x ep ("dp" is their flattened axis).
+EXPERT_AXIS_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "ep", "tp")
 
 
 @dataclass

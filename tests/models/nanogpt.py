@@ -202,4 +202,6 @@ class NanoGPTModule(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
-        return parity_optimizer(self.parameters(), hp.optimizer, hp.learning_rate, hp.weight_decay, hp.adam_eps)
+        return parity_optimizer(
+            self.parameters(), hp.optimizer, hp.learning_rate, hp.weight_decay, hp.adam_eps
+        )
