@@ -1,0 +1,222 @@
+"""Activation bytes and step time of the memory savers on the recipe GPT, measured side by side.
+
+    PYTHONPATH=. python -m benchmarks.memory_savers                  # CPU: the GPT recipe (tiny.yaml shape x4 width)
+    PYTHONPATH=. python -m benchmarks.memory_savers --large          # GPU: GPT-1.3B, bf16 autocast (scripts/gpu_check.sh)
+    PYTHONPATH=. python -m benchmarks.memory_savers --tiny --cpu     # seconds: every code path
+
+Configurations (the library functions ``HybridParallelStrategy`` applies, on one process, to
+one shared model and optimizer: each configuration is applied for its step and removed after):
+none, selective (ops), selective (every 2nd block), full, offload, bf16 compression, fp8
+compression, full + offload. Each round runs one timed step of every configuration in turn
+(interleaved, so drift of a shared machine hits all alike); the step time of a configuration
+is its median over the rounds, and its ratio to ``none`` is the median of the per-round ratios.
+The first round takes no optimizer step, so every configuration computes its loss on the same
+weights and batch: they must be equal (the forward pass is the same under every saver).
+
+Columns: activation bytes held for backward on the device (counted exactly through
+``saved_tensors_hooks``; offloaded bytes excluded) and their fraction of ``none``; on a GPU
+also the peak memory of the step (``torch.cuda.max_memory_allocated`` with the parameters,
+gradients and optimizer state subtracted as measured before the step) and its ratio; step
+time and its ratio. On a CPU "offload" copies to the same memory: its bytes count as
+offloaded, its time is the cost of the copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from benchmarks.common import machine, table
+from lightning_parallel.memory import (
+    ActivationSaver,
+    CheckpointingConfig,
+    SavedTensorCounter,
+    apply_activation_checkpointing,
+    counting,
+)
+from lightning_parallel.plans.detect import find_block_stack
+
+SHAPES = {
+    "tiny": dict(vocab_size=320, block_size=64, n_layer=2, n_head=4, n_embd=64, batch_size=4),
+    "cpu": dict(vocab_size=320, block_size=256, n_layer=4, n_head=4, n_embd=256, batch_size=8),
+    "large": dict(vocab_size=50304, block_size=2048, n_layer=24, n_head=16, n_embd=2048, batch_size=8),
+}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "selective (ops)": {"checkpointing": CheckpointingConfig("selective", ops=True)},
+    "selective (every 2nd block)": {"checkpointing": CheckpointingConfig("selective", every=2)},
+    "full": {"checkpointing": CheckpointingConfig("full")},
+    "offload": {"offload": True},
+    "bf16 compression": {"compression": "bf16"},
+    "fp8 compression": {"compression": "fp8"},
+    "full + offload": {"checkpointing": CheckpointingConfig("full"), "offload": True},
+}
+
+
+class Setup:
+    """One configuration, applied to the shared model for its steps and removed after them.
+
+    All configurations share one model and optimizer (a 1.3B model with AdamW state is ~21 GB:
+    one copy per configuration would not fit); a saver changes where activations live, not
+    what a step computes, so the step times and bytes of every configuration are comparable.
+    """
+
+    def __init__(self, model: torch.nn.Module, options: dict[str, Any], device: torch.device) -> None:
+        self.model, self.options, self.device = model, options, device
+        stack = find_block_stack(model)
+        assert stack is not None
+        self.names = [f"{stack.name}.{i}" for i in range(len(stack.blocks))]
+        self.saver = None
+        if options.get("offload") or options.get("compression"):
+            self.saver = ActivationSaver(compression=options.get("compression"), offload=options.get("offload", False),
+                                         parameters=list(model.parameters()), blocks=list(stack.blocks))  # fmt: skip
+            self.saver.remove()  # block hooks (prefetch groups) are installed only while the saver runs
+        self.times: list[float] = []
+        self.counted: Any = None
+        self.peak = 0
+        self.losses: list[float] = []
+
+    def _apply(self) -> list[str]:
+        if self.saver is not None:
+            self.saver.handles = [b.register_forward_pre_hook(self.saver._enter_block)
+                                  for b in find_block_stack(self.model).blocks]  # fmt: skip
+        if "checkpointing" not in self.options:
+            return []
+        return apply_activation_checkpointing(self.model, self.options["checkpointing"], self.names)
+
+    def _remove(self, patched: list[str]) -> None:
+        if self.saver is not None:
+            self.saver.remove()
+        for name in patched:
+            del self.model.get_submodule(name).__dict__["forward"]  # the class's forward again
+
+    def step(
+        self, optimizer: torch.optim.Optimizer | None, x: torch.Tensor, y: torch.Tensor, count: bool
+    ) -> float:
+        patched = self._apply()
+        try:
+            return self._step(optimizer, x, y, count)
+        finally:
+            self._remove(patched)
+
+    def _step(
+        self, optimizer: torch.optim.Optimizer | None, x: torch.Tensor, y: torch.Tensor, count: bool
+    ) -> float:
+        counter = SavedTensorCounter.for_module(self.model) if count else None
+        if self.saver is not None:
+            context = self.saver.context(counter)
+        else:
+            context = counting(counter) if counter is not None else nullcontext()
+        autocast = torch.autocast("cuda", torch.bfloat16) if self.device.type == "cuda" else nullcontext()
+        _sync(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+        start = time.perf_counter()
+        with context, autocast:
+            logits = self.model(x)
+            loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+        _sync(self.device)
+        elapsed = time.perf_counter() - start
+        if optimizer is None:  # the first round: gradients of every configuration on the same weights
+            self.model.zero_grad(set_to_none=True)
+        else:
+            optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device) - before)
+        if counter is not None:
+            self.counted = counter.bytes
+        self.losses.append(loss.item())
+        return elapsed
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(shape: dict[str, Any], device: torch.device, rounds: int, warmup: int) -> dict[str, Any]:
+    from recipes.gpt.model import GPT, GPTConfig
+
+    torch.manual_seed(1234)
+    with device:
+        base = GPT(GPTConfig(**{k: v for k, v in shape.items() if k != "batch_size"}, dropout=0.0))
+    generator = torch.Generator().manual_seed(0)
+    batches = [
+        torch.randint(
+            shape["vocab_size"], (shape["batch_size"], shape["block_size"] + 1), generator=generator
+        )
+        for _ in range(rounds + warmup)
+    ]
+    optimizer = torch.optim.AdamW(base.parameters(), lr=1e-5, fused=device.type == "cuda")
+    setups = {name: Setup(base, options, device) for name, options in CONFIGS.items()}
+    ratios: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    for index, tokens in enumerate(batches):
+        x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+        # Round 0 steps no optimizer: every configuration's loss on the same weights and batch.
+        step_times = {
+            name: s.step(optimizer if index else None, x, y, count=index == 0) for name, s in setups.items()
+        }
+        if index >= warmup:
+            for name, seconds in step_times.items():
+                setups[name].times.append(seconds)
+                ratios[name].append(seconds / step_times["none"])
+    base_bytes = setups["none"].counted.on_device
+    rows, results = [], {}
+    for name, s in setups.items():
+        counted = s.counted
+        median = statistics.median(s.times)
+        ratio = statistics.median(ratios[name])
+        row = [name, f"{counted.on_device / 2**20:.2f} MiB", f"{counted.on_device / base_bytes:.2f}"]
+        if device.type == "cuda":
+            row += [f"{s.peak / 2**30:.1f} GiB", f"{s.peak / setups['none'].peak:.2f}"]
+        row += [f"{median * 1e3:.1f} ms", f"{ratio:.2f}x"]
+        rows.append(row)
+        results[name] = {"bytes": counted.as_dict(), "step_s": median, "time_ratio": ratio, "peak": s.peak,
+                         "first_loss": s.losses[0], "last_loss": s.losses[-1]}  # fmt: skip
+    header = ["configuration", "activations on device", "vs none"]
+    if device.type == "cuda":
+        header += ["peak step memory", "vs none"]
+    header += ["step time", "vs none"]
+    print(table(header, rows))
+    first = {name: r["first_loss"] for name, r in results.items()}
+    if len(set(first.values())) != 1:  # the forward pass is the same under every saver
+        raise SystemExit(f"configurations do not start from the same loss: {first}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--tiny", action="store_true", help="the tiny recipe shape (seconds)")
+    size.add_argument("--large", action="store_true", help="GPT-1.3B (a GPU with ~80 GB)")
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is present")
+    parser.add_argument("--rounds", type=int, default=None, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads() if not args.cpu else 1))
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    name = "tiny" if args.tiny else "large" if args.large else "cpu"
+    shape = SHAPES[name]
+    rounds = args.rounds or (3 if name == "tiny" else 8)
+    print(
+        f"# memory_savers: {name} shape {shape}, {rounds} rounds after {args.warmup} warm-up, {device}; {machine()}"
+    )
+    results = run(shape, device, rounds, args.warmup)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"shape": shape, "device": str(device), "results": results}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
