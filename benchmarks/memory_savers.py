@@ -194,6 +194,43 @@ def run(shape: dict[str, Any], device: torch.device, rounds: int, warmup: int) -
     return results
 
 
+def fp8_smoke(steps: int = 5) -> None:
+    """A few Trainer steps of the tiny recipe with ``Float8Precision`` against bf16-mixed (GPU with fp8 only)."""
+    import lightning as L
+
+    from benchmarks.common import quiet_lightning, recipe_data, recipe_model
+    from lightning_parallel import HybridParallelStrategy
+    from lightning_parallel.precision.fp8 import Float8Precision, fp8_supported
+
+    supported, reason = fp8_supported()
+    if not supported:
+        print(f"fp8: not run ({reason})")
+        return
+    quiet_lightning()
+    shape = dict(vocab_size=320, block_size=64, n_layer=2, n_head=4, n_embd=64)
+    losses = {}
+    for name in ("bf16-mixed", "fp8"):
+        L.seed_everything(0, verbose=False)
+        plugin = {"plugins": [Float8Precision()]} if name == "fp8" else {"precision": "bf16-mixed"}
+
+        class Record(L.Callback):
+            def __init__(self) -> None:
+                self.seen: list[float] = []
+
+            def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int) -> None:
+                self.seen.append(float(outputs["loss"]))
+
+        record = Record()
+
+        trainer = L.Trainer(accelerator="gpu", devices=1, strategy=HybridParallelStrategy(), max_steps=steps,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=[record], limit_val_batches=0, **plugin)  # fmt: skip
+        trainer.fit(recipe_model(**shape), datamodule=recipe_data(64, 8, random_tokens=100_000))
+        losses[name] = record.seen
+    for name, values in losses.items():
+        print(f"{name:10s} losses " + " ".join(f"{v:.4f}" for v in values))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size = parser.add_mutually_exclusive_group()
@@ -203,7 +240,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=None, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument(
+        "--fp8", action="store_true", help="only: a few steps with Float8Precision vs bf16-mixed"
+    )
     args = parser.parse_args(argv)
+    if args.fp8:
+        fp8_smoke()
+        return
     torch.set_num_threads(max(1, torch.get_num_threads() if not args.cpu else 1))
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     name = "tiny" if args.tiny else "large" if args.large else "cpu"

@@ -14,6 +14,11 @@
 #   3. `benchmarks.gpu_step`: the measurement. It fails if a phase fails or if the phases do not
 #      start from the same loss; a missed speed target is reported, not a failure.
 # Time limits: 2 + 3 + 7 minutes at most (`timeout`), so a hang cannot eat the device budget.
+#   4. `benchmarks.memory_savers --tiny`, then `--large`: activation bytes, peak memory and step time
+#      of none / selective / full checkpointing / offload / bf16 and fp8 compression on GPT-1.3B
+#      (bf16 autocast, batch 8 x 2048), and `--fp8`: a few steps with Float8Precision (torchao, if
+#      the machine has it) against bf16-mixed. 3 + 7 + 3 minutes at most.
+#      GPU_CHECK_ONLY=memory runs only this part (fits one lent-device session on its own).
 #
 #   GPU_CHECK_DRY_RUN=1 bash scripts/gpu_check.sh   # on a CPU machine: the script's own logic, with
 #                                                   # `--tiny --cpu --no-compile` in steps 2 and 3
@@ -56,6 +61,7 @@ import lightning_parallel, recipes.gpt.module, benchmarks.gpu_step  # noqa: F401
 print("imports ok")
 EOF
 
+if [ "${GPU_CHECK_ONLY:-}" != "memory" ]; then
 run 180 "$PY" -m benchmarks.gpu_step --tiny --no-compile ${STEP_ARGS[@]+"${STEP_ARGS[@]}"} || fail "the tiny run on the GPU (a code path is broken)"
 
 run 420 "$PY" -m benchmarks.gpu_step --json "$RESULTS_DIR/gpu_step.json" ${STEP_ARGS[@]+"${STEP_ARGS[@]}"}
@@ -63,4 +69,19 @@ status=$?
 [ "$status" -eq 124 ] && fail "the 1.3B run timed out after 420 s"
 [ "$status" -ne 0 ] && fail "the 1.3B run exited with status $status"
 grep -q "^RESULT strategy / eager" "$LOG" || fail "no RESULT line in the output"
+fi
+
+# Memory savers (docs/memory.md): every code path on the GPU in seconds, then the GPT-1.3B table.
+MEMORY_ARGS=()
+[ -n "$DRY" ] && MEMORY_ARGS=(--cpu)
+run 180 "$PY" -m benchmarks.memory_savers --tiny ${MEMORY_ARGS[@]+"${MEMORY_ARGS[@]}"} || fail "memory savers: a code path is broken"
+if [ -n "$DRY" ]; then
+    run 420 "$PY" -m benchmarks.memory_savers --tiny --cpu --json "$RESULTS_DIR/memory_savers.json" || fail "memory savers table"
+else
+    run 420 "$PY" -m benchmarks.memory_savers --large --rounds 4 --json "$RESULTS_DIR/memory_savers.json"
+    status=$?
+    [ "$status" -eq 124 ] && fail "the 1.3B memory-savers run timed out after 420 s"
+    [ "$status" -ne 0 ] && fail "the 1.3B memory-savers run exited with status $status"
+fi
+run 180 "$PY" -m benchmarks.memory_savers --fp8 || fail "the fp8 steps"
 say "GPU CHECK OK"
