@@ -193,27 +193,36 @@ def _context_fn(ops: bool, capture: StateCapture | None) -> Callable[[], tuple[A
         )
         if capture is None:
             return forward_ctx, recompute_ctx
-        restore = capture()
-        return forward_ctx, _Both(restore(), recompute_ctx)
+        return forward_ctx, _Both(capture(), recompute_ctx)
 
     return make
 
 
 class _Both:
-    """Enter two context managers, in order (what ``context_fn`` may return is one object)."""
+    """A fresh ``first()`` context, then ``second``, entered in order at every recomputation.
 
-    def __init__(self, first: AbstractContextManager[Any], second: AbstractContextManager[Any]) -> None:
+    The recomputation context is entered once per recomputation, and a region is recomputed
+    once per backward pass through it: twice under the zero-bubble schedules (input gradients,
+    then weight gradients). ``first`` is a factory because a generator context enters once.
+    """
+
+    def __init__(
+        self, first: Callable[[], AbstractContextManager[Any]], second: AbstractContextManager[Any]
+    ) -> None:
         self.first, self.second = first, second
+        self._entered: list[AbstractContextManager[Any]] = []
 
     def __enter__(self) -> None:
-        self.first.__enter__()
+        context = self.first()
+        context.__enter__()
+        self._entered.append(context)
         self.second.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         try:
             self.second.__exit__(*exc)
         finally:
-            self.first.__exit__(*exc)
+            self._entered.pop().__exit__(*exc)
 
 
 def _recomputed(forward: Callable[..., Any], ops: bool, capture: StateCapture | None) -> Callable[..., Any]:

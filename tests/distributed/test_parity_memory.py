@@ -9,7 +9,8 @@ One 2-process launch runs every case (the references ride along): data parallel 
 GPT (DDP reducer), tensor parallel on the nanoGPT-style model (narrow attention hooks inside
 every block, re-run by the recomputation; one case with sequence parallelism, whose
 all-gathers are re-run too), pipeline parallel (1F1B) on the recipe GPT (its tied
-embedding/head split over the two stages).
+embedding/head split over the two stages; also interleaved 1F1B and ZB-V with two stages per
+rank).
 """
 
 from __future__ import annotations
@@ -33,12 +34,17 @@ LAYOUTS = {  # name: (family, tensor_parallel, pipeline_parallel, extra strategy
 }
 
 
-def _case(name: str, layout: str, **savers: object) -> Case:
+def _case(name: str, layout: str, fields: dict | None = None, **savers: object) -> Case:
     if name in CASES:
         return CASES[name]
     family, tp, pp, extra = LAYOUTS[layout]
     return hybrid(name, family, world_size=2, tensor_parallel=tp, pipeline_parallel=pp, timeout=60,
-                  **extra, **savers)  # fmt: skip
+                  case_fields=fields, **{**extra, **savers})  # fmt: skip
+
+
+# Two stages per rank (4 blocks, 4 micro-batches): the stages' gates patch the blocks' forward
+# too (chained), and zero-bubble schedules run backward twice per stage (input, then weights).
+MULTI_STAGE = {"model_kwargs": {"n_layer": 4}, "batch_size": 4}
 
 
 EXACT = [
@@ -49,6 +55,23 @@ EXACT = [
     ],
     _case("mem_tp2_sp_full", "tp2", sequence_parallel=True, activation_checkpointing="full"),
     _case("mem_pp2_full_offload", "pp2", activation_checkpointing="full", activation_offload=True),
+    _case(
+        "mem_pp2_interleaved_selective",
+        "pp2",
+        MULTI_STAGE,
+        activation_checkpointing="selective",
+        pipeline_schedule="interleaved_1f1b",
+        micro_batches=4,
+    ),
+    _case(
+        "mem_pp2_zbv_full_offload",
+        "pp2",
+        MULTI_STAGE,
+        activation_checkpointing="full",
+        activation_offload=True,
+        pipeline_schedule="zbv",
+        micro_batches=4,
+    ),
 ]
 COMPRESSED = [_case(f"mem_{layout}_bf16", layout, activation_compression="bf16") for layout in LAYOUTS]
 
