@@ -92,6 +92,19 @@ class ExpertStrategyMixin:
             groups.append(GradientGroup(experts, replicas.get_group(), dp.size()))
         return groups
 
+    def _with_injected_aux(self, output: Any) -> Any:
+        """The step's loss plus the aux losses injected into backward, as a constant: the reported
+        loss is the one the optimiser minimises, the gradients are unchanged (already injected)."""
+        collector = self._aux_losses
+        if collector is None or not collector.injected:
+            return output
+        extra = torch.stack(collector.injected).sum()
+        if isinstance(output, torch.Tensor):
+            return output + extra.to(output.dtype).detach()
+        if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+            return {**output, "loss": output["loss"] + extra.to(output["loss"].dtype).detach()}
+        return output
+
     def _set_aux_loss_scale(self, scale: float) -> None:
         """What the main loss is multiplied by before backward; the injected aux gradients follow it."""
         if self._aux_losses is not None:

@@ -431,10 +431,10 @@ class HybridParallelStrategy(
                 return self._pipelined_training_step(*args, **kwargs)
             self._set_aux_loss_scale(self._backward_loss_scale())
             if not self.loss_parallel:
-                return super().training_step(*args, **kwargs)
+                return self._with_injected_aux(super().training_step(*args, **kwargs))
             assert self.lightning_module is not None
             with sharded_loss_step(self.lightning_module, self._loss_state):
-                return to_plain(super().training_step(*args, **kwargs))
+                return self._with_injected_aux(to_plain(super().training_step(*args, **kwargs)))
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -19,6 +19,7 @@ import pytest
 from tests.distributed.cases import CASES, Case, hybrid
 from tests.distributed.harness import Result, assert_parity, reference, run_cases
 from tests.models.families import available_families
+from tests.models.hf import HFMixtralAuxModule
 
 pytestmark = [pytest.mark.distributed]
 
@@ -33,7 +34,10 @@ def _case(name: str, family: str, world_size: int, fields: dict | None = None, *
                   case_fields={**FIELDS, **(fields or {})}, **kwargs)  # fmt: skip
 
 
-TWO = [_case(f"ep2_{f}", f, 2) for f in FAMILIES]
+# `moe_aux_loss_coef`: the strategy injects Mixtral's load-balancing loss; the reference adds the
+# same loss in its step (tests/models/hf.py, HFMixtralAuxModule): same losses, same gradients.
+AUX = {"moe_aux_loss_coef": HFMixtralAuxModule.AUX_COEF}
+TWO = [*[_case(f"ep2_{f}", f, 2) for f in FAMILIES], _case("ep2_aux_hf_mixtral", "hf_mixtral_aux", 2, **AUX)]
 BF16 = [_case("ep2_bf16_recipe_moe", "recipe_moe", 2, fields={"trainer_kwargs": {"precision": "bf16-mixed"}})]
 FOUR = [
     *[_case(f"ep2_dp2_{f}", f, 4) for f in FAMILIES],

@@ -62,6 +62,12 @@ def _hf_mixtral(**overrides: Any) -> L.LightningModule:
     return HFMixtralModule(**{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
 
 
+def _hf_mixtral_aux(**overrides: Any) -> L.LightningModule:
+    from tests.models.hf import HFMixtralAuxModule
+
+    return HFMixtralAuxModule(**{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
+
+
 def _recipe_moe(**overrides: Any) -> L.LightningModule:
     """The project's MoE recipe at test size: 4 experts, top-2, capacity factor 1.25 (tokens dropped),
     its own training step (task loss + the layers' aux losses), SGD like the other families."""
@@ -113,6 +119,7 @@ FAMILIES: dict[str, Callable[..., L.LightningModule]] = {
     "hf_llama": _hf_llama,
     "hf_mixtral": _hf_mixtral,
     "recipe_moe": _recipe_moe,
+    "hf_mixtral_aux": _hf_mixtral_aux,
 }
 
 _REQUIRES = {
@@ -121,6 +128,7 @@ _REQUIRES = {
     "hf_llama": "transformers",
     "hf_mixtral": "transformers",
     "recipe_moe": "recipes.moe.module",
+    "hf_mixtral_aux": "transformers",
 }
 
 

@@ -109,3 +109,27 @@ class HFMixtralModule(_CausalLMModule):
             pad_token_id=None, use_cache=False, attn_implementation="sdpa",
         )  # fmt: skip
         self.model = MixtralForCausalLM(config)
+
+
+class HFMixtralAuxModule(HFMixtralModule):
+    """Mixtral trained on its loss plus the Switch load-balancing loss (x 0.01) of every MoE block.
+
+    In one process the step adds it with ``AuxLossCollector`` (loss mode); under
+    ``HybridParallelStrategy(moe_aux_loss_coef=0.01)`` the strategy injects it instead, and the
+    step must not add it again: the pair checks that the strategy's aux loss is the same one,
+    counted once.
+    """
+
+    AUX_COEF = 0.01
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        from lightning_parallel.experts import AuxLossCollector
+
+        strategy_adds = getattr(self.trainer.strategy, "moe_aux_loss_coef", None) is not None
+        collector = self.__dict__.get("_collector")
+        if not strategy_adds and collector is None:
+            collector = self.__dict__["_collector"] = AuxLossCollector(self.model, coef=self.AUX_COEF)
+        if strategy_adds:
+            return super().training_step(batch, batch_idx)
+        collector.reset()
+        return collector.add_to_loss(super().training_step(batch, batch_idx))
