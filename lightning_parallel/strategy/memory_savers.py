@@ -66,7 +66,13 @@ class MemorySaverArguments:
                 " bytes, gradients within about 2^-8 relative), 'fp8' (a quarter, about 2^-4) or None."
             )
         grad_compression = resolve_gradient_compression(gradient_compression)
-        if grad_compression is not None and pipeline is None and tensor_parallel != 1:
+        # tensor_parallel="auto" is resolved at setup, where the same refusal applies.
+        if (
+            grad_compression is not None
+            and pipeline is None
+            and isinstance(tensor_parallel, int)
+            and tensor_parallel > 1
+        ):
             raise ValueError(
                 f"`gradient_compression={gradient_compression!r}` with `tensor_parallel={tensor_parallel!r}` is not"
                 " supported: without pipeline stages the data-parallel gradients of sharded parameters are"
