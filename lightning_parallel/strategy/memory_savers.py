@@ -139,6 +139,7 @@ class MemorySaversMixin:
         notes = []
         if args.checkpointing is not None:
             self._check_tensor_parallel_containers(module, args.checkpointing, names)
+            self._check_aux_losses(module, args.checkpointing, names)
             done = apply_activation_checkpointing(
                 module,
                 args.checkpointing,
@@ -180,6 +181,28 @@ class MemorySaversMixin:
                     f" {name.rsplit('.', 1)[0]!r}) or a module inside it."
                 )
 
+    def _check_aux_losses(
+        self, module: LightningModule, config: CheckpointingConfig, names: list[str]
+    ) -> None:
+        """Recomputing an MoE block whose auxiliary loss is collected would record that loss twice."""
+        collector = getattr(self, "_aux_losses", None)
+        if collector is None:
+            return
+        from lightning_parallel.memory.checkpointing import select_modules
+
+        moe = {id(info.block): info.name for info in collector.blocks}
+        for name, selected in select_modules(module, config, names):
+            inside = [moe[id(m)] for m in selected.modules() if id(m) in moe]
+            if inside:
+                raise ValueError(
+                    f"`activation_checkpointing={config.mode!r}` recomputes {name!r}, which holds the MoE block"
+                    f" {inside[0]!r} whose auxiliary loss the strategy collects (`moe_aux_loss_coef`, or this"
+                    " library's MoE layers under pipeline parallelism): the recomputation in backward would run"
+                    " its router again and record the loss a second time. Leave `moe_aux_loss_coef=None`, or"
+                    " recompute other modules (`activation_checkpointing='selective',"
+                    " activation_checkpointing_policy=[patterns]`), or `activation_checkpointing=None`."
+                )
+
     def _pipeline_state_capture(self) -> Any:
         """For pipeline stages: the recomputation sees the stage that was active in the forward pass."""
         runtime = getattr(self, "_runtime", None)
@@ -211,8 +234,11 @@ class MemorySaversMixin:
             rank_zero_warn(f"`gradient_compression={compression!r}` has no effect without data parallelism.")
             return
         runner = getattr(self, "pipeline_runner", None)
+        manual = getattr(self, "_manual_gradient_sync", None)  # expert parallelism: explicit reductions
         if runner is not None:
             runner.gradient_compressor = BucketCompressor(compression)
+        elif manual is not None:
+            manual.set_compressor(BucketCompressor(compression))  # the data-parallel means, not the experts'
         elif dims.tp_enabled:
             raise ValueError(
                 f"`gradient_compression={compression!r}` with tensor parallelism (tensor_parallel='auto' resolved"

@@ -83,3 +83,18 @@ def test_monitor_needs_the_hybrid_strategy() -> None:
                         callbacks=[ActivationMemoryMonitor()])  # fmt: skip
     with pytest.raises(ValueError, match="ActivationMemoryMonitor needs HybridParallelStrategy"):
         trainer.fit(build("recipe_gpt"), make_dataloader(B, B))
+
+
+def test_recomputing_a_block_whose_moe_aux_loss_is_collected_is_refused() -> None:
+    from tests.models.families import available_families
+
+    if "recipe_moe" not in available_families():
+        pytest.skip("the MoE recipe is not available")
+    with pytest.raises(ValueError) as info:
+        fit(build("recipe_moe"), activation_checkpointing="full", moe_aux_loss_coef=0.01)
+    message = str(info.value)
+    assert (
+        "`activation_checkpointing='full'` recomputes" in message
+        and "record the loss a second time" in message
+    )
+    assert "`moe_aux_loss_coef=None`" in message
