@@ -57,7 +57,8 @@ def compress(tensor: torch.Tensor, kind: Compression) -> tuple[torch.Tensor, tor
         return tensor.to(torch.bfloat16), None
     if tensor.element_size() <= 1:
         return None
-    amax = tensor.detach().abs().amax().float()
+    # Finite values only: a storage may hold bytes no saved view covers (never read back).
+    amax = torch.nan_to_num(tensor.detach().abs().float(), nan=0.0, posinf=0.0).amax()
     scale = torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax))
     return (tensor.float() / scale).to(_FP8), scale
 
