@@ -21,6 +21,7 @@ has one device, so it could not be tested).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +68,9 @@ class Float8Precision(HybridMixedPrecision):
             convert (default: those whose dimensions are multiples of 16; keep the output head
             in bf16 by returning False for its name if the loss suffers).
         device: the CUDA device to check (default: the current one).
+        emulate: torchao's emulation: fp8 rounding of the matmul inputs with the matmuls in
+            higher precision, on any device (a CPU too). For testing the plumbing without fp8
+            hardware; never faster than bf16.
     """
 
     def __init__(
@@ -74,9 +78,10 @@ class Float8Precision(HybridMixedPrecision):
         recipe: str = "tensorwise",
         module_filter: Callable[[nn.Module, str], bool] | None = None,
         device: torch.device | str | None = None,
+        emulate: bool = False,
     ) -> None:
         supported, reason = fp8_supported(device)
-        if not supported:
+        if not supported and not emulate:
             raise ValueError(
                 f"Float8Precision (precision 'fp8'): {reason}. Use `Trainer(precision='bf16-mixed')` on this"
                 " hardware; fp8 training runs on NVIDIA GPUs of compute capability 8.9 or newer (H100, H200)."
@@ -87,8 +92,9 @@ class Float8Precision(HybridMixedPrecision):
             raise ImportError(
                 "Float8Precision needs torchao: `pip install --no-deps torchao` (--no-deps keeps your torch build)."
             ) from error
-        super().__init__("bf16-mixed", "cuda")
+        super().__init__("bf16-mixed", "cuda" if supported or torch.cuda.is_available() else "cpu")
         self.recipe = recipe
+        self.emulate = emulate
         self.module_filter = module_filter or _default_filter
         self.converted: list[str] = []
 
@@ -98,6 +104,8 @@ class Float8Precision(HybridMixedPrecision):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         config = Float8LinearConfig.from_recipe_name(self.recipe)
+        if self.emulate:
+            config = dataclasses.replace(config, emulate=True)
 
         def keep(child: nn.Module, name: str) -> bool:
             chosen = self.module_filter(child, name)
@@ -109,4 +117,4 @@ class Float8Precision(HybridMixedPrecision):
         return super().convert_module(module)
 
     def describe(self) -> dict[str, Any]:
-        return {"recipe": self.recipe, "float8_linears": len(self.converted)}
+        return {"recipe": self.recipe, "emulate": self.emulate, "float8_linears": len(self.converted)}

@@ -7,6 +7,8 @@ without fp8 matmuls (every CPU: this is the only fp8 path the CPU test-suite can
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from lightning_parallel import HybridParallelStrategy, PowerSGD
@@ -112,3 +114,32 @@ def test_fp8_precision_is_refused_on_hardware_without_fp8() -> None:
     message = str(info.value)
     assert "Float8Precision (precision 'fp8')" in message and reason in message
     assert "precision='bf16-mixed'" in message and "compute capability 8.9" in message
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed (optional)")
+def test_fp8_plugin_plumbing_in_emulation_on_cpu() -> None:
+    """torchao's fp8 emulation runs on a CPU: the plugin converts the linears, names unchanged, and trains."""
+    import logging
+    import warnings
+
+    import lightning as L
+
+    from lightning_parallel.precision.fp8 import Float8Precision
+    from tests.models.families import build, make_dataloader
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    model = build("recipe_gpt")
+    names = list(model.state_dict())
+    plugin = Float8Precision(emulate=True)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=HybridParallelStrategy(), plugins=[plugin],
+                        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, make_dataloader(2, 4))
+    assert type(model.model.transformer.h[0].attn.qkv).__name__ == "Float8Linear"
+    assert list(model.state_dict()) == names
+    # 4 linears per block and the head; the head stays tied to the embedding (one Parameter).
+    assert len(plugin.converted) == 9
+    assert model.model.lm_head.weight is model.model.transformer.wte.weight
+    assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(4.8, abs=0.2)

@@ -88,3 +88,12 @@ def test_adafactor_steps_tensor_parallel_parameters_like_one_process(measured: d
     assert (
         run["state_bytes_rank0"] < run["reference_state_bytes"]
     )  # the factors of sharded weights are sharded
+
+
+@pytest.mark.timeout(600)
+def test_fp8_with_tensor_parallelism_is_refused_at_setup(measured: dict) -> None:
+    message = measured["fp8_tp2"]
+    if message is None:
+        pytest.skip("torchao is not installed (optional)")
+    assert "Float8Precision (precision 'fp8') with `tensor_parallel` > 1 is not supported" in message
+    assert "`tensor_parallel=1`" in message

@@ -10,6 +10,8 @@
    called directly on 2 ranks with different random gradients: bf16 and PowerSGD.
 3. ``tensor_parallel=2`` with ``torch.optim.Adafactor`` from ``configure_optimizers``: losses,
    then (rank 0) the same model, data order and optimizer in one process without a Trainer.
+4. ``Float8Precision`` (torchao's emulation) with ``tensor_parallel=2``: refused at setup (if
+   torchao is installed).
 
 Rank 0 writes ``OUT_DIR/result.json``. Run by ``tests/memory/test_comm_and_optim.py``.
 """
@@ -143,6 +145,24 @@ def adafactor_tensor_parallel() -> dict[str, Any]:
     return result
 
 
+def fp8_tensor_parallel_refused() -> str | None:
+    """``Float8Precision`` (torchao's emulation: runs on a CPU) with tp=2: the setup error, or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        return None
+    from lightning_parallel.precision.fp8 import Float8Precision
+
+    fit = L.Trainer(accelerator="cpu", devices=2, strategy=HybridParallelStrategy(tensor_parallel=2, timeout=60),
+                    plugins=[Float8Precision(emulate=True)], max_steps=1, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    try:
+        fit.fit(build("recipe_gpt"), make_dataloader(BATCH, 2 * BATCH))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     torch.set_num_threads(1)
@@ -153,6 +173,7 @@ def main() -> None:
         "gradient_compression": gradient_compression(),
         "pipeline_all_reduce": pipeline_all_reduce(),
         "adafactor_tp2": adafactor_tensor_parallel(),
+        "fp8_tp2": fp8_tensor_parallel_refused(),  # last: it ends in an exception inside fit
     }
     if dist.get_rank() == 0:
         (out_dir / "result.json").write_text(json.dumps(results, indent=1))
