@@ -7,8 +7,23 @@ Markers:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
+
 
 def pytest_configure(config) -> None:
     config.addinivalue_line(
         "markers", "distributed: launches worker processes over gloo (tests/distributed/harness.py); slow"
     )
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind() -> Iterator[None]:
+    """A Trainer run inside pytest (``devices=1``) leaves Lightning's default process group behind;
+    tests that fork worker processes would inherit it. Destroy it after every test."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
