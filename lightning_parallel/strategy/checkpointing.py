@@ -123,9 +123,19 @@ def _experts_as_local(state: dict[str, Any], layouts: dict[str, Any], optimizer:
 class ShardedCheckpointing(MeshParallelStrategy):
     """``MeshParallelStrategy`` whose checkpoints keep fused projections in the user's layout."""
 
+    def _check_consolidated_supported(self) -> None:
+        dims = getattr(self, "dims", None)
+        if dims is not None and (dims.pp_enabled or dims.ep_enabled):
+            raise ValueError(
+                "A consolidated checkpoint (`save_distributed_checkpoint=False`) is not supported under pipeline or"
+                " expert parallelism yet: it would hold rank 0's weights only. Save the sharded checkpoint and"
+                " convert it with `torch.distributed.checkpoint.format_utils.dcp_to_torch_save`."
+            )
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if not self._save_distributed_checkpoint:
+            self._check_consolidated_supported()
             return super().lightning_module_state_dict()
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 

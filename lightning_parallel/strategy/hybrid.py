@@ -177,6 +177,14 @@ class HybridParallelStrategy(
             timeout=timeout,
         )
         check_expert_arguments(expert_parallel, moe_aux_loss_coef, moe_z_loss_coef)
+        if not save_distributed_checkpoint and (pipeline_parallel > 1 or expert_parallel > 1):
+            raise ValueError(
+                "`save_distributed_checkpoint=False` (one consolidated file) is not supported with"
+                f" `pipeline_parallel={pipeline_parallel}` / `expert_parallel={expert_parallel}` yet: each rank holds"
+                " different weights under the same names, and the file would keep rank 0's only. Leave it True"
+                " (sharded checkpoints hold every weight) and convert a checkpoint folder to one file with"
+                " `torch.distributed.checkpoint.format_utils.dcp_to_torch_save(folder, file)`."
+            )
         check_not_yet_supported(
             zero_stage=zero_stage,
             offload=offload,

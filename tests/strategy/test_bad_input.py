@@ -99,6 +99,8 @@ def test_invalid_arguments_are_refused_by_name(kwargs: dict, fragment: str) -> N
         (dict(pipeline_parallel=2, tensor_parallel=2, loss_parallel=True),
          "`loss_parallel=True` with `pipeline_parallel` > 1 is not supported"),
         (dict(pipeline_parallel=0), "`pipeline_parallel=0` must be a positive integer"),
+        (dict(pipeline_parallel=2, save_distributed_checkpoint=False),
+         "`save_distributed_checkpoint=False` (one consolidated file) is not supported"),
     ],
 )  # fmt: skip
 def test_bad_pipeline_arguments_are_refused_at_construction(kwargs: dict, fragment: str) -> None:
