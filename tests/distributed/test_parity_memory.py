@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_parallel import PowerSGD
 from tests.distributed.cases import CASES, Case, hybrid
 from tests.distributed.harness import Result, assert_parity, reference, run_cases
 from tests.models.families import available_families
@@ -150,3 +151,29 @@ def test_bf16_gradient_all_reduce_under_expert_parallelism_stays_within_its_boun
             f"{case.name} step {step}: |loss - reference| = {abs(got[step] - ref[step]):.2e} (bound {bound:.2e})"
         )
         assert abs(got[step] - ref[step]) <= bound
+
+
+# Pipeline x data parallel (4 processes): the pipeline's own all-reduce compresses the
+# data-parallel means. The recipe GPT's tied embedding/head lives on both stages; PowerSGD
+# would approximate its gradient differently on each (own buckets, own error feedback), so it is
+# averaged uncompressed: the copies must stay in sync.
+PP_DP = [
+    hybrid("mem_pp2_dp2_grad_bf16", "recipe_gpt", world_size=4, pipeline_parallel=2, timeout=60,
+           gradient_compression="bf16"),
+    hybrid("mem_pp2_dp2_powersgd", "recipe_gpt", world_size=4, pipeline_parallel=2, timeout=60,
+           gradient_compression=PowerSGD(rank=2, start_iter=2)),
+]  # fmt: skip
+
+
+@pytest.mark.timeout(900)
+def test_gradient_compression_under_pipeline_and_data_parallelism() -> None:
+    results = run_cases(PP_DP, 4, timeout_s=600, references_for=PP_DP[:1])
+    ref = reference(PP_DP[0]).losses  # both cases share it
+    bf16, powersgd = results["mem_pp2_dp2_grad_bf16"], results["mem_pp2_dp2_powersgd"]
+    for step in range(1, len(ref)):
+        assert abs(bf16.losses[step] - ref[step]) <= compression_bound(ref, step, ALL_REDUCE_ERROR)
+    # PowerSGD's first two steps are plain all-reduces: losses exact up to the third step.
+    for step in range(3):
+        assert abs(powersgd.losses[step] - ref[step]) <= 1e-5 * abs(ref[step])
+    for result in (bf16, powersgd):
+        assert not result.replica_mismatches, result.replica_mismatches
