@@ -10,3 +10,7 @@ PY=${PYTHON:-python3}
 python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test]"
+# torchao (8-bit optimizer states, fp8) in a side folder, not in the venv: transformers imports
+# torchao in every process where it is importable (seconds each, noisy); the tests that need it
+# put the folder on their path (tests/optional_packages.py). --no-deps: it must never touch torch.
+[ -d .venv/extras/torchao ] || python -m pip install -q --no-deps --target .venv/extras "torchao==0.18.0"

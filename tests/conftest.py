@@ -11,6 +11,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.optional_packages import use_optional_packages
+
+use_optional_packages()  # torchao from .venv/extras (scripts/setup_env.sh), for the tests that use it
+
 
 def pytest_configure(config) -> None:
     config.addinivalue_line(

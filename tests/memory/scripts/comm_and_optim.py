@@ -34,6 +34,7 @@ from lightning_parallel import HybridParallelStrategy, PowerSGD
 from lightning_parallel.comm import count_all_reduce_bytes, gradient_bytes
 from lightning_parallel.optim import Adafactor, optimizer_state_bytes
 from tests.models.families import build, make_dataloader, reference_dataloader
+from tests.optional_packages import use_optional_packages
 
 STEPS, BATCH = 5, 2
 
@@ -164,6 +165,7 @@ def fp8_tensor_parallel_refused() -> str | None:
 
 
 def main() -> None:
+    use_optional_packages()  # torchao, for the fp8 case
     out_dir = Path(sys.argv[1])
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
