@@ -158,3 +158,24 @@ def test_cli_arithmetic_matches_the_sharded_model(checkpoint_runs: Path) -> None
     model = GPTLightningModule(**MODEL)
     computed = parameter_shards(auto_plan(model, 2, False), model)
     assert computed == recorded
+
+
+@pytest.mark.parametrize(("written_by", "read_by"), [("tp2", "pp2"), ("pp2", "tp2")])
+def test_a_checkpoint_loads_into_another_layout(
+    written_by: str, read_by: str, checkpoint_runs: Path, pipeline_checkpoint_runs: Path, tmp_path: Path
+) -> None:
+    """Resharding on load: tensor-parallel shards (fused q|k|v included) read by two pipeline stages,
+    and stage-wise files read by tensor-parallel ranks, continue exactly like the reader's own run."""
+    import shutil
+
+    runs = {"tp2": checkpoint_runs, "pp2": pipeline_checkpoint_runs}
+    shutil.copytree(runs[written_by] / "step3.ckpt", tmp_path / "step3.ckpt")
+    launch(
+        "checkpoint_resume.py", ["resume-sharded", str(tmp_path), read_by], tmp_path, timeout_s=180
+    ).assert_all_succeeded()
+    reference = _read(runs[read_by], "straight")[0]["losses"]
+    for rank, result in enumerate(_read(tmp_path, "resumed")):
+        assert result["global_step"] == 6
+        _assert_close(
+            result["losses"], reference[3:], f"{written_by} checkpoint resumed as {read_by}, rank {rank}"
+        )

@@ -108,6 +108,8 @@ def main(mode: str, out: Path, layout: str = "tp2") -> None:
     if mode == "first":
         fit(out, "straight", epochs=2, layout=layout)
         fit(out, "first_half", epochs=1, save_to=checkpoint, layout=layout)
+    elif mode == "resume-sharded":  # a checkpoint another layout wrote (resharding on load)
+        fit(out, "resumed", epochs=2, ckpt_path=checkpoint, layout=layout)
     elif mode == "resume":
         fit(out, "resumed", epochs=2, ckpt_path=checkpoint, layout=layout)
         if layout == "tp2":
