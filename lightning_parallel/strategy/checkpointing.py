@@ -176,6 +176,19 @@ class ShardedCheckpointing(MeshParallelStrategy):
         return super().load_checkpoint(path, weights_only=weights_only)  # Lightning's error for a bad path
 
     def _load_sharded_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """As :meth:`_read_sharded_checkpoint`; a damaged folder is reported as such, never half-loaded."""
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+        try:
+            return self._read_sharded_checkpoint(path, weights_only)
+        except (Exception, CheckpointException) as error:  # any read failure means the same to the user
+            raise ValueError(
+                f"The checkpoint {str(path)!r} is damaged or incomplete (a shard file is truncated, missing or"
+                f" unreadable), so it was not loaded: {type(error).__name__}: {error}. Resume from an earlier"
+                " checkpoint."
+            ) from error
+
+    def _read_sharded_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         """As Lightning's loader, but fused projections are read as Shard(dim) (see _contiguous_shards)."""
         from lightning.fabric.strategies.fsdp import _distributed_checkpoint_load
         from lightning.fabric.utilities.load import _METADATA_FILENAME
