@@ -108,7 +108,9 @@ def StepTimer(warmup: int = 2) -> Any:  # noqa: N802 (a factory: Lightning is im
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             self._begin(pl_module.device)
 
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_end(
+            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
             self._end(pl_module.device)
 
     return _StepTimer(warmup)
@@ -172,7 +174,9 @@ def LockstepTimer(baton: Baton, name: str, warmup: int = 2) -> Any:  # noqa: N80
         def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
             self._marks["optimizer"] = time.perf_counter()
 
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_end(
+            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
             self._end(pl_module.device)
 
     return _LockstepTimer(warmup)
@@ -294,7 +298,9 @@ def launch(module: str, args: Sequence[str], nprocs: int, timeout_s: float = 600
             codes = [p.poll() for p in procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                raise RuntimeError(_report(out, f"rank {failed[0]} exited with status {codes[failed[0]]}", nprocs))
+                raise RuntimeError(
+                    _report(out, f"rank {failed[0]} exited with status {codes[failed[0]]}", nprocs)
+                )
             if all(c == 0 for c in codes):
                 return out
             if time.monotonic() > deadline:
@@ -335,7 +341,9 @@ def write_json(path: Path, payload: Any) -> None:
 # ---- reporting ----------------------------------------------------------------------------
 
 
-def compare(rounds: Sequence[dict[str, Timings]], reference: str, candidate: str, part: str = "step") -> dict[str, Any]:
+def compare(
+    rounds: Sequence[dict[str, Timings]], reference: str, candidate: str, part: str = "step"
+) -> dict[str, Any]:
     """Timings of two interleaved configurations -> medians and the candidate / reference ratio.
 
     ``ratio``: the median over all rounds of the *paired* ratios ``candidate[i] / reference[i]``
@@ -345,7 +353,9 @@ def compare(rounds: Sequence[dict[str, Timings]], reference: str, candidate: str
     """
     pairs, per_round = [], []
     for measured in rounds:
-        round_pairs = [c / r for r, c in zip(measured[reference][part], measured[candidate][part], strict=False)]
+        round_pairs = [
+            c / r for r, c in zip(measured[reference][part], measured[candidate][part], strict=False)
+        ]
         pairs += round_pairs
         per_round.append(statistics.median(round_pairs))
     quartiles = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3

@@ -65,7 +65,9 @@ def _fit(config: str, shape: dict[str, Any], data: Any, args: argparse.Namespace
     trainer.fit(model, datamodule=recipe_data(shape["block_size"], shape["batch_size"], like=data))
 
 
-def _collectives(shape: dict[str, Any], data: Any, args: argparse.Namespace, dist_env: dict[str, str]) -> dict:
+def _collectives(
+    shape: dict[str, Any], data: Any, args: argparse.Namespace, dist_env: dict[str, str]
+) -> dict:
     """The collectives of one training step (the third) of each configuration, on this rank."""
     from benchmarks.tp_collectives import CollectiveCounter
 
@@ -115,7 +117,11 @@ def worker(args: argparse.Namespace) -> None:
             print(f"round {index}: ddp {c['reference_s'] * 1e3:.2f} ms, strategy {c['candidate_s'] * 1e3:.2f} ms,"
                   f" paired ratio {c['ratio']:.3f}", flush=True)  # fmt: skip
     if rank == 0:
-        payload = {"rounds": rounds, "seconds": time.perf_counter() - start, "threads": torch.get_num_threads()}
+        payload = {
+            "rounds": rounds,
+            "seconds": time.perf_counter() - start,
+            "threads": torch.get_num_threads(),
+        }
         (args.out / "dp_vs_ddp.json").write_text(json.dumps(payload))
     dist.barrier()
     dist.destroy_process_group()
@@ -128,7 +134,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--collectives", action="store_true", help="list each one's collectives of one step instead")
+    parser.add_argument(
+        "--collectives", action="store_true", help="list each one's collectives of one step instead"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -149,7 +157,9 @@ def main() -> None:
     c = compare(result["rounds"], "ddp", "strategy")
     shape = SHAPES[args.shape]
     print(f"per-round ratios strategy / ddp: {', '.join(f'{r:.3f}' for r in c['per_round'])}")
-    print(f"\n# {machine()}, 2 ranks x {result['threads']} torch threads, gloo, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"\n# {machine()}, 2 ranks x {result['threads']} torch threads, gloo, load average {os.getloadavg()[0]:.1f}"
+    )
     print(f"# recipe GPT {shape} (batch per rank); {args.rounds} rounds x {args.steps} timed steps"
           f" (+{args.warmup} warm-up) per configuration, steps interleaved; {result['seconds']:.0f} s\n")  # fmt: skip
     print_comparison(c, ("Trainer(strategy='ddp'), devices=2", "Trainer(strategy=HybridParallelStrategy()), devices=2"),

@@ -52,7 +52,10 @@ def _module(shape: dict[str, Any], device: torch.device) -> Any:
     torch.manual_seed(1234)
     with device:  # initialise on the device: 1.3B parameters are slow to initialise on the CPU
         return GPTLightningModule(
-            **{k: v for k, v in shape.items() if k != "batch_size"}, dropout=0.0, warmup_steps=10, lr_decay_steps=1000
+            **{k: v for k, v in shape.items() if k != "batch_size"},
+            dropout=0.0,
+            warmup_steps=10,
+            lr_decay_steps=1000,
         )
 
 
@@ -139,7 +142,9 @@ def run_lightning(shape: dict[str, Any], batches: list, device: torch.device, st
     class FirstLoss(Callback):
         loss = float("nan")
 
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_end(
+            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
             if batch_idx == 0:
                 self.loss = outputs["loss"].item()
 
@@ -160,7 +165,9 @@ def run_lightning(shape: dict[str, Any], batches: list, device: torch.device, st
     return result
 
 
-def _summary(name: str, result: dict[str, Any], tokens: int, flops_per_token: float, reference: float | None) -> list:
+def _summary(
+    name: str, result: dict[str, Any], tokens: int, flops_per_token: float, reference: float | None
+) -> list:
     if "error" in result:
         return [name, "FAILED", "", "", "", "", "", result["error"][:80]]
     step = statistics.median(result["times"])
@@ -182,7 +189,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny model: checks the code paths in seconds")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (with --tiny)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per phase (default 20; tiny 5)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per phase (default 5; tiny 2)")
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps per phase (default 5; tiny 2)"
+    )
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile phase")
     parser.add_argument("--json", default=None, help="also write the results as JSON here")
     args = parser.parse_args()
@@ -205,7 +214,9 @@ def main() -> None:
     tokens = shape["batch_size"] * shape["block_size"]
 
     print(f"# {machine()}", flush=True)
-    print(f"# GPT {shape}, bf16 autocast, AdamW; {steps} timed steps (+{warmup} warm-up) per phase", flush=True)
+    print(
+        f"# GPT {shape}, bf16 autocast, AdamW; {steps} timed steps (+{warmup} warm-up) per phase", flush=True
+    )
     start = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
     phases = [("eager", lambda: run_plain(shape, batches, device, steps, warmup)),
@@ -238,15 +249,23 @@ def main() -> None:
     print(table(header, rows))
     ratio = _median(results, "strategy") / eager
     lightning_ratio = _median(results, "lightning") / eager
-    print(f"\nRESULT strategy / eager = {ratio:.3f} (target <= {TARGET}: {'met' if ratio <= TARGET else 'MISSED'})")
-    print(f"RESULT lightning / eager = {lightning_ratio:.3f}; strategy / lightning = {ratio / lightning_ratio:.3f}")
-    print(f"RESULT eager again / eager = {_median(results, 'eager again') / _median(results, 'eager'):.3f} (drift)")
+    print(
+        f"\nRESULT strategy / eager = {ratio:.3f} (target <= {TARGET}: {'met' if ratio <= TARGET else 'MISSED'})"
+    )
+    print(
+        f"RESULT lightning / eager = {lightning_ratio:.3f}; strategy / lightning = {ratio / lightning_ratio:.3f}"
+    )
+    print(
+        f"RESULT eager again / eager = {_median(results, 'eager again') / _median(results, 'eager'):.3f} (drift)"
+    )
     if "compile" in results:
         print(f"RESULT compile / eager = {_median(results, 'compile') / eager:.3f}")
     failed = [name for name, result in results.items() if "error" in result]
     losses = [r["first_loss"] for r in results.values() if "first_loss" in r]
     agree = bool(losses) and max(losses) - min(losses) <= 0.02 * abs(losses[0]) + 1e-3
-    print(f"RESULT first-step losses {'agree' if agree else 'DISAGREE'}: {', '.join(f'{v:.4f}' for v in losses)}")
+    print(
+        f"RESULT first-step losses {'agree' if agree else 'DISAGREE'}: {', '.join(f'{v:.4f}' for v in losses)}"
+    )
     if args.json:
         payload = {"machine": machine(), "shape": shape, "steps": steps, "warmup": warmup,
                    "flops_per_token": flops_per_token, "results": results, "strategy_over_eager": ratio}  # fmt: skip

@@ -44,7 +44,9 @@ SHAPES = {
 }
 
 
-def _fit(config: str, shape: dict[str, Any], data: Any, steps: int, warmup: int, accelerator: str, timer: Any) -> None:
+def _fit(
+    config: str, shape: dict[str, Any], data: Any, steps: int, warmup: int, accelerator: str, timer: Any
+) -> None:
     import lightning as L
 
     from lightning_parallel import HybridParallelStrategy
@@ -60,7 +62,9 @@ def _fit(config: str, shape: dict[str, Any], data: Any, steps: int, warmup: int,
     trainer.fit(model, datamodule=recipe_data(shape["block_size"], shape["batch_size"], like=data))
 
 
-def _round(order: tuple[str, ...], shape: dict[str, Any], data: Any, args: argparse.Namespace) -> dict[str, Timings]:
+def _round(
+    order: tuple[str, ...], shape: dict[str, Any], data: Any, args: argparse.Namespace
+) -> dict[str, Timings]:
     def run(baton: Baton, name: str) -> Timings:
         timer = LockstepTimer(baton, name, warmup=args.warmup)
         _fit(name, shape, data, args.steps, args.warmup, args.accelerator, timer)

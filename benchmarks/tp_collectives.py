@@ -111,8 +111,16 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-_INTERNAL = tuple(os.sep + os.path.join("torch", *parts) for parts in
-                  (("distributed", ""), ("utils", ""), ("_",), ("autograd", ""), ("nn", "modules", "module.py")))
+_INTERNAL = tuple(
+    os.sep + os.path.join("torch", *parts)
+    for parts in (
+        ("distributed", ""),
+        ("utils", ""),
+        ("_",),
+        ("autograd", ""),
+        ("nn", "modules", "module.py"),
+    )
+)
 _INTERNAL += (__file__,)  # fmt: skip
 
 
@@ -264,7 +272,9 @@ def CollectiveCounter(step: int = 1) -> Any:  # noqa: N802 (Lightning imported l
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if batch_idx == step:
                 plan = getattr(trainer.strategy, "plan", None)
-                self.recorder = CollectiveRecorder(pl_module, list(plan.block_names) if plan else []).__enter__()
+                self.recorder = CollectiveRecorder(
+                    pl_module, list(plan.block_names) if plan else []
+                ).__enter__()
 
         def _mark(self, phase: str) -> None:
             if self.recorder is not None:
@@ -277,7 +287,9 @@ def CollectiveCounter(step: int = 1) -> Any:  # noqa: N802 (Lightning imported l
         def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
             self._mark("optimizer")
 
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_end(
+            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
             if self.recorder is not None:
                 self.recorder.__exit__(None, None, None)
                 self.events, self.marks, self.recorder = self.recorder.events, self.recorder.marks, None
@@ -360,7 +372,10 @@ def _bytes(counts: Counter, itemsize: int = 4) -> int:
 def _wire(counts: Counter, itemsize: int = 4) -> float:
     """Bytes each rank sends with ring algorithms: 2(p-1)/p x N for an all-reduce, (p-1)/p x N otherwise."""
     share = (TP - 1) / TP
-    return sum(n * elements * itemsize * share * (2 if kind == AR else 1) for (_, kind, elements), n in counts.items())
+    return sum(
+        n * elements * itemsize * share * (2 if kind == AR else 1)
+        for (_, kind, elements), n in counts.items()
+    )
 
 
 def _describe(counts: Counter, phases: bool = False) -> str:
@@ -398,8 +413,15 @@ def report(result: dict[str, Any]) -> str:
     total_want = sum(minimum.values(), Counter()) + Counter(
         {k: v * (len(per_layer) - 1) for k, v in minimum["layer"].items()}
     )
-    rows.append(["total", "step", f"{sum(total_got.values())} calls ({_bytes(total_got):,} B)",
-                 f"{sum(total_want.values())} calls ({_bytes(total_want):,} B)", _verdict(total_got, total_want)])
+    rows.append(
+        [
+            "total",
+            "step",
+            f"{sum(total_got.values())} calls ({_bytes(total_got):,} B)",
+            f"{sum(total_want.values())} calls ({_bytes(total_want):,} B)",
+            _verdict(total_got, total_want),
+        ]
+    )
     title = (f"tp={TP}, sequence_parallel={sp}, loss_parallel={result.get('loss_parallel', False)},"
              f" gradient_clip_val={'1.0' if clip else 'None'}")  # fmt: skip
     return f"{title}\n" + table(["category", "phase", "measured", "Megatron minimum", "difference"], rows)
@@ -422,7 +444,9 @@ def _measure(sp: bool, clip: bool, loss_parallel: bool) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     model = recipe_model(**SHAPE)
     counter = CollectiveCounter(step=1)
-    strategy = HybridParallelStrategy(tensor_parallel=TP, sequence_parallel=sp, loss_parallel=loss_parallel, timeout=120)
+    strategy = HybridParallelStrategy(
+        tensor_parallel=TP, sequence_parallel=sp, loss_parallel=loss_parallel, timeout=120
+    )
     trainer = L.Trainer(
         accelerator="cpu", devices=TP, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
@@ -453,7 +477,9 @@ def worker(out: Path, configs: tuple[Config, ...]) -> None:
 def measure(configs: tuple[Config, ...] = WITHOUT_CLIP, timeout_s: float = 300.0) -> list[dict[str, Any]]:
     """Launch 2 ranks (one launch), record one step of each config; rank 0's results, in order."""
     flags = ",".join("".join(str(int(flag)) for flag in config) for config in configs)
-    out = launch("benchmarks.tp_collectives", ["--worker", "--configs", flags], nprocs=TP, timeout_s=timeout_s)
+    out = launch(
+        "benchmarks.tp_collectives", ["--worker", "--configs", flags], nprocs=TP, timeout_s=timeout_s
+    )
     return json.loads((out / "collectives.json").read_text())
 
 

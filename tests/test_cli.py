@@ -28,7 +28,9 @@ def _expected_local_elements(n_layer: int, n_embd: int, vocab: int, block: int, 
     """Recipe GPT parameters (global, per rank) by hand: what tp shards and what it leaves whole."""
     C, V, T = n_embd, vocab, block
     norms = 2 * 2 * C  # ln_1, ln_2: weight + bias
-    sharded = 3 * C * C + 3 * C + C * C + 4 * C * C + 4 * C + 4 * C * C  # qkv (w, b), attn.proj w, fc (w, b), mlp.proj w
+    sharded = (
+        3 * C * C + 3 * C + C * C + 4 * C * C + 4 * C + 4 * C * C
+    )  # qkv (w, b), attn.proj w, fc (w, b), mlp.proj w
     whole = norms + C + C  # attn.proj bias, mlp.proj bias
     block_global, block_local = sharded + whole, sharded // tp + whole
     outside_global = V * C + T * C + 2 * C  # wte (tied with lm_head), wpe, ln_f
@@ -65,7 +67,9 @@ def test_sequence_parallel_and_dtype(capsys: pytest.CaptureFixture[str]) -> None
     assert "Rowwise(in=S(-1), out=S(1))" in out
     assert "n_head 8->2, n_embd 128->32" in out
     total, local = _expected_local_elements(n_layer=4, n_embd=128, vocab=320, block=128, tp=4)
-    assert f"parameters per rank: {local * 2 / 1024:.1f} KiB of {total * 2 / 1024**2:.1f} MiB unsharded" in out
+    assert (
+        f"parameters per rank: {local * 2 / 1024:.1f} KiB of {total * 2 / 1024**2:.1f} MiB unsharded" in out
+    )
 
 
 def test_parameter_shards_conv1d_and_fused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -79,7 +83,11 @@ def test_parameter_shards_conv1d_and_fused(capsys: pytest.CaptureFixture[str]) -
     assert shards["transformer.h.0.attn.c_attn.bias"] == (192, 96, 4)
     assert shards["transformer.h.0.attn.c_proj.weight"] == (64 * 64, 32 * 64, 4)
     assert shards["transformer.h.0.attn.c_proj.bias"] == (64, 64, 4)  # row parallel: bias whole
-    assert shards["transformer.wte.weight"] == (128 * 64, 64 * 64, 4)  # vocabulary-parallel, tied with lm_head
+    assert shards["transformer.wte.weight"] == (
+        128 * 64,
+        64 * 64,
+        4,
+    )  # vocabulary-parallel, tied with lm_head
     assert "lm_head.weight" not in shards  # a tied parameter is counted once
     assert shards["transformer.wpe.weight"] == (32 * 64, 32 * 64, 4)
     half = parameter_shards(auto_plan(model, 2, False), model, dtype=torch.bfloat16)
@@ -88,7 +96,8 @@ def test_parameter_shards_conv1d_and_fused(capsys: pytest.CaptureFixture[str]) -
 
 def test_config_file_in_lightning_cli_format(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
-    config.write_text(textwrap.dedent(f"""\
+    config.write_text(
+        textwrap.dedent(f"""\
         trainer:
           devices: 4
           strategy:
@@ -102,7 +111,8 @@ def test_config_file_in_lightning_cli_format(capsys: pytest.CaptureFixture[str],
             n_layer: 1
             n_head: 4
             n_embd: 64
-    """))
+    """)
+    )
     code, out, err = _run(capsys, "--config", str(config))
     assert code == 0, err
     assert "ParallelPlan(tensor_parallel=4, sequence_parallel=True)" in out
@@ -111,8 +121,9 @@ def test_config_file_in_lightning_cli_format(capsys: pytest.CaptureFixture[str],
     assert code == 0, err and "ParallelPlan(tensor_parallel=2, sequence_parallel=True)" in out
 
 
-def test_recipe_config_with_a_fixed_model_class_and_a_strategy_name(capsys: pytest.CaptureFixture[str],
-                                                                      tmp_path: Path) -> None:
+def test_recipe_config_with_a_fixed_model_class_and_a_strategy_name(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     """The recipe's YAML has no class_path (its CLI fixes the class): --model names it."""
     text = (ROOT / "recipes/gpt/configs/tiny.yaml").read_text().replace("strategy: auto", "strategy: tp2_sp")
     config = tmp_path / "tiny.yaml"
@@ -143,7 +154,9 @@ def test_plan_dict(capsys: pytest.CaptureFixture[str]) -> None:
         (["--model", GPT, "--plan", '{"model.nothing": "colwise"}'], "'model.nothing' matches no module"),
     ],
 )  # fmt: skip
-def test_errors_exit_2_with_the_message(capsys: pytest.CaptureFixture[str], argv: list[str], fragment: str) -> None:
+def test_errors_exit_2_with_the_message(
+    capsys: pytest.CaptureFixture[str], argv: list[str], fragment: str
+) -> None:
     code, out, err = _run(capsys, *argv)
     assert code == 2 and out == ""
     assert err.startswith("error: ") and fragment in err

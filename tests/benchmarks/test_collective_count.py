@@ -40,7 +40,9 @@ def _listing(events: list[dict], layer: str) -> str:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
-def test_every_layer_communicates_the_megatron_minimum(results: dict[bool, dict], sequence_parallel: bool) -> None:
+def test_every_layer_communicates_the_megatron_minimum(
+    results: dict[bool, dict], sequence_parallel: bool
+) -> None:
     result = results[sequence_parallel]
     per_layer, _ = summarize(result["events"], result["block_names"])
     want = megatron_minimum(sequence_parallel, clip=False)["layer"]

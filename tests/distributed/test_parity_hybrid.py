@@ -38,27 +38,75 @@ ACCUM_CLIP = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
 EXTRA_TWO = [
     # Gradient accumulation (data-parallel sync skipped on the first micro-batch) and clipping by
     # the global norm over tensor-parallel shards; 0.05 is below the gradient norm, so it clips.
-    hybrid("hybrid_tp2_sp_accum_clip_nanogpt", "nanogpt", world_size=2, tensor_parallel=2,
-           sequence_parallel=True, timeout=60, case_fields={"trainer_kwargs": ACCUM_CLIP}),
-    hybrid("hybrid_tp2_accum_clip_hf_gpt2", "hf_gpt2", world_size=2, tensor_parallel=2, timeout=60,
-           case_fields={"trainer_kwargs": ACCUM_CLIP}),
+    hybrid(
+        "hybrid_tp2_sp_accum_clip_nanogpt",
+        "nanogpt",
+        world_size=2,
+        tensor_parallel=2,
+        sequence_parallel=True,
+        timeout=60,
+        case_fields={"trainer_kwargs": ACCUM_CLIP},
+    ),
+    hybrid(
+        "hybrid_tp2_accum_clip_hf_gpt2",
+        "hf_gpt2",
+        world_size=2,
+        tensor_parallel=2,
+        timeout=60,
+        case_fields={"trainer_kwargs": ACCUM_CLIP},
+    ),
 ]
 EXTRA_FOUR = [
-    hybrid("hybrid_dp2_tp2_sp_clip_hf_llama", "hf_llama", world_size=4, tensor_parallel=2,
-           sequence_parallel=True, timeout=60, case_fields={"trainer_kwargs": {"gradient_clip_val": 0.05}}),
+    hybrid(
+        "hybrid_dp2_tp2_sp_clip_hf_llama",
+        "hf_llama",
+        world_size=4,
+        tensor_parallel=2,
+        sequence_parallel=True,
+        timeout=60,
+        case_fields={"trainer_kwargs": {"gradient_clip_val": 0.05}},
+    ),
 ]
 LOSS_PARALLEL = [
     # Vocabulary-parallel cross-entropy on sharded logits (no all-gather of the logits).
-    hybrid("hybrid_tp2_sp_loss_parallel_recipe_gpt", "recipe_gpt", world_size=2, tensor_parallel=2,
-           sequence_parallel=True, loss_parallel=True, timeout=60),
-    hybrid("hybrid_tp2_loss_parallel_clip_hf_llama", "hf_llama", world_size=2, tensor_parallel=2, loss_parallel=True,
-           timeout=60, case_fields={"trainer_kwargs": {"gradient_clip_val": 0.05}}),
+    hybrid(
+        "hybrid_tp2_sp_loss_parallel_recipe_gpt",
+        "recipe_gpt",
+        world_size=2,
+        tensor_parallel=2,
+        sequence_parallel=True,
+        loss_parallel=True,
+        timeout=60,
+    ),
+    hybrid(
+        "hybrid_tp2_loss_parallel_clip_hf_llama",
+        "hf_llama",
+        world_size=2,
+        tensor_parallel=2,
+        loss_parallel=True,
+        timeout=60,
+        case_fields={"trainer_kwargs": {"gradient_clip_val": 0.05}},
+    ),
 ]
 BF16 = [
-    hybrid("hybrid_tp2_sp_bf16_recipe_gpt", "recipe_gpt", world_size=2, tensor_parallel=2, sequence_parallel=True,
-           timeout=60, case_fields={"trainer_kwargs": {"precision": "bf16-mixed"}}),
-    hybrid("hybrid_tp2_sp_bf16true_hf_llama", "hf_llama", world_size=2, tensor_parallel=2, sequence_parallel=True,
-           timeout=60, case_fields={"trainer_kwargs": {"precision": "bf16-true"}}),
+    hybrid(
+        "hybrid_tp2_sp_bf16_recipe_gpt",
+        "recipe_gpt",
+        world_size=2,
+        tensor_parallel=2,
+        sequence_parallel=True,
+        timeout=60,
+        case_fields={"trainer_kwargs": {"precision": "bf16-mixed"}},
+    ),
+    hybrid(
+        "hybrid_tp2_sp_bf16true_hf_llama",
+        "hf_llama",
+        world_size=2,
+        tensor_parallel=2,
+        sequence_parallel=True,
+        timeout=60,
+        case_fields={"trainer_kwargs": {"precision": "bf16-true"}},
+    ),
 ]
 BF16_LOSS_RTOL = 2e-2  # project rule for bf16 runs: per-step loss within 2e-2 of the single process
 

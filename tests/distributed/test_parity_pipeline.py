@@ -34,22 +34,37 @@ def _case(name: str, family: str, world_size: int = 2, fields: dict | None = Non
 TWO = [
     *[_case(f"pp2_{s}_nanogpt", "nanogpt", pipeline_schedule=s, micro_batches=4) for s in SCHEDULES],
     *[_case(f"pp2_1f1b_{f}", f, pipeline_schedule="1f1b") for f in FAMILIES if f != "nanogpt"],
-    *[_case(f"pp2_interleaved_{f}", f, pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2)
-      for f in FAMILIES if f != "nanogpt"],  # fmt: skip
+    *[
+        _case(f"pp2_interleaved_{f}", f, pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2)
+        for f in FAMILIES
+        if f != "nanogpt"
+    ],  # fmt: skip
     # Accumulation (the schedule's gradients are added after Lightning's zero_grad) and clipping
     # by the norm over both stages, the tied embedding/head counted once; 0.05 clips.
-    _case("pp2_accum_clip_recipe_gpt", "recipe_gpt", pipeline_schedule="1f1b",
-          fields={"trainer_kwargs": {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}}),
+    _case(
+        "pp2_accum_clip_recipe_gpt",
+        "recipe_gpt",
+        pipeline_schedule="1f1b",
+        fields={"trainer_kwargs": {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}},
+    ),
     _case("pp2_boundaries_nanogpt", "nanogpt", plan={"pipeline_boundaries": [1]}),
 ]
 BF16 = [_case("pp2_bf16_recipe_gpt", "recipe_gpt", fields={"trainer_kwargs": {"precision": "bf16-mixed"}})]
 FOUR = [
     *[_case(f"pp2_tp2_{f}", f, world_size=4, tensor_parallel=2) for f in FAMILIES],
-    _case("pp2_tp2_sp_interleaved_hf_llama", "hf_llama", world_size=4, tensor_parallel=2, sequence_parallel=True,
-          pipeline_schedule="interleaved_1f1b"),
+    _case(
+        "pp2_tp2_sp_interleaved_hf_llama",
+        "hf_llama",
+        world_size=4,
+        tensor_parallel=2,
+        sequence_parallel=True,
+        pipeline_schedule="interleaved_1f1b",
+    ),
     *[_case(f"pp2_dp2_{f}", f, world_size=4) for f in ("recipe_gpt", "hf_llama") if f in FAMILIES],
 ]
-EIGHT = [_case("pp2_tp2_dp2_sp_recipe_gpt", "recipe_gpt", world_size=8, tensor_parallel=2, sequence_parallel=True)]
+EIGHT = [
+    _case("pp2_tp2_dp2_sp_recipe_gpt", "recipe_gpt", world_size=8, tensor_parallel=2, sequence_parallel=True)
+]
 
 
 def _run(cases: list[Case], world_size: int, timeout_s: float) -> dict[str, Result]:

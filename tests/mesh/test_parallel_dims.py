@@ -51,10 +51,18 @@ def test_mesh_before_build_is_an_error() -> None:
 # Each bad layout: the argument, its value, and the fix must all be in the message.
 BAD_LAYOUTS = [
     pytest.param(dict(world_size=0), ["`world_size=0`", "positive integer"], id="world_size=0"),
-    pytest.param(dict(world_size=4, tensor_parallel=0), ["`tensor_parallel=0`", "positive integer"], id="tp=0"),
-    pytest.param(dict(world_size=4, tensor_parallel=-2), ["`tensor_parallel=-2`", "positive integer"], id="tp<0"),
-    pytest.param(dict(world_size=4, tensor_parallel=1.5), ["`tensor_parallel=1.5`", "positive integer"], id="tp=1.5"),
-    pytest.param(dict(world_size=4, tensor_parallel="2"), ["`tensor_parallel='2'`", "positive integer"], id="tp=str"),
+    pytest.param(
+        dict(world_size=4, tensor_parallel=0), ["`tensor_parallel=0`", "positive integer"], id="tp=0"
+    ),
+    pytest.param(
+        dict(world_size=4, tensor_parallel=-2), ["`tensor_parallel=-2`", "positive integer"], id="tp<0"
+    ),
+    pytest.param(
+        dict(world_size=4, tensor_parallel=1.5), ["`tensor_parallel=1.5`", "positive integer"], id="tp=1.5"
+    ),
+    pytest.param(
+        dict(world_size=4, tensor_parallel="2"), ["`tensor_parallel='2'`", "positive integer"], id="tp=str"
+    ),
     pytest.param(
         dict(world_size=4, pipeline_parallel=0), ["`pipeline_parallel=0`", "positive integer"], id="pp=0"
     ),

@@ -15,7 +15,11 @@ Pair = namedtuple("Pair", ["x", "y"])
 
 
 def test_split_keeps_the_structure_and_cuts_every_tensor() -> None:
-    batch = {"ids": torch.arange(8).view(4, 2), "pair": Pair(torch.arange(4), [torch.ones(4, 1), "tag"]), "n": 3}
+    batch = {
+        "ids": torch.arange(8).view(4, 2),
+        "pair": Pair(torch.arange(4), [torch.ones(4, 1), "tag"]),
+        "n": 3,
+    }
     parts = split_batch(batch, 2)
     assert len(parts) == 2
     assert torch.equal(parts[1]["ids"], torch.tensor([[4, 5], [6, 7]]))

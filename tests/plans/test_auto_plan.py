@@ -27,14 +27,22 @@ def recipe_gpt(**overrides: int) -> nn.Module:
     from recipes.gpt.model import GPT, GPTConfig
 
     torch.manual_seed(0)
-    return GPT(GPTConfig(**{"vocab_size": 320, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 64, **overrides}))
+    return GPT(
+        GPTConfig(
+            **{"vocab_size": 320, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 64, **overrides}
+        )
+    )
 
 
 def nanogpt(**overrides: int) -> nn.Module:
     from tests.models.nanogpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    return GPT(GPTConfig(**{"vocab_size": 128, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 64, **overrides}))
+    return GPT(
+        GPTConfig(
+            **{"vocab_size": 128, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 64, **overrides}
+        )
+    )
 
 
 def hf_gpt2(**overrides: int) -> nn.Module:
@@ -139,12 +147,17 @@ def test_gpt_like(build, qkv: str, attn_out: str, fc: str, mlp_out: str, sequenc
     _assert_embedding_and_head(plan, "transformer.wte", "lm_head")
     assert "transformer.wpe" not in plan.styles  # position embeddings stay replicated
     assert "transformer.ln_f" not in plan.styles  # the final norm is outside the blocks
-    assert plan.norms == ([f"transformer.h.{i}.ln_{j}" for i in (0, 1) for j in (1, 2)] if sequence_parallel else [])
+    assert plan.norms == (
+        [f"transformer.h.{i}.ln_{j}" for i in (0, 1) for j in (1, 2)] if sequence_parallel else []
+    )
 
 
 def test_scaling_follows_the_degree() -> None:
     plan = auto_plan(recipe_gpt(n_head=8, n_embd=128), 4, False)
-    assert _container(plan, "transformer.h.0.attn").scaled_attributes == {"n_head": (8, 2), "n_embd": (128, 32)}
+    assert _container(plan, "transformer.h.0.attn").scaled_attributes == {
+        "n_head": (8, 2),
+        "n_embd": (128, 32),
+    }
 
 
 def test_vocabulary_not_divisible_leaves_embedding_and_head_replicated() -> None:
@@ -190,7 +203,13 @@ def test_hf_llama(sequence_parallel: bool) -> None:
     assert plan.block_list == "model.layers"
     for block in plan.block_names:
         styles = _styles_by_suffix(plan, block)
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        ):
             _assert_colwise(styles[name])  # separate projections: no chunking
         _assert_rowwise(styles["self_attn.o_proj"], sequence_parallel)
         _assert_rowwise(styles["mlp.down_proj"], sequence_parallel)
@@ -272,7 +291,10 @@ def test_plan_from_dict_with_style_names() -> None:
     assert len(plan.styles) == 2 * 6 + 2
     assert plan.block_names == ["transformer.h.0", "transformer.h.1"]
     # The containers are inferred from the colwise/rowwise pairs, with the same attribute rewriting.
-    assert _container(plan, "transformer.h.0.attn").scaled_attributes == {"n_head": (4, 2), "n_embd": (64, 32)}
+    assert _container(plan, "transformer.h.0.attn").scaled_attributes == {
+        "n_head": (4, 2),
+        "n_embd": (64, 32),
+    }
     assert _container(plan, "transformer.h.0.mlp").kind == "mlp"
 
 
@@ -304,7 +326,9 @@ def test_plan_from_dict_unknown_style_lists_the_names() -> None:
 
 def test_plan_from_dict_heads_not_divisible() -> None:
     patterns = {"transformer.h.*.attn.c_attn": "fused_qkv", "transformer.h.*.attn.c_proj": "rowwise"}
-    with pytest.raises(ValueError, match=r"`tensor_parallel=3` does not divide the 4 heads of `transformer.h.0.attn`"):
+    with pytest.raises(
+        ValueError, match=r"`tensor_parallel=3` does not divide the 4 heads of `transformer.h.0.attn`"
+    ):
         plan_from_dict(nanogpt(), patterns, 3, False)
 
 
