@@ -14,9 +14,9 @@ are unchanged (the conversion swaps classes, not names).
 
 Refused, with the reason, at construction: hardware without fp8 matmuls (any CPU, NVIDIA GPUs
 before compute capability 8.9: fp8 tensor cores arrived with Ada and Hopper) and a missing
-torchao. Refused at setup: ``tensor_parallel > 1`` (torchao's float8 needs its own
-tensor-parallel styles for that, which this project has not verified; the lent GPU machine
-has one device, so it could not be tested).
+torchao. With ``tensor_parallel > 1`` the ``Float8Linear`` layers are sharded by the ordinary
+plan (torchao's float8 works on DTensor weights; the collectives stay in high precision),
+checked in emulation against one process (``tests/memory/test_comm_and_optim.py``).
 """
 
 from __future__ import annotations

@@ -124,14 +124,7 @@ class MemorySaversMixin:
     def _apply_memory_savers(self, module: LightningModule) -> None:
         """Recomputation and the saved-tensor saver; after TP and the pipeline cut, before compile and DP."""
         from lightning_parallel.pipeline.stages import SkippedBlock
-        from lightning_parallel.precision.fp8 import Float8Precision
 
-        if isinstance(self.precision_plugin, Float8Precision) and self.dims.tp_enabled:  # type: ignore[attr-defined]
-            raise ValueError(
-                "Float8Precision (precision 'fp8') with `tensor_parallel` > 1 is not supported: torchao's float8"
-                " linear layers need their own tensor-parallel styles, which this version has not verified."
-                " Use `tensor_parallel=1` (data or pipeline parallelism) or `Trainer(precision='bf16-mixed')`."
-            )
         args = self.memory_savers
         names = self._block_names(module)
         kept = [

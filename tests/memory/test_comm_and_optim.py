@@ -90,10 +90,16 @@ def test_adafactor_steps_tensor_parallel_parameters_like_one_process(measured: d
     )  # the factors of sharded weights are sharded
 
 
+FP8_LOSS_RTOL = 2e-2  # the project's low-precision rule (bf16: 2e-2 per step); fp8 is coarser than bf16
+
+
 @pytest.mark.timeout(600)
-def test_fp8_with_tensor_parallelism_is_refused_at_setup(measured: dict) -> None:
-    message = measured["fp8_tp2"]
-    if message is None:
-        pytest.skip("torchao is not installed (optional)")
-    assert "Float8Precision (precision 'fp8') with `tensor_parallel` > 1 is not supported" in message
-    assert "`tensor_parallel=1`" in message
+def test_fp8_with_tensor_parallelism_matches_one_process(measured: dict) -> None:
+    """fp8 (torchao's emulation) composes with tensor parallelism: tp=2 follows the one-process fp8 run."""
+    losses = measured["fp8_tp2"]
+    if losses is None:
+        pytest.skip("torchao is not installed (scripts/setup_env.sh puts it in .venv/extras)")
+    assert len(losses["tp2"]) == len(losses["single"]) > 0
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses["tp2"], losses["single"], strict=True))
+    print(f"\nfp8 tp=2 vs one process: worst relative loss difference {worst:.2e}")
+    assert worst < FP8_LOSS_RTOL, (losses["tp2"], losses["single"])
