@@ -27,11 +27,8 @@ from tests.distributed.harness import (
     reference,
     run_cases,
 )
-from tests.models.families import available_families
 
-PARITY_CASES = ["ddp2_nanogpt", "ddp2_hf_gpt2", "ddp2_hf_llama", "ddp2_nanogpt_accum_clip"]
-if "recipe_gpt" in available_families():
-    PARITY_CASES.append("ddp2_recipe_gpt")
+PARITY_CASES = ["ddp2_nanogpt", "ddp2_hf_gpt2", "ddp2_hf_llama", "ddp2_nanogpt_accum_clip", "ddp2_recipe_gpt"]
 DDP = StrategySpec("lightning.pytorch.strategies:DDPStrategy", {"process_group_backend": "gloo"})
 LR_VARIANT = CASES["ddp2_nanogpt"].replace(name="nanogpt_lr_x1.1", model_kwargs={"learning_rate": 0.11})
 

@@ -18,12 +18,11 @@ import pytest
 
 from tests.distributed.cases import CASES, Case, hybrid
 from tests.distributed.harness import Result, assert_parity, reference, run_cases
-from tests.models.families import available_families
 from tests.models.hf import HFMixtralAuxModule
 
 pytestmark = [pytest.mark.distributed]
 
-FAMILIES = [f for f in ("hf_mixtral", "recipe_moe") if f in available_families()]
+FAMILIES = ["hf_mixtral", "recipe_moe"]
 FIELDS = {"batch_size": 4}
 
 

@@ -20,7 +20,6 @@ import pytest
 from lightning_parallel import PowerSGD
 from tests.distributed.cases import CASES, Case, hybrid
 from tests.distributed.harness import Result, assert_parity, reference, run_cases
-from tests.models.families import available_families
 
 pytestmark = [pytest.mark.distributed]
 
@@ -81,12 +80,10 @@ EXACT = [
         micro_batches=4,
     ),
 ]
-if "recipe_moe" in available_families():
-    EXACT.append(_case("mem_ep2_full", "ep2", EXPERTS, activation_checkpointing="full"))
+EXACT.append(_case("mem_ep2_full", "ep2", EXPERTS, activation_checkpointing="full"))
 COMPRESSED = [_case(f"mem_{layout}_bf16", layout, activation_compression="bf16") for layout in LAYOUTS]
 # bf16 all-reduce of the data-parallel gradient means (the experts' own reductions stay exact).
 GRADIENT_COMPRESSED = [_case("mem_ep2_grad_bf16", "ep2", EXPERTS, gradient_compression="bf16")]
-GRADIENT_COMPRESSED = [c for c in GRADIENT_COMPRESSED if "recipe_moe" in available_families()]
 
 # Relative error of a gradient under bf16 activation compression: at most 2^-6 (asserted on one
 # step in tests/memory/test_activation_memory.py; measured 5e-3 there). A bf16 all-reduce rounds

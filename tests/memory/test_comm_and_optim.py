@@ -97,8 +97,7 @@ FP8_LOSS_RTOL = 2e-2  # the project's low-precision rule (bf16: 2e-2 per step); 
 def test_fp8_with_tensor_parallelism_matches_one_process(measured: dict) -> None:
     """fp8 (torchao's emulation) composes with tensor parallelism: tp=2 follows the one-process fp8 run."""
     losses = measured["fp8_tp2"]
-    if losses is None:
-        pytest.skip("torchao is not installed (scripts/setup_env.sh puts it in .venv/extras)")
+    assert losses is not None, "torchao is missing: scripts/setup_env.sh installs it in .venv/extras"
     assert len(losses["tp2"]) == len(losses["single"]) > 0
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses["tp2"], losses["single"], strict=True))
     print(f"\nfp8 tp=2 vs one process: worst relative loss difference {worst:.2e}")

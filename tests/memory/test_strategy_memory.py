@@ -86,10 +86,6 @@ def test_monitor_needs_the_hybrid_strategy() -> None:
 
 
 def test_recomputing_a_block_whose_moe_aux_loss_is_collected_is_refused() -> None:
-    from tests.models.families import available_families
-
-    if "recipe_moe" not in available_families():
-        pytest.skip("the MoE recipe is not available")
     with pytest.raises(ValueError) as info:
         fit(build("recipe_moe"), activation_checkpointing="full", moe_aux_loss_coef=0.01)
     message = str(info.value)

@@ -9,7 +9,6 @@ or missing optional family does not break the others.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +25,6 @@ __all__ = [
     "SEQ_LEN",
     "VOCAB_SIZE",
     "TokenWindows",
-    "available_families",
     "build",
     "global_batch",
     "make_dataloader",
@@ -121,29 +119,6 @@ FAMILIES: dict[str, Callable[..., L.LightningModule]] = {
     "recipe_moe": _recipe_moe,
     "hf_mixtral_aux": _hf_mixtral_aux,
 }
-
-_REQUIRES = {
-    "recipe_gpt": "recipes.gpt.module",
-    "hf_gpt2": "transformers",
-    "hf_llama": "transformers",
-    "hf_mixtral": "transformers",
-    "recipe_moe": "recipes.moe.module",
-    "hf_mixtral_aux": "transformers",
-}
-
-
-def available_families() -> list[str]:
-    """Family names whose dependencies can be found (without importing them)."""
-    names = []
-    for name in FAMILIES:
-        module = _REQUIRES.get(name)
-        try:
-            found = module is None or importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:  # the parent package is missing
-            found = False
-        if found:
-            names.append(name)
-    return names
 
 
 def build(family: str, seed: int = MODEL_SEED, **overrides: Any) -> L.LightningModule:

@@ -27,7 +27,7 @@ from lightning_parallel.pipeline.stages import (
     StageRuntime,
     cut_into_stages,
 )
-from tests.models.families import FAMILIES, available_families
+from tests.models.families import FAMILIES
 
 
 def _quiet(module: Any) -> Any:
@@ -100,8 +100,6 @@ CASES = [
 
 @pytest.mark.parametrize(("family", "schedule", "pp", "virtual"), CASES)
 def test_chained_stages_equal_the_whole_model(family: str, schedule: str, pp: int, virtual: int) -> None:
-    if family not in available_families():
-        pytest.skip(f"{family} needs an optional dependency")
     model = _quiet(FAMILIES[family](n_layer=4))
     batch = _batch()
     loss, grads = _chain(model, batch, schedule, pp, virtual)

@@ -147,10 +147,10 @@ def adafactor_tensor_parallel() -> dict[str, Any]:
 
 
 def fp8_tensor_parallel() -> dict[str, Any] | None:
-    """``Float8Precision`` (torchao's emulation: runs on a CPU) at tp=2 and in one process: losses, or None."""
+    """``Float8Precision`` (torchao's emulation: runs on a CPU) at tp=2 and in one process: losses (None without torchao)."""
     import importlib.util
 
-    if importlib.util.find_spec("torchao") is None:
+    if importlib.util.find_spec("torchao") is None:  # reported by the test, which fails on it
         return None
     from lightning_parallel.precision.fp8 import Float8Precision
 
