@@ -27,7 +27,13 @@ from torch.distributed.tensor import DTensor
 
 from lightning_parallel.grad_sync import GradientGroup, GradientSync
 from lightning_parallel.pipeline.discover import PipelineSetupError, extract_loss
-from lightning_parallel.pipeline.microbatch import LogRecorder, broadcast_from, replay_logs, split_batch
+from lightning_parallel.pipeline.microbatch import (
+    LogRecorder,
+    batch_size_of,
+    broadcast_from,
+    replay_logs,
+    split_batch,
+)
 from lightning_parallel.pipeline.schedules import ScheduleSpec
 from lightning_parallel.pipeline.stages import StageExit, StageLayout, StageModule, StageRuntime
 
@@ -224,7 +230,7 @@ class PipelineRunner:
 
     def eval_step(self, step_fn: Callable[..., Any], batch: Any, step_args: Sequence[Any]) -> Any:
         """Forward-only pipeline: micro-batches flow down the stages; the last stage's outputs go to every stage."""
-        size = _leading_size(batch)
+        size = batch_size_of(batch)
         m = math.gcd(self.micro_batches, size) if size else 1
         micro = split_batch(batch, m)
         self._ctx = _StepContext(step_fn, micro, tuple(step_args))
@@ -257,12 +263,6 @@ class PipelineRunner:
             self._ctx = None
             self.logs.clear()
         return _to_device(merged, self.device)
-
-
-def _leading_size(batch: Any) -> int | None:
-    from lightning_parallel.pipeline.microbatch import batch_size_of
-
-    return batch_size_of(batch)
 
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]

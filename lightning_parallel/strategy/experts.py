@@ -105,8 +105,12 @@ class ExpertStrategyMixin:
             return {**output, "loss": output["loss"] + extra.to(output["loss"].dtype).detach()}
         return output
 
-    def _set_aux_loss_scale(self, scale: float) -> None:
-        """What the main loss is multiplied by before backward; the injected aux gradients follow it."""
-        if self._aux_losses is not None:
-            self._aux_losses.grad_scale = scale
-            self._aux_losses.reset()
+    def _set_aux_loss_scale(self, micro_batches: int = 1) -> None:
+        """Scale the injected aux gradients as the step's loss is scaled before backward:
+        1 / (accumulation x micro-batches) x the fp16 loss scale."""
+        if self._aux_losses is None:
+            return
+        scale = 1.0 / (self.lightning_module.trainer.accumulate_grad_batches * micro_batches)  # type: ignore[attr-defined]
+        scaler = getattr(self.precision_plugin, "scaler", None)  # type: ignore[attr-defined]
+        self._aux_losses.grad_scale = scale * float(scaler.get_scale()) if scaler is not None else scale
+        self._aux_losses.reset()

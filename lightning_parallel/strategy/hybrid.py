@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -37,29 +36,21 @@ from lightning_parallel.data_parallel import apply_data_parallel, average_direct
 from lightning_parallel.grad_sync import GradientSync
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.pipeline.runner import PipelineRunner
-from lightning_parallel.pipeline.setup import filter_plan_to_kept_modules
-from lightning_parallel.plans import ParallelPlan, auto_plan, plan_from_dict
-from lightning_parallel.plans.report import record_parameter_shards
+from lightning_parallel.plans import ParallelPlan
 from lightning_parallel.precision import convert_precision_plugin
+from lightning_parallel.strategy import parallel_state
 from lightning_parallel.strategy.checkpointing import ShardedCheckpointing
+from lightning_parallel.strategy.compile import compile_blocks
 from lightning_parallel.strategy.experts import ExpertStrategyMixin, check_expert_arguments
 from lightning_parallel.strategy.memory_savers import MemorySaverArguments, MemorySaversMixin
 from lightning_parallel.strategy.pipelined import (
-    PIPELINE_BOUNDARIES_KEY,
     PipelineArguments,
     PipelineStrategyMixin,
 )
-from lightning_parallel.strategy.sample import sample_step
+from lightning_parallel.strategy.tensor_parallel_setup import TensorParallelSetupMixin
 from lightning_parallel.strategy.validation import check_not_yet_supported
-from lightning_parallel.tensor_parallel import (
-    apply_tensor_parallel,
-    capture_block_inputs,
-    verify_and_choose_modes,
-)
 from lightning_parallel.tensor_parallel.loss_parallel import (
     LossParallelState,
-    install_head_hook,
-    sharded_head_style,
     sharded_loss_backward,
     sharded_loss_step,
     to_plain,
@@ -68,29 +59,17 @@ from lightning_parallel.tensor_parallel.loss_parallel import (
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _ParallelState:
-    """What ``setup`` did to a module, kept on the module for the next Trainer entry point."""
-
-    degrees: dict[str, int]
-    plan: ParallelPlan | None
-    pipeline_runner: PipelineRunner | None
-    dp_units: list[torch.nn.Module]
-    hooks: list[Any]
-    norm_exclude: set[int]
-    extras: dict[str, Any] = field(default_factory=dict)  # strategy attributes to restore as they were
-
-
-# Set by the setup steps (experts, pipeline gradient sync); a later Trainer entry point reuses them.
-_RESTORED_ATTRIBUTES = ("_manual_gradient_sync", "_expert_parameter_ids", "_aux_losses", "_gradient_sync")
-
 PlanArg = Literal["auto"] | dict[str, ParallelStyle | str] | ParallelPlan
 
 
 class HybridParallelStrategy(
-    PipelineStrategyMixin, ExpertStrategyMixin, MemorySaversMixin, ShardedCheckpointing
+    TensorParallelSetupMixin,
+    PipelineStrategyMixin,
+    ExpertStrategyMixin,
+    MemorySaversMixin,
+    ShardedCheckpointing,
 ):
-    """Train an unchanged LightningModule with data, tensor and sequence parallelism.
+    """Train an unchanged LightningModule with data, tensor, sequence, pipeline and expert parallelism.
 
     Args:
         tensor_parallel: ranks that shard each layer's matmuls (Megatron style). ``"auto"``
@@ -282,15 +261,6 @@ class HybridParallelStrategy(
 
     # ---- setup ---------------------------------------------------------------------------
 
-    def build_plan(self, module: torch.nn.Module) -> ParallelPlan:
-        tp, sp = self.tensor_parallel, self.sequence_parallel and self.tensor_parallel > 1
-        if isinstance(self._plan_arg, ParallelPlan):
-            return self._plan_arg
-        if isinstance(self._plan_arg, dict):
-            styles = {k: v for k, v in self._plan_arg.items() if k != PIPELINE_BOUNDARIES_KEY}
-            return plan_from_dict(module, styles, tp, sp)
-        return auto_plan(module, tp, sp)
-
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.model is not None and self.accelerator is not None and self.dims is not None
@@ -299,48 +269,13 @@ class HybridParallelStrategy(
         self.model_to_device()
         module = self.lightning_module
         assert module is not None
-        if not self._restore_parallel_state(module):
+        if not parallel_state.restore(self, module):  # a module parallelized by an earlier fit/validate/...
             self._parallelize(trainer, module)
-            module._lp_parallel_state = _ParallelState(  # type: ignore[assignment]
-                dict(self.dims.degrees),
-                self.plan,
-                self.pipeline_runner,
-                self._dp_units,
-                self._hooks,
-                getattr(self.precision_plugin, "norm_exclude", set()),
-                {name: getattr(self, name, None) for name in _RESTORED_ATTRIBUTES},
-            )
+            parallel_state.remember(self, module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-
-    def _restore_parallel_state(self, module: LightningModule) -> bool:
-        """A module already parallelized by an earlier ``fit``/``validate``/... keeps its layout.
-
-        Lightning calls ``setup`` once per Trainer entry point on the same module; sharding,
-        cutting or wrapping it again would fail, so the earlier result is reused as it is.
-        """
-        state: _ParallelState | None = getattr(module, "_lp_parallel_state", None)
-        if state is None:
-            return False
-        assert self.dims is not None
-        if state.degrees != self.dims.degrees:
-            raise ValueError(
-                f"This module was already parallelized with the layout {state.degrees}; it cannot be re-laid out as"
-                f" {self.dims.degrees}. Create a new module (or load a checkpoint into one) for another layout."
-            )
-        self.plan, self.pipeline_runner, self._dp_units, self._hooks = (
-            state.plan,
-            state.pipeline_runner,
-            state.dp_units,
-            state.hooks,
-        )
-        if hasattr(self.precision_plugin, "norm_exclude"):
-            self.precision_plugin.norm_exclude = state.norm_exclude
-        for name, value in state.extras.items():
-            setattr(self, name, value)
-        return True
 
     def _parallelize(self, trainer: Trainer, module: LightningModule) -> None:
         assert self.dims is not None
@@ -359,7 +294,8 @@ class HybridParallelStrategy(
             self._build_pipeline_runner(module, layout)
         self._apply_memory_savers(module)
         if self.compile:
-            self._compile_blocks(module)
+            names = self.pipeline_runner.layout.discovery.block_names if self.pipeline_runner else None
+            compile_blocks(module, names)
         if self.dims.ep_enabled and layout is None:
             params = [p for p in module.parameters() if p.requires_grad]
             self._manual_gradient_sync = GradientSync(self._expert_gradient_groups(params))
@@ -372,63 +308,12 @@ class HybridParallelStrategy(
             self._hooks += average_direct_parameters(module, dp_mesh)
         self._apply_gradient_compression(module)
 
-    def _compile_blocks(self, module: LightningModule) -> None:
-        from lightning_parallel.pipeline.stages import SkippedBlock
-        from lightning_parallel.plans.detect import find_block_stack
-
-        if self.pipeline_runner is not None:  # the cut block list mixes real and skipped blocks
-            names = self.pipeline_runner.layout.discovery.block_names
-            blocks = [module.get_submodule(n) for n in names]
-        else:
-            stack = find_block_stack(module)
-            if stack is None:
-                rank_zero_warn("`compile=True`: no block list found; nothing was compiled.")
-                return
-            blocks = list(stack.blocks)
-        for block in blocks:
-            if not isinstance(block, SkippedBlock):
-                block.compile()
-
     def _sync_parameters(self, module: LightningModule) -> None:
         """Start every rank from rank 0's weights (as DDP does), whatever each rank's init was."""
         if self.world_size > 1:
             from torch.distributed.utils import _sync_module_states
 
             _sync_module_states(module, torch.distributed.group.WORLD, 250 * 1024 * 1024, 0, set())
-
-    def _verify_tensor_parallel(self, trainer: Trainer, module: LightningModule) -> None:
-        assert self.plan is not None
-        tp_mesh = self.device_mesh["tp"]
-        if self.verify_plan:
-            firsts: dict[type, str] = {}
-            for name in self.plan.block_names:
-                firsts.setdefault(type(module.get_submodule(name)), name)
-            blocks = {name: module.get_submodule(name) for name in firsts.values()}
-            step = sample_step(trainer, self)
-            if step is None:
-                rank_zero_warn(
-                    "No batch available before training: the tensor-parallel plan was not verified."
-                )
-            else:
-                captured = capture_block_inputs(step, blocks)
-                for line in verify_and_choose_modes(module, self.plan, tp_mesh, captured):
-                    self.plan.notes.append(line)
-
-    def _apply_tensor_parallel(self, module: LightningModule) -> None:
-        assert self.plan is not None
-        tp_mesh = self.device_mesh["tp"]
-        if self.pipeline_runner is not None or self.dims.pp_enabled:
-            filter_plan_to_kept_modules(self.plan, module)
-        if self.loss_parallel and self.plan.head is not None:
-            self.plan.styles[self.plan.head] = sharded_head_style()
-        elif self.loss_parallel:
-            rank_zero_warn("`loss_parallel=True`: no sharded output head was found; logits stay gathered.")
-            self.loss_parallel = False
-        self._hooks += apply_tensor_parallel(module, self.plan, tp_mesh)
-        if self.loss_parallel:
-            self._hooks.append(install_head_hook(module.get_submodule(self.plan.head), self._loss_state))
-        record_parameter_shards(self.plan, module)
-        rank_zero_info(str(self.plan))
 
     # ---- training-time behaviour ---------------------------------------------------------
 
@@ -437,7 +322,7 @@ class HybridParallelStrategy(
         with self._saved_tensors_context():  # activation offload/compression (memory_savers.py)
             if self.pipeline_runner is not None:
                 return self._pipelined_training_step(*args, **kwargs)
-            self._set_aux_loss_scale(self._backward_loss_scale())
+            self._set_aux_loss_scale()
             if not self.loss_parallel:
                 return self._with_injected_aux(super().training_step(*args, **kwargs))
             assert self.lightning_module is not None
@@ -457,36 +342,30 @@ class HybridParallelStrategy(
             self._manual_gradient_sync()  # expert parallelism: experts and the rest reduced differently
         return result
 
-    def _backward_loss_scale(self) -> float:
-        """What Lightning multiplies the step's loss by before backward: 1 / accumulation x the fp16 scale."""
-        assert self.lightning_module is not None
-        scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        return scale * float(scaler.get_scale()) if scaler is not None else scale
-
+    # Evaluation: forward-only pipelines under pipeline parallelism, Lightning's step otherwise.
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline_runner is not None:
-            return self._pipelined_eval_step(
-                "validation_step", self.precision_plugin.val_step_context, *args, **kwargs
-            )
-        return super().validation_step(*args, **kwargs)
+        if self.pipeline_runner is None:
+            return super().validation_step(*args, **kwargs)
+        return self._pipelined_eval_step(
+            "validation_step", self.precision_plugin.val_step_context, *args, **kwargs
+        )
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline_runner is not None:
-            return self._pipelined_eval_step(
-                "test_step", self.precision_plugin.test_step_context, *args, **kwargs
-            )
-        return super().test_step(*args, **kwargs)
+        if self.pipeline_runner is None:
+            return super().test_step(*args, **kwargs)
+        return self._pipelined_eval_step(
+            "test_step", self.precision_plugin.test_step_context, *args, **kwargs
+        )
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline_runner is not None:
-            return self._pipelined_eval_step(
-                "predict_step", self.precision_plugin.predict_step_context, *args, **kwargs
-            )
-        return super().predict_step(*args, **kwargs)
+        if self.pipeline_runner is None:
+            return super().predict_step(*args, **kwargs)
+        return self._pipelined_eval_step(
+            "predict_step", self.precision_plugin.predict_step_context, *args, **kwargs
+        )
 
     @contextmanager
     @override

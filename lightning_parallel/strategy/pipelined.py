@@ -180,8 +180,7 @@ class PipelineStrategyMixin:
             return scaler.scale(loss) if scaler is not None else loss
 
         # MoE auxiliary gradients follow the scale of each micro-batch's loss.
-        scale = 1.0 / (accumulate * runner.micro_batches)
-        self._set_aux_loss_scale(scale * float(scaler.get_scale()) if scaler is not None else scale)  # type: ignore[attr-defined]
+        self._set_aux_loss_scale(runner.micro_batches)  # type: ignore[attr-defined]
 
         step_fn = functools.partial(module.training_step, **kwargs) if kwargs else module.training_step
         # Lightning zeroes gradients *between* training_step and backward (first batch of an
