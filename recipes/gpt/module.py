@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import Any
 
 import lightning as L
 import torch
@@ -18,6 +19,26 @@ from torchmetrics.text import Perplexity
 
 from recipes.gpt.model import GPT, GPTConfig
 from recipes.gpt.tokenizer import PADDED_VOCAB_SIZE
+
+
+def warmup_cosine_scheduler(optimizer: torch.optim.Optimizer, hp: Any, module: L.LightningModule) -> dict:
+    """Lightning's ``lr_scheduler`` entry: :func:`warmup_cosine` per step, over ``hp.lr_decay_steps``
+    or, when that is None, the whole run (``module.trainer.estimated_stepping_batches``)."""
+    decay_steps = hp.lr_decay_steps
+    if decay_steps is None:
+        decay_steps = module.trainer.estimated_stepping_batches
+        if not math.isfinite(decay_steps):
+            raise ValueError(
+                "The training length is unbounded, so the cosine schedule has no end. Set"
+                " `--trainer.max_steps` (or `max_epochs`), or `--model.lr_decay_steps`."
+            )
+    schedule = partial(
+        warmup_cosine,
+        warmup_steps=hp.warmup_steps,
+        decay_steps=int(decay_steps),
+        min_lr_ratio=hp.min_lr_ratio,
+    )
+    return {"scheduler": LambdaLR(optimizer, schedule), "interval": "step"}
 
 
 def warmup_cosine(step: int, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
@@ -120,23 +141,7 @@ class GPTLightningModule(L.LightningModule):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
         optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps)
-
-        decay_steps = hp.lr_decay_steps
-        if decay_steps is None:
-            decay_steps = self.trainer.estimated_stepping_batches
-            if not math.isfinite(decay_steps):
-                raise ValueError(
-                    "The training length is unbounded, so the cosine schedule has no end. Set"
-                    " `--trainer.max_steps` (or `max_epochs`), or `--model.lr_decay_steps`."
-                )
-        schedule = partial(
-            warmup_cosine,
-            warmup_steps=hp.warmup_steps,
-            decay_steps=int(decay_steps),
-            min_lr_ratio=hp.min_lr_ratio,
-        )
-        scheduler = LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return {"optimizer": optimizer, "lr_scheduler": warmup_cosine_scheduler(optimizer, hp, self)}
 
     @torch.no_grad()
     def generate(

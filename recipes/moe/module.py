@@ -8,18 +8,15 @@ forward, taken once). Nothing here knows about parallelism.
 
 from __future__ import annotations
 
-import math
-from functools import partial
 from typing import Literal
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics.text import Perplexity
 
 from lightning_parallel.experts import moe_aux_loss
-from recipes.gpt.module import warmup_cosine
+from recipes.gpt.module import warmup_cosine_scheduler
 from recipes.gpt.tokenizer import PADDED_VOCAB_SIZE
 from recipes.moe.model import MoEGPT, MoEGPTConfig
 
@@ -131,21 +128,4 @@ class MoEGPTLightningModule(L.LightningModule):
             {"params": [p for (_, p), b in zip(named, is_bias, strict=True) if b], "weight_decay": 0.0},
         ]
         optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps)
-        decay_steps = hp.lr_decay_steps
-        if decay_steps is None:
-            decay_steps = self.trainer.estimated_stepping_batches
-            if not math.isfinite(decay_steps):
-                raise ValueError(
-                    "The training length is unbounded, so the cosine schedule has no end. Set"
-                    " `--trainer.max_steps` (or `max_epochs`), or `--model.lr_decay_steps`."
-                )
-        schedule = partial(
-            warmup_cosine,
-            warmup_steps=hp.warmup_steps,
-            decay_steps=int(decay_steps),
-            min_lr_ratio=hp.min_lr_ratio,
-        )
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": LambdaLR(optimizer, schedule), "interval": "step"},
-        }
+        return {"optimizer": optimizer, "lr_scheduler": warmup_cosine_scheduler(optimizer, hp, self)}
