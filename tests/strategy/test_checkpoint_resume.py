@@ -33,14 +33,19 @@ def _assert_close(actual: list[float], expected: list[float], what: str) -> None
         )
 
 
-@pytest.fixture(scope="module")
-def checkpoint_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("checkpoint_resume")
+def _runs(tmp_path_factory: pytest.TempPathFactory, layout: str) -> Path:
+    """Both launches of ``scripts/checkpoint_resume.py`` in ``layout``: straight, first half + save, resume."""
+    out = tmp_path_factory.mktemp(f"checkpoint_resume_{layout}")
     for mode in ("first", "resume"):
-        result = launch("checkpoint_resume.py", [mode, str(out)], out, timeout_s=180)
-        print(f"{mode}: {result.wall_s:.1f} s")
+        result = launch("checkpoint_resume.py", [mode, str(out), layout], out, timeout_s=180)
+        print(f"{layout} {mode}: {result.wall_s:.1f} s")
         result.assert_all_succeeded()
     return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _runs(tmp_path_factory, "tp2")
 
 
 def test_resume_from_sharded_checkpoint_continues_the_same_run(checkpoint_runs: Path) -> None:
@@ -60,12 +65,7 @@ def test_resume_from_sharded_checkpoint_continues_the_same_run(checkpoint_runs: 
 
 @pytest.fixture(scope="module")
 def pipeline_checkpoint_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("checkpoint_resume_pp2")
-    for mode in ("first", "resume"):
-        result = launch("checkpoint_resume.py", [mode, str(out), "pp2"], out, timeout_s=180)
-        print(f"pp2 {mode}: {result.wall_s:.1f} s")
-        result.assert_all_succeeded()
-    return out
+    return _runs(tmp_path_factory, "pp2")
 
 
 def test_pipeline_resume_from_sharded_checkpoint_continues_the_same_run(
@@ -87,12 +87,7 @@ def test_pipeline_resume_from_sharded_checkpoint_continues_the_same_run(
 
 @pytest.fixture(scope="module")
 def expert_checkpoint_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("checkpoint_resume_ep2")
-    for mode in ("first", "resume"):
-        result = launch("checkpoint_resume.py", [mode, str(out), "ep2"], out, timeout_s=180)
-        print(f"ep2 {mode}: {result.wall_s:.1f} s")
-        result.assert_all_succeeded()
-    return out
+    return _runs(tmp_path_factory, "ep2")
 
 
 def test_expert_parallel_resume_from_sharded_checkpoint(expert_checkpoint_runs: Path, tmp_path: Path) -> None:
