@@ -324,6 +324,14 @@ def _report(out: Path, reason: str, nprocs: int) -> str:
     return "\n".join(lines)
 
 
+LAUNCH_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launch_env() -> dict[str, str]:
+    """The launch's rank variables, to hand back to Lightning after the benchmark's own process group."""
+    return {k: os.environ[k] for k in LAUNCH_ENV_KEYS}
+
+
 def init_process_group(timeout_s: float = 120.0) -> int:
     """Open the gloo process group from the launch's environment variables; returns the rank."""
     import torch.distributed as dist

@@ -34,6 +34,7 @@ from benchmarks.common import (
     compare,
     init_process_group,
     launch,
+    launch_env,
     machine,
     print_comparison,
     quiet_lightning,
@@ -88,7 +89,7 @@ def worker(args: argparse.Namespace) -> None:
 
     quiet_lightning()
     torch.set_num_threads(args.threads)
-    dist_env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    dist_env = launch_env()
     rank = init_process_group()
     shape = SHAPES[args.shape]
     data = recipe_data(shape["block_size"], shape["batch_size"])

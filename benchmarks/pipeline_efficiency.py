@@ -55,6 +55,7 @@ from benchmarks.common import (
     Baton,
     init_process_group,
     launch,
+    launch_env,
     machine,
     quiet_lightning,
     recipe_data,
@@ -185,7 +186,7 @@ def worker(args: argparse.Namespace) -> None:
 
     quiet_lightning()
     torch.set_num_threads(1)
-    dist_env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    dist_env = launch_env()
     rank = init_process_group(timeout_s=300)
     shape = SHAPES[args.shape]
     biggest = max(global_batch(m, args) for m in args.micro_batches)

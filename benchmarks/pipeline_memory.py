@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from benchmarks.common import (
     init_process_group,
     launch,
+    launch_env,
     machine,
     quiet_lightning,
     recipe_data,
@@ -266,7 +267,7 @@ def worker(args: argparse.Namespace) -> None:
 
     quiet_lightning()
     torch.set_num_threads(1)
-    dist_env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    dist_env = launch_env()
     rank = init_process_group(timeout_s=300)
     shape = SHAPES[args.shape]
     batch = args.micro_batches * args.micro_batch_size

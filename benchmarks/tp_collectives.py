@@ -64,6 +64,7 @@ from benchmarks.common import (
     ROOT,
     init_process_group,
     launch,
+    launch_env,
     machine,
     quiet_lightning,
     recipe_data,
@@ -462,7 +463,7 @@ def worker(out: Path, configs: tuple[Config, ...]) -> None:
 
     quiet_lightning()
     torch.set_num_threads(1)
-    dist_env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    dist_env = launch_env()
     rank = init_process_group()
     results = []
     for config in configs:
