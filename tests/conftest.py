@@ -3,6 +3,8 @@
 Markers:
     distributed: starts several CPU processes over gloo through ``tests.distributed.harness``
         (seconds to tens of seconds each). Deselect with ``-m "not distributed"``.
+    compat, compat_refused: what a test covers in the compatibility matrix (``tests/compat.py``;
+        ``python -m tools.compat_matrix`` reads them to write docs/compatibility.md).
 """
 
 from __future__ import annotations
@@ -19,6 +21,16 @@ use_optional_packages()  # torchao from .venv/extras (scripts/setup_env.sh), for
 def pytest_configure(config) -> None:
     config.addinivalue_line(
         "markers", "distributed: launches worker processes over gloo (tests/distributed/harness.py); slow"
+    )
+    config.addinivalue_line(
+        "markers",
+        "compat(cases=None, features=None): this test asserts parity for the pairs of rows its case(s) hold"
+        " (tests/compat.py); without arguments, the case is the test's `case` or `name` parameter",
+    )
+    config.addinivalue_line(
+        "markers",
+        "compat_refused(pair, message): this test asserts that the pair of rows is refused with `message`"
+        " (put by tests.compat.refusal)",
     )
 
 

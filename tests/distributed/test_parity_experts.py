@@ -60,12 +60,14 @@ def four_process() -> dict[str, Result]:
     return run_cases(FOUR, 4, timeout_s=900, references_for=FOUR)
 
 
+@pytest.mark.compat  # the matrix pairs of the case parameter (tests/compat.py)
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", TWO, ids=lambda c: c.name)
 def test_expert_parallel_two_processes(two_process: dict[str, Result], case: Case) -> None:
     assert_parity(two_process[case.name], reference(case))
 
 
+@pytest.mark.compat  # the matrix pairs of the case parameter (tests/compat.py)
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", BF16, ids=lambda c: c.name)
 def test_expert_parallel_bf16_within_its_tolerance(two_process: dict[str, Result], case: Case) -> None:
@@ -75,6 +77,7 @@ def test_expert_parallel_bf16_within_its_tolerance(two_process: dict[str, Result
         assert abs(got - want) <= 2e-2 * abs(want), f"step {step}: {got} vs {want}"
 
 
+@pytest.mark.compat  # the matrix pairs of the case parameter (tests/compat.py)
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("case", FOUR, ids=lambda c: c.name)
 def test_expert_parallel_four_processes(four_process: dict[str, Result], case: Case) -> None:

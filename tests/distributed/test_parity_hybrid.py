@@ -123,6 +123,7 @@ def four_process_results() -> dict[str, Result]:
     return run_cases(FOUR, world_size=4, timeout_s=600, references_for=FOUR)
 
 
+@pytest.mark.compat  # the matrix pairs of the case parameter (tests/compat.py)
 @pytest.mark.distributed
 @pytest.mark.timeout(1000)
 @pytest.mark.parametrize("name", [c.name for c in TWO if c not in BF16])
@@ -132,6 +133,7 @@ def test_two_process_layouts_match_single_process(two_process_results: dict[str,
     assert_parity(result, reference(name))
 
 
+@pytest.mark.compat  # the matrix pairs of the case parameter (tests/compat.py)
 @pytest.mark.distributed
 @pytest.mark.timeout(1000)
 @pytest.mark.parametrize("name", [c.name for c in BF16])
@@ -142,6 +144,7 @@ def test_bf16_mixed_losses_match_single_process(two_process_results: dict[str, R
         assert abs(got - want) / abs(want) < BF16_LOSS_RTOL, f"step {step}: {got} vs {want}"
 
 
+@pytest.mark.compat  # the matrix pairs of the case parameter (tests/compat.py)
 @pytest.mark.distributed
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize("name", [c.name for c in FOUR])

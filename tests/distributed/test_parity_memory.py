@@ -111,6 +111,7 @@ def results() -> dict[str, Result]:
     return run_cases(cases, 2, timeout_s=600, references_for=cases)
 
 
+@pytest.mark.compat  # the matrix pairs of the case parameter (tests/compat.py)
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", EXACT, ids=lambda c: c.name)
 def test_recomputation_and_offload_match_the_single_process_run(

@@ -80,6 +80,7 @@ def four_process() -> dict[str, Result]:
     return _run(FOUR, 4, 600)
 
 
+@pytest.mark.compat  # the matrix pairs of the case parameter (tests/compat.py)
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", TWO, ids=lambda c: c.name)
 def test_pipeline_two_processes(two_process: dict[str, Result], case: Case) -> None:
@@ -88,6 +89,7 @@ def test_pipeline_two_processes(two_process: dict[str, Result], case: Case) -> N
     assert_parity(result, reference(case))
 
 
+@pytest.mark.compat  # the matrix pairs of the case parameter (tests/compat.py)
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", BF16, ids=lambda c: c.name)
 def test_pipeline_bf16_within_its_tolerance(two_process: dict[str, Result], case: Case) -> None:
@@ -98,6 +100,7 @@ def test_pipeline_bf16_within_its_tolerance(two_process: dict[str, Result], case
         assert abs(a - e) <= 2e-2 * abs(e), f"step {step}: {a} vs {e}"
 
 
+@pytest.mark.compat  # the matrix pairs of the case parameter (tests/compat.py)
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", FOUR, ids=lambda c: c.name)
 def test_pipeline_four_processes(four_process: dict[str, Result], case: Case) -> None:
@@ -106,6 +109,7 @@ def test_pipeline_four_processes(four_process: dict[str, Result], case: Case) ->
     assert_parity(result, reference(case))
 
 
+@pytest.mark.compat(cases=EIGHT)
 @pytest.mark.timeout(900)
 def test_pipeline_tensor_data_parallel_eight_processes() -> None:
     (case,) = EIGHT
