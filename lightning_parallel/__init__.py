@@ -8,6 +8,7 @@ work by name, also from ``LightningCLI`` YAML files.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_parallel.comm import PowerSGD
+from lightning_parallel.launch import SLURMAutoRequeue
 from lightning_parallel.memory import ActivationMemoryMonitor
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.plans import ParallelPlan, auto_plan
@@ -22,5 +23,6 @@ __all__ = [
     "ParallelDims",
     "ParallelPlan",
     "PowerSGD",
+    "SLURMAutoRequeue",
     "auto_plan",
 ]
