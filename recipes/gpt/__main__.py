@@ -8,7 +8,9 @@ One node, 8 GPUs::
 
     python -m recipes.gpt fit --config recipes/gpt/configs/small.yaml --trainer.devices 8
 
-Two nodes, 8 GPUs each, with SLURM (one task per GPU; Lightning reads the rank from SLURM)::
+Two nodes, 8 GPUs each, with SLURM: ``sbatch recipes/slurm/gpt.sbatch`` (requeued before the
+time limit with an exact resume; docs/slurm.md), or by hand (one task per GPU; Lightning
+reads the rank from SLURM)::
 
     srun --nodes 2 --ntasks-per-node 8 --gpus-per-node 8 \\
         python -m recipes.gpt fit --config recipes/gpt/configs/small.yaml \\

@@ -9,7 +9,8 @@ lands; then add ``--trainer.strategy.expert_parallel 8``)::
 
     python -m recipes.moe fit --config recipes/moe/configs/small.yaml --trainer.devices 8
 
-Two nodes, 8 GPUs each, with SLURM (one task per GPU)::
+Two nodes, 8 GPUs each, with SLURM: ``sbatch recipes/slurm/moe.sbatch`` (requeued before the
+time limit with an exact resume; docs/slurm.md), or by hand (one task per GPU)::
 
     srun --nodes 2 --ntasks-per-node 8 --gpus-per-node 8 \\
         python -m recipes.moe fit --config recipes/moe/configs/large-8e-1b.yaml \\
