@@ -9,11 +9,13 @@ files always hold the user's own layout, and the model keeps its strided placeme
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -120,8 +122,118 @@ def _experts_as_local(state: dict[str, Any], layouts: dict[str, Any], optimizer:
     }
 
 
+# The strategy's own part of a checkpoint's metadata (Lightning writes rank 0's dict only, so
+# per-rank values are gathered into lists indexed by global rank).
+STATE_KEY = "lightning_parallel"
+
+
+def _portable_rng_states(states: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's random states with numpy's array as a tensor: ``torch.load(weights_only=True)``,
+    Lightning's default for a checkpoint's metadata, refuses numpy objects."""
+    out = dict(states)
+    if "numpy" in out:
+        name, keys, pos, has_gauss, cached = out["numpy"]
+        out["numpy"] = (
+            str(name),
+            torch.from_numpy(keys.astype("int64")),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        )
+    return out
+
+
+def _native_rng_states(states: dict[str, Any]) -> dict[str, Any]:
+    out = dict(states)
+    if "numpy" in out:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = out["numpy"]
+        out["numpy"] = (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
+    if "torch.cuda" in out and not torch.cuda.is_available():
+        del out["torch.cuda"]
+    return out
+
+
+def _fit_progress(trainer: Any) -> tuple[int, int]:
+    """(epoch, batches trained in it) as the fit loop counts them (after its restart adjustments)."""
+    loop = trainer.fit_loop
+    return loop.epoch_progress.current.processed, loop.epoch_loop.batch_progress.current.ready
+
+
 class ShardedCheckpointing(MeshParallelStrategy):
-    """``MeshParallelStrategy`` whose checkpoints keep fused projections in the user's layout."""
+    """``MeshParallelStrategy`` whose checkpoints keep fused projections in the user's layout, are written
+    atomically, hold every rank's random state, and resume a plain training ``DataLoader`` mid-epoch."""
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Training loaders become stateful (``checkpoint/dataloader.py``), so Lightning stores their
+        position and a mid-epoch checkpoint continues with the very next batch."""
+        from lightning_parallel.checkpoint.dataloader import make_resumable
+
+        dataloader = super().process_dataloader(dataloader)
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if trainer is None or not trainer.training:
+            return dataloader
+        return make_resumable(dataloader, functools.partial(_fit_progress, trainer))
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Sharded (one folder, ``torch.distributed.checkpoint``) or consolidated (one file), written to a
+        hidden sibling and moved into place only when complete (``checkpoint/atomic.py``)."""
+        from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_save
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+        from lightning.fabric.utilities.seed import _collect_rng_states
+
+        from lightning_parallel.checkpoint import atomic
+        from lightning_parallel.checkpoint.dataloader import _gather
+
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported."
+            )
+        path = Path(self.broadcast(str(filepath)))
+        dims = getattr(self, "dims", None)
+        checkpoint[STATE_KEY] = {
+            "rng_states": _gather(_portable_rng_states(_collect_rng_states())),
+            "layout": dict(dims.degrees) if dims is not None else None,
+        }
+        staging = atomic.staging_path(path)
+        if self.global_rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic.remove(staging)  # what an earlier, interrupted save left
+        self.barrier("lightning_parallel.save_checkpoint.begin")
+        if self._save_distributed_checkpoint:
+            staging.mkdir(parents=True, exist_ok=True)
+            converted = {"state_dict": checkpoint.pop("state_dict")}
+            converted.update(
+                {f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))}
+            )
+            _distributed_checkpoint_save(converted, staging)  # returns once every rank's shard is written
+            if self.global_rank == 0:
+                torch.save(checkpoint, staging / _METADATA_FILENAME)  # last: marks the folder complete
+        elif self.global_rank == 0:
+            self._check_consolidated_supported()
+            self.checkpoint_io.save_checkpoint(checkpoint, staging)
+        self.barrier("lightning_parallel.save_checkpoint.written")
+        if self.global_rank == 0:
+            atomic.commit(staging, path)
+        self.barrier("lightning_parallel.save_checkpoint.committed")
+
+    def _restore_random_states(self, checkpoint: dict[str, Any]) -> None:
+        """Each rank's random state as it was at the save (dropout, random samplers): the exact-resume part
+        Lightning does not store. With another number of ranks, rank 0's state (ranks seeded alike)."""
+        from lightning.fabric.utilities.seed import _set_rng_states
+
+        states = (checkpoint.get(STATE_KEY) or {}).get("rng_states")
+        if not states:
+            return
+        _set_rng_states(
+            _native_rng_states(states[self.global_rank] if len(states) == self.world_size else states[0])
+        )
 
     def _check_consolidated_supported(self) -> None:
         dims = getattr(self, "dims", None)
@@ -168,12 +280,21 @@ class ShardedCheckpointing(MeshParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         from lightning.fabric.strategies.model_parallel import _is_full_checkpoint, _is_sharded_checkpoint
 
-        path = Path(self.broadcast(checkpoint_path))
+        from lightning_parallel.checkpoint import atomic
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if self.global_rank == 0:
+            atomic.recover(path, log=rank_zero_info)  # a crash in the middle of moving a save into place
+        self.barrier("lightning_parallel.load_checkpoint.recover")
         if _is_sharded_checkpoint(path):
-            return self._load_sharded_checkpoint(path, weights_only)
-        if _is_full_checkpoint(path):
-            return self._load_full_checkpoint(path, weights_only)
-        return super().load_checkpoint(path, weights_only=weights_only)  # Lightning's error for a bad path
+            checkpoint = self._load_sharded_checkpoint(path, weights_only)
+        elif _is_full_checkpoint(path):
+            checkpoint = self._load_full_checkpoint(path, weights_only)
+        else:
+            # Lightning's error for a bad path
+            return super().load_checkpoint(path, weights_only=weights_only)
+        self._restore_random_states(checkpoint)
+        return checkpoint
 
     def _load_sharded_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         """As :meth:`_read_sharded_checkpoint`; a damaged folder is reported as such, never half-loaded."""

@@ -1,9 +1,12 @@
-"""Save a checkpoint under tensor parallelism and resume it in the same layout: same losses.
+"""Save a checkpoint mid-epoch and resume it in the same layout: the same batches, the same losses, bit for bit.
 
-tp=2 on 2 processes, the recipe GPT (fused q|k|v, tied embedding), fp32, AdamW with a warmup +
-cosine schedule. One launch trains 6 steps straight, then 3 steps (one epoch) and saves the
-checkpoint twice: sharded (``torch.distributed.checkpoint``, the default) and consolidated.
-A second launch (fresh processes) resumes each to step 6. Steps 4-6 must equal the straight run.
+tp=2 on 2 processes, the recipe GPT (fused q|k|v, tied embedding, dropout 0.1), fp32, AdamW with
+a warmup + cosine schedule, a shuffled plain DataLoader of 4 batches per epoch. One launch trains
+6 steps straight, then 3 steps, saved by ``ModelCheckpoint`` in the middle of the first epoch
+twice: sharded (``torch.distributed.checkpoint``, the default) and consolidated. A second launch
+(fresh processes) resumes each to step 6: batch 4 of epoch 0 (the data loader's position), then
+epoch 1 in the uninterrupted run's order (samplers and random states restored); steps 4-6 must
+equal the straight run exactly.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ def _assert_close(actual: list[float], expected: list[float], what: str) -> None
         )
 
 
+def _assert_exact(resumed: dict, straight: dict, what: str) -> None:
+    """A resume in the same layout is the uninterrupted run: the same batches and bit-identical losses."""
+    assert resumed["batches"] == straight["batches"][3:], f"{what}: data order {resumed['batches']}"
+    assert resumed["losses"] == straight["losses"][3:], f"{what}: {resumed['losses']} vs {straight['losses']}"
+
+
 def _runs(tmp_path_factory: pytest.TempPathFactory, layout: str) -> Path:
     """Both launches of ``scripts/checkpoint_resume.py`` in ``layout``: straight, first half + save, resume."""
     out = tmp_path_factory.mktemp(f"checkpoint_resume_{layout}")
@@ -57,10 +66,8 @@ def test_resume_from_sharded_checkpoint_continues_the_same_run(checkpoint_runs: 
     for rank in range(2):
         # Tensor-parallel ranks compute the same (replicated) loss.
         assert straight[rank]["losses"] == reference
-        assert first[rank]["losses"] == pytest.approx(reference[:3], rel=RTOL)
-        _assert_close(
-            resumed[rank]["losses"], reference[3:], f"resumed from the sharded checkpoint, rank {rank}"
-        )
+        assert first[rank]["losses"] == reference[:3]
+        _assert_exact(resumed[rank], straight[rank], f"resumed from the sharded checkpoint, rank {rank}")
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +87,8 @@ def test_pipeline_resume_from_sharded_checkpoint_continues_the_same_run(
     for rank in range(2):
         # Every stage reports the last stage's loss.
         assert straight[rank]["losses"] == reference
-        _assert_close(
-            resumed[rank]["losses"], reference[3:], f"pp=2, resumed from the sharded checkpoint, rank {rank}"
+        _assert_exact(
+            resumed[rank], straight[rank], f"pp=2, resumed from the sharded checkpoint, rank {rank}"
         )
 
 
@@ -92,14 +99,14 @@ def expert_checkpoint_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_expert_parallel_resume_from_sharded_checkpoint(expert_checkpoint_runs: Path, tmp_path: Path) -> None:
     """ep=2 (MoE recipe, 4 experts, drops): each rank holds 2 experts' rows of the same stacked
-    weights; the checkpoint must hold all 4 and resume to the same losses."""
+    weights; the checkpoint must hold all 4 and resume to the same losses (and batches)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = expert_checkpoint_runs
     straight, resumed = _read(out, "straight"), _read(out, "resumed")
     assert [r["global_step"] for r in straight + resumed] == [6, 6, 6, 6]
-    for rank in range(2):
-        _assert_close(resumed[rank]["losses"], straight[rank]["losses"][3:], f"ep=2, resumed, rank {rank}")
+    for rank in range(2):  # two data-parallel ranks: Lightning's DistributedSampler, each its own batches
+        _assert_exact(resumed[rank], straight[rank], f"ep=2, resumed, rank {rank}")
     dcp_to_torch_save(out / "step3.ckpt", tmp_path / "converted.pt")
     converted = torch.load(tmp_path / "converted.pt", weights_only=False)
     experts = {k: v for k, v in converted["state_dict"].items() if ".experts." in k}
@@ -119,9 +126,7 @@ def test_resume_from_consolidated_checkpoint_continues_the_same_run(checkpoint_r
     assert (checkpoint_runs / "step3.full.ckpt").is_file()
     for rank in range(2):
         assert resumed[rank]["global_step"] == 6
-        _assert_close(
-            resumed[rank]["losses"], straight[0]["losses"][3:], f"resumed from the full file, rank {rank}"
-        )
+        _assert_exact(resumed[rank], straight[rank], f"resumed from the full file, rank {rank}")
 
 
 def test_sharded_checkpoint_holds_the_unsharded_layout(checkpoint_runs: Path, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Save and resume a sharded checkpoint in the same layout (tp=2 on 2 ranks), recording losses.
+"""Save mid-epoch and resume a sharded checkpoint in the same layout (tp=2 on 2 ranks), recording losses.
 
     python tests/strategy/scripts/checkpoint_resume.py first  OUT_DIR [LAYOUT]  # 6 steps straight; 3 steps + save
     python tests/strategy/scripts/checkpoint_resume.py resume OUT_DIR [LAYOUT]  # fresh processes: resume to step 6
@@ -14,10 +14,14 @@ consolidated file (``save_distributed_checkpoint=False``); the resume run loads 
 Run by ``tests/strategy/test_checkpoint_resume.py`` with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set.
 Writes ``OUT_DIR/<run>.rank<r>.json``: the per-step training losses of that rank, and (rank 0,
 ``straight`` run) the plan's parameter sizes after sharding, for the CLI's arithmetic.
-The data is a fixed, unshuffled loader of 3 batches per epoch and the first half runs exactly
-one epoch, so the checkpoint is at an epoch boundary and the resumed run sees exactly the
-batches of steps 4-6. (A checkpoint taken mid-epoch, e.g. by ``max_steps=3`` on a longer epoch,
-restarts that epoch's non-stateful loader from its first batch: Lightning's behaviour, not ours.)
+An epoch has 4 batches and the first half stops after step 3 (``max_steps=3``); the checkpoint is
+taken mid-epoch by ``ModelCheckpoint(every_n_train_steps=3)`` (a checkpoint saved by
+``trainer.save_checkpoint`` after ``fit`` returned is not a mid-epoch one: Lightning counts the
+epoch that ``max_steps`` cut short as finished), and the resumed run must continue with batch 4 of epoch 0, then epoch 1 in its
+own order. The loaders are plain, shuffled DataLoaders: ``RandomSampler`` drawing from the
+global random state (tp2, pp2: ``use_distributed_sampler=False``, every rank the same order) or
+Lightning's ``DistributedSampler`` (ep2: two data-parallel ranks). The model has dropout, so
+the random states must be restored too.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel import HybridParallelStrategy
@@ -38,23 +43,42 @@ MODEL = dict(
     vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32, learning_rate=3e-3, warmup_steps=2,
     lr_decay_steps=6, weight_decay=0.1,
 )  # fmt: skip
-BATCH_SIZE, BATCHES_PER_EPOCH = 4, 3
+BATCH_SIZE, BATCHES_PER_EPOCH, STEPS, FIRST_HALF = 4, 4, 6, 3
+DROPOUT = 0.1
 
 
 class RecordLosses(L.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.batches: list[list[int]] = []  # (epoch, batch index, first token of each sample): the data order
 
     def on_train_batch_end(
         self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, i: int
     ) -> None:
         self.losses.append(float(outputs["loss"]))
+        self.batches.append([trainer.current_epoch, i, *batch[0][:, 0].tolist()])
 
 
-def loader() -> DataLoader:
-    tokens = torch.randint(MODEL["vocab_size"], (BATCH_SIZE * BATCHES_PER_EPOCH, MODEL["block_size"] + 1),
+class SaveConsolidated(L.Callback):
+    """The same state as ModelCheckpoint's sharded folder, as one file (``save_distributed_checkpoint=False``)."""
+
+    def __init__(self, path: Path, step: int) -> None:
+        self.path, self.step = path, step
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, i: int
+    ) -> None:
+        if trainer.global_step == self.step:
+            trainer.strategy._save_distributed_checkpoint = False
+            trainer.save_checkpoint(self.path)
+            trainer.strategy._save_distributed_checkpoint = True
+
+
+def loader(data_parallel: int = 1) -> DataLoader:
+    """``BATCHES_PER_EPOCH`` shuffled batches per rank and epoch (``data_parallel`` ranks share the samples)."""
+    tokens = torch.randint(MODEL["vocab_size"], (BATCH_SIZE * BATCHES_PER_EPOCH * data_parallel, MODEL["block_size"] + 1),
                            generator=torch.Generator().manual_seed(7))  # fmt: skip
-    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=BATCH_SIZE, shuffle=False)
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=BATCH_SIZE, shuffle=True)
 
 
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -68,14 +92,14 @@ def build_model(layout: str) -> L.LightningModule:
     if layout == "ep2":
         from recipes.moe.module import MoEGPTLightningModule
 
-        return MoEGPTLightningModule(**MODEL, num_experts=4, top_k=2, capacity_factor=1.25)
-    return GPTLightningModule(**MODEL)
+        return MoEGPTLightningModule(**MODEL, num_experts=4, top_k=2, capacity_factor=1.25, dropout=DROPOUT)
+    return GPTLightningModule(**MODEL, dropout=DROPOUT)
 
 
 def fit(
     out: Path,
     run: str,
-    epochs: int,
+    max_steps: int,
     ckpt_path: Path | None = None,
     save_to: Path | None = None,
     layout: str = "tp2",
@@ -83,19 +107,24 @@ def fit(
     L.seed_everything(0)
     model = build_model(layout)
     recorder = RecordLosses()
+    callbacks: list[L.Callback] = [recorder]
+    if save_to is not None:  # saved during step 3's on_train_batch_end, as ModelCheckpoint saves
+        if layout == "tp2":
+            callbacks.append(SaveConsolidated(save_to.with_suffix(".full.ckpt"), FIRST_HALF))
+        callbacks.append(
+            ModelCheckpoint(dirpath=save_to.parent, filename=save_to.stem, every_n_train_steps=FIRST_HALF)
+        )
+    data_parallel = 2 if layout == "ep2" else 1  # experts are carved out of two data-parallel ranks
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=HybridParallelStrategy(timeout=60, **LAYOUTS[layout]),
-        precision="32-true", max_epochs=epochs, use_distributed_sampler=False, callbacks=[recorder],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0,
+        precision="32-true", max_steps=max_steps, use_distributed_sampler=data_parallel > 1, callbacks=callbacks,
+        logger=False, enable_checkpointing=save_to is not None, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
-    trainer.fit(model, loader(), ckpt_path=ckpt_path)
-    if save_to is not None:
-        trainer.save_checkpoint(save_to)  # sharded
-        if layout == "tp2":
-            trainer.strategy._save_distributed_checkpoint = False
-            trainer.save_checkpoint(save_to.with_suffix(".full.ckpt"))  # consolidated
-    result: dict[str, Any] = {"losses": recorder.losses, "global_step": trainer.global_step}
+    trainer.fit(model, loader(data_parallel), ckpt_path=ckpt_path)
+    result: dict[str, Any] = {
+        "losses": recorder.losses, "batches": recorder.batches, "global_step": trainer.global_step
+    }  # fmt: skip
     if trainer.global_rank == 0 and layout == "tp2":
         plan = trainer.strategy.plan
         result["parameter_shards"] = {name: list(sizes) for name, sizes in plan.parameter_shards.items()}
@@ -106,14 +135,14 @@ def main(mode: str, out: Path, layout: str = "tp2") -> None:
     torch.set_num_threads(1)
     checkpoint = out / "step3.ckpt"
     if mode == "first":
-        fit(out, "straight", epochs=2, layout=layout)
-        fit(out, "first_half", epochs=1, save_to=checkpoint, layout=layout)
+        fit(out, "straight", STEPS, layout=layout)
+        fit(out, "first_half", FIRST_HALF, save_to=checkpoint, layout=layout)
     elif mode == "resume-sharded":  # a checkpoint another layout wrote (resharding on load)
-        fit(out, "resumed", epochs=2, ckpt_path=checkpoint, layout=layout)
+        fit(out, "resumed", STEPS, ckpt_path=checkpoint, layout=layout)
     elif mode == "resume":
-        fit(out, "resumed", epochs=2, ckpt_path=checkpoint, layout=layout)
+        fit(out, "resumed", STEPS, ckpt_path=checkpoint, layout=layout)
         if layout == "tp2":
-            fit(out, "resumed_full", epochs=2, ckpt_path=checkpoint.with_suffix(".full.ckpt"))
+            fit(out, "resumed_full", STEPS, ckpt_path=checkpoint.with_suffix(".full.ckpt"))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 
