@@ -3,9 +3,9 @@
 Every schedule of ``torch.distributed.pipelining`` on pp=2 (nanoGPT-style model, 4 blocks),
 interleaving with 2 virtual stages, the three model families (the recipe GPT with its tied
 embedding/head split across the first and last stage, nanoGPT, Hugging Face Llama), gradient
-accumulation with clipping by the global norm across stages, bf16, and the compositions
-pp=2 x tp=2 (with and without sequence parallelism), pp=2 x dp=2 and pp=2 x tp=2 x dp=2
-(8 processes). One launch per world size runs all of its cases over one process group.
+accumulation with clipping by the global norm across stages, every schedule in bf16/fp16 mixed
+and true precision, and the compositions pp=2 x tp=2 (with and without sequence parallelism),
+pp=2 x dp=2 (both for every schedule) and pp=2 x tp=2 x dp=2 (8 processes). One launch per world size runs all of its cases over one process group.
 """
 
 from __future__ import annotations
@@ -49,6 +49,21 @@ TWO = [
     _case("pp2_boundaries_nanogpt", "nanogpt", plan={"pipeline_boundaries": [1]}),
 ]
 BF16 = [_case("pp2_bf16_recipe_gpt", "recipe_gpt", fields={"trainer_kwargs": {"precision": "bf16-mixed"}})]
+# Every schedule in every low precision (the compatibility matrix, docs/compatibility.md): the
+# schedule runs autocast, fp16 loss scaling (overflow decided by all stages) and half-precision
+# weights per micro-batch and stage. Two carry activation checkpointing, for its precision pairs.
+LOW_PRECISIONS = ["bf16-mixed", "16-mixed", "bf16-true", "16-true"]
+AC_IN_LOW_PRECISION = {("gpipe", "bf16-true"): "full", ("looped_bfs", "bf16-mixed"): "selective"}
+LOW_PRECISION = [
+    *BF16,
+    *[
+        _case(f"pp2_{s}_{p}_nanogpt", "nanogpt", fields={"trainer_kwargs": {"precision": p}}, pipeline_schedule=s,
+              micro_batches=4, activation_checkpointing=AC_IN_LOW_PRECISION.get((s, p)))
+        for s in SCHEDULES
+        for p in LOW_PRECISIONS
+        if (s, p) != ("1f1b", "bf16-mixed")  # pp2_bf16_recipe_gpt
+    ],
+]  # fmt: skip
 FOUR = [
     *[_case(f"pp2_tp2_{f}", f, world_size=4, tensor_parallel=2) for f in FAMILIES],
     _case(
@@ -60,7 +75,22 @@ FOUR = [
         pipeline_schedule="interleaved_1f1b",
     ),
     *[_case(f"pp2_dp2_{f}", f, world_size=4) for f in ("recipe_gpt", "hf_llama") if f in FAMILIES],
-]
+    # Every other schedule with tensor + sequence parallelism and with data parallelism (the
+    # compatibility matrix). Two steps and the fewest micro-batches each schedule takes: four
+    # processes on two cores make each tensor-parallel collective slow.
+    *[
+        _case(f"pp2_tp2_sp_{s}_nanogpt", "nanogpt", world_size=4, tensor_parallel=2, sequence_parallel=True,
+              pipeline_schedule=s, micro_batches=4 if s == "dualpipev" else 2, fields={"steps": 2})
+        for s in SCHEDULES
+        if s not in ("1f1b", "interleaved_1f1b")  # pp2_tp2_*, pp2_tp2_sp_interleaved_hf_llama
+    ],
+    *[
+        _case(f"pp2_dp2_{s}_nanogpt", "nanogpt", world_size=4, pipeline_schedule=s,
+              micro_batches=4 if s == "dualpipev" else 2, fields={"steps": 2})
+        for s in SCHEDULES
+        if s != "1f1b"  # pp2_dp2_*
+    ],
+]  # fmt: skip
 EIGHT = [
     _case("pp2_tp2_dp2_sp_recipe_gpt", "recipe_gpt", world_size=8, tensor_parallel=2, sequence_parallel=True)
 ]
@@ -72,7 +102,7 @@ def _run(cases: list[Case], world_size: int, timeout_s: float) -> dict[str, Resu
 
 @pytest.fixture(scope="module")
 def two_process() -> dict[str, Result]:
-    return _run(TWO + BF16, 2, 600)
+    return _run(TWO + LOW_PRECISION, 2, 600)
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +121,10 @@ def test_pipeline_two_processes(two_process: dict[str, Result], case: Case) -> N
 
 @pytest.mark.compat  # the matrix pairs of the case parameter (tests/compat.py)
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", BF16, ids=lambda c: c.name)
-def test_pipeline_bf16_within_its_tolerance(two_process: dict[str, Result], case: Case) -> None:
-    """bf16-mixed: per-step losses within the project's bf16 tolerance (2e-2 relative) of the single process in bf16."""
+@pytest.mark.parametrize("case", LOW_PRECISION, ids=lambda c: c.name)
+def test_pipeline_low_precision_within_its_tolerance(two_process: dict[str, Result], case: Case) -> None:
+    """bf16/fp16, mixed and true: per-step losses within the project's low-precision tolerance (2e-2
+    relative) of the single process in the same precision."""
     result, ref = two_process[case.name], reference(case)
     assert len(result.losses) == len(ref.losses)
     for step, (a, e) in enumerate(zip(result.losses, ref.losses, strict=True)):
