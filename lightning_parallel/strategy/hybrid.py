@@ -48,13 +48,14 @@ from lightning_parallel.strategy.pipelined import (
     PipelineStrategyMixin,
 )
 from lightning_parallel.strategy.tensor_parallel_setup import TensorParallelSetupMixin
-from lightning_parallel.strategy.validation import check_not_yet_supported
+from lightning_parallel.strategy.zero import ZeroStrategyMixin, check_zero_layout
 from lightning_parallel.tensor_parallel.loss_parallel import (
     LossParallelState,
     sharded_loss_backward,
     sharded_loss_step,
     to_plain,
 )
+from lightning_parallel.zero import ZeroArguments
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class HybridParallelStrategy(
     PipelineStrategyMixin,
     ExpertStrategyMixin,
     MemorySaversMixin,
+    ZeroStrategyMixin,
     ShardedCheckpointing,
 ):
     """Train an unchanged LightningModule with data, tensor, sequence, pipeline and expert parallelism.
@@ -91,7 +93,12 @@ class HybridParallelStrategy(
         moe_aux_loss_coef: add the Switch load-balancing loss of every MoE block, times this,
             to the gradients (the user's loss is left as it is); ``None``: off (the default:
             the user's step may already add it). ``moe_z_loss_coef``: the router z-loss.
-        zero_stage, offload: DeepSpeed ZeRO sharding and offloading (not yet supported).
+        zero_stage: DeepSpeed ZeRO over the data-parallel ranks: 1 shards the optimizer states, 2 also
+            the gradients, 3 also the parameters (docs/zero.md; which layouts compose: docs/compatibility.md).
+        offload: ``"cpu"`` (optimizer states and their update on the CPU; at stage 3 the parameters
+            too; Adam/AdamW become DeepSpeed's CPU Adam) or ``"nvme"`` (stage 3, to ``offload_path``).
+        deepspeed_config: extra raw DeepSpeed keys, merged last (not those Lightning owns: precision,
+            clipping, accumulation, optimizer).
         activation_checkpointing: ``"full"`` (recompute every block from its input) or ``"selective"``
             (see ``activation_checkpointing_policy``); parameter names are unchanged (docs/memory.md).
         activation_checkpointing_policy: with ``"selective"``: ``"ops"`` (default: keep matmul,
@@ -135,6 +142,8 @@ class HybridParallelStrategy(
         pipeline_virtual_stages: int | None = None,
         zero_stage: int = 0,
         offload: Literal["cpu", "nvme"] | None = None,
+        offload_path: str | None = None,
+        deepspeed_config: dict[str, Any] | None = None,
         activation_checkpointing: Literal["full", "selective"] | None = None,
         activation_checkpointing_policy: Literal["ops"] | int | list[str] | None = None,
         activation_offload: bool = False,
@@ -164,10 +173,8 @@ class HybridParallelStrategy(
                 " (sharded checkpoints hold every weight) and convert a checkpoint folder to one file with"
                 " `torch.distributed.checkpoint.format_utils.dcp_to_torch_save(folder, file)`."
             )
-        check_not_yet_supported(
-            zero_stage=zero_stage,
-            offload=offload,
-        )
+        self.zero = ZeroArguments.resolve(zero_stage, offload, offload_path, deepspeed_config)
+        check_zero_layout(self.zero, tensor_parallel, pipeline_parallel, expert_parallel)
         if tensor_parallel != "auto" and (not isinstance(tensor_parallel, int) or tensor_parallel < 1):
             raise ValueError(f"`tensor_parallel={tensor_parallel!r}` must be a positive integer or 'auto'.")
         if sequence_parallel and tensor_parallel == 1:
@@ -228,7 +235,11 @@ class HybridParallelStrategy(
     def _configure_launcher(self) -> None:
         # Runs inside Trainer(...), before processes are launched: fail here, not in a collective.
         self.dims = self._resolve_dims()
-        convert_precision_plugin(self.precision_plugin)  # an unsupported plugin fails here, before launch
+        # An unsupported plugin fails here, before launch.
+        if self.zero_enabled:
+            self._zero_precision_plugin()
+        else:
+            convert_precision_plugin(self.precision_plugin)
         super()._configure_launcher()
 
     @property
@@ -248,7 +259,10 @@ class HybridParallelStrategy(
         # Lightning's plugin, same precision, with clipping by the global norm over all shards and
         # an fp16 overflow decision shared by every rank.
         pp_group = self._device_mesh["pp"].get_group() if self.dims.pp_enabled else None
-        self.precision_plugin = convert_precision_plugin(self.precision_plugin, pipeline_group=pp_group)
+        if self.zero_enabled:
+            self.precision_plugin = self._zero_precision_plugin()  # DeepSpeed's scaler, master weights, clipping
+        else:
+            self.precision_plugin = convert_precision_plugin(self.precision_plugin, pipeline_group=pp_group)
         rank_zero_info(
             f"{type(self).__name__}: mesh {self.dims.describe()}, ranks from {type(self.cluster_environment).__name__}"
         )
@@ -275,6 +289,8 @@ class HybridParallelStrategy(
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.zero_enabled:
+                self._initialize_zero(trainer, module)
         self.setup_precision_plugin()
 
     def _parallelize(self, trainer: Trainer, module: LightningModule) -> None:
@@ -296,7 +312,9 @@ class HybridParallelStrategy(
         if self.compile:
             names = self.pipeline_runner.layout.discovery.block_names if self.pipeline_runner else None
             compile_blocks(module, names)
-        if self.dims.ep_enabled and layout is None:
+        if self.zero_enabled:
+            self._prepare_for_zero(module)  # ZeRO reduces over dp: no DDP hooks
+        elif self.dims.ep_enabled and layout is None:
             params = [p for p in module.parameters() if p.requires_grad]
             self._manual_gradient_sync = GradientSync(self._expert_gradient_groups(params))
         elif self.dims.dp_enabled and layout is None:

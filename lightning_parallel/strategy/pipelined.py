@@ -137,7 +137,8 @@ class PipelineStrategyMixin:
             tied_weight_groups(layout, mesh),
         )
         groups = self.pipeline_runner.tied_gradient_groups()
-        groups += self._expert_gradient_groups(self.pipeline_runner.parameters)  # type: ignore[attr-defined]
+        if not self.zero.enabled:  # type: ignore[attr-defined]  # else ZeRO reduces over dp in its step
+            groups += self._expert_gradient_groups(self.pipeline_runner.parameters)  # type: ignore[attr-defined]
         self.pipeline_runner.gradient_sync = self._gradient_sync = GradientSync(groups)
         self.pipeline_runner.aux_collector = getattr(self, "_aux_losses", None)
         if self.pipeline_runner.gradient_compressor is not None:

@@ -82,10 +82,13 @@ class ParityRecorder(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from torch.distributed.tensor import DTensor
 
+        from lightning_parallel.zero.tensor_parallel import user_named_parameters
+
         params = {}
         slices: dict[str, tuple[int, torch.Tensor]] = {}  # expert shards: name -> (first expert, slice)
-        for name, param in pl_module.named_parameters():
-            tensor = param.detach()
+        with gathered_zero_parameters(trainer.strategy, pl_module):
+            named = [(name, param, param.detach().clone()) for name, param in user_named_parameters(pl_module)]
+        for name, param, tensor in named:
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
             if tensor.is_meta:
@@ -127,6 +130,18 @@ class ParityRecorder(Callback):
             "global_step": trainer.global_step,
             "data_parallel": int(sampler_kwargs.get("num_replicas", 1)),
         }
+
+
+def gathered_zero_parameters(strategy: Any, module: torch.nn.Module) -> Any:
+    """ZeRO-3 keeps a partition of each parameter on each rank: gather them to read them."""
+    from contextlib import nullcontext
+
+    engine = getattr(strategy, "zero_engine", None)
+    if engine is None or engine.zero_optimization_stage() != 3:
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
 
 
 def _with_experts(merged: dict, experts_full: dict[str, torch.Tensor]) -> dict:

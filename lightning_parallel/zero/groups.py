@@ -1,0 +1,96 @@
+"""Our DeviceMesh, described to DeepSpeed as a Megatron-style ``mpu`` object.
+
+DeepSpeed asks an ``mpu`` which ranks ZeRO shards over (the data-parallel group), which ranks
+hold different slices of the model (the model-parallel group: pipeline stages x tensor shards,
+over which the gradient norm and the fp16 overflow flag are summed / maxed), and the
+tensor-parallel rank (parameters not split by tensor parallelism are counted in the norm on
+tensor rank 0 only). The answers come from the one mesh the strategy built, so ZeRO's groups
+are the strategy's groups.
+
+With expert parallelism ZeRO shards over the expert-data-parallel ranks (``dp_replicate``), and
+``ep`` joins the "tensor" axis for DeepSpeed: expert slices differ across it as tensor shards do,
+while a dense weight is the same on every ``ep`` rank and is counted once in the norm.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+
+class MeshParallelUnit:
+    """The ``mpu`` interface DeepSpeed queries, answered from a ``("pp", ..., "dp", "tp")`` mesh."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self._mesh = mesh
+        self._pp = mesh["pp"]
+        # Every rank takes part in creating the flattened groups (a collective), also when a
+        # group has one member.
+        if "ep" in (mesh.mesh_dim_names or ()):
+            self._dp = mesh["dp_replicate"]
+            self._tp = _flat(mesh, ("ep", "tp"))
+            self._mp = _flat(mesh, ("pp", "ep", "tp"))
+        else:
+            self._dp = mesh["dp"]
+            self._tp = mesh["tp"]
+            self._mp = _flat(mesh, ("pp", "tp"))  # same data-parallel index, any stage and shard
+
+    # data parallel (what ZeRO shards over)
+    def get_data_parallel_group(self) -> Any:
+        return self._dp.get_group()
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._dp.size()
+
+    def get_data_parallel_rank(self) -> int:
+        return self._dp.get_local_rank()
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self.get_data_parallel_group())
+
+    # model parallel = pipeline x tensor
+    def get_model_parallel_group(self) -> Any:
+        return self._mp.get_group()
+
+    def get_model_parallel_world_size(self) -> int:
+        return self._mp.size()
+
+    def get_model_parallel_rank(self) -> int:
+        return self._mp.get_local_rank()
+
+    # tensor parallel
+    def get_tensor_model_parallel_group(self) -> Any:
+        return self._tp.get_group()
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self._tp.size()
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self._tp.get_local_rank()
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return dist.get_process_group_ranks(self.get_tensor_model_parallel_group())[0]
+
+    # pipeline
+    def get_pipeline_model_parallel_group(self) -> Any:
+        return self._pp.get_group()
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self._pp.size()
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self._pp.get_local_rank()
+
+    get_pipe_parallel_group = get_pipeline_model_parallel_group
+    get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size
+    get_pipe_parallel_rank = get_pipeline_model_parallel_rank
+
+
+def _flat(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
+    name = "_".join(axes)
+    try:
+        return mesh[name]
+    except KeyError:
+        return mesh[axes]._flatten(name)

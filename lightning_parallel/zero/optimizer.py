@@ -1,0 +1,66 @@
+"""The user's optimizer, as ZeRO offloading wants it.
+
+With optimizer states offloaded, the update runs on the CPU: a torch Adam/AdamW there is several
+times slower than DeepSpeed's vectorised CPU Adam, so those two are rebuilt as ``DeepSpeedCPUAdam``
+with the same parameter groups and hyper-parameters (``adamw_mode`` keeps AdamW's decoupled weight
+decay apart from Adam's L2 term). Any other optimizer stays the user's and runs on the CPU. The LR
+schedulers of ``configure_optimizers`` are re-pointed at the new optimizer, so they keep stepping
+as in Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def _adam_mode(optimizer: torch.optim.Optimizer) -> bool | None:
+    """``True`` for AdamW, ``False`` for Adam, ``None`` for anything else."""
+    if type(optimizer) is torch.optim.AdamW:
+        return True
+    if type(optimizer) is torch.optim.Adam:
+        # torch >= 2.6: Adam(decoupled_weight_decay=True) is AdamW.
+        return bool(optimizer.defaults.get("decoupled_weight_decay", False))
+    return None
+
+
+def offload_optimizer(optimizer: torch.optim.Optimizer, schedulers: Iterable[Any] = ()) -> torch.optim.Optimizer:
+    """Return DeepSpeed's CPU Adam for a torch Adam/AdamW (same groups and hyper-parameters), else ``optimizer``."""
+    adamw_mode = _adam_mode(optimizer)
+    if adamw_mode is None:
+        return optimizer
+    for option in ("amsgrad", "maximize"):
+        if any(group.get(option, False) for group in optimizer.param_groups):
+            raise ValueError(
+                f"`{type(optimizer).__name__}({option}=True)` with `offload='cpu'`: DeepSpeed's CPU Adam has no"
+                f" {option}. Drop {option}, or turn offloading off."
+            )
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    groups = []
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k in ("params", "lr", "betas", "eps", "weight_decay")}
+        hyper["lr"] = float(hyper["lr"])
+        groups.append(hyper)
+    defaults = optimizer.defaults
+    replacement = DeepSpeedCPUAdam(
+        groups,
+        lr=float(defaults["lr"]),
+        betas=tuple(defaults["betas"]),
+        eps=defaults["eps"],
+        weight_decay=defaults["weight_decay"],
+        adamw_mode=adamw_mode,
+    )
+    for scheduler in schedulers:
+        _repoint(scheduler, optimizer, replacement)
+    return replacement
+
+
+def _repoint(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+    if getattr(scheduler, "optimizer", None) is not old:
+        return
+    scheduler.optimizer = new
+    # The scheduler counted calls of the old optimizer's ``step``; the new one is stepped by ZeRO.
+    new._opt_called = True  # type: ignore[attr-defined]

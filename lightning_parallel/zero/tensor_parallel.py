@@ -1,0 +1,83 @@
+"""Tensor-parallel weights as plain local shards, so that DeepSpeed can flatten them.
+
+ZeRO copies every parameter into flat buffers and points ``param.data`` into them: a DTensor
+parameter cannot be treated so (its data is a wrapper). A parametrization keeps the module's
+view unchanged (``module.weight`` is still the DTensor the tensor-parallel styles and the
+model's code expect) while the registered parameter is the plain local shard; the gradient of
+the shard is the DTensor gradient's local part (``DTensor.from_local`` is differentiable).
+Shards that differ across tensor ranks are flagged ``tensor_model_parallel`` so that
+DeepSpeed's gradient norm counts them on every rank and replicated weights once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.nn.utils import parametrize
+
+
+class FromLocalShard(nn.Module):
+    """``local shard -> DTensor`` with the placements and global shape the weight had."""
+
+    def __init__(self, like: DTensor) -> None:
+        super().__init__()
+        self.mesh = like.device_mesh
+        self.placements = tuple(like.placements)
+        self.shape = like.shape
+        self.stride = like.stride()
+
+    def forward(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
+
+    def right_inverse(self, value: Any) -> torch.Tensor:
+        return value.to_local() if isinstance(value, DTensor) else value
+
+
+def local_shard_parameters(module: nn.Module) -> int:
+    """Re-register every DTensor parameter of ``module`` as its local shard; returns how many."""
+    count = 0
+    for owner in list(module.modules()):
+        for name, param in list(owner.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                continue
+            sharded = any(not isinstance(p, Replicate) for p in param.placements)
+            parametrize.register_parametrization(owner, name, FromLocalShard(param), unsafe=True)
+            original = getattr(owner.parametrizations, name).original
+            original.requires_grad_(param.requires_grad)
+            if sharded:
+                original.tensor_model_parallel = True
+            count += 1
+    return count
+
+
+def mark_model_parallel(parameters: Any) -> None:
+    """Flag plain parameters that hold a slice (expert weights under expert parallelism)."""
+    for param in parameters:
+        param.tensor_model_parallel = True
+
+
+def user_named_parameters(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``named_parameters()`` under the user's names: a parametrized weight as the module sees it."""
+    out = []
+    for name, param in module.named_parameters():
+        if ".parametrizations." not in f".{name}":
+            out.append((name, param))
+            continue
+        owner_name, _, rest = name.partition("parametrizations.")
+        attribute = rest.removesuffix(".original")
+        owner = module.get_submodule(owner_name.rstrip("."))
+        out.append((f"{owner_name}{attribute}", getattr(owner, attribute)))
+    return out
+
+
+def user_name(name: str) -> str:
+    """``a.parametrizations.weight.original`` -> ``a.weight`` (state-dict keys under ZeRO with TP)."""
+    if ".parametrizations." not in f".{name}":
+        return name
+    prefix, _, rest = name.partition("parametrizations.")
+    return prefix + rest.removesuffix(".original")
