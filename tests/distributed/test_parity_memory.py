@@ -10,7 +10,7 @@ GPT (DDP reducer), tensor parallel on the nanoGPT-style model (narrow attention 
 every block, re-run by the recomputation; one case with sequence parallelism, whose
 all-gathers are re-run too), pipeline parallel (1F1B) on the recipe GPT (its tied
 embedding/head split over the two stages; also interleaved 1F1B and ZB-V with two stages per
-rank).
+rank, and every other schedule with each recomputation mode it allows).
 """
 
 from __future__ import annotations
@@ -81,6 +81,20 @@ EXACT = [
     ),
 ]
 EXACT.append(_case("mem_ep2_full", "ep2", EXPERTS, activation_checkpointing="full"))
+# The rest of the compatibility matrix (docs/compatibility.md): selective recomputation re-runs
+# the sequence-parallel all-gathers and the expert all-to-all; each pipeline schedule with each
+# mode it allows (selective 'ops' is refused with the zero-bubble schedules: tests/strategy/test_bad_input.py).
+EXACT += [
+    _case("mem_tp2_sp_selective", "tp2", sequence_parallel=True, activation_checkpointing="selective"),
+    _case("mem_ep2_selective", "ep2", EXPERTS, activation_checkpointing="selective"),
+    *[
+        _case(f"mem_pp2_{schedule}_{mode}", "pp2", MULTI_STAGE, activation_checkpointing=mode,
+              pipeline_schedule=schedule, micro_batches=4)
+        for schedule, mode in [("gpipe", "full"), ("gpipe", "selective"), ("interleaved_1f1b", "full"),
+                               ("looped_bfs", "full"), ("looped_bfs", "selective"),
+                               ("interleaved_zero_bubble", "full"), ("dualpipev", "full")]
+    ],
+]  # fmt: skip
 COMPRESSED = [_case(f"mem_{layout}_bf16", layout, activation_compression="bf16") for layout in LAYOUTS]
 # bf16 all-reduce of the data-parallel gradient means (the experts' own reductions stay exact).
 GRADIENT_COMPRESSED = [_case("mem_ep2_grad_bf16", "ep2", EXPERTS, gradient_compression="bf16")]
