@@ -7,6 +7,7 @@ work by name, also from ``LightningCLI`` YAML files.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_parallel.checkpoint.transfer import export_checkpoint, load_weights
 from lightning_parallel.comm import PowerSGD
 from lightning_parallel.launch import SLURMAutoRequeue
 from lightning_parallel.memory import ActivationMemoryMonitor
@@ -25,4 +26,6 @@ __all__ = [
     "PowerSGD",
     "SLURMAutoRequeue",
     "auto_plan",
+    "export_checkpoint",
+    "load_weights",
 ]

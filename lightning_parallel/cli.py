@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from lightning_parallel.checkpoint.transfer import add_export_command, run_export
 from lightning_parallel.plans import ParallelPlan, auto_plan, plan_from_dict
 from lightning_parallel.tensor_parallel.styles import is_conv1d
 
@@ -182,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--pipeline-virtual-stages", type=int, default=None, help="stages per rank (interleaved)"
     )
+    add_export_command(commands)  # checkpoint -> one safetensors file (checkpoint/transfer.py)
     return parser
 
 
@@ -268,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "plan":
             print(run_plan(args))
+        elif args.command == "export":
+            print(run_export(args))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

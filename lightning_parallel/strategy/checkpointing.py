@@ -10,6 +10,7 @@ files always hold the user's own layout, and the model keeps its strided placeme
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,29 @@ def _experts_as_local(state: dict[str, Any], layouts: dict[str, Any], optimizer:
     }
 
 
+WeightsFile = str | os.PathLike
+_WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+
+
+def check_init_weights(init_weights: WeightsFile | None) -> Path | None:
+    """``init_weights`` is checked where the strategy is built, before any process is launched."""
+    if init_weights is None:
+        return None
+    if not isinstance(init_weights, (str, os.PathLike)):
+        raise ValueError(
+            f"`init_weights={init_weights!r}` must be the path of a state-dict file (`.safetensors`, `.pt`, `.bin`)."
+        )
+    path = Path(init_weights)
+    if path.suffix not in _WEIGHT_SUFFIXES or not path.is_file():
+        raise ValueError(
+            f"`init_weights={str(path)!r}` must be an existing single-file state dict ({', '.join(_WEIGHT_SUFFIXES)})."
+            " Write one with `safetensors.torch.save_file(module.state_dict(), path)`, `torch.save(...)` or"
+            " `python -m lightning_parallel export CHECKPOINT OUT.safetensors`; to resume a run pass the checkpoint"
+            " to `Trainer.fit(ckpt_path=...)` instead."
+        )
+    return path
+
+
 # The strategy's own part of a checkpoint's metadata (Lightning writes rank 0's dict only, so
 # per-rank values are gathered into lists indexed by global rank).
 STATE_KEY = "lightning_parallel"
@@ -164,6 +188,17 @@ def _fit_progress(trainer: Any) -> tuple[int, int]:
 class ShardedCheckpointing(MeshParallelStrategy):
     """``MeshParallelStrategy`` whose checkpoints keep fused projections in the user's layout, are written
     atomically, hold every rank's random state, and resume a plain training ``DataLoader`` mid-epoch."""
+
+    init_weights: Path | None
+
+    def _load_init_weights(self, module: torch.nn.Module) -> None:
+        """``init_weights``: after sharding, before the optimizer exists (``checkpoint/transfer.py``)."""
+        if self.init_weights is None:
+            return
+        from lightning_parallel.checkpoint.transfer import load_weights
+
+        load_weights(module, self.init_weights, strict=getattr(module, "strict_loading", True))
+        rank_zero_info(f"{type(self).__name__}: loaded the weights of {self.init_weights}")
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

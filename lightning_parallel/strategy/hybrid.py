@@ -39,7 +39,7 @@ from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.plans import ParallelPlan
 from lightning_parallel.precision import convert_precision_plugin
 from lightning_parallel.strategy import parallel_state
-from lightning_parallel.strategy.checkpointing import ShardedCheckpointing
+from lightning_parallel.strategy.checkpointing import ShardedCheckpointing, WeightsFile, check_init_weights
 from lightning_parallel.strategy.compile import compile_blocks
 from lightning_parallel.strategy.experts import ExpertStrategyMixin, check_expert_arguments
 from lightning_parallel.strategy.memory_savers import MemorySaverArguments, MemorySaversMixin
@@ -125,6 +125,10 @@ class HybridParallelStrategy(
             loss: no all-gather of the logits). Opt-in: the training step may only reshape the
             logits and pass them to ``F.cross_entropy``.
         timeout: collective timeout: a rank that dies ends the job after this long.
+        init_weights: a single-file state dict (``.safetensors``, or ``torch.save``'d ``.pt``/``.bin``;
+            e.g. a pretrained model, or the unparallelised module's ``state_dict()``) loaded after
+            sharding, each rank reading only its own part; names may lack the LightningModule's
+            prefix (``model.``). Resuming a run is ``Trainer.fit(ckpt_path=...)`` instead (docs/checkpoints.md).
     """
 
     strategy_name = "hybrid_parallel"
@@ -154,6 +158,7 @@ class HybridParallelStrategy(
         compile: bool = False,
         loss_parallel: bool = False,
         save_distributed_checkpoint: bool = True,
+        init_weights: WeightsFile | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float = timedelta(minutes=15),
     ) -> None:
@@ -165,6 +170,7 @@ class HybridParallelStrategy(
             timeout=timeout,
         )
         check_expert_arguments(expert_parallel, moe_aux_loss_coef, moe_z_loss_coef)
+        self.init_weights = check_init_weights(init_weights)
         if not save_distributed_checkpoint and (pipeline_parallel > 1 or expert_parallel > 1):
             raise ValueError(
                 "`save_distributed_checkpoint=False` (one consolidated file) is not supported with"
@@ -285,6 +291,7 @@ class HybridParallelStrategy(
         assert module is not None
         if not parallel_state.restore(self, module):  # a module parallelized by an earlier fit/validate/...
             self._parallelize(trainer, module)
+            self._load_init_weights(module)
             parallel_state.remember(self, module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
