@@ -96,7 +96,8 @@ class SLURMAutoRequeue(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if hasattr(trainer.strategy, "device_mesh") and getattr(trainer.strategy, "_device_mesh", None):
             check_tensor_parallel_placement(trainer.strategy)
-        environment = trainer.strategy.cluster_environment
+        # As Lightning's signal connector reads it: single-device strategies have no attribute for it.
+        environment = trainer._accelerator_connector.cluster_environment
         if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue):
             return
         if environment.requeue_signal is None or threading.current_thread() is not threading.main_thread():
