@@ -3,7 +3,8 @@
 Two families: Hugging Face Mixtral from a tiny config (unchanged code, fused experts, top-2,
 dropless) and the project's MoE recipe (4 experts, top-2, capacity factor 1.25: tokens are
 dropped; its training step adds the layers' load-balancing and z-losses). Layouts: ep=2,
-ep=2 x dp=2 (dp_replicate=2), ep=2 x tp=2 and ep=2 x pp=2; bf16-mixed within its tolerance.
+ep=2 x dp=2 (dp_replicate=2), ep=2 x tp=2 and ep=2 x pp=2 (every schedule); bf16 and fp16, mixed
+and true, within the low-precision tolerance.
 Capacity is computed over the global batch of the data-parallel ranks, so drops equal the
 single process. Under pipeline parallelism capacity applies per micro-batch (as it does under
 gradient accumulation), so the case with drops runs one micro-batch (GPipe) to stay
@@ -37,7 +38,11 @@ def _case(name: str, family: str, world_size: int, fields: dict | None = None, *
 # same loss in its step (tests/models/hf.py, HFMixtralAuxModule): same losses, same gradients.
 AUX = {"moe_aux_loss_coef": HFMixtralAuxModule.AUX_COEF}
 TWO = [*[_case(f"ep2_{f}", f, 2) for f in FAMILIES], _case("ep2_aux_hf_mixtral", "hf_mixtral_aux", 2, **AUX)]
-BF16 = [_case("ep2_bf16_recipe_moe", "recipe_moe", 2, fields={"trainer_kwargs": {"precision": "bf16-mixed"}})]
+BF16 = [
+    _case(f"ep2_{name}_recipe_moe", "recipe_moe", 2, fields={"trainer_kwargs": {"precision": precision}})
+    for name, precision in [("bf16", "bf16-mixed"), ("bf16true", "bf16-true"), ("fp16", "16-mixed"),
+                            ("fp16true", "16-true")]
+]  # fmt: skip
 FOUR = [
     *[_case(f"ep2_dp2_{f}", f, 4) for f in FAMILIES],
     *[_case(f"ep2_tp2_{f}", f, 4, tensor_parallel=2) for f in FAMILIES],
@@ -47,7 +52,14 @@ FOUR = [
     _case(
         "ep2_pp2_recipe_moe", "recipe_moe", 4, pipeline_parallel=2, pipeline_schedule="gpipe", micro_batches=1
     ),
-]
+    # Every multi-stage schedule (the compatibility matrix): Mixtral is dropless, so micro-batches
+    # of one sample route like the whole batch; 4 blocks for two stages per rank.
+    *[
+        _case(f"ep2_pp2_{s}_hf_mixtral", "hf_mixtral", 4, fields={"model_kwargs": {"n_layer": 4}, "steps": 2},
+              pipeline_parallel=2, pipeline_schedule=s, micro_batches=4)
+        for s in ["interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev"]
+    ],
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +82,9 @@ def test_expert_parallel_two_processes(two_process: dict[str, Result], case: Cas
 @pytest.mark.compat  # the matrix pairs of the case parameter (tests/compat.py)
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", BF16, ids=lambda c: c.name)
-def test_expert_parallel_bf16_within_its_tolerance(two_process: dict[str, Result], case: Case) -> None:
+def test_expert_parallel_low_precision_within_its_tolerance(
+    two_process: dict[str, Result], case: Case
+) -> None:
     result, ref = two_process[case.name], reference(case)
     assert len(result.losses) == len(ref.losses) > 0
     for step, (got, want) in enumerate(zip(result.losses, ref.losses, strict=True)):

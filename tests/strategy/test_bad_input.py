@@ -15,6 +15,7 @@ import lightning as L
 import pytest
 
 from lightning_parallel import HybridParallelStrategy
+from tests.compat import refusal
 from tests.strategy import launch
 
 # ---- in the user's process, before launching --------------------------------------------------
@@ -136,6 +137,44 @@ def test_pipeline_degree_that_does_not_fit_the_devices_fails_in_the_trainer_cons
     with pytest.raises(ValueError, match=r"`pipeline_parallel=2` = 4 does not divide the world size 2"):
         L.Trainer(accelerator="cpu", devices=2, logger=False,
                   strategy=HybridParallelStrategy(tensor_parallel=2, pipeline_parallel=2))  # fmt: skip
+
+
+# ---- pairs of the compatibility matrix that are refused (docs/compatibility.md) ---------------
+
+REFUSED_AT_CONSTRUCTION = [
+    refusal(
+        (f"pp={schedule}", "ac=selective"),
+        dict(pipeline_parallel=2, pipeline_schedule=schedule, activation_checkpointing="selective"),
+        f"`activation_checkpointing='selective'` (policy 'ops') with `pipeline_schedule={schedule!r}` is not"
+        " supported: that schedule runs backward twice over each stage",
+    )
+    for schedule in ("interleaved_zero_bubble", "zbv", "dualpipev")
+]
+REFUSED_IN_THE_TRAINER = [
+    refusal(
+        ("sp", "ep"),
+        dict(tensor_parallel=2, sequence_parallel=True, expert_parallel=2),
+        "HybridParallelStrategy(`sequence_parallel=True`, `tensor_parallel=2`, `expert_parallel=2`) is not"
+        " supported: under sequence parallelism each tensor-parallel rank holds a slice of the sequence",
+        world_size=4,
+    )
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), REFUSED_AT_CONSTRUCTION)
+def test_refused_pairs_fail_at_construction(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        HybridParallelStrategy(**kwargs)
+    assert message in str(info.value)
+    assert "Use `activation_checkpointing='full'`" in str(info.value)  # the nearest supported setting
+
+
+@pytest.mark.parametrize(("kwargs", "message"), REFUSED_IN_THE_TRAINER)
+def test_refused_pairs_fail_in_the_trainer_constructor(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        L.Trainer(accelerator="cpu", devices=4, strategy=HybridParallelStrategy(**kwargs), logger=False)
+    assert message in str(info.value)
+    assert "Nearest supported layouts: `sequence_parallel=False`" in str(info.value)
 
 
 def test_sequence_parallel_without_tensor_parallel_warns() -> None:
