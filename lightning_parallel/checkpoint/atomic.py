@@ -3,19 +3,20 @@
 A sharded checkpoint is a folder that every rank writes into, and ``ModelCheckpoint`` writes
 ``last.ckpt`` under the same name at every save. Written in place, a rank that dies half-way
 leaves a folder mixing the old and the new step (``torch.distributed.checkpoint`` warns that
-it overwrites in place). So every save goes to a hidden sibling, ``.<name>.partial``; only when
+it overwrites in place). So every save goes to ``.lightning_parallel/<name>.partial`` next to it; only when
 all ranks have finished (the folder is complete once rank 0 has written Lightning's
 ``meta.pt``, which it does after ``torch.distributed.checkpoint.save`` returned, that is after
 every rank's shard is on disk) does rank 0 move it into place:
 
-1. ``<name>`` -> ``.<name>.previous`` (if a checkpoint is there), one ``rename``;
-2. ``.<name>.partial`` -> ``<name>``, one ``rename``;
-3. delete ``.<name>.previous``.
+1. ``<name>`` -> ``.lightning_parallel/<name>.previous`` (if a checkpoint is there), one ``rename``;
+2. ``.lightning_parallel/<name>.partial`` -> ``<name>``, one ``rename``;
+3. delete ``<name>.previous`` (and the hidden folder once empty).
 
 At every instant either ``<name>`` is a complete checkpoint, or (between 1 and 2) both hidden
-siblings are; :func:`recover` puts the newest complete one back under ``<name>`` before a load,
-so ``Trainer(ckpt_path=...)`` finds it. The hidden names do not end in ``.ckpt``, so
-``ModelCheckpoint`` never mistakes them for checkpoints (``ckpt_path="last"`` included).
+copies are; :func:`recover` puts the newest complete one back under ``<name>`` before a load,
+so ``Trainer(ckpt_path=...)`` finds it. The hidden folder's name holds neither ``.ckpt`` nor
+``ckpt_``, so Lightning's searches of the folder (``ckpt_path="last"``, the SLURM requeue's
+``hpc_ckpt_<n>``) never mistake an unfinished save for a checkpoint.
 """
 
 from __future__ import annotations
@@ -30,12 +31,15 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 __all__ = ["commit", "is_complete", "previous_path", "recover", "remove", "staging_path"]
 
 
+HIDDEN = ".lightning_parallel"
+
+
 def staging_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.partial")
+    return path.parent / HIDDEN / f"{path.name}.partial"
 
 
 def previous_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.previous")
+    return path.parent / HIDDEN / f"{path.name}.previous"
 
 
 def remove(path: Path) -> None:
@@ -85,6 +89,10 @@ def commit(staging: Path, path: Path) -> None:
     os.rename(staging, path)
     _fsync_dir(path.parent)
     remove(previous)
+    try:
+        staging.parent.rmdir()  # only when empty: no other save in progress or left behind
+    except OSError:
+        pass
 
 
 def recover(path: Path, log: Callable[[str], None] = print) -> None:

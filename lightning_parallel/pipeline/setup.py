@@ -119,7 +119,7 @@ def norm_duplicates(layout: StageLayout, pp_rank: int, module: nn.Module) -> set
     """Ids of tied weights this rank must leave out of the global gradient norm (counted on their first rank)."""
     out = set()
     for name, ranks in layout.tied_across_ranks().items():
-        if pp_rank != ranks[0]:
+        if pp_rank in ranks and pp_rank != ranks[0]:  # middle stages of 3+ do not hold it at all
             out.add(id(module.get_parameter(name)))
     return out
 

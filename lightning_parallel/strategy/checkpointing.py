@@ -218,7 +218,7 @@ class ShardedCheckpointing(MeshParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         """Sharded (one folder, ``torch.distributed.checkpoint``) or consolidated (one file), written to a
-        hidden sibling and moved into place only when complete (``checkpoint/atomic.py``)."""
+        hidden folder beside it and moved into place only when complete (``checkpoint/atomic.py``)."""
         from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_save
         from lightning.fabric.utilities.load import _METADATA_FILENAME
         from lightning.fabric.utilities.seed import _collect_rng_states
@@ -230,6 +230,8 @@ class ShardedCheckpointing(MeshParallelStrategy):
             raise TypeError(
                 f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported."
             )
+        if not self._save_distributed_checkpoint:
+            self._check_consolidated_supported()  # on every rank, before any collective
         path = Path(self.broadcast(str(filepath)))
         dims = getattr(self, "dims", None)
         checkpoint[STATE_KEY] = {
@@ -238,7 +240,7 @@ class ShardedCheckpointing(MeshParallelStrategy):
         }
         staging = atomic.staging_path(path)
         if self.global_rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            staging.parent.mkdir(parents=True, exist_ok=True)
             atomic.remove(staging)  # what an earlier, interrupted save left
         self.barrier("lightning_parallel.save_checkpoint.begin")
         if self._save_distributed_checkpoint:
@@ -251,7 +253,6 @@ class ShardedCheckpointing(MeshParallelStrategy):
             if self.global_rank == 0:
                 torch.save(checkpoint, staging / _METADATA_FILENAME)  # last: marks the folder complete
         elif self.global_rank == 0:
-            self._check_consolidated_supported()
             self.checkpoint_io.save_checkpoint(checkpoint, staging)
         self.barrier("lightning_parallel.save_checkpoint.written")
         if self.global_rank == 0:
@@ -276,7 +277,7 @@ class ShardedCheckpointing(MeshParallelStrategy):
             raise ValueError(
                 "A consolidated checkpoint (`save_distributed_checkpoint=False`) is not supported under pipeline or"
                 " expert parallelism yet: it would hold rank 0's weights only. Save the sharded checkpoint and"
-                " convert it with `torch.distributed.checkpoint.format_utils.dcp_to_torch_save`."
+                " export its weights with `python -m lightning_parallel export CHECKPOINT OUT.safetensors`."
             )
 
     @override

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 Offload = Literal["cpu", "nvme"]
+BUCKET_ELEMENTS = 25_000_000
 
 # Keys Lightning owns: a raw DeepSpeed value for them would disagree with the Trainer silently.
 _OWNED_KEYS = {
@@ -113,7 +114,13 @@ class ZeroArguments:
             # Lightning's loop owns accumulation; ZeRO-2/3 may overlap the reduction with backward.
             "overlap_comm": self.stage >= 2,
             "contiguous_gradients": True,
+            # DeepSpeed's defaults (5e8 elements) allocate 2 GB fp32 buffers per rank even for a
+            # small model; 25M elements is DDP's bucket order of magnitude.
+            "reduce_bucket_size": BUCKET_ELEMENTS,
+            "allgather_bucket_size": BUCKET_ELEMENTS,
         }
+        if self.stage == 3:
+            zero["stage3_prefetch_bucket_size"] = BUCKET_ELEMENTS
         if self.offload == "cpu":
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
             if self.stage == 3:

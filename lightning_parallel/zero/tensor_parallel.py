@@ -34,21 +34,27 @@ class FromLocalShard(nn.Module):
             local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
         )
 
-    def right_inverse(self, value: Any) -> torch.Tensor:
-        return value.to_local() if isinstance(value, DTensor) else value
-
 
 def local_shard_parameters(module: nn.Module) -> int:
     """Re-register every DTensor parameter of ``module`` as its local shard; returns how many."""
     count = 0
+    shards: dict[int, nn.Parameter] = {}  # a tied weight (embedding = head) stays one parameter
     for owner in list(module.modules()):
         for name, param in list(owner.named_parameters(recurse=False)):
             if not isinstance(param, DTensor):
                 continue
             sharded = any(not isinstance(p, Replicate) for p in param.placements)
-            parametrize.register_parametrization(owner, name, FromLocalShard(param), unsafe=True)
+            to_dtensor = FromLocalShard(param)
+            # The plain shard first, so that the parametrization adopts it as its ``original``
+            # (converting a DTensor in place is refused: different tensor subclasses).
+            local = shards.get(id(param))
+            if local is None:
+                local = shards[id(param)] = nn.Parameter(
+                    param.to_local().detach(), requires_grad=param.requires_grad
+                )
+            owner._parameters[name] = local
+            parametrize.register_parametrization(owner, name, to_dtensor, unsafe=True)
             original = getattr(owner.parametrizations, name).original
-            original.requires_grad_(param.requires_grad)
             if sharded:
                 original.tensor_model_parallel = True
             count += 1

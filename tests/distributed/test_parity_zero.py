@@ -29,8 +29,23 @@ DP2 = [
     *[_case(f"zero{s}_cpu_dp2_nanogpt", "nanogpt", zero_stage=s, offload="cpu", model_kwargs=ADAM) for s in (1, 2, 3)],
 ]
 
+# ZeRO-1 composed with the other parallelisms, each with 2 data-parallel ranks to shard over.
+FOUR = [
+    _case("zero1_tp2_dp2_nanogpt", "nanogpt", 4, zero_stage=1, tensor_parallel=2),
+    _case("zero2_tp2_dp2_nanogpt", "nanogpt", 4, zero_stage=2, tensor_parallel=2),
+    _case("zero1_pp2_dp2_nanogpt", "nanogpt", 4, zero_stage=1, pipeline_parallel=2,
+          pipeline_schedule="1f1b", micro_batches=2),
+    _case("zero1_ep2_dp2_hf_mixtral", "hf_mixtral", 4, zero_stage=1, expert_parallel=2),
+]  # fmt: skip
+
 
 def test_zero_stages_on_two_ranks() -> None:
     results = run_cases(DP2, world_size=2)
     for case in DP2:
+        assert_parity(results[case.name], reference(case))
+
+
+def test_zero_composed_on_four_ranks() -> None:
+    results = run_cases(FOUR, world_size=4)
+    for case in FOUR:
         assert_parity(results[case.name], reference(case))

@@ -26,7 +26,8 @@ import pytest
 
 from tests.slurm import ROOT, Cluster, Job, cluster
 
-pytestmark = pytest.mark.timeout(600)
+# 900 s: the first test also starts the cluster (apt install on a clean machine); every wait below is bounded.
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 MAX_STEPS = 20
 SIGNAL_AFTER = 6  # mid-epoch: an epoch of the tiny config on 2 data-parallel replicas is ~300 steps

@@ -56,7 +56,7 @@ def test_a_crash_during_a_save_leaves_the_last_checkpoint_resumable(tmp_path: Pa
 
 
 def _checkpoint(path: Path, step: int) -> Path:
-    path.mkdir(parents=True)
+    path.mkdir(parents=True)  # a sharded checkpoint as far as the move is concerned
     torch.save({"global_step": step}, path / "meta.pt")
     (path / ".metadata").write_bytes(b"dcp")
     return path
@@ -89,7 +89,7 @@ def test_each_point_of_the_move_into_place_leaves_a_complete_checkpoint(
 def test_an_incomplete_save_is_never_restored(tmp_path: Path) -> None:
     path = tmp_path / "last.ckpt"
     staging = atomic.staging_path(path)
-    staging.mkdir()
+    staging.mkdir(parents=True)
     (staging / "__0_0.distcp").write_bytes(b"half")  # no metadata: the writers did not finish
     atomic.recover(path, log=lambda _: None)
     assert not path.exists()

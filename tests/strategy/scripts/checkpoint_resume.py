@@ -1,7 +1,9 @@
 """Save mid-epoch and resume a sharded checkpoint in the same layout (tp=2 on 2 ranks), recording losses.
 
-    python tests/strategy/scripts/checkpoint_resume.py first  OUT_DIR [LAYOUT]  # 6 steps straight; 3 steps + save
-    python tests/strategy/scripts/checkpoint_resume.py resume OUT_DIR [LAYOUT]  # fresh processes: resume to step 6
+    python tests/strategy/scripts/checkpoint_resume.py first  OUT_DIR [LAYOUTS]  # 6 steps straight; 3 steps + save
+    python tests/strategy/scripts/checkpoint_resume.py resume OUT_DIR [LAYOUTS]  # fresh processes: resume to step 6
+
+``LAYOUTS``: comma-separated, each run in turn by the same processes, into ``OUT_DIR/<layout>/``.
 
 ``LAYOUT`` is ``tp2`` (default), ``pp2`` (two pipeline stages, 2 micro-batches, 1F1B; the
 sharded checkpoint only: each stage writes its own blocks) or ``ep2`` (the MoE recipe with its
@@ -51,12 +53,16 @@ class RecordLosses(L.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.batches: list[list[int]] = []  # (epoch, batch index, first token of each sample): the data order
+        self.scales: list[float] = []
 
     def on_train_batch_end(
         self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, i: int
     ) -> None:
         self.losses.append(float(outputs["loss"]))
         self.batches.append([trainer.current_epoch, i, *batch[0][:, 0].tolist()])
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:  # fp16: the loss scale after this step's update (it grows every 2 steps)
+            self.scales.append(float(scaler.get_scale()))
 
 
 class SaveConsolidated(L.Callback):
@@ -85,7 +91,17 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2": dict(tensor_parallel=2),
     "pp2": dict(pipeline_parallel=2, micro_batches=2, pipeline_schedule="1f1b"),
     "ep2": dict(expert_parallel=2),
+    "tp2_fp16": dict(tensor_parallel=2),  # with "16-mixed" and a loss scaler that changes every 2 steps
 }
+
+
+def precision(layout: str) -> dict[str, Any]:
+    if layout != "tp2_fp16":
+        return {"precision": "32-true"}
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
 
 
 def build_model(layout: str) -> L.LightningModule:
@@ -117,13 +133,14 @@ def fit(
     data_parallel = 2 if layout == "ep2" else 1  # experts are carved out of two data-parallel ranks
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=HybridParallelStrategy(timeout=60, **LAYOUTS[layout]),
-        precision="32-true", max_steps=max_steps, use_distributed_sampler=data_parallel > 1, callbacks=callbacks,
+        **precision(layout), max_steps=max_steps, use_distributed_sampler=data_parallel > 1, callbacks=callbacks,
         logger=False, enable_checkpointing=save_to is not None, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(model, loader(data_parallel), ckpt_path=ckpt_path)
     result: dict[str, Any] = {
-        "losses": recorder.losses, "batches": recorder.batches, "global_step": trainer.global_step
+        "losses": recorder.losses, "batches": recorder.batches, "scales": recorder.scales,
+        "global_step": trainer.global_step,
     }  # fmt: skip
     if trainer.global_rank == 0 and layout == "tp2":
         plan = trainer.strategy.plan
@@ -131,14 +148,18 @@ def fit(
     (out / f"{run}.rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
-def main(mode: str, out: Path, layout: str = "tp2") -> None:
+def main(mode: str, out: Path, layouts: str = "tp2") -> None:
     torch.set_num_threads(1)
+    for layout in layouts.split(","):  # one launch runs every layout: start-up dominates
+        run_layout(mode, out / layout, layout)
+
+
+def run_layout(mode: str, out: Path, layout: str) -> None:
+    out.mkdir(exist_ok=True)
     checkpoint = out / "step3.ckpt"
     if mode == "first":
         fit(out, "straight", STEPS, layout=layout)
         fit(out, "first_half", FIRST_HALF, save_to=checkpoint, layout=layout)
-    elif mode == "resume-sharded":  # a checkpoint another layout wrote (resharding on load)
-        fit(out, "resumed", STEPS, ckpt_path=checkpoint, layout=layout)
     elif mode == "resume":
         fit(out, "resumed", STEPS, ckpt_path=checkpoint, layout=layout)
         if layout == "tp2":
