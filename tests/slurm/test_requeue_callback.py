@@ -83,3 +83,19 @@ def test_failed_requeue_warns_and_training_goes_on(tmp_path: Path, monkeypatch: 
     assert trainer.global_step == 4
     assert signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)  # handler removed at teardown
     assert (tmp_path / "hpc_ckpt_1.ckpt").is_file()
+
+
+def test_unfinished_save_is_not_a_resume_point(tmp_path: Path) -> None:
+    """Lightning's requeue lookup takes the highest number of any name containing ``hpc_ckpt_`` in
+    ``default_root_dir``; the strategy's unfinished (staging) save must not be one of them."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    from lightning_parallel.checkpoint import atomic
+
+    (tmp_path / "hpc_ckpt_1.ckpt").mkdir()
+    atomic.staging_path(tmp_path / "hpc_ckpt_2.ckpt").mkdir(parents=True)  # a save cut short
+    connector = _CheckpointConnector(SimpleNamespace(default_root_dir=str(tmp_path)))
+    assert connector._hpc_resume_path == str(tmp_path / "hpc_ckpt_1.ckpt")
+    assert _CheckpointConnector.hpc_save_path(tmp_path) == str(tmp_path / "hpc_ckpt_2.ckpt")
