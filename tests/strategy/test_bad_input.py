@@ -181,6 +181,31 @@ REFUSED_IN_THE_TRAINER = [
     )
 ]
 
+# DeepSpeed keeps fp32 master weights, so pure fp16 (no master copy) is refused with every ZeRO stage.
+HALF = "16-true"
+REFUSED_PRECISION_IN_THE_TRAINER = [
+    *[
+        refusal(
+            (f"zero{stage}", HALF),
+            dict(zero_stage=stage),
+            f"`Trainer(precision='{HALF}')` is not supported with `zero_stage={stage}`",
+            world_size=2,
+            precision=HALF,
+        )
+        for stage in (1, 2, 3)
+    ],
+    *[
+        refusal(
+            (f"offload={where}", HALF),
+            dict(zero_stage=3, offload=where, offload_path="/tmp/nvme" if where == "nvme" else None),
+            f"`Trainer(precision='{HALF}')` is not supported with `zero_stage=3`",
+            world_size=2,
+            precision=HALF,
+        )
+        for where in ("cpu", "nvme")
+    ],
+]
+
 
 @pytest.mark.parametrize(("kwargs", "message"), REFUSED_AT_CONSTRUCTION)
 def test_refused_pairs_fail_at_construction(kwargs: dict, message: str) -> None:
@@ -198,6 +223,20 @@ def test_refused_pairs_fail_in_the_trainer_constructor(kwargs: dict, message: st
         L.Trainer(accelerator="cpu", devices=4, strategy=HybridParallelStrategy(**kwargs), logger=False)
     assert message in str(info.value)
     assert "Nearest supported layouts: `sequence_parallel=False`" in str(info.value)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), REFUSED_PRECISION_IN_THE_TRAINER)
+def test_refused_precisions_fail_in_the_trainer_constructor(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            precision=HALF,
+            strategy=HybridParallelStrategy(**kwargs),
+            logger=False,
+        )
+    assert message in str(info.value)
+    assert "use one of" in str(info.value)
 
 
 def test_sequence_parallel_without_tensor_parallel_warns() -> None:
