@@ -153,6 +153,31 @@ REFUSED_AT_CONSTRUCTION = [
         )
         for row in ("tp", "sp")
     ],
+    # NVMe offload exists only at stage 3, so it inherits stage 3's refusals.
+    *[
+        refusal(
+            ("offload=nvme", row),
+            dict(zero_stage=3, offload="nvme", offload_path="/tmp/nvme", **layout),
+            message,
+        )
+        for row, layout, message in [
+            *[
+                (
+                    f"pp={schedule}",
+                    dict(pipeline_parallel=2, pipeline_schedule=schedule),
+                    "`zero_stage=3` with `pipeline_parallel=2` is not supported",
+                )
+                for schedule in SCHEDULES
+            ],
+            ("ep", dict(expert_parallel=2), "`zero_stage=3` with `expert_parallel=2` is not supported"),
+            ("tp", dict(tensor_parallel=2), "`zero_stage=3` with `tensor_parallel=2` is not supported"),
+            (
+                "sp",
+                dict(tensor_parallel=2, sequence_parallel=True),
+                "`zero_stage=3` with `tensor_parallel=2` is not supported",
+            ),
+        ]
+    ],
     *[
         refusal(
             (f"zero{stage}", "offload=nvme"),
