@@ -11,6 +11,7 @@ The sleep changes no numbers; the requeued run does not sleep.
 from __future__ import annotations
 
 import os
+import resource
 import time
 from typing import Any
 
@@ -19,7 +20,9 @@ from lightning.pytorch.callbacks import Callback
 
 
 class StepProbe(Callback):
-    """Print ``PROBE start step=<n> restart=<r>`` and ``PROBE step=<n> loss=<float>`` on rank 0."""
+    """Print ``PROBE start step=<n> restart=<r>`` and ``PROBE step=<n> loss=<float>`` on rank 0, and at the
+    end the CPU seconds this process used (imports included): on a busy machine the wall time says
+    little about what the test costs on a quiet one."""
 
     def __init__(self, pace_s: float = 0.0) -> None:
         self.pace_s = pace_s
@@ -37,3 +40,8 @@ class StepProbe(Callback):
             print(f"PROBE step={trainer.global_step} loss={loss!r} restart={self._restart}", flush=True)
         if self.pace_s and self._restart == 0:
             time.sleep(self.pace_s)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            print(f"PROBE cpu_s={usage.ru_utime + usage.ru_stime:.1f} restart={self._restart}", flush=True)

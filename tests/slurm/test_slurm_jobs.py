@@ -74,6 +74,13 @@ def _times(info: dict[str, str]) -> str:
     return f"submitted {info['SubmitTime']}, (re)started {info['StartTime']}, ended {info['EndTime']}"
 
 
+def _cpu(text: str) -> str:
+    """CPU seconds of rank 0 in each run of the job (see StepProbe)."""
+    return ", ".join(
+        f"run {r}: {c} s" for c, r in re.findall(r"^PROBE cpu_s=(\S+) restart=(\d+)$", text, re.M)
+    )
+
+
 def _losses(text: str) -> dict[int, float]:
     return {int(s): float(v) for s, v in re.findall(r"^PROBE step=(\d+) loss=(\S+) restart=\d+$", text, re.M)}
 
@@ -83,8 +90,9 @@ def test_gpt_job_two_nodes_runs_to_completion(slurm: Cluster, two_jobs: tuple[Jo
     started = time.monotonic()
     info = slurm.wait(job, timeout_s=400)
     text = job.text()
+    waited = time.monotonic() - started
     print(
-        f"uninterrupted job {job.job_id}: {time.monotonic() - started:.1f} s after the fixture, {_times(info)}"
+        f"uninterrupted job {job.job_id}: {waited:.1f} s after the fixture, {_times(info)}; CPU {_cpu(text)}"
     )
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{text[-6000:]}"
     assert info["NodeList"] == "node[1-2]" and info["NumNodes"] == "2", info
@@ -101,7 +109,8 @@ def test_signalled_job_requeues_and_resumes_with_the_same_loss(
     started = time.monotonic()
     info = slurm.wait(job, timeout_s=400)
     text = job.text()
-    print(f"signalled job {job.job_id}: {time.monotonic() - started:.1f} s after the fixture, {_times(info)}")
+    waited = time.monotonic() - started
+    print(f"signalled job {job.job_id}: {waited:.1f} s after the fixture, {_times(info)}; CPU {_cpu(text)}")
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{text[-6000:]}"
     assert info["Restarts"] == "1", f"the job was not requeued: {info}\n{text[-6000:]}"
 
