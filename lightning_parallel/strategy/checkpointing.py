@@ -272,6 +272,10 @@ class ShardedCheckpointing(MeshParallelStrategy):
         )
 
     def _check_consolidated_supported(self) -> None:
+        if getattr(self, "zero_enabled", False):
+            from lightning_parallel.zero.checkpoint import refuse_consolidated
+
+            refuse_consolidated()
         dims = getattr(self, "dims", None)
         if dims is not None and (dims.pp_enabled or dims.ep_enabled):
             raise ValueError(
@@ -285,6 +289,10 @@ class ShardedCheckpointing(MeshParallelStrategy):
         if not self._save_distributed_checkpoint:
             self._check_consolidated_supported()
             return super().lightning_module_state_dict()
+        if getattr(self, "zero_enabled", False):  # DeepSpeed's fp32 masters, same layout (zero/checkpoint.py)
+            from lightning_parallel.zero.checkpoint import zero_model_state
+
+            return zero_model_state(self.lightning_module, self._ep_mesh())
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         assert self.model is not None
@@ -307,6 +315,10 @@ class ShardedCheckpointing(MeshParallelStrategy):
 
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
+        if getattr(self, "zero_enabled", False):
+            from lightning_parallel.zero.checkpoint import zero_optimizer_state
+
+            return zero_optimizer_state(self.lightning_module, optimizer, self.zero_engine, self._ep_mesh())
         assert self.model is not None
         state = get_optimizer_state_dict(self.model, optimizer, options=_FLAT)
         layouts = _expert_layouts(self.model)
@@ -356,6 +368,13 @@ class ShardedCheckpointing(MeshParallelStrategy):
         )
 
         assert self.model is not None and self.lightning_module is not None
+        if getattr(self, "zero_enabled", False):
+            from lightning_parallel.zero.checkpoint import load_zero_checkpoint
+
+            optimizer = self.optimizers[0] if self.zero_engine is not None else None  # none: validate/test
+            load_zero_checkpoint(self.lightning_module, optimizer, self.zero_engine, path, self._ep_mesh(),
+                                 strict=self.lightning_module.strict_loading)  # fmt: skip
+            return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
         layouts, ep_mesh = _expert_layouts(self.model), self._ep_mesh()
         model_state = _experts_as_dtensors(
             get_model_state_dict(self.model), layouts, ep_mesh, optimizer=False
@@ -387,6 +406,10 @@ class ShardedCheckpointing(MeshParallelStrategy):
         )
 
         assert self.model is not None and self.lightning_module is not None
+        if getattr(self, "zero_enabled", False):
+            from lightning_parallel.zero.checkpoint import refuse_consolidated
+
+            refuse_consolidated()
         checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
         options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
         set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)

@@ -1,0 +1,404 @@
+"""Checkpoints under ZeRO: the project's ordinary sharded checkpoint, in the user's layout.
+
+DeepSpeed's own checkpoints hold flat per-rank partitions that only DeepSpeed (and only the
+same number of ranks) can read. Here a ZeRO run saves what any other run of the strategy saves:
+the model entry holds each weight under the user's name (a tensor-parallel weight as its
+DTensor, an expert slice as its rows of the stacked tensor), the optimizer entry holds each
+weight's state flattened per name (``state.<name>.exp_avg``, ``param_groups.<name>.lr``). So
+resume, resharding to another layout, ``export`` and :func:`consolidate_checkpoint` work the
+same for every layout and every stage.
+
+The values are DeepSpeed's fp32 master weights and states, read and written per parameter with
+its public ``deepspeed.utils.safe_{get,set}_full_*`` API (stages 1-3, offloaded or not). The
+getters all-reduce over ZeRO's data-parallel group: every rank walks the parameters in the same
+(module) order. After loading, the module's own (low-precision, or at stage 3 partitioned) copy
+is refreshed from the masters, as DeepSpeed's step does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_parallel.strategy.checkpointing import (
+    _contiguous_shards,
+    _expert_layouts,
+    _experts_as_dtensors,
+    _experts_as_local,
+    _restore_strided,
+)
+from lightning_parallel.zero.tensor_parallel import user_name
+
+__all__ = [
+    "consolidate_checkpoint",
+    "load_zero_checkpoint",
+    "refuse_consolidated",
+    "zero_model_state",
+    "zero_optimizer_state",
+]
+
+# The optimizer entry's own keys for what belongs to DeepSpeed, not to one parameter.
+_SCALER_KEY = "zero.loss_scaler"
+_ENGINE_KEY = "zero.engine"
+_ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+
+
+# ---- the parameters as the user names them -----------------------------------------------------
+
+
+def _to_saved(module: nn.Module, name: str) -> Any:
+    """``local -> what the checkpoint holds``: the parametrization that rebuilds a tensor-parallel
+    weight's DTensor from its local shard (``zero/tensor_parallel.py``), else the identity."""
+    if ".parametrizations." not in f".{name}":
+        return None
+    owner, _, rest = name.partition("parametrizations.")
+    parametrizations = module.get_submodule(owner.rstrip(".")).parametrizations
+    return getattr(parametrizations, rest.removesuffix(".original"))[0]
+
+
+def _parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter, Any]]:
+    """``(user name, registered parameter, to_saved)`` for every name a weight has (tied weights twice),
+    in module order, which is the same on every rank of a ZeRO group."""
+    for name, param in module.named_parameters(remove_duplicate=False):
+        yield user_name(name), param, _to_saved(module, name)
+
+
+def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Persistent buffers (never partitioned by ZeRO), as ``state_dict`` would list them."""
+    out = {}
+    for owner_name, owner in module.named_modules(remove_duplicate=False):
+        for name, buffer in owner._buffers.items():
+            if buffer is not None and name not in owner._non_persistent_buffers_set:
+                out[user_name(f"{owner_name}.{name}" if owner_name else name)] = buffer
+    return out
+
+
+def _local_shape(param: nn.Parameter) -> torch.Size:
+    """The parameter's unpartitioned shape (at stage 3 ``param`` itself is an empty placeholder)."""
+    return torch.Size(param.ds_shape) if hasattr(param, "ds_id") else param.shape
+
+
+def _as_saved(value: torch.Tensor, to_saved: Any) -> Any:
+    return value if to_saved is None else to_saved(value)
+
+
+def _full_fp32(param: nn.Parameter) -> torch.Tensor:
+    """The fp32 master of ``param`` (its tensor-parallel local shard, unpartitioned by ZeRO)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    value = safe_get_full_fp32_param(param)
+    if value is not None:
+        return value.detach().float()
+    # Frozen (no master weight): the module's copy, gathered at stage 3.
+    if hasattr(param, "ds_id"):
+        from deepspeed.zero import GatheredParameters
+
+        with GatheredParameters([param]):
+            return param.detach().float().clone()
+    return param.detach().float().clone()
+
+
+# ---- ZeRO's optimizer: flat fp32 partitions and their parameter groups --------------------------
+
+
+def _stage3(optimizer: Any) -> bool:
+    return hasattr(optimizer, "fp32_partitioned_groups_flat")
+
+
+def _flat_partitions(optimizer: Any) -> list[torch.Tensor]:
+    """The fp32 tensors the base optimizer steps (its ``state`` is keyed by them), one per group."""
+    if _stage3(optimizer):
+        return list(optimizer.fp32_partitioned_groups_flat)
+    return list(optimizer.single_partition_of_fp32_groups)
+
+
+def _group_of(optimizer: Any) -> dict[int, int]:
+    """``id(parameter) -> index`` of its parameter group in the base optimizer."""
+    if _stage3(optimizer):
+        return {
+            id(p): optimizer.sub_group_to_group_id[i]
+            for i, group in enumerate(optimizer.fp16_groups)
+            for p in group
+        }
+    return {id(p): i for i, group in enumerate(optimizer.bit16_groups) for p in group}
+
+
+def _state_keys(optimizer: Any) -> list[str]:
+    """Per-element state of the base optimizer (``exp_avg``, ``momentum_buffer``, ...), as every rank has it."""
+    keys: set[str] = set()
+    for flat in _flat_partitions(optimizer):
+        for key, value in optimizer.optimizer.state.get(flat, {}).items():
+            if torch.is_tensor(value) and value.shape == flat.shape:
+                keys.add(key)
+    return sorted(keys)
+
+
+def _step(optimizer: Any) -> Any:
+    """The optimizer's step count (every flat partition steps together): a tensor (torch) or an int (CPU Adam)."""
+    for flat in _flat_partitions(optimizer):
+        step = optimizer.optimizer.state.get(flat, {}).get("step")
+        if step is not None:
+            return step.clone() if torch.is_tensor(step) else step
+    return None
+
+
+def _loss_scaler_state(optimizer: Any) -> dict[str, Any]:
+    scaler = getattr(optimizer, "loss_scaler", None)
+    if scaler is None:
+        return {}
+    return {
+        k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float)) and not k.startswith("_")
+    }
+
+
+def refuse_consolidated() -> None:
+    """A consolidated file would need every master weight gathered on rank 0 at each save; the sharded
+    checkpoint is written in parallel and consolidates offline to the same file."""
+    raise ValueError(
+        "A consolidated checkpoint (`save_distributed_checkpoint=False`) is not supported with ZeRO. Save the"
+        " sharded checkpoint (the default) and turn it into one fp32 state dict afterwards with"
+        " `lightning_parallel.consolidate_checkpoint(path)` or `python -m lightning_parallel export CHECKPOINT"
+        " OUT.safetensors`."
+    )
+
+
+# ---- save -------------------------------------------------------------------------------------
+
+
+def zero_model_state(module: nn.Module, ep_mesh: Any) -> dict[str, Any]:
+    """The model entry of a checkpoint under ZeRO: fp32 master weights under the user's names.
+
+    Collective over each ZeRO data-parallel group: call it on every rank.
+    """
+    full: dict[int, torch.Tensor] = {}
+    state: dict[str, Any] = {}
+    for name, param, to_saved in _parameters(module):
+        if id(param) not in full:  # a tied weight is read (and all-reduced) once
+            full[id(param)] = _full_fp32(param)
+        state[name] = _as_saved(full[id(param)], to_saved)
+    state.update(_buffers(module))
+    return _contiguous_shards(_experts_as_dtensors(state, _expert_layouts(module), ep_mesh, optimizer=False))
+
+
+def zero_optimizer_state(module: nn.Module, optimizer: Any, engine: Any, ep_mesh: Any) -> dict[str, Any]:
+    """The optimizer entry under ZeRO: per-parameter fp32 states flattened per name, as without ZeRO
+    (``state.<name>.<key>``, ``param_groups.<name>.<hyper-parameter>``), plus DeepSpeed's loss scaler.
+
+    Collective over each ZeRO data-parallel group: call it on every rank.
+    """
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    keys, step, groups = _state_keys(optimizer), _step(optimizer), _group_of(optimizer)
+    param_groups = optimizer.optimizer.param_groups
+    state: dict[str, Any] = {}
+    seen: set[int] = set()
+    for name, param, to_saved in _parameters(module):
+        if id(param) in seen:  # the optimizer holds a tied weight once, under its first name
+            continue
+        seen.add(id(param))
+        if param.requires_grad:
+            for key in keys:
+                value = safe_get_full_optimizer_state(param, key)
+                state[f"state.{name}.{key}"] = _as_saved(value.detach().float(), to_saved)
+            if step is not None:
+                state[f"state.{name}.step"] = step
+        group = groups.get(id(param))
+        if group is not None:
+            for key, value in param_groups[group].items():
+                if key != "params":
+                    state[f"param_groups.{name}.{key}"] = value
+    state = _contiguous_shards(_experts_as_dtensors(state, _expert_layouts(module), ep_mesh, optimizer=True))
+    state[_SCALER_KEY] = _loss_scaler_state(optimizer)
+    state[_ENGINE_KEY] = {k: int(getattr(engine, k)) for k in _ENGINE_COUNTERS if hasattr(engine, k)}
+    return state
+
+
+# ---- load -------------------------------------------------------------------------------------
+
+
+def _zeros_like_saved(param: nn.Parameter, to_saved: Any) -> Any:
+    return _as_saved(torch.zeros(_local_shape(param), dtype=torch.float32, device=param.device), to_saved)
+
+
+def _saved_keys(path: Path, entry: str) -> dict[str, Any]:
+    """``key -> storage metadata`` of one entry of a DCP checkpoint (what the files hold, before reading)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    prefix = f"{entry}."
+    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    return {k[len(prefix) :]: v for k, v in metadata.items() if k.startswith(prefix)}
+
+
+def _read(path: Path, entry: str, template: dict[str, Any]) -> dict[str, Any]:
+    from lightning.fabric.strategies.fsdp import _distributed_checkpoint_load
+
+    _distributed_checkpoint_load({entry: template}, path)
+    return template
+
+
+def _refresh_module_copy(module: nn.Module, optimizer: Any, values: dict[int, torch.Tensor]) -> None:
+    """After the masters changed: the module's copy, as DeepSpeed's step refreshes it. Stages 1/2: every
+    rank holds whole weights (views into ZeRO's flat buffers). Stage 3: each rank its partition of the
+    flat low-precision buffer, the mirror of its fp32 partition. Without an engine (``validate``,
+    ``test``), the module's plain parameters."""
+    if optimizer is None or not _stage3(optimizer):
+        for param in module.parameters():
+            if id(param) in values:
+                param.data.copy_(values[id(param)].to(param.dtype))
+        return
+    for low, master in zip(
+        optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat, strict=True
+    ):
+        if low is None:
+            raise NotImplementedError(
+                "Resuming a ZeRO-3 checkpoint with `offload='nvme'` is not supported yet (the parameters are"
+                " swapped out); resume with `offload='cpu'` or without offload, or start from its weights with"
+                " `init_weights=` (export them with `python -m lightning_parallel export`)."
+            )
+        low.data.copy_(master.data)
+
+
+def _ensure_state(optimizer: Any, keys: list[str], step: Any) -> None:
+    """Create the base optimizer's per-partition state before its first step (torch optimizers create it
+    lazily), so that DeepSpeed's setters have a place to write, and link ZeRO-1/2's per-parameter views."""
+    state = optimizer.optimizer.state
+    for flat in _flat_partitions(optimizer):
+        entry = state[flat]
+        for key in keys:
+            if key not in entry:
+                entry[key] = torch.zeros_like(flat)
+        if step is not None:
+            entry["step"] = step.clone() if torch.is_tensor(step) else step
+    if not _stage3(optimizer) and keys:
+        from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+        for params, flat in zip(
+            optimizer.bit16_groups, optimizer.single_partition_of_fp32_groups, strict=True
+        ):
+            lazy_init_hp_params_optimizer_state(params, flat, state)
+        optimizer._hp_optimizer_states_linked = True
+
+
+def load_zero_checkpoint(
+    module: nn.Module, optimizer: Any, engine: Any, path: Path, ep_mesh: Any, strict: bool = True
+) -> None:
+    """Load a sharded checkpoint (saved under ZeRO or not, any layout) into a ZeRO run: masters, the
+    module's copy, optimizer states, hyper-parameters and loss scaler. Collective: every rank.
+    ``optimizer``/``engine`` ``None`` (evaluation: no engine): the weights only."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    layouts = _expert_layouts(module)
+    parameters = list(_parameters(module))
+
+    # Model: masters and the module's copy.
+    like: dict[str, Any] = {name: _zeros_like_saved(p, to_saved) for name, p, to_saved in parameters}
+    like.update({k: v.clone() for k, v in _buffers(module).items()})
+    like = _experts_as_dtensors(like, layouts, ep_mesh, optimizer=False)
+    saved = set(_saved_keys(path, "state_dict"))
+    missing = sorted(set(like) - saved)
+    if strict and missing:
+        raise ValueError(
+            f"The checkpoint {str(path)!r} lacks weights of the module: {missing[:5]} ({len(missing)})."
+        )
+    like = {k: v for k, v in like.items() if k in saved}
+    loaded = _experts_as_local(
+        _restore_strided(_read(path, "state_dict", _contiguous_shards(like)), like), layouts, optimizer=False
+    )
+    values: dict[int, torch.Tensor] = {}
+    for name, param, _ in parameters:
+        if name in loaded and id(param) not in values:
+            value = loaded[name]
+            values[id(param)] = value.to_local() if hasattr(value, "to_local") else value
+            if optimizer is not None:
+                safe_set_full_fp32_param(param, values[id(param)])
+    _refresh_module_copy(module, optimizer, values)
+    buffers = _buffers(module)
+    for name, buffer in buffers.items():
+        if name in loaded:
+            buffer.copy_(loaded[name])
+
+    if optimizer is None:
+        return
+    # Optimizer: per-parameter states, step, hyper-parameters (the scheduler's state is Lightning's).
+    entry = "optimizer_0"
+    files = _saved_keys(path, entry)
+    groups = _group_of(optimizer)
+    keys = sorted({k.rpartition(".")[2] for k in files if k.startswith("state.")} - {"step"})
+    template: dict[str, Any] = {}
+    for name, param, to_saved in parameters:
+        for key in keys:
+            if f"state.{name}.{key}" in files:
+                template[f"state.{name}.{key}"] = _zeros_like_saved(param, to_saved)
+        step_key = f"state.{name}.step"
+        if step_key in files:
+            meta = files[step_key]
+            size = getattr(meta, "size", None)
+            dtype = getattr(getattr(meta, "properties", None), "dtype", torch.float32)
+            template[step_key] = torch.zeros(size, dtype=dtype) if size is not None else 0
+        group = groups.get(id(param))
+        if group is not None:
+            for key, value in optimizer.optimizer.param_groups[group].items():
+                if key != "params" and f"param_groups.{name}.{key}" in files:
+                    template[f"param_groups.{name}.{key}"] = value
+    for extra in (_SCALER_KEY, _ENGINE_KEY):
+        template[extra] = {k[len(extra) + 1 :]: 0 for k in files if k.startswith(f"{extra}.")}
+    template = _experts_as_dtensors(template, layouts, ep_mesh, optimizer=True)
+    state = _experts_as_local(
+        _restore_strided(_read(path, entry, _contiguous_shards(template)), template), layouts, optimizer=True
+    )
+    step = next((v for k, v in state.items() if k.startswith("state.") and k.endswith(".step")), None)
+    _ensure_state(optimizer, keys, step)
+    done: set[int] = set()
+    for name, param, _ in parameters:
+        if id(param) in done:
+            continue
+        done.add(id(param))
+        for key in keys:
+            value = state.get(f"state.{name}.{key}")
+            if value is not None:
+                safe_set_full_optimizer_state(
+                    param, value.to_local() if hasattr(value, "to_local") else value, key
+                )
+        group = groups.get(id(param))
+        if group is not None:
+            prefix = f"param_groups.{name}."
+            for key, value in state.items():
+                if key.startswith(prefix):
+                    optimizer.optimizer.param_groups[group][key[len(prefix) :]] = value
+    scaler = getattr(optimizer, "loss_scaler", None)
+    for key, value in state.get(_SCALER_KEY, {}).items():
+        if scaler is not None and hasattr(scaler, key):
+            setattr(scaler, key, value)
+    for key, value in state.get(_ENGINE_KEY, {}).items():
+        if hasattr(engine, key):
+            setattr(engine, key, value)
+
+
+# ---- out: one fp32 state dict -----------------------------------------------------------------
+
+
+def consolidate_checkpoint(checkpoint: str | os.PathLike, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The weights of a checkpoint of any layout (ZeRO stage 1-3 or none; a sharded folder or a consolidated
+    file) as one fp32 state dict of plain tensors: ``unparallelised_module.load_state_dict(result)``.
+
+    No processes needed. Under ZeRO the values are the fp32 master weights; a checkpoint trained in half
+    precision without ZeRO is converted to fp32. ``prefix``: keep only names under it, without it
+    (``"model."``: the LightningModule's inner model). ``python -m lightning_parallel export`` writes the
+    same as a safetensors file.
+    """
+    from lightning_parallel.checkpoint.transfer import _read_checkpoint_weights
+
+    out: dict[str, torch.Tensor] = {}
+    for name, value in _read_checkpoint_weights(Path(checkpoint)).items():
+        if not name.startswith(prefix) or not isinstance(value, torch.Tensor):
+            continue
+        value = value.detach().cpu()
+        out[name[len(prefix) :]] = value.float() if value.is_floating_point() else value
+    if not out:
+        raise ValueError(f"`prefix={prefix!r}`: no weight of {checkpoint} starts with it.")
+    return out
