@@ -86,7 +86,7 @@ class SLURMAutoRequeue(Callback):
         self._signalled = False
         self._signal: signal.Signals | None = None
         self._previous_handler: Any = None
-        self._last_checked_step = -1
+        self._last_step = -1
 
     def _on_signal(self, signum: int, _: Any) -> None:
         # Only a flag: see the module docstring for why nothing else may happen here.
@@ -118,18 +118,23 @@ class SLURMAutoRequeue(Callback):
         self._signal = None
 
     @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last_step = trainer.global_step  # a resumed run starts at the checkpoint's step
+
+    @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
-        # Only after an optimizer step (not between accumulated batches: their gradients are
-        # not in the checkpoint), and every `check_every_n_steps` steps.
-        if self._signal is None or step == self._last_checked_step or step % self.check_every_n_steps:
+        # Only right after an optimizer step: between accumulated batches the gradients so far are
+        # not in a checkpoint. `global_step` is the same on every rank, so all ranks agree on when.
+        if self._signal is None or step == self._last_step:
             return
-        self._last_checked_step = step
-        if not self._any_rank_signalled(trainer):
+        self._last_step = step
+        if step % self.check_every_n_steps:
             return
-        self._save_and_requeue(trainer)
+        if self._any_rank_signalled(trainer):
+            self._save_and_requeue(trainer)
 
     def _any_rank_signalled(self, trainer: L.Trainer) -> bool:
         flag = torch.tensor([1 if self._signalled else 0], device=trainer.strategy.root_device)

@@ -43,7 +43,12 @@ class SignalAt(L.Callback):
 
 
 def _fit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scontrol_exit: int, **callback_args: float
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    scontrol_exit: int,
+    signal_step: int = 2,
+    accumulate: int = 1,
+    **callback_args: float,
 ) -> L.Trainer:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -58,7 +63,7 @@ def _fit(
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=4, default_root_dir=tmp_path, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[SLURMAutoRequeue(**callback_args), SignalAt(step=2)],
+        accumulate_grad_batches=accumulate, callbacks=[SLURMAutoRequeue(**callback_args), SignalAt(signal_step)],
     )  # fmt: skip
     trainer.fit(BoringModel())
     return trainer
@@ -99,3 +104,10 @@ def test_unfinished_save_is_not_a_resume_point(tmp_path: Path) -> None:
     connector = _CheckpointConnector(SimpleNamespace(default_root_dir=str(tmp_path)))
     assert connector._hpc_resume_path == str(tmp_path / "hpc_ckpt_1.ckpt")
     assert _CheckpointConnector.hpc_save_path(tmp_path) == str(tmp_path / "hpc_ckpt_2.ckpt")
+
+
+def test_no_save_between_accumulated_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Signalled in the first of two accumulated batches: the save waits for the optimizer step."""
+    with pytest.warns(UserWarning, match="`scontrol requeue` failed"):
+        _fit(tmp_path, monkeypatch, scontrol_exit=1, signal_step=0, accumulate=2)
+    assert torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=False)["global_step"] == 1
