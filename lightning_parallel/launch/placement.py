@@ -40,7 +40,8 @@ def check_tensor_parallel_placement(strategy: Any) -> list[list[int]]:
         return []
     strategy._tp_placement_checked = True
     mesh = strategy.device_mesh
-    assert mesh.mesh_dim_names is not None and mesh.mesh_dim_names[-1] == "tp", mesh.mesh_dim_names
+    if not mesh.mesh_dim_names or mesh.mesh_dim_names[-1] != "tp":
+        return []  # not our mesh (e.g. Lightning's ModelParallelStrategy): its axes mean other things
     tensor_parallel = mesh["tp"].size()
     if tensor_parallel == 1 or not torch.distributed.is_initialized():
         return []
