@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import io
 import itertools
 import os
@@ -261,8 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = args.output.read_text() if args.output.exists() else ""
         if current != page:
+            diff = difflib.unified_diff(
+                current.splitlines(), page.splitlines(), "committed", "from the tests", n=0
+            )
             print(
-                f"{args.output} is stale: run `python -m tools.compat_matrix` and commit it.", file=sys.stderr
+                f"{args.output} is stale: run `python -m tools.compat_matrix` and commit it.\n"
+                + "\n".join(list(diff)[:40]),
+                file=sys.stderr,
             )
             return 1
         print(f"{args.output} is up to date.")
