@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         current = args.output.read_text() if args.output.exists() else ""
         if current != page:
             diff = difflib.unified_diff(
-                current.splitlines(), page.splitlines(), "committed", "from the tests", n=0
+                current.splitlines(), page.splitlines(), "committed", "from the tests", n=0, lineterm=""
             )
             print(
                 f"{args.output} is stale: run `python -m tools.compat_matrix` and commit it.\n"
