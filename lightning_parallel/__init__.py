@@ -14,6 +14,7 @@ from lightning_parallel.memory import ActivationMemoryMonitor
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.plans import ParallelPlan, auto_plan
 from lightning_parallel.strategy import HybridParallelStrategy
+from lightning_parallel.zero.checkpoint import consolidate_checkpoint
 
 if HybridParallelStrategy.strategy_name not in StrategyRegistry:
     HybridParallelStrategy.register_strategies(StrategyRegistry)
@@ -26,6 +27,7 @@ __all__ = [
     "PowerSGD",
     "SLURMAutoRequeue",
     "auto_plan",
+    "consolidate_checkpoint",
     "export_checkpoint",
     "load_weights",
 ]

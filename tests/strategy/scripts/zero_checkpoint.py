@@ -1,19 +1,20 @@
 """Save and resume under ZeRO through Lightning, recording losses; the checkpoints are consolidated by the test.
 
-    python tests/strategy/scripts/zero_checkpoint.py first  OUT_DIR LAYOUTS  # 4 steps straight; 2 steps + save
+    python tests/strategy/scripts/zero_checkpoint.py first  OUT_DIR LAYOUTS  # 4 steps, saved after step 2
     python tests/strategy/scripts/zero_checkpoint.py resume OUT_DIR LAYOUTS  # fresh processes: resume to step 4
 
 ``LAYOUTS``: comma-separated names of :data:`LAYOUTS`, each run in turn by the same processes
 (start-up dominates), into ``OUT_DIR/<layout>/``. Run by ``tests/strategy/test_zero_checkpoint.py``
 on 2 ranks with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set.
 
-The model and data are the parity harness's (``tests/models/families.py``): nanoGPT (tied
-``lm_head``, fused ``c_attn``), SGD with momentum, or AdamW (``eps=1e-5``; DeepSpeed's CPU Adam
-under offload); Lightning's shuffling ``DistributedSampler`` over the data-parallel ranks, so
-the test can train the same steps in one process with ``reference_dataloader``. An epoch has 4
-batches per rank; ``ModelCheckpoint(every_n_train_steps=2)`` saves ``step2.ckpt`` mid-epoch,
-and the resumed run must continue with batch 2 and reproduce steps 3-4 of the straight run.
-Writes ``OUT_DIR/<layout>/<run>.rank<r>.json``: the per-step losses of that rank.
+The models and data are the parity harness's (``tests/models/families.py``): nanoGPT (tied
+``lm_head``, fused ``c_attn``) or Mixtral (experts), SGD with momentum, or AdamW (``eps=1e-5``;
+DeepSpeed's CPU Adam under offload); Lightning's shuffling ``DistributedSampler`` over the
+data-parallel ranks, so the test can train the same steps in one process with
+``reference_dataloader``. An epoch has at least 4 batches per rank;
+``ModelCheckpoint(every_n_train_steps=2)`` saves ``step2.ckpt`` mid-epoch while the run goes on
+to step 4 (the uninterrupted run), and the resumed run must continue with batch 2 and reproduce
+its steps 3-4. Writes ``OUT_DIR/<layout>/<run>.rank<r>.json``: the per-step losses of that rank.
 """
 
 from __future__ import annotations
@@ -33,18 +34,23 @@ from tests.models.families import build, make_dataloader
 BATCH_SIZE, STEPS, FIRST_HALF, SEED = 2, 4, 2, 0
 SAMPLES = 16  # 4 batches per rank and epoch on 2 data-parallel ranks: the save is mid-epoch
 ADAM = {"optimizer": "adamw"}
+PIPELINE = dict(pipeline_parallel=2, micro_batches=2, pipeline_schedule="1f1b")
 
-# name -> (HybridParallelStrategy kwargs, model overrides); 2 ranks each.
-LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "zero1": (dict(zero_stage=1), {}),
-    "zero2": (dict(zero_stage=2), {}),
-    "zero3_cpu_adam": (dict(zero_stage=3, offload="cpu"), ADAM),
-    "zero2_tp2": (dict(zero_stage=2, tensor_parallel=2), ADAM),
+# name -> (HybridParallelStrategy kwargs, model family, model overrides); 2 ranks each.
+LAYOUTS: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
+    "zero1": (dict(zero_stage=1), "nanogpt", {}),
+    "zero2": (dict(zero_stage=2), "nanogpt", {}),
+    "zero3_cpu_adam": (dict(zero_stage=3, offload="cpu"), "nanogpt", ADAM),
+    "zero2_tp2": (dict(zero_stage=2, tensor_parallel=2), "nanogpt", ADAM),
+    "zero1_pp2": (dict(zero_stage=1, **PIPELINE), "nanogpt", {}),
+    "zero1_ep2": (dict(zero_stage=1, expert_parallel=2), "hf_mixtral", {}),
 }
 
 
 def data_parallel(layout: str) -> int:
-    return 2 // LAYOUTS[layout][0].get("tensor_parallel", 1)
+    """Ranks that read different batches (experts are carved out of them; tensor and pipeline ranks are not)."""
+    strategy = LAYOUTS[layout][0]
+    return 2 // (strategy.get("tensor_parallel", 1) * strategy.get("pipeline_parallel", 1))
 
 
 class RecordLosses(L.Callback):
@@ -57,19 +63,22 @@ class RecordLosses(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def fit(
-    out: Path, run: str, layout: str, max_steps: int, ckpt_path: Path | None = None, save: bool = False
-) -> None:
-    strategy_kwargs, model_kwargs = LAYOUTS[layout]
+def fit(out: Path, run: str, layout: str, ckpt_path: Path | None = None) -> None:
+    """``ckpt_path=None``: the uninterrupted run, saving ``step2.ckpt``; else the resume from it."""
+    strategy_kwargs, family, model_kwargs = LAYOUTS[layout]
+    save = ckpt_path is None
     L.seed_everything(SEED, verbose=False)
-    model = build("nanogpt", **model_kwargs)
+    model = build(family, **model_kwargs)
     recorder = RecordLosses()
     callbacks: list[L.Callback] = [recorder]
-    if save:  # during step 2's on_train_batch_end, mid-epoch
-        callbacks.append(ModelCheckpoint(dirpath=out, filename="step2", every_n_train_steps=FIRST_HALF))
+    if save:  # step2.ckpt (mid-epoch) and step4.ckpt, in on_train_batch_end
+        callbacks.append(
+            ModelCheckpoint(dirpath=out, filename="step{step}", auto_insert_metric_name=False, save_top_k=-1,
+                            every_n_train_steps=FIRST_HALF)
+        )  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=HybridParallelStrategy(timeout=60, **strategy_kwargs),
-        max_steps=max_steps, use_distributed_sampler=True, deterministic=True, callbacks=callbacks, logger=False,
+        max_steps=STEPS, use_distributed_sampler=True, deterministic=True, callbacks=callbacks, logger=False,
         enable_checkpointing=save, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(model, make_dataloader(BATCH_SIZE, SAMPLES), ckpt_path=ckpt_path)
@@ -83,10 +92,9 @@ def main(mode: str, out: Path, layouts: str) -> None:
         directory = out / layout
         directory.mkdir(parents=True, exist_ok=True)
         if mode == "first":
-            fit(directory, "straight", layout, STEPS)
-            fit(directory, "first_half", layout, FIRST_HALF, save=True)
+            fit(directory, "straight", layout)
         elif mode == "resume":
-            fit(directory, "resumed", layout, STEPS, ckpt_path=directory / "step2.ckpt")
+            fit(directory, "resumed", layout, ckpt_path=directory / "step2.ckpt")
         else:
             raise SystemExit(f"unknown mode {mode!r}")
 

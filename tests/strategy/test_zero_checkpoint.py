@@ -1,0 +1,128 @@
+"""Checkpoints under ZeRO: exact resume through Lightning, and consolidation to the unparallelised module.
+
+Two launches of ``scripts/zero_checkpoint.py`` on 2 ranks run every layout: first 4 steps, saved
+mid-epoch after step 2 by ``ModelCheckpoint``, then (fresh processes) the resume to step 4.
+Layouts: ZeRO-1 and ZeRO-2 on dp=2 (SGD with momentum), ZeRO-3 with CPU offload (AdamW as
+DeepSpeed's CPU Adam), ZeRO-2 with tensor parallelism (tp=2, AdamW), ZeRO-1 with two pipeline
+stages and with expert parallelism (ep=2, Mixtral). The resumed steps must equal the
+uninterrupted run's. The saved checkpoint, consolidated without processes
+(``consolidate_checkpoint`` and ``python -m lightning_parallel export``), must load strictly into
+the unparallelised module and equal the weights of the same 2 steps trained in one process
+(the parity harness's rule, ``tests/distributed/harness.py:mismatch``).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.cases import RTOL
+from tests.strategy import launch
+from tests.strategy.scripts.zero_checkpoint import (
+    BATCH_SIZE,
+    FIRST_HALF,
+    LAYOUTS,
+    SAMPLES,
+    SEED,
+    data_parallel,
+)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+
+def _read(out: Path, run: str) -> list[dict]:
+    return [json.loads((out / f"{run}.rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("zero_checkpoint")
+    for mode in ("first", "resume"):
+        result = launch("zero_checkpoint.py", [mode, str(out), ",".join(LAYOUTS)], out, timeout_s=600)
+        print(f"{mode}: {result.wall_s:.1f} s")
+        result.assert_all_succeeded()
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resume_under_zero_continues_the_same_run(runs: Path, layout: str) -> None:
+    """Masters, optimizer states, step and learning rate restored: steps 3-4 as if never interrupted.
+
+    Bit for bit, except after the first resumed step under DeepSpeed's CPU Adam: its C++ kernel keeps
+    ``beta**step`` as a running float product and recomputes it with ``pow`` in a new process, an
+    ulp apart (``ops/csrc/includes/cpu_adam.h``, ``IncrementStep``); there, within fp32 parity.
+    """
+    straight, resumed = _read(runs / layout, "straight"), _read(runs / layout, "resumed")
+    assert [r["global_step"] for r in straight + resumed] == [4, 4, 4, 4]
+    cpu_adam = LAYOUTS[layout][0].get("offload") is not None
+    for rank in range(2):
+        want, got = straight[rank]["losses"][FIRST_HALF:], resumed[rank]["losses"]
+        if not cpu_adam:
+            assert got == want, f"{layout}, rank {rank}: {got} vs {want}"
+            continue
+        assert got[0] == want[0], f"{layout}, rank {rank}: the restored weights differ ({got} vs {want})"
+        assert all(abs(g - w) / abs(w) < RTOL for g, w in zip(got, want, strict=True)), (got, want)
+
+
+@cache
+def _single_process(family: str, overrides: tuple, dp: int) -> dict[str, torch.Tensor]:
+    """The same steps in one process, the harness's way: the samples of all data-parallel ranks per batch."""
+    import lightning as L
+
+    from tests.models.families import build, reference_dataloader
+
+    L.seed_everything(SEED, verbose=False)
+    model = build(family, **dict(overrides))
+    loader = reference_dataloader(BATCH_SIZE, dp, SAMPLES, sampler_seed=SEED)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=FIRST_HALF, deterministic=True, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, loader)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_consolidated_checkpoint_is_the_single_process_module(runs: Path, layout: str) -> None:
+    from lightning_parallel import consolidate_checkpoint
+    from tests.distributed.harness import mismatch
+    from tests.models.families import build
+
+    _, family, overrides = LAYOUTS[layout]
+    consolidated = consolidate_checkpoint(runs / layout / "step2.ckpt")
+    reference = _single_process(family, tuple(sorted(overrides.items())), data_parallel(layout))
+    assert set(consolidated) == set(reference)
+    assert all(v.dtype == torch.float32 for v in consolidated.values())
+    problems = {name: mismatch(consolidated[name], reference[name]) for name in reference}
+    assert not any(problems.values()), {k: v for k, v in problems.items() if v}
+    fresh = build(family, **overrides)
+    assert any(not torch.equal(v, consolidated[k]) for k, v in fresh.state_dict().items())  # trained weights
+    fresh.load_state_dict(consolidated, strict=True)
+
+
+def test_export_command_writes_the_consolidated_weights(runs: Path, tmp_path: Path) -> None:
+    """``python -m lightning_parallel export`` (the command for every checkpoint) on a ZeRO + tp=2 checkpoint."""
+    from safetensors.torch import load_file
+
+    from lightning_parallel import consolidate_checkpoint
+    from lightning_parallel.cli import main
+
+    checkpoint, out = runs / "zero2_tp2" / "step2.ckpt", tmp_path / "weights.safetensors"
+    assert main(["export", str(checkpoint), str(out), "--dtype", "float32"]) == 0
+    exported, consolidated = load_file(out), consolidate_checkpoint(checkpoint)
+    assert set(exported) == set(consolidated)
+    for name, value in consolidated.items():
+        torch.testing.assert_close(exported[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_consolidated_save_is_refused_under_zero() -> None:
+    """One file would gather every master on rank 0 at each save: refused, with the offline way named."""
+    from lightning_parallel import HybridParallelStrategy
+
+    strategy = HybridParallelStrategy(zero_stage=2, save_distributed_checkpoint=False)
+    with pytest.raises(ValueError, match="consolidate_checkpoint"):
+        strategy._check_consolidated_supported()
