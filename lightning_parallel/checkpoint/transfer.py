@@ -75,6 +75,19 @@ def _all_ranks(keys: set[str]) -> set[str]:
     return set().union(*map(set, gathered))
 
 
+def _fill_tied(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Tied weights saved once (``safetensors.torch.save_model`` drops the duplicates of shared tensors):
+    a name missing from the file takes the tensor of a name it is tied to in this module."""
+    names_by_param: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_by_param.setdefault(id(param), []).append(name)
+    for names in names_by_param.values():
+        present = [n for n in names if n in full]
+        for name in names:
+            if present and name not in full:
+                full[name] = full[present[0]]
+
+
 def load_weights(
     model: nn.Module, source: PathLike | Mapping[str, torch.Tensor], strict: bool = True
 ) -> None:
@@ -99,6 +112,7 @@ def load_weights(
     }
     prefix = _prefix(list(target), list(full))
     full = {prefix + k: v for k, v in full.items()}
+    _fill_tied(model, full)
     experts = _expert_layouts(model)
     loaded: dict[str, Any] = {}
     for name, current in target.items():

@@ -103,3 +103,22 @@ def test_export_refuses_what_is_not_a_checkpoint(tmp_path: Path, capsys: pytest.
         export_checkpoint(tmp_path / "folder", tmp_path / "out.pt")
     assert cli_main(["export", str(tmp_path / "folder"), str(tmp_path / "out.safetensors")]) == 2
     assert "is not a checkpoint" in capsys.readouterr().err
+
+
+def test_tied_weights_saved_once_load_into_both_names(tmp_path: Path) -> None:
+    """``safetensors.torch.save_model`` keeps one name of a shared tensor (embedding and head tied)."""
+    from safetensors.torch import save_model
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.head = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
+            self.head.weight = self.wte.weight
+
+    torch.manual_seed(3)
+    source = Tied()
+    save_model(source, str(tmp_path / "tied.safetensors"))
+    assert len(load_file(tmp_path / "tied.safetensors")) == 1
+    target = Tied()
+    load_weights(target, tmp_path / "tied.safetensors")
+    assert torch.equal(target.head.weight, source.wte.weight) and target.head.weight is target.wte.weight
