@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from lightning_parallel.data_parallel import apply_data_parallel, average_direct_parameters, no_gradient_sync
 from lightning_parallel.grad_sync import GradientSync
+from lightning_parallel.launch.placement import check_tensor_parallel_placement
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.plans import ParallelPlan
@@ -272,6 +273,7 @@ class HybridParallelStrategy(
         rank_zero_info(
             f"{type(self).__name__}: mesh {self.dims.describe()}, ranks from {type(self.cluster_environment).__name__}"
         )
+        check_tensor_parallel_placement(self)  # warn if a tensor-parallel group spans nodes
 
     @property
     @override

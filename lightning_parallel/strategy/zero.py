@@ -93,7 +93,24 @@ class ZeroStrategyMixin:
         return self.zero.enabled
 
     def _zero_precision_plugin(self) -> ZeroPrecision:
-        precision = self.precision_plugin.precision  # type: ignore[attr-defined]
+        """DeepSpeed's precision for the Trainer's flag; a plugin doing more than a flag is refused.
+
+        Anything beyond Lightning's plain plugins (fp8, quantisation, a custom scaler) would be
+        silently dropped: DeepSpeed owns the casts, the master weights and the loss scale here.
+        """
+        from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+        plugin = self.precision_plugin  # type: ignore[attr-defined]
+        if isinstance(plugin, ZeroPrecision):
+            return plugin
+        if type(plugin) not in (Precision, MixedPrecision, HalfPrecision):
+            raise ValueError(
+                f"HybridParallelStrategy(zero_stage={self.zero.stage}): the precision plugin"
+                f" {type(plugin).__name__} cannot be used with ZeRO, DeepSpeed owns the precision (casts, fp32"
+                " master weights, loss scale). Use `Trainer(precision='32-true' | 'bf16-mixed' | 'bf16-true' |"
+                " '16-mixed')`, or `zero_stage=0` to keep this plugin."
+            )
+        precision = plugin.precision
         self.zero.deepspeed_config(precision, None)  # an unsupported precision fails here, before launch
         return ZeroPrecision(precision)
 

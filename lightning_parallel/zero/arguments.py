@@ -106,7 +106,8 @@ class ZeroArguments:
         """The config for ``deepspeed.initialize``: stage, offload, precision, clipping, user keys."""
         if precision not in _PRECISION_SECTIONS:
             raise ValueError(
-                f"`Trainer(precision={precision!r})` is not supported with `zero_stage={self.stage}`: use one of"
+                f"HybridParallelStrategy(zero_stage={self.stage}): `Trainer(precision={precision!r})` is not"
+                " supported with ZeRO; use one of"
                 f" {sorted(_PRECISION_SECTIONS)} (DeepSpeed keeps fp32 master weights for the half precisions)."
             )
         zero: dict[str, Any] = {

@@ -1,0 +1,92 @@
+"""Bytes per rank of parameters, gradients and optimizer states under ZeRO 1/2/3, through the Trainer.
+
+    python tests/strategy/scripts/zero_memory.py OUT_DIR   # RANK/WORLD_SIZE/MASTER_* from the launcher
+
+On every data-parallel rank, nanoGPT (fp32, AdamW) trains two steps under
+``HybridParallelStrategy(zero_stage=s)`` for s = 1, 2, 3 in turn (one process group). Measured on
+each rank from the tensors DeepSpeed's optimizer holds:
+
+- parameters: the module's copy (stages 1/2: DeepSpeed's flat buffers the parameters point into;
+  stage 3: each parameter's partition ``ds_tensor``) plus the fp32 master partition;
+- gradients: stage 1 every ``.grad`` before the optimizer step (``on_before_optimizer_step``);
+  stages 2 and 3 the buffer of this rank's reduced gradient partition (kept across steps). Not
+  counted: the reduction buckets, bounded by ``reduce_bucket_size`` whatever the model size;
+- optimizer states: after the step, every tensor in the state of the optimizer ZeRO steps.
+
+Every rank writes ``OUT_DIR/zero_memory.rank{r}.json``; the theory is in
+``tests/zero/test_zero_memory.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from lightning_parallel import HybridParallelStrategy
+from tests.models.families import build, make_dataloader
+
+STEPS, BATCH = 2, 2
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+class ZeroBytes(L.Callback):
+    def __init__(self) -> None:
+        self.measured: dict[str, int] = {}
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if trainer.strategy.zero.stage == 1:  # every rank holds whole gradients until the step reduces them
+            self.measured["gradients"] = _bytes(p.grad for p in pl_module.parameters() if p.grad is not None)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        zero = trainer.strategy.zero_engine.optimizer
+        if trainer.strategy.zero.stage == 3:
+            module = _bytes(p.ds_tensor for p in pl_module.parameters())
+            master = _bytes(zero.fp32_partitioned_groups_flat)
+        else:
+            module = _bytes(zero.bit16_groups_flat)
+            master = _bytes(zero.single_partition_of_fp32_groups)
+        states = _bytes(v for state in zero.optimizer.state.values() for v in state.values() if v.dim() > 0)
+        stage = trainer.strategy.zero.stage
+        if stage == 2:  # the reduced partition of this rank (buffer kept across steps)
+            self.measured["gradients"] = _bytes([zero.grads_in_partition])
+        elif stage == 3:
+            self.measured["gradients"] = _bytes([zero.grad_partitions_flat_buffer])
+        self.measured.update(module_parameters=module, master_parameters=master, optimizer_states=states)
+
+
+def main(out_dir: Path) -> None:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    results: dict[str, Any] = {}
+    devices = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown removes it
+    for stage in (1, 2, 3):
+        L.seed_everything(0, verbose=False)
+        module = build("nanogpt", optimizer="adamw")
+        numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        probe = ZeroBytes()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=devices,
+            strategy=HybridParallelStrategy(zero_stage=stage, timeout=60),
+            max_steps=STEPS, callbacks=[probe], logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(module, make_dataloader(BATCH, STEPS * BATCH * trainer.world_size))
+        results[f"zero{stage}"] = {"parameters": numel, "world_size": trainer.world_size, **probe.measured}
+    rank = torch.distributed.get_rank()
+    (out_dir / f"zero_memory.rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

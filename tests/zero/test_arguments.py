@@ -1,0 +1,109 @@
+"""ZeRO arguments: the DeepSpeed config they become, the optimizer swap for offloading, refusals.
+
+No process group: these pin down the translation from Lightning's settings (precision, clipping,
+accumulation, ``configure_optimizers``) to DeepSpeed's, and that bad arguments fail at
+construction with the argument, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_parallel import HybridParallelStrategy
+from lightning_parallel.zero import ZeroArguments, offload_optimizer
+
+
+def test_config_follows_stage_offload_precision_and_clipping() -> None:
+    config = ZeroArguments.resolve(3, "cpu", None, None).deepspeed_config("bf16-mixed", 0.5)
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu"
+    assert zero["offload_param"]["device"] == "cpu"
+    assert config["bf16"] == {"enabled": True} and "fp16" not in config
+    assert config["gradient_clipping"] == 0.5
+    # Lightning counts accumulated batches; DeepSpeed must not (unmanaged mode, gas 1).
+    assert config["managed_gradient_accumulation"] is False and config["gradient_accumulation_steps"] == 1
+
+    config = ZeroArguments.resolve(2, "cpu", None, None).deepspeed_config("16-mixed", None)
+    assert "offload_param" not in config["zero_optimization"]  # parameters offload only at stage 3
+    assert config["fp16"]["enabled"] and config["fp16"]["loss_scale"] == 0  # dynamic loss scaling
+    assert config["gradient_clipping"] == 0.0
+
+    config = ZeroArguments.resolve(3, "nvme", "/tmp/swap", None).deepspeed_config("32-true", None)
+    assert config["zero_optimization"]["offload_param"] == {"device": "nvme", "nvme_path": "/tmp/swap", "pin_memory": True}
+    assert "bf16" not in config and "fp16" not in config
+
+
+def test_raw_deepspeed_keys_are_merged_last() -> None:
+    raw = {"zero_optimization": {"stage3_max_live_parameters": 123}, "wall_clock_breakdown": True}
+    config = ZeroArguments.resolve(3, None, None, raw).deepspeed_config("32-true", None)
+    assert config["zero_optimization"]["stage3_max_live_parameters"] == 123
+    assert config["zero_optimization"]["stage"] == 3 and config["wall_clock_breakdown"] is True
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"zero_stage": 4}, "`zero_stage=4` must be 0 (off), 1"),
+        ({"zero_stage": 1, "offload": "disk"}, "`offload='disk'` must be None, 'cpu' or 'nvme'"),
+        ({"offload": "cpu"}, "`offload='cpu'` needs ZeRO"),
+        ({"zero_stage": 3, "offload": "nvme"}, "`offload='nvme'` needs `offload_path=`"),
+        ({"zero_stage": 2, "offload": "cpu", "offload_path": "/x"}, "`offload_path='/x'` is only used with `offload='nvme'`"),
+        ({"deepspeed_config": {"a": 1}}, "`deepspeed_config=` is only used with ZeRO"),
+        ({"zero_stage": 2, "deepspeed_config": {"gradient_clipping": 1.0}}, "use Trainer(gradient_clip_val=...) instead"),
+        ({"zero_stage": 2, "deepspeed_config": {"bf16": {"enabled": True}}}, "use Trainer(precision='bf16-mixed') instead"),
+        ({"zero_stage": 2, "deepspeed_config": {"optimizer": {}}}, "use LightningModule.configure_optimizers instead"),
+        ({"zero_stage": 2, "deepspeed_config": {"zero_optimization": {"stage": 3}}}, "contradicts `zero_stage=2`"),
+    ],
+)  # fmt: skip
+def test_bad_zero_arguments_are_refused_at_construction(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        HybridParallelStrategy(**kwargs)
+
+
+def test_unsupported_precision_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"`Trainer\(precision='16-true'\)` is not supported with ZeRO"):
+        ZeroArguments.resolve(1, None, None, None).deepspeed_config("16-true", None)
+
+
+def test_fp8_plugin_is_refused_not_dropped() -> None:
+    import lightning as L
+    from lightning.pytorch.plugins.precision import Precision
+
+    class Float8Like(Precision):  # any plugin that does more than Lightning's precision flag
+        precision = "bf16-mixed"
+
+    with pytest.raises(ValueError, match="the precision plugin Float8Like cannot be used with ZeRO"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=HybridParallelStrategy(zero_stage=1), plugins=[Float8Like()])
+
+
+def _params() -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+
+
+@pytest.mark.parametrize("adamw", [False, True])
+def test_adam_becomes_deepspeed_cpu_adam_with_the_same_hyper_parameters(adamw: bool) -> None:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    params = _params()
+    optimizer = cls([{"params": params[:1], "lr": 0.01}, {"params": params[1:], "weight_decay": 0.0}],
+                    lr=0.1, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.05)  # fmt: skip
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    swapped = offload_optimizer(optimizer, [scheduler])
+    assert isinstance(swapped, DeepSpeedCPUAdam) and swapped.adam_w_mode is adamw
+    assert [g["params"] for g in swapped.param_groups] == [params[:1], params[1:]]
+    assert [(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in swapped.param_groups] == [
+        (0.01, (0.8, 0.9), 1e-6, 0.05), (0.1, (0.8, 0.9), 1e-6, 0.0)
+    ]  # fmt: skip
+    assert scheduler.optimizer is swapped
+    scheduler.step()
+    assert [g["lr"] for g in swapped.param_groups] == [0.005, 0.05]
+
+
+def test_other_optimizers_stay_and_unsupported_adam_options_are_refused() -> None:
+    sgd = torch.optim.SGD(_params(), lr=0.1)
+    assert offload_optimizer(sgd) is sgd
+    with pytest.raises(ValueError, match=r"`Adam\(amsgrad=True\)` with `offload='cpu'`"):
+        offload_optimizer(torch.optim.Adam(_params(), amsgrad=True))

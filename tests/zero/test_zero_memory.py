@@ -1,0 +1,55 @@
+"""Bytes per rank under ZeRO 1/2/3 equal the theory (within 5%), on 2 and 4 data-parallel ranks.
+
+fp32 with AdamW, Ψ trainable parameters, N data-parallel ranks (ZeRO paper, section 5):
+
+| stage | module parameters | fp32 master | gradients | optimizer states (2 x fp32) |
+|---|---|---|---|---|
+| 1 | 4Ψ | 4Ψ/N | 4Ψ | 8Ψ/N |
+| 2 | 4Ψ | 4Ψ/N | 4Ψ/N | 8Ψ/N |
+| 3 | 4Ψ/N | 4Ψ/N | 4Ψ/N | 8Ψ/N |
+
+Measured on each rank through the real Trainer (tests/strategy/scripts/zero_memory.py). The 5%
+leaves room for DeepSpeed's alignment padding of each partition, nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.strategy import launch
+
+pytestmark = [pytest.mark.distributed]
+SCRIPT = "zero_memory.py"
+THEORY = {  # bytes per parameter, as (numerator, divided by N?)
+    1: {"module_parameters": (4, False), "master_parameters": (4, True), "gradients": (4, False),
+        "optimizer_states": (8, True)},
+    2: {"module_parameters": (4, False), "master_parameters": (4, True), "gradients": (4, True),
+        "optimizer_states": (8, True)},
+    3: {"module_parameters": (4, True), "master_parameters": (4, True), "gradients": (4, True),
+        "optimizer_states": (8, True)},
+}  # fmt: skip
+
+
+def _measure(tmp_path: Path, world_size: int) -> list[dict]:
+    result = launch(SCRIPT, [str(tmp_path)], tmp_path, world_size=world_size, timeout_s=400, grace_s=30)
+    result.assert_all_succeeded()
+    return [json.loads((tmp_path / f"zero_memory.rank{r}.json").read_text()) for r in range(world_size)]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bytes_per_rank_follow_the_zero_theory(tmp_path: Path, world_size: int) -> None:
+    ranks = _measure(tmp_path, world_size)
+    problems = []
+    for rank, measured in enumerate(ranks):
+        for stage, theory in THEORY.items():
+            run = measured[f"zero{stage}"]
+            assert run["world_size"] == world_size
+            for kind, (per_param, sharded) in theory.items():
+                expected = per_param * run["parameters"] / (world_size if sharded else 1)
+                if abs(run[kind] - expected) > 0.05 * expected:
+                    problems.append(f"rank {rank} zero{stage} {kind}: {run[kind]} bytes, theory {expected:.0f}")
+    assert not problems, "\n".join(problems)
