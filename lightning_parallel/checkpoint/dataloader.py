@@ -152,10 +152,13 @@ class ResumableDataLoaderMixin:
         # A generator: this body runs at the first ``next()``, after Lightning has set the sampler's
         # epoch and made its restart adjustments to the batch progress.
         loader: Any = self
-        epoch, done = self._lp_progress() if self._lp_progress is not None else (self._lp_epoch, 0)
         resume, self._lp_resume = self._lp_resume, None
-        if resume is not None and self._lp_progress is None:
-            done = resume["consumed"]
+        if self._lp_progress is not None:
+            epoch, done = self._lp_progress()
+        elif resume is not None:  # no trainer: continue after the batches this loader had handed out
+            epoch, done = resume["epoch"], resume["consumed"]
+        else:
+            epoch, done = self._lp_epoch, 0
         if resume is not None and (resume["epoch"] != epoch or done >= len(loader)):
             resume = None  # the checkpoint's epoch was finished: this is a new one
         self._lp_epoch = epoch

@@ -115,3 +115,17 @@ def test_only_map_style_loaders_with_a_sized_sampler_are_wrapped() -> None:
     wrapped = make_resumable(plain)
     assert isinstance(wrapped, DataLoader) and wrapped is not plain and len(wrapped) == 2
     assert make_resumable(wrapped) is wrapped  # already stateful
+
+
+def test_without_a_trainer_the_loader_counts_its_own_batches() -> None:
+    torch.manual_seed(0)
+    pristine = DataLoader(CountingData(10), batch_size=2, shuffle=True)
+    loader = make_resumable(copy.deepcopy(pristine))
+    iterator = iter(loader)
+    first = [next(iterator).tolist() for _ in range(2)]
+    state, rng = loader.state_dict(), torch.get_rng_state()
+    rest = [b.tolist() for b in iterator]
+    resumed = make_resumable(copy.deepcopy(pristine))
+    resumed.load_state_dict(state)
+    torch.set_rng_state(rng)
+    assert [b.tolist() for b in resumed] == rest and len(first) + len(rest) == 5
