@@ -19,6 +19,8 @@
 #      (bf16 autocast, batch 8 x 2048), and `--fp8`: a few steps with Float8Precision (torchao, if
 #      the machine has it) against bf16-mixed. 3 + 7 + 3 minutes at most.
 #      GPU_CHECK_ONLY=memory runs only this part (fits one lent-device session on its own).
+#   5. `benchmarks.zero_offload`: ZeRO-2 + CPU offload vs on-GPU step time (GPT-1.3B), and the largest
+#      GPT that trains with ZeRO-3 + CPU offload (if deepspeed is installed there).
 #
 #   GPU_CHECK_DRY_RUN=1 bash scripts/gpu_check.sh   # on a CPU machine: the script's own logic, with
 #                                                   # `--tiny --cpu --no-compile` in steps 2 and 3
@@ -84,4 +86,20 @@ else
     [ "$status" -ne 0 ] && fail "the 1.3B memory-savers run exited with status $status"
 fi
 run 180 "$PY" -m benchmarks.memory_savers --fp8 || fail "the fp8 steps"
+
+# ZeRO (docs/zero.md): GPT-1.3B bf16, ZeRO-2 with CPU offload against ZeRO-2 on the GPU (step-time
+# ratio, target <= 2x), then the largest GPT that trains with ZeRO-3 + CPU offload (target >= 8B).
+# Needs deepspeed on the machine (its CPU Adam compiles on first use, about a minute).
+if "$PY" -c "import deepspeed" >/dev/null 2>&1; then
+    ZERO_ARGS=()
+    [ -n "$DRY" ] && ZERO_ARGS=(--tiny --cpu)
+    run 300 "$PY" -m benchmarks.zero_offload --tiny ${ZERO_ARGS[@]+"${ZERO_ARGS[@]}"} || fail "ZeRO: a code path is broken"
+    if [ -z "$DRY" ]; then
+        run 420 "$PY" -m benchmarks.zero_offload --json "$RESULTS_DIR/zero_offload.json" || fail "the ZeRO offload ratio"
+        run 540 "$PY" -m benchmarks.zero_offload --largest --limit-s 240 --json "$RESULTS_DIR/zero_largest.json" \
+            || fail "the ZeRO-3 largest-model search"
+    fi
+else
+    say "ZeRO part not run: deepspeed is not installed on this machine"
+fi
 say "GPU CHECK OK"

@@ -6,7 +6,12 @@ fp32 with AdamW, Ψ trainable parameters, N data-parallel ranks (ZeRO paper, sec
 |---|---|---|---|---|
 | 1 | 4Ψ | 4Ψ/N | 4Ψ | 8Ψ/N |
 | 2 | 4Ψ | 4Ψ/N | 4Ψ/N | 8Ψ/N |
-| 3 | 4Ψ/N | 4Ψ/N | 4Ψ/N | 8Ψ/N |
+| 3 | 4Ψ/N | 4Ψ/N | 2 x 4Ψ/N | 8Ψ/N |
+
+Gradients are the peak over the end of backward and the optimizer step. At stage 3 DeepSpeed
+holds the gradient partition twice while it steps: its partition buffer in the parameters'
+precision (here fp32, in bf16 training 2Ψ/N) and the fp32 copy the optimizer updates from (the
+ZeRO paper counts only the first); stages 1 and 2 step on the reduced buffer itself.
 
 Measured on each rank through the real Trainer (tests/strategy/scripts/zero_memory.py). The 5%
 leaves room for DeepSpeed's alignment padding of each partition, nothing else.
@@ -28,7 +33,7 @@ THEORY = {  # bytes per parameter, as (numerator, divided by N?)
         "optimizer_states": (8, True)},
     2: {"module_parameters": (4, False), "master_parameters": (4, True), "gradients": (4, True),
         "optimizer_states": (8, True)},
-    3: {"module_parameters": (4, True), "master_parameters": (4, True), "gradients": (4, True),
+    3: {"module_parameters": (4, True), "master_parameters": (4, True), "gradients": (8, True),
         "optimizer_states": (8, True)},
 }  # fmt: skip
 

@@ -8,9 +8,10 @@ each rank from the tensors DeepSpeed's optimizer holds:
 
 - parameters: the module's copy (stages 1/2: DeepSpeed's flat buffers the parameters point into;
   stage 3: each parameter's partition ``ds_tensor``) plus the fp32 master partition;
-- gradients: stage 1 every ``.grad`` before the optimizer step (``on_before_optimizer_step``);
-  stages 2 and 3 the buffer of this rank's reduced gradient partition (kept across steps). Not
-  counted: the reduction buckets, bounded by ``reduce_bucket_size`` whatever the model size;
+- gradients: the peak, over the end of backward (``on_before_optimizer_step``) and the inside of
+  the optimizer step, of the bytes of every gradient tensor alive: the module's ``.grad`` and the
+  partition buffers ZeRO keeps. Not counted: the reduction buckets, bounded by
+  ``reduce_bucket_size`` whatever the model size;
 - optimizer states: after the step, every tensor in the state of the optimizer ZeRO steps.
 
 Every rank writes ``OUT_DIR/zero_memory.rank{r}.json``; the theory is in
@@ -33,20 +34,49 @@ import torch
 from lightning_parallel import HybridParallelStrategy
 from tests.models.families import build, make_dataloader
 
-STEPS, BATCH = 2, 2
+STEPS, BATCH = 1, 2
+# Deep enough that one parameter split at a partition boundary is small against a partition.
+LAYERS = 12
 
 
 def _bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
+def _gradient_bytes(module: torch.nn.Module, zero: Any) -> int:
+    """Every gradient tensor alive: the module's ``.grad`` and the partition buffers ZeRO keeps."""
+    held = [p.grad for p in module.parameters() if p.grad is not None]
+    held += [getattr(zero, "grads_in_partition", None), getattr(zero, "grad_partitions_flat_buffer", None)]
+    for grads in (getattr(zero, "averaged_gradients", None) or {}).values():
+        held += list(grads or [])
+    held += [g.grad for g in getattr(zero, "single_partition_of_fp32_groups", [])]
+    held += [g.grad for g in getattr(zero, "fp32_partitioned_groups_flat", [])]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held if t is not None}
+    return sum(storages.values())
+
+
 class ZeroBytes(L.Callback):
+    """Gradients: the peak over the point after backward and the inside of the optimizer step."""
+
     def __init__(self) -> None:
-        self.measured: dict[str, int] = {}
+        self.measured: dict[str, int] = {"gradients": 0}
+
+    def _gradients(self, module: torch.nn.Module, zero: Any) -> None:
+        self.measured["gradients"] = max(self.measured["gradients"], _gradient_bytes(module, zero))
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        zero = trainer.strategy.zero_engine.optimizer
+        inner = zero.optimizer
+        step = inner.step
+
+        def measured_step(*args: Any, **kwargs: Any) -> Any:
+            self._gradients(pl_module, zero)
+            return step(*args, **kwargs)
+
+        inner.step = measured_step
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        if trainer.strategy.zero.stage == 1:  # every rank holds whole gradients until the step reduces them
-            self.measured["gradients"] = _bytes(p.grad for p in pl_module.parameters() if p.grad is not None)
+        self._gradients(pl_module, trainer.strategy.zero_engine.optimizer)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         zero = trainer.strategy.zero_engine.optimizer
@@ -57,11 +87,6 @@ class ZeroBytes(L.Callback):
             module = _bytes(zero.bit16_groups_flat)
             master = _bytes(zero.single_partition_of_fp32_groups)
         states = _bytes(v for state in zero.optimizer.state.values() for v in state.values() if v.dim() > 0)
-        stage = trainer.strategy.zero.stage
-        if stage == 2:  # the reduced partition of this rank (buffer kept across steps)
-            self.measured["gradients"] = _bytes([zero.grads_in_partition])
-        elif stage == 3:
-            self.measured["gradients"] = _bytes([zero.grad_partitions_flat_buffer])
         self.measured.update(module_parameters=module, master_parameters=master, optimizer_states=states)
 
 
@@ -73,7 +98,7 @@ def main(out_dir: Path) -> None:
     devices = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown removes it
     for stage in (1, 2, 3):
         L.seed_everything(0, verbose=False)
-        module = build("nanogpt", optimizer="adamw")
+        module = build("nanogpt", optimizer="adamw", n_layer=LAYERS)
         numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
         probe = ZeroBytes()
         trainer = L.Trainer(
