@@ -32,6 +32,14 @@ from lightning_parallel.strategy.checkpointing import (
     _experts_as_local,
     _restore_strided,
 )
+from lightning_parallel.zero.partitions import (
+    ensure_state,
+    group_of,
+    loss_scaler_state,
+    refresh_module_copy,
+    state_keys,
+    step_count,
+)
 from lightning_parallel.zero.tensor_parallel import user_name
 
 __all__ = [
@@ -103,59 +111,6 @@ def _full_fp32(param: nn.Parameter) -> torch.Tensor:
     return param.detach().float().clone()
 
 
-# ---- ZeRO's optimizer: flat fp32 partitions and their parameter groups --------------------------
-
-
-def _stage3(optimizer: Any) -> bool:
-    return hasattr(optimizer, "fp32_partitioned_groups_flat")
-
-
-def _flat_partitions(optimizer: Any) -> list[torch.Tensor]:
-    """The fp32 tensors the base optimizer steps (its ``state`` is keyed by them), one per group."""
-    if _stage3(optimizer):
-        return list(optimizer.fp32_partitioned_groups_flat)
-    return list(optimizer.single_partition_of_fp32_groups)
-
-
-def _group_of(optimizer: Any) -> dict[int, int]:
-    """``id(parameter) -> index`` of its parameter group in the base optimizer."""
-    if _stage3(optimizer):
-        return {
-            id(p): optimizer.sub_group_to_group_id[i]
-            for i, group in enumerate(optimizer.fp16_groups)
-            for p in group
-        }
-    return {id(p): i for i, group in enumerate(optimizer.bit16_groups) for p in group}
-
-
-def _state_keys(optimizer: Any) -> list[str]:
-    """Per-element state of the base optimizer (``exp_avg``, ``momentum_buffer``, ...), as every rank has it."""
-    keys: set[str] = set()
-    for flat in _flat_partitions(optimizer):
-        for key, value in optimizer.optimizer.state.get(flat, {}).items():
-            if torch.is_tensor(value) and value.shape == flat.shape:
-                keys.add(key)
-    return sorted(keys)
-
-
-def _step(optimizer: Any) -> Any:
-    """The optimizer's step count (every flat partition steps together): a tensor (torch) or an int (CPU Adam)."""
-    for flat in _flat_partitions(optimizer):
-        step = optimizer.optimizer.state.get(flat, {}).get("step")
-        if step is not None:
-            return step.clone() if torch.is_tensor(step) else step
-    return None
-
-
-def _loss_scaler_state(optimizer: Any) -> dict[str, Any]:
-    scaler = getattr(optimizer, "loss_scaler", None)
-    if scaler is None:
-        return {}
-    return {
-        k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float)) and not k.startswith("_")
-    }
-
-
 def refuse_consolidated() -> None:
     """A consolidated file would need every master weight gathered on rank 0 at each save; the sharded
     checkpoint is written in parallel and consolidates offline to the same file."""
@@ -193,7 +148,7 @@ def zero_optimizer_state(module: nn.Module, optimizer: Any, engine: Any, ep_mesh
     """
     from deepspeed.utils import safe_get_full_optimizer_state
 
-    keys, step, groups = _state_keys(optimizer), _step(optimizer), _group_of(optimizer)
+    keys, step, groups = state_keys(optimizer), step_count(optimizer), group_of(optimizer)
     param_groups = optimizer.optimizer.param_groups
     state: dict[str, Any] = {}
     seen: set[int] = set()
@@ -205,15 +160,15 @@ def zero_optimizer_state(module: nn.Module, optimizer: Any, engine: Any, ep_mesh
             for key in keys:
                 value = safe_get_full_optimizer_state(param, key)
                 state[f"state.{name}.{key}"] = _as_saved(value.detach().float(), to_saved)
-            if step is not None:
-                state[f"state.{name}.step"] = step
+            if step is not None:  # a tensor, as torch's optimizers keep it (CPU Adam's int converts on load)
+                state[f"state.{name}.step"] = step if torch.is_tensor(step) else torch.tensor(float(step))
         group = groups.get(id(param))
         if group is not None:
             for key, value in param_groups[group].items():
                 if key != "params":
                     state[f"param_groups.{name}.{key}"] = value
     state = _contiguous_shards(_experts_as_dtensors(state, _expert_layouts(module), ep_mesh, optimizer=True))
-    state[_SCALER_KEY] = _loss_scaler_state(optimizer)
+    state[_SCALER_KEY] = loss_scaler_state(optimizer)
     state[_ENGINE_KEY] = {k: int(getattr(engine, k)) for k in _ENGINE_COUNTERS if hasattr(engine, k)}
     return state
 
@@ -241,61 +196,29 @@ def _read(path: Path, entry: str, template: dict[str, Any]) -> dict[str, Any]:
     return template
 
 
-def _refresh_module_copy(module: nn.Module, optimizer: Any, values: dict[int, torch.Tensor]) -> None:
-    """After the masters changed: the module's copy, as DeepSpeed's step refreshes it. Stages 1/2: every
-    rank holds whole weights (views into ZeRO's flat buffers). Stage 3: each rank its partition of the
-    flat low-precision buffer, the mirror of its fp32 partition. Without an engine (``validate``,
-    ``test``), the module's plain parameters."""
-    if optimizer is None or not _stage3(optimizer):
-        for param in module.parameters():
-            if id(param) in values:
-                param.data.copy_(values[id(param)].to(param.dtype))
-        return
-    for low, master in zip(
-        optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat, strict=True
-    ):
-        if low is None:
-            raise NotImplementedError(
-                "Resuming a ZeRO-3 checkpoint with `offload='nvme'` is not supported yet (the parameters are"
-                " swapped out); resume with `offload='cpu'` or without offload, or start from its weights with"
-                " `init_weights=` (export them with `python -m lightning_parallel export`)."
-            )
-        low.data.copy_(master.data)
-
-
-def _ensure_state(optimizer: Any, keys: list[str], step: Any) -> None:
-    """Create the base optimizer's per-partition state before its first step (torch optimizers create it
-    lazily), so that DeepSpeed's setters have a place to write, and link ZeRO-1/2's per-parameter views."""
-    state = optimizer.optimizer.state
-    for flat in _flat_partitions(optimizer):
-        entry = state[flat]
-        for key in keys:
-            if key not in entry:
-                entry[key] = torch.zeros_like(flat)
-        if step is not None:
-            entry["step"] = step.clone() if torch.is_tensor(step) else step
-    if not _stage3(optimizer) and keys:
-        from deepspeed.utils import lazy_init_hp_params_optimizer_state
-
-        for params, flat in zip(
-            optimizer.bit16_groups, optimizer.single_partition_of_fp32_groups, strict=True
-        ):
-            lazy_init_hp_params_optimizer_state(params, flat, state)
-        optimizer._hp_optimizer_states_linked = True
-
-
 def load_zero_checkpoint(
     module: nn.Module, optimizer: Any, engine: Any, path: Path, ep_mesh: Any, strict: bool = True
 ) -> None:
     """Load a sharded checkpoint (saved under ZeRO or not, any layout) into a ZeRO run: masters, the
     module's copy, optimizer states, hyper-parameters and loss scaler. Collective: every rank.
     ``optimizer``/``engine`` ``None`` (evaluation: no engine): the weights only."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-    layouts = _expert_layouts(module)
     parameters = list(_parameters(module))
+    layouts = _expert_layouts(module)
+    _load_weights(module, optimizer, path, parameters, layouts, ep_mesh, strict)
+    if optimizer is not None:
+        _load_optimizer(optimizer, engine, path, parameters, layouts, ep_mesh)
 
-    # Model: masters and the module's copy.
+
+def _local(value: Any) -> torch.Tensor:
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
+def _load_weights(
+    module: nn.Module, optimizer: Any, path: Path, parameters: list, layouts: dict, ep_mesh: Any, strict: bool
+) -> None:
+    """Masters (DeepSpeed's setter), then the module's copy from the same values, then the buffers."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
     like: dict[str, Any] = {name: _zeros_like_saved(p, to_saved) for name, p, to_saved in parameters}
     like.update({k: v.clone() for k, v in _buffers(module).items()})
     like = _experts_as_dtensors(like, layouts, ep_mesh, optimizer=False)
@@ -312,34 +235,28 @@ def load_zero_checkpoint(
     values: dict[int, torch.Tensor] = {}
     for name, param, _ in parameters:
         if name in loaded and id(param) not in values:
-            value = loaded[name]
-            values[id(param)] = value.to_local() if hasattr(value, "to_local") else value
+            values[id(param)] = _local(loaded[name])
             if optimizer is not None:
                 safe_set_full_fp32_param(param, values[id(param)])
-    _refresh_module_copy(module, optimizer, values)
-    buffers = _buffers(module)
-    for name, buffer in buffers.items():
+    refresh_module_copy(module, optimizer, values)
+    for name, buffer in _buffers(module).items():
         if name in loaded:
             buffer.copy_(loaded[name])
 
-    if optimizer is None:
-        return
-    # Optimizer: per-parameter states, step, hyper-parameters (the scheduler's state is Lightning's).
-    entry = "optimizer_0"
-    files = _saved_keys(path, entry)
-    groups = _group_of(optimizer)
-    keys = sorted({k.rpartition(".")[2] for k in files if k.startswith("state.")} - {"step"})
+
+def _optimizer_template(
+    optimizer: Any, files: dict[str, Any], parameters: list, keys: list[str]
+) -> dict[str, Any]:
+    """What to read of the optimizer entry: the saved keys of this rank's parameters, shaped as they are here."""
+    groups = group_of(optimizer)
     template: dict[str, Any] = {}
     for name, param, to_saved in parameters:
         for key in keys:
             if f"state.{name}.{key}" in files:
                 template[f"state.{name}.{key}"] = _zeros_like_saved(param, to_saved)
-        step_key = f"state.{name}.step"
-        if step_key in files:
-            meta = files[step_key]
-            size = getattr(meta, "size", None)
-            dtype = getattr(getattr(meta, "properties", None), "dtype", torch.float32)
-            template[step_key] = torch.zeros(size, dtype=dtype) if size is not None else 0
+        step = files.get(f"state.{name}.step")
+        if step is not None:
+            template[f"state.{name}.step"] = torch.zeros(step.size, dtype=step.properties.dtype)
         group = groups.get(id(param))
         if group is not None:
             for key, value in optimizer.optimizer.param_groups[group].items():
@@ -347,29 +264,39 @@ def load_zero_checkpoint(
                     template[f"param_groups.{name}.{key}"] = value
     for extra in (_SCALER_KEY, _ENGINE_KEY):
         template[extra] = {k[len(extra) + 1 :]: 0 for k in files if k.startswith(f"{extra}.")}
-    template = _experts_as_dtensors(template, layouts, ep_mesh, optimizer=True)
+    return template
+
+
+def _load_optimizer(
+    optimizer: Any, engine: Any, path: Path, parameters: list, layouts: dict, ep_mesh: Any
+) -> None:
+    """Per-parameter states, step and hyper-parameters (the LR scheduler's state is Lightning's), loss scaler."""
+    from deepspeed.utils import safe_set_full_optimizer_state
+
+    files = _saved_keys(path, "optimizer_0")
+    keys = sorted({k.rpartition(".")[2] for k in files if k.startswith("state.")} - {"step"})
+    template = _experts_as_dtensors(
+        _optimizer_template(optimizer, files, parameters, keys), layouts, ep_mesh, optimizer=True
+    )
     state = _experts_as_local(
-        _restore_strided(_read(path, entry, _contiguous_shards(template)), template), layouts, optimizer=True
+        _restore_strided(_read(path, "optimizer_0", _contiguous_shards(template)), template),
+        layouts,
+        optimizer=True,
     )
     step = next((v for k, v in state.items() if k.startswith("state.") and k.endswith(".step")), None)
-    _ensure_state(optimizer, keys, step)
-    done: set[int] = set()
+    ensure_state(optimizer, keys, step)
+    groups, done = group_of(optimizer), set()
     for name, param, _ in parameters:
         if id(param) in done:
             continue
         done.add(id(param))
         for key in keys:
-            value = state.get(f"state.{name}.{key}")
-            if value is not None:
-                safe_set_full_optimizer_state(
-                    param, value.to_local() if hasattr(value, "to_local") else value, key
-                )
-        group = groups.get(id(param))
-        if group is not None:
-            prefix = f"param_groups.{name}."
-            for key, value in state.items():
-                if key.startswith(prefix):
-                    optimizer.optimizer.param_groups[group][key[len(prefix) :]] = value
+            if f"state.{name}.{key}" in state:
+                safe_set_full_optimizer_state(param, _local(state[f"state.{name}.{key}"]), key)
+        group, prefix = groups.get(id(param)), f"param_groups.{name}."
+        for key, value in state.items():
+            if group is not None and key.startswith(prefix):
+                optimizer.optimizer.param_groups[group][key[len(prefix) :]] = value
     scaler = getattr(optimizer, "loss_scaler", None)
     for key, value in state.get(_SCALER_KEY, {}).items():
         if scaler is not None and hasattr(scaler, key):

@@ -5,7 +5,8 @@ mid-epoch after step 2 by ``ModelCheckpoint``, then (fresh processes) the resume
 Layouts: ZeRO-1 and ZeRO-2 on dp=2 (SGD with momentum), ZeRO-3 with CPU offload (AdamW as
 DeepSpeed's CPU Adam), ZeRO-2 with tensor parallelism (tp=2, AdamW), ZeRO-1 with two pipeline
 stages and with expert parallelism (ep=2, Mixtral). The resumed steps must equal the
-uninterrupted run's. The saved checkpoint, consolidated without processes
+uninterrupted run's; two checkpoints are also resumed in another layout (ZeRO-1 without ZeRO,
+ZeRO-3 with CPU Adam as ZeRO-2 with torch's AdamW). The saved checkpoint, consolidated without processes
 (``consolidate_checkpoint`` and ``python -m lightning_parallel export``), must load strictly into
 the unparallelised module and equal the weights of the same 2 steps trained in one process
 (the parity harness's rule, ``tests/distributed/harness.py:mismatch``).
@@ -26,6 +27,7 @@ from tests.strategy.scripts.zero_checkpoint import (
     BATCH_SIZE,
     FIRST_HALF,
     LAYOUTS,
+    RESHARDS,
     SAMPLES,
     SEED,
     data_parallel,
@@ -65,6 +67,18 @@ def test_resume_under_zero_continues_the_same_run(runs: Path, layout: str) -> No
             assert got == want, f"{layout}, rank {rank}: {got} vs {want}"
             continue
         assert got[0] == want[0], f"{layout}, rank {rank}: the restored weights differ ({got} vs {want})"
+        assert all(abs(g - w) / abs(w) < RTOL for g, w in zip(got, want, strict=True)), (got, want)
+
+
+@pytest.mark.parametrize("name", list(RESHARDS))
+def test_zero_checkpoint_resumes_in_another_layout(runs: Path, name: str) -> None:
+    """The checkpoint holds the user's layout, so another stage, or no ZeRO at all, resumes it: the first
+    step (the weights) exactly, the next within fp32 parity (another reduction order, or another Adam kernel)."""
+    source, _ = RESHARDS[name]
+    straight, resumed = _read(runs / source, "straight"), _read(runs / name, "resumed")
+    for rank in range(2):
+        want, got = straight[rank]["losses"][FIRST_HALF:], resumed[rank]["losses"]
+        assert got[0] == want[0], f"{name}, rank {rank}: the restored weights differ ({got} vs {want})"
         assert all(abs(g - w) / abs(w) < RTOL for g, w in zip(got, want, strict=True)), (got, want)
 
 

@@ -47,6 +47,13 @@ LAYOUTS: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
 }
 
 
+# Resumed in another layout: name -> (the layout whose step2.ckpt is resumed, the strategy kwargs to resume with).
+RESHARDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "zero1_to_dp": ("zero1", {}),  # out of ZeRO (the strategy's own data parallelism)
+    "zero3_cpu_adam_to_zero2": ("zero3_cpu_adam", dict(zero_stage=2)),  # CPU Adam's state into torch's AdamW
+}
+
+
 def data_parallel(layout: str) -> int:
     """Ranks that read different batches (experts are carved out of them; tensor and pipeline ranks are not)."""
     strategy = LAYOUTS[layout][0]
@@ -63,9 +70,13 @@ class RecordLosses(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def fit(out: Path, run: str, layout: str, ckpt_path: Path | None = None) -> None:
-    """``ckpt_path=None``: the uninterrupted run, saving ``step2.ckpt``; else the resume from it."""
+def fit(
+    out: Path, run: str, layout: str, ckpt_path: Path | None = None, strategy: dict[str, Any] | None = None
+) -> None:
+    """``ckpt_path=None``: the uninterrupted run, saving ``step2.ckpt``; else the resume from it (in the
+    layout's strategy, or in ``strategy``)."""
     strategy_kwargs, family, model_kwargs = LAYOUTS[layout]
+    strategy_kwargs = strategy_kwargs if strategy is None else strategy
     save = ckpt_path is None
     L.seed_everything(SEED, verbose=False)
     model = build(family, **model_kwargs)
@@ -97,6 +108,11 @@ def main(mode: str, out: Path, layouts: str) -> None:
             fit(directory, "resumed", layout, ckpt_path=directory / "step2.ckpt")
         else:
             raise SystemExit(f"unknown mode {mode!r}")
+    for name, (source, strategy) in RESHARDS.items():
+        if mode == "resume" and source in layouts.split(","):
+            directory = out / name
+            directory.mkdir(exist_ok=True)
+            fit(directory, "resumed", source, ckpt_path=out / source / "step2.ckpt", strategy=strategy)
 
 
 if __name__ == "__main__":
