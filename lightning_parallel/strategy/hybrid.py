@@ -177,8 +177,8 @@ class HybridParallelStrategy(
                 "`save_distributed_checkpoint=False` (one consolidated file) is not supported with"
                 f" `pipeline_parallel={pipeline_parallel}` / `expert_parallel={expert_parallel}` yet: each rank holds"
                 " different weights under the same names, and the file would keep rank 0's only. Leave it True"
-                " (sharded checkpoints hold every weight) and convert a checkpoint folder to one file with"
-                " `torch.distributed.checkpoint.format_utils.dcp_to_torch_save(folder, file)`."
+                " (sharded checkpoints hold every weight) and export a checkpoint folder as one file with"
+                " `python -m lightning_parallel export CKPT model.safetensors` (docs/checkpoints.md)."
             )
         self.zero = ZeroArguments.resolve(zero_stage, offload, offload_path, deepspeed_config)
         check_zero_layout(self.zero, tensor_parallel, pipeline_parallel, expert_parallel)
