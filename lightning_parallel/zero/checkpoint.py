@@ -18,7 +18,7 @@ is refreshed from the masters, as DeepSpeed's step does.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -125,18 +125,46 @@ def refuse_consolidated() -> None:
 # ---- save -------------------------------------------------------------------------------------
 
 
+def _owned_by_this_rank(module: nn.Module) -> Callable[[int], bool]:
+    """Which parameters (by index in module order) this rank keeps in its part of the checkpoint.
+
+    Every rank of a ZeRO data-parallel group receives each whole master (the getters all-reduce), but
+    the copies are identical: keeping every ``dp``-th one on each rank (round robin) divides the memory
+    a save holds by ``dp``, and the group's ranks together still write every weight once.
+    """
+    import torch.distributed as dist
+
+    group = next(
+        (
+            g
+            for p in module.parameters()
+            if (g := getattr(p, "_dp_group", None) or getattr(p, "ds_process_group", None))
+        ),
+        None,
+    )
+    if group is None or not dist.is_initialized():
+        return lambda index: True
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    return lambda index: index % size == rank
+
+
 def zero_model_state(module: nn.Module, ep_mesh: Any) -> dict[str, Any]:
-    """The model entry of a checkpoint under ZeRO: fp32 master weights under the user's names.
+    """The model entry of a checkpoint under ZeRO: fp32 master weights under the user's names (this rank's
+    share of them, see :func:`_owned_by_this_rank`; on the CPU, so a save adds no accelerator memory).
 
     Collective over each ZeRO data-parallel group: call it on every rank.
     """
-    full: dict[int, torch.Tensor] = {}
+    owned = _owned_by_this_rank(module)
+    full: dict[int, torch.Tensor | None] = {}
     state: dict[str, Any] = {}
     for name, param, to_saved in _parameters(module):
         if id(param) not in full:  # a tied weight is read (and all-reduced) once
-            full[id(param)] = _full_fp32(param)
-        state[name] = _as_saved(full[id(param)], to_saved)
-    state.update(_buffers(module))
+            value = _full_fp32(param)  # on every rank: a collective
+            full[id(param)] = value.cpu() if owned(len(full)) else None
+        if full[id(param)] is not None:
+            state[name] = _as_saved(full[id(param)], to_saved)
+    if owned(0):
+        state.update(_buffers(module))
     return _contiguous_shards(_experts_as_dtensors(state, _expert_layouts(module), ep_mesh, optimizer=False))
 
 
@@ -149,21 +177,25 @@ def zero_optimizer_state(module: nn.Module, optimizer: Any, engine: Any, ep_mesh
     from deepspeed.utils import safe_get_full_optimizer_state
 
     keys, step, groups = state_keys(optimizer), step_count(optimizer), group_of(optimizer)
-    param_groups = optimizer.optimizer.param_groups
+    param_groups, owned = optimizer.optimizer.param_groups, _owned_by_this_rank(module)
     state: dict[str, Any] = {}
     seen: set[int] = set()
     for name, param, to_saved in _parameters(module):
         if id(param) in seen:  # the optimizer holds a tied weight once, under its first name
             continue
         seen.add(id(param))
+        mine = owned(len(seen) - 1)
         if param.requires_grad:
             for key in keys:
-                value = safe_get_full_optimizer_state(param, key)
-                state[f"state.{name}.{key}"] = _as_saved(value.detach().float(), to_saved)
-            if step is not None:  # a tensor, as torch's optimizers keep it (CPU Adam's int converts on load)
+                value = safe_get_full_optimizer_state(param, key)  # on every rank: a collective
+                if mine:
+                    state[f"state.{name}.{key}"] = _as_saved(value.detach().float().cpu(), to_saved)
+            if (
+                step is not None and mine
+            ):  # a tensor, as torch's optimizers keep it (CPU Adam's int converts on load)
                 state[f"state.{name}.step"] = step if torch.is_tensor(step) else torch.tensor(float(step))
         group = groups.get(id(param))
-        if group is not None:
+        if group is not None and mine:
             for key, value in param_groups[group].items():
                 if key != "params":
                     state[f"param_groups.{name}.{key}"] = value

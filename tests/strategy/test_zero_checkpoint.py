@@ -4,7 +4,7 @@ Two launches of ``scripts/zero_checkpoint.py`` on 2 ranks run every layout: firs
 mid-epoch after step 2 by ``ModelCheckpoint``, then (fresh processes) the resume to step 4.
 Layouts: ZeRO-1 and ZeRO-2 on dp=2 (SGD with momentum), ZeRO-3 with CPU offload (AdamW as
 DeepSpeed's CPU Adam), ZeRO-2 with tensor parallelism (tp=2, AdamW), ZeRO-1 with two pipeline
-stages and with expert parallelism (ep=2, Mixtral). The resumed steps must equal the
+stages and with expert parallelism (ep=2, Mixtral), ZeRO-2 in bf16-mixed. The resumed steps must equal the
 uninterrupted run's; two checkpoints are also resumed in another layout (ZeRO-1 without ZeRO,
 ZeRO-3 with CPU Adam as ZeRO-2 with torch's AdamW). The saved checkpoint, consolidated without processes
 (``consolidate_checkpoint`` and ``python -m lightning_parallel export``), must load strictly into
@@ -27,6 +27,7 @@ from tests.strategy.scripts.zero_checkpoint import (
     BATCH_SIZE,
     FIRST_HALF,
     LAYOUTS,
+    PRECISION,
     RESHARDS,
     SAMPLES,
     SEED,
@@ -100,7 +101,10 @@ def _single_process(family: str, overrides: tuple, dp: int) -> dict[str, torch.T
     return model.state_dict()
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+FP32 = [layout for layout in LAYOUTS if layout not in PRECISION]
+
+
+@pytest.mark.parametrize("layout", FP32)
 def test_consolidated_checkpoint_is_the_single_process_module(runs: Path, layout: str) -> None:
     from lightning_parallel import consolidate_checkpoint
     from tests.distributed.harness import mismatch
@@ -140,3 +144,15 @@ def test_consolidated_save_is_refused_under_zero() -> None:
     strategy = HybridParallelStrategy(zero_stage=2, save_distributed_checkpoint=False)
     with pytest.raises(ValueError, match="consolidate_checkpoint"):
         strategy._check_consolidated_supported()
+
+
+def test_bf16_checkpoint_holds_the_fp32_masters(runs: Path) -> None:
+    """bf16-mixed under ZeRO: the module computes with bf16 weights, the checkpoint holds DeepSpeed's fp32
+    masters (a bf16 copy would lose the small updates of the first steps)."""
+    from lightning_parallel import consolidate_checkpoint
+    from tests.models.families import build
+
+    consolidated = consolidate_checkpoint(runs / "zero2_bf16" / "step2.ckpt")
+    build(*LAYOUTS["zero2_bf16"][1:2]).load_state_dict(consolidated, strict=True)
+    weight = consolidated["model.transformer.h.0.mlp.c_fc.weight"]
+    assert weight.dtype == torch.float32 and not torch.equal(weight, weight.bfloat16().float())

@@ -44,7 +44,9 @@ LAYOUTS: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
     "zero2_tp2": (dict(zero_stage=2, tensor_parallel=2), "nanogpt", ADAM),
     "zero1_pp2": (dict(zero_stage=1, **PIPELINE), "nanogpt", {}),
     "zero1_ep2": (dict(zero_stage=1, expert_parallel=2), "hf_mixtral", {}),
+    "zero2_bf16": (dict(zero_stage=2), "nanogpt", {}),
 }
+PRECISION = {"zero2_bf16": "bf16-mixed"}  # the others "32-true"
 
 
 # Resumed in another layout: name -> (the layout whose step2.ckpt is resumed, the strategy kwargs to resume with).
@@ -89,8 +91,9 @@ def fit(
         )  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=HybridParallelStrategy(timeout=60, **strategy_kwargs),
-        max_steps=STEPS, use_distributed_sampler=True, deterministic=True, callbacks=callbacks, logger=False,
-        enable_checkpointing=save, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        precision=PRECISION.get(layout, "32-true"), max_steps=STEPS, use_distributed_sampler=True,
+        deterministic=True, callbacks=callbacks, logger=False, enable_checkpointing=save, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(model, make_dataloader(BATCH_SIZE, SAMPLES), ckpt_path=ckpt_path)
     result = {"losses": recorder.losses, "global_step": trainer.global_step}
