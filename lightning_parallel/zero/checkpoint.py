@@ -209,7 +209,9 @@ def zero_optimizer_state(module: nn.Module, optimizer: Any, engine: Any, ep_mesh
 
 
 def _zeros_like_saved(param: nn.Parameter, to_saved: Any) -> Any:
-    return _as_saved(torch.zeros(_local_shape(param), dtype=torch.float32, device=param.device), to_saved)
+    """Where a saved weight is read to: fp32, whole (its tensor-parallel shard), on the CPU (the accelerator
+    holds only partitions under ZeRO; DeepSpeed's setters copy each rank's part from here)."""
+    return _as_saved(torch.zeros(_local_shape(param), dtype=torch.float32), to_saved)
 
 
 def _saved_keys(path: Path, entry: str) -> dict[str, Any]:
