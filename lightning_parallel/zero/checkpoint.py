@@ -9,7 +9,8 @@ resume, resharding to another layout, ``export`` and :func:`consolidate_checkpoi
 same for every layout and every stage.
 
 The values are DeepSpeed's fp32 master weights and states, read and written per parameter with
-its public ``deepspeed.utils.safe_{get,set}_full_*`` API (stages 1-3, offloaded or not). The
+its public ``deepspeed.utils.safe_{get,set}_{full,local}_*`` API (stages 1-3, offloaded or not;
+``zero/partitions.py``). The
 getters all-reduce over ZeRO's data-parallel group: every rank walks the parameters in the same
 (module) order. After loading, the module's own (low-precision, or at stage 3 partitioned) copy
 is refreshed from the masters, as DeepSpeed's step does.
@@ -37,6 +38,7 @@ from lightning_parallel.zero.partitions import (
     group_of,
     loss_scaler_state,
     refresh_module_copy,
+    set_full,
     state_keys,
     step_count,
 )
@@ -190,9 +192,7 @@ def zero_optimizer_state(module: nn.Module, optimizer: Any, engine: Any, ep_mesh
                 value = safe_get_full_optimizer_state(param, key)  # on every rank: a collective
                 if mine:
                     state[f"state.{name}.{key}"] = _as_saved(value.detach().float().cpu(), to_saved)
-            if (
-                step is not None and mine
-            ):  # a tensor, as torch's optimizers keep it (CPU Adam's int converts on load)
+            if step is not None and mine:  # a tensor, as torch keeps it (CPU Adam's int converts on load)
                 state[f"state.{name}.step"] = step if torch.is_tensor(step) else torch.tensor(float(step))
         group = groups.get(id(param))
         if group is not None and mine:
@@ -251,8 +251,6 @@ def _load_weights(
     module: nn.Module, optimizer: Any, path: Path, parameters: list, layouts: dict, ep_mesh: Any, strict: bool
 ) -> None:
     """Masters (DeepSpeed's setter), then the module's copy from the same values, then the buffers."""
-    from deepspeed.utils import safe_set_full_fp32_param
-
     like: dict[str, Any] = {name: _zeros_like_saved(p, to_saved) for name, p, to_saved in parameters}
     like.update({k: v.clone() for k, v in _buffers(module).items()})
     like = _experts_as_dtensors(like, layouts, ep_mesh, optimizer=False)
@@ -271,7 +269,7 @@ def _load_weights(
         if name in loaded and id(param) not in values:
             values[id(param)] = _local(loaded[name])
             if optimizer is not None:
-                safe_set_full_fp32_param(param, values[id(param)])
+                set_full(param, values[id(param)])
     refresh_module_copy(module, optimizer, values)
     for name, buffer in _buffers(module).items():
         if name in loaded:
@@ -305,8 +303,6 @@ def _load_optimizer(
     optimizer: Any, engine: Any, path: Path, parameters: list, layouts: dict, ep_mesh: Any
 ) -> None:
     """Per-parameter states, step and hyper-parameters (the LR scheduler's state is Lightning's), loss scaler."""
-    from deepspeed.utils import safe_set_full_optimizer_state
-
     files = _saved_keys(path, "optimizer_0")
     keys = sorted({k.rpartition(".")[2] for k in files if k.startswith("state.")} - {"step"})
     template = _experts_as_dtensors(
@@ -326,7 +322,7 @@ def _load_optimizer(
         done.add(id(param))
         for key in keys:
             if f"state.{name}.{key}" in state:
-                safe_set_full_optimizer_state(param, _local(state[f"state.{name}.{key}"]), key)
+                set_full(param, _local(state[f"state.{name}.{key}"]), key)
         group, prefix = groups.get(id(param)), f"param_groups.{name}."
         for key, value in state.items():
             if group is not None and key.startswith(prefix):

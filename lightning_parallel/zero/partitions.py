@@ -18,6 +18,8 @@ from torch import nn
 
 __all__ = [
     "ensure_state",
+    "partition_of",
+    "set_full",
     "flat_partitions",
     "group_of",
     "is_stage3",
@@ -130,3 +132,41 @@ def ensure_state(optimizer: Any, keys: list[str], step: Any) -> None:
         ):
             lazy_init_hp_params_optimizer_state(params, flat, state)
         optimizer._hp_optimizer_states_linked = True
+
+
+def partition_of(value: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s ``size`` elements of ``value`` flattened, the last rank's padded with zeros as
+    ZeRO-3 pads its partitions."""
+    part = value.flatten()[rank * size : (rank + 1) * size]
+    return torch.cat([part, part.new_zeros(size - part.numel())]) if part.numel() < size else part
+
+
+def set_full(param: nn.Parameter, value: torch.Tensor, key: str | None = None) -> None:
+    """Write the whole fp32 master (``key=None``) or optimizer state ``key`` of ``param``: each rank keeps its part.
+
+    ZeRO-1/2: DeepSpeed's ``safe_set_full_*``. ZeRO-3: its ``safe_set_local_*`` with this rank's partition,
+    because ``safe_set_full_*`` there cuts the last rank's partition past the end of a weight whose size
+    does not divide by the number of ranks (DeepSpeed 0.19: ``narrow`` of ``value``, which is unpadded).
+    """
+    from deepspeed.utils import (
+        safe_set_full_fp32_param,
+        safe_set_full_optimizer_state,
+        safe_set_local_fp32_param,
+        safe_set_local_optimizer_state,
+    )
+
+    if not hasattr(param, "ds_id"):
+        if key is None:
+            safe_set_full_fp32_param(param, value)
+        else:
+            safe_set_full_optimizer_state(param, value, key)
+        return
+    if not param.requires_grad:
+        return
+    import torch.distributed as dist
+
+    part = partition_of(value, dist.get_rank(param.ds_process_group), param.ds_tensor.numel())
+    if key is None:
+        safe_set_local_fp32_param(param, part)
+    else:
+        safe_set_local_optimizer_state(param, part, key)

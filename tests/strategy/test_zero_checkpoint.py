@@ -156,3 +156,13 @@ def test_bf16_checkpoint_holds_the_fp32_masters(runs: Path) -> None:
     build(*LAYOUTS["zero2_bf16"][1:2]).load_state_dict(consolidated, strict=True)
     weight = consolidated["model.transformer.h.0.mlp.c_fc.weight"]
     assert weight.dtype == torch.float32 and not torch.equal(weight, weight.bfloat16().float())
+
+
+def test_zero3_partition_of_an_uneven_weight() -> None:
+    """A weight whose size does not divide by the ranks: the last rank's ZeRO-3 partition is padded with
+    zeros (DeepSpeed's own full-value setter cuts past the end there, so the resume writes partitions)."""
+    from lightning_parallel.zero.partitions import partition_of
+
+    value = torch.arange(1.0, 8.0).reshape(7, 1)  # 7 elements on 2 ranks: partitions of 4
+    assert partition_of(value, 0, 4).tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert partition_of(value, 1, 4).tolist() == [5.0, 6.0, 7.0, 0.0]
