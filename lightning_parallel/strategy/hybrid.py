@@ -181,7 +181,7 @@ class HybridParallelStrategy(
                 " `python -m lightning_parallel export CKPT model.safetensors` (docs/checkpoints.md)."
             )
         self.zero = ZeroArguments.resolve(zero_stage, offload, offload_path, deepspeed_config)
-        check_zero_layout(self.zero, tensor_parallel, pipeline_parallel, expert_parallel)
+        check_zero_layout(self.zero, tensor_parallel, pipeline_parallel, expert_parallel, activation_checkpointing)
         if tensor_parallel != "auto" and (not isinstance(tensor_parallel, int) or tensor_parallel < 1):
             raise ValueError(f"`tensor_parallel={tensor_parallel!r}` must be a positive integer or 'auto'.")
         if sequence_parallel and tensor_parallel == 1:

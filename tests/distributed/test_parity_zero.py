@@ -3,10 +3,12 @@
 fp32, per-step loss within 1e-5 relative and the final parameters element-wise (the project's
 parity rule): ZeRO stages 1, 2, 3 on dp=2, each with and without CPU offload, stage 3 with NVMe
 offload to a temporary folder; ZeRO-2 with CPU offload, gradient clipping and the recipe's LR
-schedule (warm-up then cosine); ZeRO-3 with full activation checkpointing. Four ranks: ZeRO-1
+schedule (warm-up then cosine); each stage with full activation checkpointing (selective is
+refused with ZeRO: tests/zero/test_arguments.py). Four ranks: ZeRO-1
 and ZeRO-2 with tensor parallelism (tp=2 x dp=2, with sequence parallelism too), ZeRO-1 with
-pipeline (pp=2 x dp=2) and with expert parallelism (ep=2 x dp_replicate=2). Offloading runs
-Adam (as DeepSpeed's CPU Adam), the rest SGD. bf16 within its tolerance (2e-2 per step).
+pipeline (pp=2 x dp=2, 1F1B and GPipe) and with expert parallelism (ep=2 x dp_replicate=2).
+Offloading runs Adam (as DeepSpeed's CPU Adam), the rest SGD. Each stage in bf16-mixed,
+bf16-true and fp16 (DeepSpeed's loss scaler) within the low-precision tolerance (2e-2 per step).
 """
 
 from __future__ import annotations
@@ -45,16 +47,31 @@ TWO = [
     _case("zero2_cpu_clip_dp2_recipe_gpt", "recipe_gpt", zero_stage=2, offload="cpu",
           fields={"model_kwargs": {"optimizer": "adamw", "warmup_steps": 2}, "trainer_kwargs": {"gradient_clip_val": 0.05}}),
     _case("zero3_acfull_dp2_nanogpt", "nanogpt", zero_stage=3, activation_checkpointing="full"),
+    _case("zero2_acfull_dp2_nanogpt", "nanogpt", zero_stage=2, activation_checkpointing="full"),
 ]  # fmt: skip
+
+
+def _low(stage: int, precision: str, **kwargs: object) -> Case:
+    short = {"bf16-mixed": "bf16", "bf16-true": "bf16true", "16-mixed": "fp16"}[precision]
+    extra = "_cpu" if kwargs.get("offload") else ""
+    return _case(f"zero{stage}{extra}_{short}_dp2_nanogpt", "nanogpt", zero_stage=stage,
+                 fields={"trainer_kwargs": {"precision": precision}}, **kwargs)  # fmt: skip
+
+
+# DeepSpeed's bf16 (fp32 master weights) and fp16 (its dynamic loss scaler): losses within 2e-2.
 LOW_PRECISION = [
-    _case("zero2_bf16_dp2_nanogpt", "nanogpt", zero_stage=2, fields={"trainer_kwargs": {"precision": "bf16-mixed"}}),
-]  # fmt: skip
+    *[_low(stage, precision) for stage in (1, 2, 3) for precision in ("bf16-mixed", "bf16-true", "16-mixed")],
+    _low(2, "bf16-mixed", offload="cpu"),
+]
 FOUR = [
     _case("zero1_tp2_dp2_nanogpt", "nanogpt", 4, zero_stage=1, tensor_parallel=2),
     _case("zero2_tp2_sp_dp2_nanogpt", "nanogpt", 4, zero_stage=2, tensor_parallel=2, sequence_parallel=True),
     _case("zero1_pp2_dp2_nanogpt", "nanogpt", 4, zero_stage=1, pipeline_parallel=2, pipeline_schedule="1f1b",
           micro_batches=2),
     _case("zero1_ep2_dp2_hf_mixtral", "hf_mixtral", 4, zero_stage=1, expert_parallel=2),
+    _case("zero1_tp2_sp_dp2_nanogpt", "nanogpt", 4, zero_stage=1, tensor_parallel=2, sequence_parallel=True),
+    _case("zero1_pp2_gpipe_dp2_nanogpt", "nanogpt", 4, zero_stage=1, pipeline_parallel=2, pipeline_schedule="gpipe",
+          micro_batches=2),
 ]  # fmt: skip
 
 

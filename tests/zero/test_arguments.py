@@ -12,6 +12,7 @@ import torch
 
 from lightning_parallel import HybridParallelStrategy
 from lightning_parallel.zero import ZeroArguments, offload_optimizer
+from tests.compat import refusal
 
 
 def test_config_follows_stage_offload_precision_and_clipping() -> None:
@@ -66,15 +67,25 @@ def test_unsupported_precision_is_refused_by_name() -> None:
         ZeroArguments.resolve(1, None, None, None).deepspeed_config("16-true", None)
 
 
-def test_fp8_plugin_is_refused_not_dropped() -> None:
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        refusal((f"zero{stage}", "fp8"), {"zero_stage": stage}, "cannot be used with ZeRO", precision="fp8")
+        for stage in (1, 2, 3)
+    ],
+)
+def test_fp8_plugin_is_refused_not_dropped(kwargs: dict, message: str) -> None:
+    """Float8Precision (and any plugin doing more than the precision flag) would be silently dropped:
+    DeepSpeed owns the casts. On this CPU machine the real plugin refuses to build (no fp8
+    hardware), so a subclass of Lightning's plugin stands in for it; the check is on the type."""
     import lightning as L
     from lightning.pytorch.plugins.precision import Precision
 
-    class Float8Like(Precision):  # any plugin that does more than Lightning's precision flag
+    class Float8Like(Precision):
         precision = "bf16-mixed"
 
-    with pytest.raises(ValueError, match="the precision plugin Float8Like cannot be used with ZeRO"):
-        L.Trainer(accelerator="cpu", devices=2, strategy=HybridParallelStrategy(zero_stage=1), plugins=[Float8Like()])
+    with pytest.raises(ValueError, match=f"the precision plugin Float8Like {message}"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=HybridParallelStrategy(**kwargs), plugins=[Float8Like()])
 
 
 def _params() -> list[torch.nn.Parameter]:
@@ -107,3 +118,16 @@ def test_other_optimizers_stay_and_unsupported_adam_options_are_refused() -> Non
     assert offload_optimizer(sgd) is sgd
     with pytest.raises(ValueError, match=r"`Adam\(amsgrad=True\)` with `offload='cpu'`"):
         offload_optimizer(torch.optim.Adam(_params(), amsgrad=True))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        refusal((f"zero{stage}", "ac=selective"), {"zero_stage": stage, "activation_checkpointing": "selective"},
+                f"`activation_checkpointing='selective'` with `zero_stage={stage}` is not supported")
+        for stage in (1, 2, 3)
+    ],
+)  # fmt: skip
+def test_selective_checkpointing_is_refused_under_zero(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        HybridParallelStrategy(**kwargs)
