@@ -39,17 +39,10 @@ from lightning.pytorch.callbacks import Callback
 
 from tests.distributed.cases import Case, Fault
 from tests.distributed.harness import mean_over_ranks, merge_replicas
+from tests.environment import LAUNCHER_VARIABLES
 from tests.models.families import build, make_dataloader, reference_dataloader
 
-_DIST_ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
+_DIST_ENV = LAUNCHER_VARIABLES
 
 
 class ParityRecorder(Callback):

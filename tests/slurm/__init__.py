@@ -8,13 +8,14 @@ submitted when the tests end, so that no job outlives a failed or timed-out test
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.environment import without_launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "slurm_cluster.sh"
@@ -26,18 +27,7 @@ FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
 
 def cluster_env() -> dict[str, str]:
     """This process's environment without any scheduler's or launcher's variables, pointed at the cluster."""
-    strip = ("SLURM_", "SBATCH_", "SRUN_", "TORCHELASTIC_", "PL_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(strip)}
-    for key in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "NODE_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    ):
-        env.pop(key, None)
+    env = without_launcher(prefixes=("SLURM_", "SBATCH_", "SRUN_", "TORCHELASTIC_", "PL_"))
     env.update(SLURM_CONF=f"{CLUSTER_ROOT}/etc/slurm.conf", SLURM_CI_ROOT=CLUSTER_ROOT)
     return env
 

@@ -9,13 +9,13 @@ cluster is the multi-node issue's test.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.environment import without_launcher
 from tests.strategy import ROOT, _free_port
 
 TINY = str(ROOT / "recipes" / "gpt" / "configs" / "tiny.yaml")
@@ -25,17 +25,7 @@ MESH_LINE = "mesh pp=1 x dp=1 x tp=2 (world 2)"
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_"))}
-    for key in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "NODE_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    ):
-        env.pop(key, None)
+    env = without_launcher()
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return env
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_parallel import HybridParallelStrategy
+from tests.environment import LAUNCHER_VARIABLES
 from tests.models.families import build, make_dataloader, reference_dataloader
 
 STEPS, SAVE_AT, GLOBAL_BATCH, NUM_SAMPLES, W_SEED = 6, 3, 8, 32, 99
@@ -128,15 +129,7 @@ def fit(out: Path, run: str, layout: str, resume_from: str | None = None) -> Non
 def one_process_references(out: Path) -> None:
     """Each family from ``W`` in ONE process: no process group, no launcher variables."""
     dist.destroy_process_group()
-    for key in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "NODE_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    ):
+    for key in LAUNCHER_VARIABLES:
         os.environ.pop(key, None)
     for family, kwargs in FAMILY_KWARGS.items():
         L.seed_everything(0)
