@@ -34,7 +34,7 @@ from tests.strategy.scripts.zero_checkpoint import (
     data_parallel,
 )
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+# The tests that use ``runs`` are marked distributed (they launch processes); the others start none.
 
 
 def _read(out: Path, run: str) -> list[dict]:
@@ -51,6 +51,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_resume_under_zero_continues_the_same_run(runs: Path, layout: str) -> None:
     """Masters, optimizer states, step and learning rate restored: steps 3-4 as if never interrupted.
@@ -71,6 +73,8 @@ def test_resume_under_zero_continues_the_same_run(runs: Path, layout: str) -> No
         assert all(abs(g - w) / abs(w) < RTOL for g, w in zip(got, want, strict=True)), (got, want)
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(RESHARDS))
 def test_zero_checkpoint_resumes_in_another_layout(runs: Path, name: str) -> None:
     """The checkpoint holds the user's layout, so another stage, or no ZeRO at all, resumes it: the first
@@ -104,6 +108,8 @@ def _single_process(family: str, overrides: tuple, dp: int) -> dict[str, torch.T
 FP32 = [layout for layout in LAYOUTS if layout not in PRECISION]
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", FP32)
 def test_consolidated_checkpoint_is_the_single_process_module(runs: Path, layout: str) -> None:
     from lightning_parallel import consolidate_checkpoint
@@ -122,6 +128,8 @@ def test_consolidated_checkpoint_is_the_single_process_module(runs: Path, layout
     fresh.load_state_dict(consolidated, strict=True)
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
 def test_export_command_writes_the_consolidated_weights(runs: Path, tmp_path: Path) -> None:
     """``python -m lightning_parallel export`` (the command for every checkpoint) on a ZeRO + tp=2 checkpoint."""
     from safetensors.torch import load_file
@@ -146,6 +154,8 @@ def test_consolidated_save_is_refused_under_zero() -> None:
         strategy._check_consolidated_supported()
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
 def test_bf16_checkpoint_holds_the_fp32_masters(runs: Path) -> None:
     """bf16-mixed under ZeRO: the module computes with bf16 weights, the checkpoint holds DeepSpeed's fp32
     masters (a bf16 copy would lose the small updates of the first steps)."""
