@@ -74,8 +74,11 @@ def _precision(trainer_kwargs: Mapping[str, Any]) -> str:
     plugins = trainer_kwargs.get("plugins") or []
     if any(type(p).__name__ == "Float8Precision" for p in plugins):
         return "fp8"
-    precision = str(trainer_kwargs.get("precision", "32-true"))
-    return _PRECISION_ALIASES.get(precision, precision)
+    flag = str(trainer_kwargs.get("precision", "32-true"))
+    precision = _PRECISION_ALIASES.get(flag, flag)
+    # The harness trains on the CPU, where Lightning replaces "16-mixed" by "bf16-mixed" (fp16
+    # autocast needs a GPU): such a case covers bf16-mixed, never the fp16 loss scaler.
+    return "bf16-mixed" if precision == "16-mixed" else precision
 
 
 def features_of(

@@ -40,7 +40,7 @@ AUX = {"moe_aux_loss_coef": HFMixtralAuxModule.AUX_COEF}
 TWO = [*[_case(f"ep2_{f}", f, 2) for f in FAMILIES], _case("ep2_aux_hf_mixtral", "hf_mixtral_aux", 2, **AUX)]
 BF16 = [
     _case(f"ep2_{name}_recipe_moe", "recipe_moe", 2, fields={"trainer_kwargs": {"precision": precision}})
-    for name, precision in [("bf16", "bf16-mixed"), ("bf16true", "bf16-true"), ("fp16", "16-mixed"),
+    for name, precision in [("bf16", "bf16-mixed"), ("bf16true", "bf16-true"),
                             ("fp16true", "16-true")]
 ]  # fmt: skip
 FOUR = [

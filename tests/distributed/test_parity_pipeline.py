@@ -52,7 +52,8 @@ BF16 = [_case("pp2_bf16_recipe_gpt", "recipe_gpt", fields={"trainer_kwargs": {"p
 # Every schedule in every low precision (the compatibility matrix, docs/compatibility.md): the
 # schedule runs autocast, fp16 loss scaling (overflow decided by all stages) and half-precision
 # weights per micro-batch and stage. Two carry activation checkpointing, for its precision pairs.
-LOW_PRECISIONS = ["bf16-mixed", "16-mixed", "bf16-true", "16-true"]
+# No "16-mixed": on the CPU Lightning runs it as bf16-mixed (fp16 autocast needs a GPU).
+LOW_PRECISIONS = ["bf16-mixed", "bf16-true", "16-true"]
 AC_IN_LOW_PRECISION = {("gpipe", "bf16-true"): "full", ("looped_bfs", "bf16-mixed"): "selective"}
 LOW_PRECISION = [
     *BF16,

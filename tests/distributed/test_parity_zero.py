@@ -7,8 +7,8 @@ schedule (warm-up then cosine); each stage with full activation checkpointing (s
 refused with ZeRO: tests/zero/test_arguments.py). Four ranks: ZeRO-1
 and ZeRO-2 with tensor parallelism (tp=2 x dp=2, with sequence parallelism too), ZeRO-1 with
 pipeline (pp=2 x dp=2, 1F1B and GPipe) and with expert parallelism (ep=2 x dp_replicate=2).
-Offloading runs Adam (as DeepSpeed's CPU Adam), the rest SGD. Each stage in bf16-mixed,
-bf16-true and fp16 (DeepSpeed's loss scaler) within the low-precision tolerance (2e-2 per step).
+Offloading runs Adam (as DeepSpeed's CPU Adam), the rest SGD. Each stage in bf16-mixed and
+bf16-true within the low-precision tolerance (2e-2 per step).
 """
 
 from __future__ import annotations
@@ -52,15 +52,16 @@ TWO = [
 
 
 def _low(stage: int, precision: str, **kwargs: object) -> Case:
-    short = {"bf16-mixed": "bf16", "bf16-true": "bf16true", "16-mixed": "fp16"}[precision]
+    short = {"bf16-mixed": "bf16", "bf16-true": "bf16true"}[precision]
     extra = "_cpu" if kwargs.get("offload") else ""
     return _case(f"zero{stage}{extra}_{short}_dp2_nanogpt", "nanogpt", zero_stage=stage,
                  fields={"trainer_kwargs": {"precision": precision}}, **kwargs)  # fmt: skip
 
 
-# DeepSpeed's bf16 (fp32 master weights) and fp16 (its dynamic loss scaler): losses within 2e-2.
+# DeepSpeed's bf16 (fp32 master weights): losses within 2e-2. Not fp16: on the CPU Lightning turns
+# "16-mixed" into bf16-mixed, and DeepSpeed refuses fp16 on a CPU device.
 LOW_PRECISION = [
-    *[_low(stage, precision) for stage in (1, 2, 3) for precision in ("bf16-mixed", "bf16-true", "16-mixed")],
+    *[_low(stage, precision) for stage in (1, 2, 3) for precision in ("bf16-mixed", "bf16-true")],
     _low(2, "bf16-mixed", offload="cpu"),
 ]
 FOUR = [
