@@ -213,7 +213,7 @@ REFUSED_PRECISION_IN_THE_TRAINER = [
         refusal(
             (f"zero{stage}", HALF),
             dict(zero_stage=stage),
-            f"`Trainer(precision='{HALF}')` is not supported with `zero_stage={stage}`",
+            f"HybridParallelStrategy(zero_stage={stage}): `Trainer(precision='{HALF}')` is not supported with ZeRO",
             world_size=2,
             precision=HALF,
         )
@@ -223,7 +223,7 @@ REFUSED_PRECISION_IN_THE_TRAINER = [
         refusal(
             (f"offload={where}", HALF),
             dict(zero_stage=3, offload=where, offload_path="/tmp/nvme" if where == "nvme" else None),
-            f"`Trainer(precision='{HALF}')` is not supported with `zero_stage=3`",
+            f"HybridParallelStrategy(zero_stage=3): `Trainer(precision='{HALF}')` is not supported with ZeRO",
             world_size=2,
             precision=HALF,
         )
