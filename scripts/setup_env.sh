@@ -23,14 +23,16 @@ if ! [ -e /usr/include/libaio.h ] && command -v apt-get >/dev/null 2>&1 && [ "$(
     || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends libaio-dev >/dev/null 2>&1; }) \
     || echo "setup_env: libaio-dev not installed; offload='nvme' will be unavailable" >&2
 fi
-# Build DeepSpeed's CPU ops once here (CPU Adam ~50 s, shared-memory comm, async I/O), into
-# torch's extension cache (~/.cache/torch_extensions): the tests and jobs then load them in seconds
-# instead of every process compiling on first use.
+# Build DeepSpeed's C++ ops once here (CPU Adam ~50 s, shared-memory comm, async I/O and pinned
+# memory for offloading), into torch's extension cache (~/.cache/torch_extensions): the tests and
+# jobs then load them in seconds instead of compiling on first use. The builders must be the ones
+# DeepSpeed itself loads (the accelerator's): another builder of the same op name has other flags,
+# and the next load would recompile over it.
 python - <<'PY'
-from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
-from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+from deepspeed.accelerator import get_accelerator
 
-for builder in (CPUAdamBuilder(), ShareMemCommBuilder(), AsyncIOBuilder()):
-    if builder.is_compatible(verbose=False):
+for name in ("CPUAdamBuilder", "ShareMemCommBuilder", "AsyncIOBuilder", "PinMemoryBuilder"):
+    builder = get_accelerator().create_op_builder(name)
+    if builder is not None and builder.is_compatible(verbose=False):
         builder.load(verbose=False)
 PY
