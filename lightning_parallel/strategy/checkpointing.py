@@ -146,6 +146,30 @@ def check_init_weights(init_weights: WeightsFile | None) -> Path | None:
     return path
 
 
+def consolidated_refusal(pipeline_parallel: int, expert_parallel: int, zero_stage: int) -> str | None:
+    """Why one consolidated checkpoint file cannot hold this layout (``None``: it can).
+
+    Asked at construction (before any process exists) and again at each save and load, because
+    ``save_distributed_checkpoint`` can be changed on the strategy in between.
+    """
+    if zero_stage:
+        return (
+            "`save_distributed_checkpoint=False` (one consolidated file) is not supported with ZeRO: every master"
+            " weight would be gathered on rank 0 at each save. Save the sharded checkpoint (the default) and turn it"
+            " into one fp32 state dict afterwards with `lightning_parallel.consolidate_checkpoint(path)` or"
+            " `python -m lightning_parallel export CHECKPOINT OUT.safetensors`."
+        )
+    if pipeline_parallel > 1 or expert_parallel > 1:
+        return (
+            "`save_distributed_checkpoint=False` (one consolidated file) is not supported with"
+            f" `pipeline_parallel={pipeline_parallel}` / `expert_parallel={expert_parallel}` yet: each rank holds"
+            " different weights under the same names, and the file would keep rank 0's only. Leave it True"
+            " (sharded checkpoints hold every weight) and export a checkpoint folder as one file with"
+            " `python -m lightning_parallel export CKPT model.safetensors` (docs/checkpoints.md)."
+        )
+    return None
+
+
 # The strategy's own part of a checkpoint's metadata (Lightning writes rank 0's dict only, so
 # per-rank values are gathered into lists indexed by global rank).
 STATE_KEY = "lightning_parallel"
@@ -271,18 +295,17 @@ class ShardedCheckpointing(MeshParallelStrategy):
             _native_rng_states(states[self.global_rank] if len(states) == self.world_size else states[0])
         )
 
-    def _check_consolidated_supported(self) -> None:
-        if getattr(self, "zero_enabled", False):
-            from lightning_parallel.zero.checkpoint import refuse_consolidated
-
-            refuse_consolidated()
+    def _check_consolidated_supported(self, zero_only: bool = False) -> None:
+        """``zero_only``: loading a consolidated file is refused under ZeRO only (under pp/ep it loads)."""
         dims = getattr(self, "dims", None)
-        if dims is not None and (dims.pp_enabled or dims.ep_enabled):
-            raise ValueError(
-                "A consolidated checkpoint (`save_distributed_checkpoint=False`) is not supported under pipeline or"
-                " expert parallelism yet: it would hold rank 0's weights only. Save the sharded checkpoint and"
-                " export its weights with `python -m lightning_parallel export CHECKPOINT OUT.safetensors`."
-            )
+        zero = getattr(self, "zero", None)
+        reason = consolidated_refusal(
+            dims.pipeline_parallel if dims is not None and not zero_only else 1,
+            dims.expert_parallel if dims is not None and not zero_only else 1,
+            zero.stage if zero is not None else 0,
+        )
+        if reason is not None:
+            raise ValueError(reason)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -406,10 +429,7 @@ class ShardedCheckpointing(MeshParallelStrategy):
         )
 
         assert self.model is not None and self.lightning_module is not None
-        if getattr(self, "zero_enabled", False):
-            from lightning_parallel.zero.checkpoint import refuse_consolidated
-
-            refuse_consolidated()
+        self._check_consolidated_supported(zero_only=True)
         checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
         options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
         set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)

@@ -40,7 +40,12 @@ from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.plans import ParallelPlan
 from lightning_parallel.precision import convert_precision_plugin
 from lightning_parallel.strategy import parallel_state
-from lightning_parallel.strategy.checkpointing import ShardedCheckpointing, WeightsFile, check_init_weights
+from lightning_parallel.strategy.checkpointing import (
+    ShardedCheckpointing,
+    WeightsFile,
+    check_init_weights,
+    consolidated_refusal,
+)
 from lightning_parallel.strategy.compile import compile_blocks
 from lightning_parallel.strategy.experts import ExpertStrategyMixin, check_expert_arguments
 from lightning_parallel.strategy.memory_savers import MemorySaverArguments, MemorySaversMixin
@@ -172,16 +177,13 @@ class HybridParallelStrategy(
         )
         check_expert_arguments(expert_parallel, moe_aux_loss_coef, moe_z_loss_coef)
         self.init_weights = check_init_weights(init_weights)
-        if not save_distributed_checkpoint and (pipeline_parallel > 1 or expert_parallel > 1):
-            raise ValueError(
-                "`save_distributed_checkpoint=False` (one consolidated file) is not supported with"
-                f" `pipeline_parallel={pipeline_parallel}` / `expert_parallel={expert_parallel}` yet: each rank holds"
-                " different weights under the same names, and the file would keep rank 0's only. Leave it True"
-                " (sharded checkpoints hold every weight) and export a checkpoint folder as one file with"
-                " `python -m lightning_parallel export CKPT model.safetensors` (docs/checkpoints.md)."
-            )
         self.zero = ZeroArguments.resolve(zero_stage, offload, offload_path, deepspeed_config)
         check_zero_layout(self.zero, tensor_parallel, pipeline_parallel, expert_parallel, activation_checkpointing)
+        refusal = None if save_distributed_checkpoint else consolidated_refusal(
+            pipeline_parallel, expert_parallel, self.zero.stage
+        )
+        if refusal is not None:
+            raise ValueError(refusal)
         if tensor_parallel != "auto" and (not isinstance(tensor_parallel, int) or tensor_parallel < 1):
             raise ValueError(f"`tensor_parallel={tensor_parallel!r}` must be a positive integer or 'auto'.")
         if sequence_parallel and tensor_parallel == 1:

@@ -47,7 +47,6 @@ from lightning_parallel.zero.tensor_parallel import user_name
 __all__ = [
     "consolidate_checkpoint",
     "load_zero_checkpoint",
-    "refuse_consolidated",
     "zero_model_state",
     "zero_optimizer_state",
 ]
@@ -111,17 +110,6 @@ def _full_fp32(param: nn.Parameter) -> torch.Tensor:
         with GatheredParameters([param]):
             return param.detach().float().clone()
     return param.detach().float().clone()
-
-
-def refuse_consolidated() -> None:
-    """A consolidated file would need every master weight gathered on rank 0 at each save; the sharded
-    checkpoint is written in parallel and consolidates offline to the same file."""
-    raise ValueError(
-        "A consolidated checkpoint (`save_distributed_checkpoint=False`) is not supported with ZeRO. Save the"
-        " sharded checkpoint (the default) and turn it into one fp32 state dict afterwards with"
-        " `lightning_parallel.consolidate_checkpoint(path)` or `python -m lightning_parallel export CHECKPOINT"
-        " OUT.safetensors`."
-    )
 
 
 # ---- save -------------------------------------------------------------------------------------

@@ -149,7 +149,10 @@ def test_consolidated_save_is_refused_under_zero() -> None:
     """One file would gather every master on rank 0 at each save: refused, with the offline way named."""
     from lightning_parallel import HybridParallelStrategy
 
-    strategy = HybridParallelStrategy(zero_stage=2, save_distributed_checkpoint=False)
+    with pytest.raises(ValueError, match="consolidate_checkpoint"):  # at construction, before any launch
+        HybridParallelStrategy(zero_stage=2, save_distributed_checkpoint=False)
+    strategy = HybridParallelStrategy(zero_stage=2)
+    strategy._save_distributed_checkpoint = False  # switched after construction: refused at the save
     with pytest.raises(ValueError, match="consolidate_checkpoint"):
         strategy._check_consolidated_supported()
 
