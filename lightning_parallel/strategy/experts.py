@@ -19,7 +19,6 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_parallel.grad_sync import GradientGroup, GradientSync
-from lightning_parallel.strategy.validation import check_layout_pairs
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
@@ -44,16 +43,6 @@ class ExpertStrategyMixin:
     _expert_parameter_ids: set[int]
     _aux_losses: Any
     _manual_gradient_sync: GradientSync | None
-
-    def _configure_launcher(self) -> None:
-        """Inside ``Trainer(...)``, after the layout is resolved: refuse what experts cannot compose with."""
-        dims = self.dims  # type: ignore[attr-defined]
-        check_layout_pairs(
-            tensor_parallel=dims.tensor_parallel,
-            sequence_parallel=self.sequence_parallel,  # type: ignore[attr-defined]
-            expert_parallel=dims.expert_parallel,
-        )
-        super()._configure_launcher()  # type: ignore[misc]
 
     def _apply_expert_parallel(self, module: LightningModule) -> None:
         """Shard the experts of every MoE block this rank holds; set up the auxiliary-loss collector."""

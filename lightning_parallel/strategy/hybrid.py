@@ -54,6 +54,7 @@ from lightning_parallel.strategy.pipelined import (
     PipelineStrategyMixin,
 )
 from lightning_parallel.strategy.tensor_parallel_setup import TensorParallelSetupMixin
+from lightning_parallel.strategy.validation import check_layout_pairs
 from lightning_parallel.strategy.zero import ZeroStrategyMixin, check_zero_layout
 from lightning_parallel.tensor_parallel.loss_parallel import (
     LossParallelState,
@@ -244,6 +245,11 @@ class HybridParallelStrategy(
     def _configure_launcher(self) -> None:
         # Runs inside Trainer(...), before processes are launched: fail here, not in a collective.
         self.dims = self._resolve_dims()
+        check_layout_pairs(  # needs the resolved degrees (tensor_parallel="auto")
+            tensor_parallel=self.dims.tensor_parallel,
+            sequence_parallel=self.sequence_parallel,
+            expert_parallel=self.dims.expert_parallel,
+        )
         # An unsupported plugin fails here, before launch.
         if self.zero_enabled:
             self._zero_precision_plugin()
