@@ -7,14 +7,13 @@ work by name, also from ``LightningCLI`` YAML files.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_parallel.checkpoint.transfer import export_checkpoint, load_weights
+from lightning_parallel.checkpoint.transfer import consolidate_checkpoint, export_checkpoint, load_weights
 from lightning_parallel.comm import PowerSGD
 from lightning_parallel.launch import SLURMAutoRequeue
 from lightning_parallel.memory import ActivationMemoryMonitor
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.plans import ParallelPlan, auto_plan
 from lightning_parallel.strategy import HybridParallelStrategy
-from lightning_parallel.zero.checkpoint import consolidate_checkpoint
 
 if HybridParallelStrategy.strategy_name not in StrategyRegistry:
     HybridParallelStrategy.register_strategies(StrategyRegistry)

@@ -179,6 +179,31 @@ def _read_checkpoint_weights(checkpoint: Path) -> dict[str, Any]:
     return state["state_dict"]
 
 
+def _checkpoint_tensors(checkpoint: Path, prefix: str, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The weights of ``checkpoint`` under ``prefix`` (removed), floating point ones in ``dtype`` if given."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in _read_checkpoint_weights(checkpoint).items():
+        if not name.startswith(prefix) or not isinstance(value, torch.Tensor):
+            continue
+        value = value.detach().cpu()
+        tensors[name[len(prefix) :]] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
+    if not tensors:
+        raise ValueError(f"`prefix={prefix!r}`: no weight of {checkpoint} starts with it.")
+    return tensors
+
+
+def consolidate_checkpoint(checkpoint: PathLike, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The weights of a checkpoint of any layout (ZeRO stage 1-3 or none; a sharded folder or a consolidated
+    file) as one fp32 state dict of plain tensors: ``unparallelised_module.load_state_dict(result)``.
+
+    No processes needed. Under ZeRO the values are the fp32 master weights; a checkpoint trained in half
+    precision without ZeRO is converted to fp32. ``prefix``: keep only names under it, without it
+    (``"model."``: the LightningModule's inner model). :func:`export_checkpoint` writes the same weights
+    (in the dtype they were saved in, or one asked for) as a safetensors file.
+    """
+    return _checkpoint_tensors(Path(checkpoint), prefix, torch.float32)
+
+
 def export_checkpoint(
     checkpoint: PathLike, output: PathLike, dtype: torch.dtype | None = None, prefix: str = ""
 ) -> Path:
@@ -196,16 +221,9 @@ def export_checkpoint(
     checkpoint, output = Path(checkpoint), Path(output)
     if output.suffix != ".safetensors":
         raise ValueError(f"`output={str(output)!r}` must end in `.safetensors` (the file format written).")
-    weights = _read_checkpoint_weights(checkpoint)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, value in weights.items():
-        if not name.startswith(prefix) or not isinstance(value, torch.Tensor):
-            continue
-        if dtype is not None and value.is_floating_point():
-            value = value.to(dtype)
-        tensors[name[len(prefix) :]] = value.detach().cpu().contiguous().clone()  # no shared storage
-    if not tensors:
-        raise ValueError(f"`prefix={prefix!r}`: no weight of {checkpoint} starts with it.")
+    tensors = {  # safetensors refuses shared storage (tied weights)
+        name: value.contiguous().clone() for name, value in _checkpoint_tensors(checkpoint, prefix, dtype).items()
+    }
     output.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, output, metadata={"format": "pt", "source": str(checkpoint)})
     return output

@@ -5,7 +5,7 @@ same number of ranks) can read. Here a ZeRO run saves what any other run of the 
 the model entry holds each weight under the user's name (a tensor-parallel weight as its
 DTensor, an expert slice as its rows of the stacked tensor), the optimizer entry holds each
 weight's state flattened per name (``state.<name>.exp_avg``, ``param_groups.<name>.lr``). So
-resume, resharding to another layout, ``export`` and :func:`consolidate_checkpoint` work the
+resume, resharding to another layout, ``export`` and ``consolidate_checkpoint`` work the
 same for every layout and every stage.
 
 The values are DeepSpeed's fp32 master weights and states, read and written per parameter with
@@ -18,7 +18,6 @@ is refreshed from the masters, as DeepSpeed's step does.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,6 @@ from lightning_parallel.zero.partitions import (
 from lightning_parallel.zero.tensor_parallel import user_name
 
 __all__ = [
-    "consolidate_checkpoint",
     "load_zero_checkpoint",
     "zero_model_state",
     "zero_optimizer_state",
@@ -322,28 +320,3 @@ def _load_optimizer(
     for key, value in state.get(_ENGINE_KEY, {}).items():
         if hasattr(engine, key):
             setattr(engine, key, value)
-
-
-# ---- out: one fp32 state dict -----------------------------------------------------------------
-
-
-def consolidate_checkpoint(checkpoint: str | os.PathLike, prefix: str = "") -> dict[str, torch.Tensor]:
-    """The weights of a checkpoint of any layout (ZeRO stage 1-3 or none; a sharded folder or a consolidated
-    file) as one fp32 state dict of plain tensors: ``unparallelised_module.load_state_dict(result)``.
-
-    No processes needed. Under ZeRO the values are the fp32 master weights; a checkpoint trained in half
-    precision without ZeRO is converted to fp32. ``prefix``: keep only names under it, without it
-    (``"model."``: the LightningModule's inner model). ``python -m lightning_parallel export`` writes the
-    same as a safetensors file.
-    """
-    from lightning_parallel.checkpoint.transfer import _read_checkpoint_weights
-
-    out: dict[str, torch.Tensor] = {}
-    for name, value in _read_checkpoint_weights(Path(checkpoint)).items():
-        if not name.startswith(prefix) or not isinstance(value, torch.Tensor):
-            continue
-        value = value.detach().cpu()
-        out[name[len(prefix) :]] = value.float() if value.is_floating_point() else value
-    if not out:
-        raise ValueError(f"`prefix={prefix!r}`: no weight of {checkpoint} starts with it.")
-    return out
