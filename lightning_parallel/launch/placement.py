@@ -33,12 +33,9 @@ def check_tensor_parallel_placement(strategy: Any) -> list[list[int]]:
 
     Every rank must call this together, after the mesh exists: the node of each rank is
     known only to that rank (Lightning's ``cluster_environment.node_rank()``: ``SLURM_NODEID``
-    under SLURM, ``GROUP_RANK``/``NODE_RANK`` under torchrun), so they are gathered once. Runs
-    once per strategy; returns the groups that span nodes (empty when all is well).
+    under SLURM, ``GROUP_RANK``/``NODE_RANK`` under torchrun), so they are gathered once, in the
+    strategy's ``setup_environment``. Returns the groups that span nodes (empty when all is well).
     """
-    if getattr(strategy, "_tp_placement_checked", False):
-        return []
-    strategy._tp_placement_checked = True
     mesh = strategy.device_mesh
     if not mesh.mesh_dim_names or mesh.mesh_dim_names[-1] != "tp":
         return []  # not our mesh (e.g. Lightning's ModelParallelStrategy): its axes mean other things

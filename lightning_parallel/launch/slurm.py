@@ -37,8 +37,6 @@ from lightning.pytorch.trainer.connectors.checkpoint_connector import _Checkpoin
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_parallel.launch.placement import check_tensor_parallel_placement
-
 
 def _job_id() -> str:
     """The id ``scontrol requeue`` takes: ``<array job>_<task>`` for array jobs."""
@@ -67,8 +65,7 @@ class SLURMAutoRequeue(Callback):
     when the cluster environment is Lightning's ``SLURMEnvironment`` with ``auto_requeue``
     (the default under ``srun``), and listens to its ``requeue_signal`` (``SIGUSR1``). The
     checkpoints go to the Trainer's ``default_root_dir``, which must be on a file system that
-    every node sees. Also checks once that tensor-parallel groups stay inside nodes
-    (:func:`~lightning_parallel.launch.check_tensor_parallel_placement`).
+    every node sees.
 
     Args:
         check_every_n_steps: how often the ranks agree on the flag (one all-reduce of one
@@ -94,8 +91,6 @@ class SLURMAutoRequeue(Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if hasattr(trainer.strategy, "device_mesh") and getattr(trainer.strategy, "_device_mesh", None):
-            check_tensor_parallel_placement(trainer.strategy)
         # As Lightning's signal connector reads it: single-device strategies have no attribute for it.
         environment = trainer._accelerator_connector.cluster_environment
         if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue):
