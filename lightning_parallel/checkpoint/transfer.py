@@ -23,9 +23,30 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["export_checkpoint", "load_weights", "read_state_dict"]
+__all__ = ["check_init_weights", "consolidate_checkpoint", "export_checkpoint", "load_weights", "read_state_dict"]
 
 PathLike = str | os.PathLike
+
+_WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+
+
+def check_init_weights(init_weights: PathLike | None) -> Path | None:
+    """``init_weights`` is checked where the strategy is built, before any process is launched."""
+    if init_weights is None:
+        return None
+    if not isinstance(init_weights, (str, os.PathLike)):
+        raise ValueError(
+            f"`init_weights={init_weights!r}` must be the path of a state-dict file (`.safetensors`, `.pt`, `.bin`)."
+        )
+    path = Path(init_weights)
+    if path.suffix not in _WEIGHT_SUFFIXES or not path.is_file():
+        raise ValueError(
+            f"`init_weights={str(path)!r}` must be an existing single-file state dict ({', '.join(_WEIGHT_SUFFIXES)})."
+            " Write one with `safetensors.torch.save_file(module.state_dict(), path)`, `torch.save(...)` or"
+            " `python -m lightning_parallel export CHECKPOINT OUT.safetensors`; to resume a run pass the checkpoint"
+            " to `Trainer.fit(ckpt_path=...)` instead."
+        )
+    return path
 
 
 def read_state_dict(path: PathLike) -> dict[str, torch.Tensor]:

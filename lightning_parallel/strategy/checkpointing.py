@@ -10,7 +10,6 @@ files always hold the user's own layout, and the model keeps its strided placeme
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -123,29 +122,6 @@ def _experts_as_local(state: dict[str, Any], layouts: dict[str, Any], optimizer:
     }
 
 
-WeightsFile = str | os.PathLike
-_WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
-
-
-def check_init_weights(init_weights: WeightsFile | None) -> Path | None:
-    """``init_weights`` is checked where the strategy is built, before any process is launched."""
-    if init_weights is None:
-        return None
-    if not isinstance(init_weights, (str, os.PathLike)):
-        raise ValueError(
-            f"`init_weights={init_weights!r}` must be the path of a state-dict file (`.safetensors`, `.pt`, `.bin`)."
-        )
-    path = Path(init_weights)
-    if path.suffix not in _WEIGHT_SUFFIXES or not path.is_file():
-        raise ValueError(
-            f"`init_weights={str(path)!r}` must be an existing single-file state dict ({', '.join(_WEIGHT_SUFFIXES)})."
-            " Write one with `safetensors.torch.save_file(module.state_dict(), path)`, `torch.save(...)` or"
-            " `python -m lightning_parallel export CHECKPOINT OUT.safetensors`; to resume a run pass the checkpoint"
-            " to `Trainer.fit(ckpt_path=...)` instead."
-        )
-    return path
-
-
 def consolidated_refusal(pipeline_parallel: int, expert_parallel: int, zero_stage: int) -> str | None:
     """Why one consolidated checkpoint file cannot hold this layout (``None``: it can).
 
@@ -173,34 +149,6 @@ def consolidated_refusal(pipeline_parallel: int, expert_parallel: int, zero_stag
 # The strategy's own part of a checkpoint's metadata (Lightning writes rank 0's dict only, so
 # per-rank values are gathered into lists indexed by global rank).
 STATE_KEY = "lightning_parallel"
-
-
-def _portable_rng_states(states: dict[str, Any]) -> dict[str, Any]:
-    """Lightning's random states with numpy's array as a tensor: ``torch.load(weights_only=True)``,
-    Lightning's default for a checkpoint's metadata, refuses numpy objects."""
-    out = dict(states)
-    if "numpy" in out:
-        name, keys, pos, has_gauss, cached = out["numpy"]
-        out["numpy"] = (
-            str(name),
-            torch.from_numpy(keys.astype("int64")),
-            int(pos),
-            int(has_gauss),
-            float(cached),
-        )
-    return out
-
-
-def _native_rng_states(states: dict[str, Any]) -> dict[str, Any]:
-    out = dict(states)
-    if "numpy" in out:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = out["numpy"]
-        out["numpy"] = (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
-    if "torch.cuda" in out and not torch.cuda.is_available():
-        del out["torch.cuda"]
-    return out
 
 
 def _fit_progress(trainer: Any) -> tuple[int, int]:
@@ -249,6 +197,7 @@ class ShardedCheckpointing(MeshParallelStrategy):
 
         from lightning_parallel.checkpoint import atomic
         from lightning_parallel.checkpoint.dataloader import _gather
+        from lightning_parallel.checkpoint.random_states import portable_rng_states
 
         if storage_options is not None:
             raise TypeError(
@@ -259,7 +208,7 @@ class ShardedCheckpointing(MeshParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         dims = getattr(self, "dims", None)
         checkpoint[STATE_KEY] = {
-            "rng_states": _gather(_portable_rng_states(_collect_rng_states())),
+            "rng_states": _gather(portable_rng_states(_collect_rng_states())),
             "layout": dict(dims.degrees) if dims is not None else None,
         }
         staging = atomic.staging_path(path)
@@ -288,11 +237,13 @@ class ShardedCheckpointing(MeshParallelStrategy):
         Lightning does not store. With another number of ranks, rank 0's state (ranks seeded alike)."""
         from lightning.fabric.utilities.seed import _set_rng_states
 
+        from lightning_parallel.checkpoint.random_states import native_rng_states
+
         states = (checkpoint.get(STATE_KEY) or {}).get("rng_states")
         if not states:
             return
         _set_rng_states(
-            _native_rng_states(states[self.global_rank] if len(states) == self.world_size else states[0])
+            native_rng_states(states[self.global_rank] if len(states) == self.world_size else states[0])
         )
 
     def _check_consolidated_supported(self, zero_only: bool = False) -> None:

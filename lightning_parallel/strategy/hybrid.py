@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.tensor.parallel import ParallelStyle
 from typing_extensions import override
 
+from lightning_parallel.checkpoint.transfer import PathLike, check_init_weights
 from lightning_parallel.data_parallel import apply_data_parallel, average_direct_parameters, no_gradient_sync
 from lightning_parallel.grad_sync import GradientSync
 from lightning_parallel.launch.placement import check_tensor_parallel_placement
@@ -40,12 +41,7 @@ from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.plans import ParallelPlan
 from lightning_parallel.precision import convert_precision_plugin
 from lightning_parallel.strategy import parallel_state
-from lightning_parallel.strategy.checkpointing import (
-    ShardedCheckpointing,
-    WeightsFile,
-    check_init_weights,
-    consolidated_refusal,
-)
+from lightning_parallel.strategy.checkpointing import ShardedCheckpointing, consolidated_refusal
 from lightning_parallel.strategy.compile import compile_blocks
 from lightning_parallel.strategy.experts import ExpertStrategyMixin, check_expert_arguments
 from lightning_parallel.strategy.memory_savers import MemorySaverArguments, MemorySaversMixin
@@ -165,7 +161,7 @@ class HybridParallelStrategy(
         compile: bool = False,
         loss_parallel: bool = False,
         save_distributed_checkpoint: bool = True,
-        init_weights: WeightsFile | None = None,
+        init_weights: PathLike | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float = timedelta(minutes=15),
     ) -> None:
