@@ -41,7 +41,7 @@ from lightning_parallel.zero.partitions import (
     state_keys,
     step_count,
 )
-from lightning_parallel.zero.tensor_parallel import user_name
+from lightning_parallel.zero.tensor_parallel import parametrized, user_name
 
 __all__ = [
     "load_zero_checkpoint",
@@ -61,11 +61,11 @@ _ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_st
 def _to_saved(module: nn.Module, name: str) -> Any:
     """``local -> what the checkpoint holds``: the parametrization that rebuilds a tensor-parallel
     weight's DTensor from its local shard (``zero/tensor_parallel.py``), else the identity."""
-    if ".parametrizations." not in f".{name}":
+    split = parametrized(name)
+    if split is None:
         return None
-    owner, _, rest = name.partition("parametrizations.")
-    parametrizations = module.get_submodule(owner.rstrip(".")).parametrizations
-    return getattr(parametrizations, rest.removesuffix(".original"))[0]
+    owner, attribute = split
+    return getattr(module.get_submodule(owner).parametrizations, attribute)[0]
 
 
 def _parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter, Any]]:

@@ -67,23 +67,30 @@ def mark_model_parallel(parameters: Any) -> None:
         param.tensor_model_parallel = True
 
 
-def user_named_parameters(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``named_parameters()`` under the user's names: a parametrized weight as the module sees it."""
-    out = []
-    for name, param in module.named_parameters():
-        if ".parametrizations." not in f".{name}":
-            out.append((name, param))
-            continue
-        owner_name, _, rest = name.partition("parametrizations.")
-        attribute = rest.removesuffix(".original")
-        owner = module.get_submodule(owner_name.rstrip("."))
-        out.append((f"{owner_name}{attribute}", getattr(owner, attribute)))
-    return out
+def parametrized(name: str) -> tuple[str, str] | None:
+    """``a.b.parametrizations.weight.original`` -> ``("a.b", "weight")``; ``None`` for a plain parameter name."""
+    if ".parametrizations." not in f".{name}":
+        return None
+    owner, _, rest = name.partition("parametrizations.")
+    return owner.rstrip("."), rest.removesuffix(".original")
 
 
 def user_name(name: str) -> str:
     """``a.parametrizations.weight.original`` -> ``a.weight`` (state-dict keys under ZeRO with TP)."""
-    if ".parametrizations." not in f".{name}":
+    split = parametrized(name)
+    if split is None:
         return name
-    prefix, _, rest = name.partition("parametrizations.")
-    return prefix + rest.removesuffix(".original")
+    owner, attribute = split
+    return f"{owner}.{attribute}" if owner else attribute
+
+
+def user_named_parameters(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``named_parameters()`` under the user's names: a parametrized weight as the module sees it."""
+    out = []
+    for name, param in module.named_parameters():
+        split = parametrized(name)
+        if split is None:
+            out.append((name, param))
+        else:
+            out.append((user_name(name), getattr(module.get_submodule(split[0]), split[1])))
+    return out
