@@ -23,16 +23,8 @@ if ! [ -e /usr/include/libaio.h ] && command -v apt-get >/dev/null 2>&1 && [ "$(
     || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends libaio-dev >/dev/null 2>&1; }) \
     || echo "setup_env: libaio-dev not installed; offload='nvme' will be unavailable" >&2
 fi
-# Build DeepSpeed's C++ ops once here (CPU Adam ~50 s, shared-memory comm, async I/O and pinned
-# memory for offloading), into torch's extension cache (~/.cache/torch_extensions): the tests and
-# jobs then load them in seconds instead of compiling on first use. The builders must be the ones
-# DeepSpeed itself loads (the accelerator's): another builder of the same op name has other flags,
-# and the next load would recompile over it.
-python - <<'PY'
-from deepspeed.accelerator import get_accelerator
-
-for name in ("CPUAdamBuilder", "ShareMemCommBuilder", "AsyncIOBuilder", "PinMemoryBuilder"):
-    builder = get_accelerator().create_op_builder(name)
-    if builder is not None and builder.is_compatible(verbose=False):
-        builder.load(verbose=False)
-PY
+# Build DeepSpeed's C++ ops once, into this venv's own cache, and check a second load finds
+# nothing to do (scripts/build_deepspeed_ops.py says why both matter).
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}"
+python scripts/build_deepspeed_ops.py
+python scripts/build_deepspeed_ops.py --check

@@ -9,13 +9,22 @@ Markers:
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.optional_packages import use_optional_packages
 
 use_optional_packages()  # torchao from .venv/extras (scripts/setup_env.sh), for the tests that use it
+
+# DeepSpeed's ops as scripts/setup_env.sh built them, in the venv's own cache (inherited by every
+# worker the harness starts): sharing ~/.cache/torch_extensions with another checkout recompiles them.
+_VENV_OPS = Path(sys.prefix) / "torch_extensions"
+if _VENV_OPS.is_dir():
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_VENV_OPS))
 
 
 def pytest_configure(config) -> None:

@@ -1,0 +1,55 @@
+"""Build DeepSpeed's C++ ops (CPU Adam, shared-memory comm, async I/O, pinned memory) ahead of use.
+
+They otherwise compile on first use, minutes each on a small machine, inside a training job or a
+test's timed launch. ``scripts/setup_env.sh`` runs this with ``TORCH_EXTENSIONS_DIR`` set to the
+venv's own folder (``.venv/torch_extensions``, which ``tests/conftest.py`` also points at): torch
+caches an op by its name only, so two checkouts sharing ``~/.cache/torch_extensions`` rewrite each
+other's build (other paths, same name) and each recompiles over the other.
+
+The builders are the accelerator's, the ones DeepSpeed itself loads; a builder of the same op name
+from elsewhere has other flags and the next load would rebuild. ``--check`` loads every op again in
+this fresh process and fails if any was rebuilt, which is what a test worker would otherwise pay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from deepspeed.accelerator import get_accelerator
+
+BUILDERS = ("CPUAdamBuilder", "ShareMemCommBuilder", "AsyncIOBuilder", "PinMemoryBuilder")
+
+
+def load_all() -> list[str]:
+    """Load (building where needed) every op this machine can build; their names."""
+    loaded = []
+    for name in BUILDERS:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None and builder.is_compatible(verbose=False):
+            builder.load(verbose=False)
+            loaded.append(builder.name)
+    return loaded
+
+
+def built_libraries(cache: Path) -> dict[Path, int]:
+    return {so: so.stat().st_mtime_ns for so in cache.rglob("*.so")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if loading rebuilds any op")
+    args = parser.parse_args()
+    cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    before = built_libraries(cache)
+    loaded = load_all()
+    rebuilt = sorted(so.stem for so, mtime in built_libraries(cache).items() if before.get(so) != mtime)
+    if args.check and rebuilt:
+        raise SystemExit(f"build_deepspeed_ops: loading again rebuilt {rebuilt} in {cache}; the tests would too")
+    verb = "checked (no rebuild)" if args.check else "ready"
+    print(f"build_deepspeed_ops: {', '.join(loaded)} {verb} in {cache}")
+
+
+if __name__ == "__main__":
+    main()
