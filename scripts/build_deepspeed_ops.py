@@ -46,7 +46,9 @@ def main() -> None:
     loaded = load_all()
     rebuilt = sorted(so.stem for so, mtime in built_libraries(cache).items() if before.get(so) != mtime)
     if args.check and rebuilt:
-        raise SystemExit(f"build_deepspeed_ops: loading again rebuilt {rebuilt} in {cache}; the tests would too")
+        raise SystemExit(
+            f"build_deepspeed_ops: loading again rebuilt {rebuilt} in {cache}; the tests would too"
+        )
     verb = "checked (no rebuild)" if args.check else "ready"
     print(f"build_deepspeed_ops: {', '.join(loaded)} {verb} in {cache}")
 
