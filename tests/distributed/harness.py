@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from tests.distributed.cases import ATOL, CASES, RTOL, Case
+from tests.warm_workers import WarmProcess, spawn
 
 __all__ = [
     "HarnessError",
@@ -193,16 +194,14 @@ class _Launch:
             cmd.append("--no-init-pg")
         port = _free_port()
         self.start = time.monotonic()
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[WarmProcess | subprocess.Popen] = []
         for rank in range(nprocs):
             env = _clean_env()
             env["LP_HARNESS_LAUNCH_TIME"] = repr(time.time())
             if cases:
                 env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
                            NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-            with open(self.dir / f"rank{rank}.log", "wb") as log:
-                self.procs.append(subprocess.Popen(command or cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                   stdin=subprocess.DEVNULL, start_new_session=True))  # fmt: skip
+            self.procs.append(spawn(command or cmd, env, ROOT, self.dir / f"rank{rank}.log"))
 
     def wait(self, timeout_s: float) -> tuple[dict[str, Result], dict[tuple, Result]]:
         """Results by case name, and references by ``reference_key()``; kills everything on failure."""

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.warm_workers import WarmProcess, spawn
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 _STRIP_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_", "PL_")
@@ -59,7 +61,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _session_alive(process: subprocess.Popen) -> bool:
+def _session_alive(process: WarmProcess | subprocess.Popen) -> bool:
     try:
         os.killpg(process.pid, 0)  # each rank leads its own session and process group
     except ProcessLookupError:
@@ -67,7 +69,7 @@ def _session_alive(process: subprocess.Popen) -> bool:
     return True
 
 
-def _kill(process: subprocess.Popen) -> None:
+def _kill(process: WarmProcess | subprocess.Popen) -> None:
     try:
         os.killpg(process.pid, signal.SIGKILL)  # the rank and anything it started (its own session)
     except ProcessLookupError:
@@ -97,11 +99,7 @@ def launch(
         log = open(tmp_path / f"{Path(script).stem}.rank{rank}.log", "w+")  # noqa: SIM115 - closed below
         env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
         command = [sys.executable, str(SCRIPTS / script), *args]
-        processes.append(
-            subprocess.Popen(
-                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        )
+        processes.append(spawn(command, env, ROOT, tmp_path / f"{Path(script).stem}.rank{rank}.log"))
         logs.append(log)
     killed = [False] * world_size
     first_failure: float | None = None
