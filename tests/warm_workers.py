@@ -56,14 +56,23 @@ _PER_WORKER = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RAN
 class WarmProcess:
     """The parent's handle on a worker forked by the server (a ``Popen``-like subset)."""
 
-    def __init__(self, pid: int, status_file: Path) -> None:
+    def __init__(self, pid: int, status_file: Path, server: subprocess.Popen) -> None:
         self.pid = pid
         self.returncode: int | None = None
         self._status_file = status_file
+        self._server = server
 
     def poll(self) -> int | None:
         if self.returncode is None and self._status_file.exists():
             self.returncode = int(self._status_file.read_text())
+        elif (
+            self.returncode is None
+            and self._server.poll() is not None
+            and not Path(f"/proc/{self.pid}").exists()
+        ):
+            self.returncode = (
+                -signal.SIGKILL
+            )  # the server died first: nobody will write the status; assume killed
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -106,7 +115,7 @@ class _Server:
             request = {"argv": argv, "env": env, "cwd": str(cwd), "log": str(log), "status": str(status)}
             self.process.stdin.write((json.dumps(request) + "\n").encode())  # type: ignore[union-attr]
             self.process.stdin.flush()  # type: ignore[union-attr]
-            return WarmProcess(self._read()["pid"], status)
+            return WarmProcess(self._read()["pid"], status, self.process)
 
     def close(self) -> None:
         if self.process.poll() is None:
