@@ -6,6 +6,11 @@ venv's own folder (``.venv/torch_extensions``, which ``tests/conftest.py`` also 
 caches an op by its name only, so two checkouts sharing ``~/.cache/torch_extensions`` rewrite each
 other's build (other paths, same name) and each recompiles over the other.
 
+torch runs the first ``ninja`` on PATH; this script puts its own interpreter's ``bin`` first, as
+an activated venv does and as ``tests/conftest.py`` does for the tests: a system ninja of another
+version (1.11 here, against the venv's 1.13) hashes commands differently, reads the other's build
+log as stale and recompiles every op.
+
 The builders are the accelerator's, the ones DeepSpeed itself loads; a builder of the same op name
 from elsewhere has other flags and the next load would rebuild. ``--check`` loads every op again in
 this fresh process and fails if any was rebuilt, which is what a test worker would otherwise pay.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from deepspeed.accelerator import get_accelerator
@@ -41,6 +47,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if loading rebuilds any op")
     args = parser.parse_args()
+    interpreter_bin = str(Path(sys.executable).parent)
+    os.environ["PATH"] = os.pathsep.join(filter(None, [interpreter_bin, os.environ.get("PATH")]))
     cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
     before = built_libraries(cache)
     loaded = load_all()

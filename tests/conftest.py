@@ -22,9 +22,15 @@ use_optional_packages()  # torchao from .venv/extras (scripts/setup_env.sh), for
 
 # DeepSpeed's ops as scripts/setup_env.sh built them, in the venv's own cache (inherited by every
 # worker the harness starts): sharing ~/.cache/torch_extensions with another checkout recompiles them.
+# And the venv's own ninja first on PATH, as an activated venv has it (setup_env.sh activates):
+# torch builds an op with the first `ninja` on PATH, and a system ninja of another version reads
+# the venv ninja's build log as stale (other hash) and recompiles every op inside the test launches.
 _VENV_OPS = Path(sys.prefix) / "torch_extensions"
 if _VENV_OPS.is_dir():
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_VENV_OPS))
+_VENV_BIN = str(Path(sys.executable).parent)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
+    os.environ["PATH"] = os.pathsep.join(filter(None, [_VENV_BIN, os.environ.get("PATH")]))
 
 
 def pytest_configure(config) -> None:
