@@ -14,6 +14,8 @@ log as stale and recompiles every op.
 The builders are the accelerator's, the ones DeepSpeed itself loads; a builder of the same op name
 from elsewhere has other flags and the next load would rebuild. ``--check`` loads every op again in
 this fresh process and fails if any was rebuilt, which is what a test worker would otherwise pay.
+Run it when nothing else builds into the cache: it first removes lock files a killed build left
+behind (torch's loader waits for them to go away, with no time limit).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def main() -> None:
     interpreter_bin = str(Path(sys.executable).parent)
     os.environ["PATH"] = os.pathsep.join(filter(None, [interpreter_bin, os.environ.get("PATH")]))
     cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    for lock in cache.glob("*/lock"):  # left by a build that was killed: torch would wait on it forever
+        print(f"build_deepspeed_ops: removing the stale {lock}")
+        lock.unlink()
     before = built_libraries(cache)
     loaded = load_all()
     rebuilt = sorted(so.stem for so, mtime in built_libraries(cache).items() if before.get(so) != mtime)
