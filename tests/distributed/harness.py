@@ -224,9 +224,11 @@ class _Launch:
         """Wait until every rank finished (``None``) or one failed or time ran out (the reason)."""
         while True:
             codes = [p.poll() for p in self.procs]
+            failed = [rank for rank, code in enumerate(codes) if code is not None and code != 0]
+            if failed:  # several seen at once: the first to fail (its error file), not the lowest rank
+                rank = min(failed, key=self._error_time)
+                return f"rank {rank} exited with status {codes[rank]}"
             for rank, code in enumerate(codes):
-                if code is not None and code != 0:
-                    return f"rank {rank} exited with status {code}"
                 if code == 0 and not (self.dir / f"done.rank{rank}").exists():
                     return f"rank {rank} exited with status 0 without finishing (an error swallowed?)"
             if all(code == 0 for code in codes):
@@ -234,6 +236,11 @@ class _Launch:
             if time.monotonic() > deadline:
                 return f"timed out after {deadline - self.start:.0f} s; all ranks killed"
             time.sleep(0.05)
+
+    def _error_time(self, rank: int) -> float:
+        """When the rank recorded its error (``error.rank<r>.txt``); a rank without one sorts last."""
+        error = self.dir / f"error.rank{rank}.txt"
+        return error.stat().st_mtime if error.exists() else math.inf
 
     def _load(self, filename: str, case: Case) -> Result:
         path = self.dir / filename
