@@ -13,7 +13,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.warm_workers import WarmProcess, spawn
+
+# LP_TESTS_COLD_START=1 turns warm workers off (plain Popen) to rule them out: nothing to test here then.
+pytestmark = pytest.mark.skipif(
+    os.environ.get("LP_TESTS_COLD_START") == "1", reason="warm workers turned off"
+)
 
 ENV = {"PATH": os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1", "LP_PROBE": "probe-value"}
 
