@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 LAUNCHER_VARIABLES = (
     "RANK",
@@ -17,8 +18,10 @@ LAUNCHER_VARIABLES = (
     "NODE_RANK",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "GROUP_RANK",
 )
-SCHEDULER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PL_")
+SCHEDULER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_", "PL_")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def without_launcher(
@@ -27,3 +30,14 @@ def without_launcher(
     """``env`` (default: this process's) without launcher variables and scheduler-prefixed ones."""
     source = os.environ if env is None else env
     return {k: v for k, v in source.items() if k not in LAUNCHER_VARIABLES and not k.startswith(prefixes)}
+
+
+def worker_environment() -> dict[str, str]:
+    """What every process a test launches starts from: this process's environment without launcher
+    variables, the project importable, one thread, unbuffered output, and Hugging Face offline. The same
+    for every launcher, so a pre-imported worker server (tests/warm_workers.py) fits all of them."""
+    env = without_launcher()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # fmt: skip
+    return env

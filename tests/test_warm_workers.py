@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.environment import worker_environment
 from tests.warm_workers import WarmProcess, spawn
 
 # LP_TESTS_COLD_START=1 turns warm workers off (plain Popen) to rule them out: nothing to test here then.
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.skipif(
     os.environ.get("LP_TESTS_COLD_START") == "1", reason="warm workers turned off"
 )
 
-ENV = {"PATH": os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1", "LP_PROBE": "probe-value"}
+ENV = {**worker_environment(), "LP_PROBE": "probe-value"}
 
 
 def _run(argv: list[str], tmp_path: Path, timeout_s: float = 60) -> tuple[int, str]:

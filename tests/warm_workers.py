@@ -42,8 +42,6 @@ PRELOAD = [
     "transformers.models.llama.modeling_llama",
     "transformers.models.mixtral.modeling_mixtral",
 ]
-# Read at import time, so the server must already have the values every worker gets.
-_IMPORT_TIME_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 class WarmProcess:
@@ -96,12 +94,13 @@ def _become(argv: list[str], env: dict[str, str], cwd: str, log: str) -> None:
 
 def _start_server(env: dict[str, str]) -> multiprocessing.context.BaseContext:
     """The fork server, started with ``env`` minus the worker's ranks (it inherits ``os.environ`` at its
-    start) and the variables read at import time, then the imports."""
+    start), then the imports: variables read at import time (OMP_NUM_THREADS, the Hugging Face offline
+    flags) are those of :func:`tests.environment.worker_environment`, the same for every launcher."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     saved = dict(os.environ)
     os.environ.clear()
-    os.environ.update({**without_launcher(env), **_IMPORT_TIME_ENV})
+    os.environ.update(without_launcher(env))
     try:
         forkserver.ensure_running()
     finally:
@@ -117,7 +116,8 @@ def spawn(argv: list[str], env: dict[str, str], cwd: Path, log: Path) -> WarmPro
     """Start ``argv`` (``[python, "-m", module, ...]``, ``[python, "-c", code, ...]`` or ``[python, script, ...]``).
 
     Like ``Popen(argv, env=env, cwd=cwd, stdout=log, stderr=STDOUT, stdin=DEVNULL,
-    start_new_session=True)``.
+    start_new_session=True)``. ``env`` is :func:`tests.environment.worker_environment` plus the rank's
+    variables, as the launchers build it.
     """
     global _CONTEXT
     plain = (

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from tests.distributed.cases import ATOL, CASES, RTOL, Case
+from tests.environment import worker_environment
 from tests.warm_workers import WarmProcess, spawn
 
 __all__ = [
@@ -49,9 +50,6 @@ __all__ = [
 
 ROOT = Path(__file__).resolve().parents[2]
 _TAIL_CHARS = 3000
-_STRIP_ENV_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_")
-_STRIP_ENV = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-              "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"}  # fmt: skip
 
 
 class HarnessError(RuntimeError):
@@ -155,17 +153,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _clean_env() -> dict[str, str]:
-    """The parent's environment without any launcher's variables (SLURM, torchrun, a parent rank)."""
-    env = {
-        k: v for k, v in os.environ.items() if k not in _STRIP_ENV and not k.startswith(_STRIP_ENV_PREFIXES)
-    }
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # fmt: skip
-    return env
-
-
 def _tail(path: Path) -> str:
     if not path.exists():
         return "<no output>"
@@ -196,7 +183,7 @@ class _Launch:
         self.start = time.monotonic()
         self.procs: list[WarmProcess | subprocess.Popen] = []
         for rank in range(nprocs):
-            env = _clean_env()
+            env = worker_environment()
             env["LP_HARNESS_LAUNCH_TIME"] = repr(time.time())
             if cases:
                 env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),

@@ -20,13 +20,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.environment import worker_environment
 from tests.warm_workers import WarmProcess, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-_STRIP_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_", "PL_")
-_STRIP = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
-          "MASTER_PORT"}  # fmt: skip
 
 
 @dataclass
@@ -87,19 +85,16 @@ def launch(
 ) -> Launch:
     """Run ``tests/strategy/scripts/<script>`` on ``world_size`` ranks; wait for all of them."""
     port = _free_port()
-    base_env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(_STRIP_PREFIXES)}
-    base_env.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), base_env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        PYTHONUNBUFFERED="1",
-    )  # fmt: skip
+    base_env = {**worker_environment(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "WORLD_SIZE": str(world_size)}  # fmt: skip
     processes, logs = [], []
     start = time.monotonic()
     for rank in range(world_size):
-        log = open(tmp_path / f"{Path(script).stem}.rank{rank}.log", "w+")  # noqa: SIM115 - closed below
+        log_path = tmp_path / f"{Path(script).stem}.rank{rank}.log"
+        log = open(log_path, "w+")  # noqa: SIM115 - closed below
         env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
         command = [sys.executable, str(SCRIPTS / script), *args]
-        processes.append(spawn(command, env, ROOT, tmp_path / f"{Path(script).stem}.rank{rank}.log"))
+        processes.append(spawn(command, env, ROOT, log_path))
         logs.append(log)
     killed = [False] * world_size
     first_failure: float | None = None
