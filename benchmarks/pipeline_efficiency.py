@@ -182,7 +182,7 @@ def worker(args: argparse.Namespace) -> None:
     """One rank: every (schedule, M) pair in turn; rank 0 writes every step time to ``--out``."""
     import torch.distributed as dist
 
-    from lightning_parallel.pipeline.schedules import check_micro_batches, resolve_schedule
+    from lightning_parallel.config.arguments import check_micro_batches, resolve_schedule
 
     quiet_lightning()
     torch.set_num_threads(1)
@@ -249,7 +249,8 @@ def worker(args: argparse.Namespace) -> None:
 
 def summarize(row: dict[str, Any], pipeline_parallel: int = PIPELINE_PARALLEL) -> dict[str, Any]:
     """Step times of one (schedule, M) -> medians, efficiency (median of paired ratios, quartiles), ideal."""
-    from lightning_parallel.pipeline.schedules import ideal_efficiency, resolve_schedule, virtual_stages_for
+    from lightning_parallel.config.arguments import resolve_schedule, virtual_stages_for
+    from lightning_parallel.pipeline.schedules import ideal_efficiency
 
     spec = resolve_schedule(row["schedule"])
     ideal = ideal_efficiency(spec, row["micro_batches"], pipeline_parallel, virtual_stages_for(spec, None))

@@ -263,7 +263,7 @@ def _run(
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from lightning_parallel.pipeline.schedules import resolve_schedule
+    from lightning_parallel.config.arguments import resolve_schedule
 
     quiet_lightning()
     torch.set_num_threads(1)

@@ -28,11 +28,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_parallel.checkpoint.transfer import add_export_command, run_export
 from lightning_parallel.plans import ParallelPlan, auto_plan, plan_from_dict
-from lightning_parallel.tensor_parallel.styles import is_conv1d
+from lightning_parallel.tensor_parallel.styles import sharded_dims
 
 __all__ = ["build_parser", "main", "parameter_shards"]
 
@@ -40,26 +39,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 # ---- bytes per rank without a process group ----------------------------------------------------
-
-
-def _sharded_dim(module: nn.Module, param_name: str, style: ParallelStyle) -> int | None:
-    """The tensor dim of ``module.<param_name>`` that ``style`` shards, or None (replicated).
-
-    Mirrors ``tensor_parallel/styles.py`` and torch's styles: column parallel splits the
-    output features (Linear weight dim 0, Conv1D weight dim 1, bias dim 0; an Embedding's
-    dim 1), row parallel the input features (Linear weight dim 1, Conv1D weight dim 0, an
-    Embedding's vocabulary dim 0; the bias stays whole). Anything else is replicated.
-    """
-    embedding = isinstance(module, nn.Embedding)
-    if isinstance(style, ColwiseParallel):
-        if param_name == "weight":
-            return 1 if embedding or is_conv1d(module) else 0
-        return 0 if param_name == "bias" else None
-    if isinstance(style, RowwiseParallel):
-        if param_name == "weight":
-            return 0 if embedding or is_conv1d(module) else 1
-        return None
-    return None
 
 
 def _local_numel(shape: torch.Size, dim: int | None, tp: int, num_chunks: int) -> int:
@@ -82,7 +61,7 @@ def parameter_shards(plan: ParallelPlan, model: nn.Module, dtype: torch.dtype | 
     for name, param in model.named_parameters():
         owner, _, attr = name.rpartition(".")
         style = plan.styles.get(owner)
-        dim = _sharded_dim(modules[owner], attr, style) if style is not None else None
+        dim = sharded_dims(modules[owner], style).get(attr) if style is not None else None
         chunks = getattr(style, "num_chunks", 1)
         element_size = torch.empty((), dtype=dtype or param.dtype).element_size()
         shards[name] = (
@@ -188,21 +167,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def pipeline_lines(model: nn.Module, pp: int, schedule: str | None, virtual: int | None) -> list[str]:
-    """Which blocks each pipeline stage will hold (the split the strategy makes at setup)."""
-    from lightning_parallel.pipeline.schedules import resolve_schedule, stage_owner, virtual_stages_for
-    from lightning_parallel.pipeline.setup import find_block_names
-    from lightning_parallel.pipeline.split import balanced_boundaries, stage_ranges
+    """Which blocks each pipeline stage will hold: the split the strategy makes at setup (``split_stages``)."""
+    from lightning_parallel.config.arguments import pipeline
+    from lightning_parallel.pipeline.setup import split_stages
 
-    spec = resolve_schedule(schedule)
-    stages = pp * virtual_stages_for(spec, virtual)
-    names = find_block_names(model)
-    costs = [sum(p.numel() for p in model.get_submodule(n).parameters()) for n in names]
-    ranges = stage_ranges(balanced_boundaries(costs, stages), len(names))
-    lines = [f"  pipeline: {pp} ranks, {stages} stages, schedule {spec.name!r}"]
-    for stage, blocks in enumerate(ranges):
-        params = sum(costs[i] for i in blocks)
+    config = pipeline(pp, None, schedule, virtual, None)
+    assert config is not None
+    split = split_stages(model, config)
+    lines = [f"  pipeline: {pp} ranks, {config.num_stages} stages, schedule {config.spec.name!r}"]
+    for stage, blocks in enumerate(split.ranges):
+        params = sum(split.block_costs[i] for i in blocks)
+        names = split.block_names
         lines.append(
-            f"    stage {stage} (rank {stage_owner(spec, stage, pp)}): {names[blocks.start]}..{names[blocks.stop - 1]}"
+            f"    stage {stage} (rank {split.owners[stage]}): {names[blocks.start]}..{names[blocks.stop - 1]}"
             f" ({len(blocks)} blocks, {params:,} parameters)"
         )
     lines.append("    + weights before the first block on stage 0, after the last block on the last stage")

@@ -117,7 +117,7 @@ def features_of(
 
 
 def _canonical_schedule(name: str) -> str:
-    from lightning_parallel.pipeline.schedules import resolve_schedule
+    from lightning_parallel.config.arguments import resolve_schedule
 
     return resolve_schedule(name).name
 

@@ -70,7 +70,7 @@ def _set_random_state(loader: DataLoader, state: dict[str, Any]) -> None:
             generators[name].set_state(value)
 
 
-def _gather(obj: Any) -> list[Any]:
+def gather_objects(obj: Any) -> list[Any]:
     """``obj`` of every rank (this rank's alone without a process group)."""
     import torch.distributed as dist
 
@@ -200,7 +200,7 @@ class ResumableDataLoaderMixin:
         """
         loader: Any = self
         now = {name: g.get_state() for name, g in _generators(loader).items()}
-        states = _gather({"epoch_start": self._lp_random_state, "generators": now})
+        states = gather_objects({"epoch_start": self._lp_random_state, "generators": now})
         return {"epoch": self._lp_epoch, "consumed": self._lp_consumed, "ranks": states}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -23,30 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["check_init_weights", "consolidate_checkpoint", "export_checkpoint", "load_weights", "read_state_dict"]
+__all__ = ["consolidate_checkpoint", "export_checkpoint", "load_weights", "read_state_dict"]
 
 PathLike = str | os.PathLike
-
-_WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
-
-
-def check_init_weights(init_weights: PathLike | None) -> Path | None:
-    """``init_weights`` is checked where the strategy is built, before any process is launched."""
-    if init_weights is None:
-        return None
-    if not isinstance(init_weights, (str, os.PathLike)):
-        raise ValueError(
-            f"`init_weights={init_weights!r}` must be the path of a state-dict file (`.safetensors`, `.pt`, `.bin`)."
-        )
-    path = Path(init_weights)
-    if path.suffix not in _WEIGHT_SUFFIXES or not path.is_file():
-        raise ValueError(
-            f"`init_weights={str(path)!r}` must be an existing single-file state dict ({', '.join(_WEIGHT_SUFFIXES)})."
-            " Write one with `safetensors.torch.save_file(module.state_dict(), path)`, `torch.save(...)` or"
-            " `python -m lightning_parallel export CHECKPOINT OUT.safetensors`; to resume a run pass the checkpoint"
-            " to `Trainer.fit(ckpt_path=...)` instead."
-        )
-    return path
 
 
 def read_state_dict(path: PathLike) -> dict[str, torch.Tensor]:
@@ -124,7 +103,7 @@ def load_weights(
     )
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from lightning_parallel.strategy.checkpointing import _expert_layouts
+    from lightning_parallel.checkpoint.layouts import expert_layouts
 
     full = read_state_dict(source) if isinstance(source, (str, os.PathLike)) else dict(source)
     what = f"`init_weights={str(source)!r}`" if isinstance(source, (str, os.PathLike)) else "the state dict"
@@ -134,7 +113,7 @@ def load_weights(
     prefix = _prefix(list(target), list(full))
     full = {prefix + k: v for k, v in full.items()}
     _fill_tied(model, full)
-    experts = _expert_layouts(model)
+    experts = expert_layouts(model)
     loaded: dict[str, Any] = {}
     for name, current in target.items():
         if name not in full:
@@ -207,7 +186,9 @@ def _checkpoint_tensors(checkpoint: Path, prefix: str, dtype: torch.dtype | None
         if not name.startswith(prefix) or not isinstance(value, torch.Tensor):
             continue
         value = value.detach().cpu()
-        tensors[name[len(prefix) :]] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
+        tensors[name[len(prefix) :]] = (
+            value.to(dtype) if dtype is not None and value.is_floating_point() else value
+        )
     if not tensors:
         raise ValueError(f"`prefix={prefix!r}`: no weight of {checkpoint} starts with it.")
     return tensors
@@ -243,7 +224,8 @@ def export_checkpoint(
     if output.suffix != ".safetensors":
         raise ValueError(f"`output={str(output)!r}` must end in `.safetensors` (the file format written).")
     tensors = {  # safetensors refuses shared storage (tied weights)
-        name: value.contiguous().clone() for name, value in _checkpoint_tensors(checkpoint, prefix, dtype).items()
+        name: value.contiguous().clone()
+        for name, value in _checkpoint_tensors(checkpoint, prefix, dtype).items()
     }
     output.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, output, metadata={"format": "pt", "source": str(checkpoint)})

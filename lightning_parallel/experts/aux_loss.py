@@ -173,6 +173,25 @@ class AuxLossCollector:
             if info.kind == "lightning_parallel":
                 info.block.take_aux_loss()
 
+    def start_step(self, grad_scale: float) -> None:
+        """Before a training step: forget the last one; ``grad_scale`` is how the step's loss is scaled
+        before backward (1 / (accumulation x micro-batches), times the fp16 loss scale), which the
+        injected gradients must follow."""
+        self.grad_scale = grad_scale
+        self.reset()
+
+    def with_injected(self, output: Any) -> Any:
+        """A step's output (a loss, or a dict with ``"loss"``) plus the losses injected into backward, as a
+        constant: the reported loss is the one the optimiser minimises, the gradients are unchanged."""
+        if not self.injected:
+            return output
+        extra = torch.stack(self.injected).sum()
+        if isinstance(output, torch.Tensor):
+            return output + extra.to(output.dtype).detach()
+        if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+            return {**output, "loss": output["loss"] + extra.to(output["loss"].dtype).detach()}
+        return output
+
     def total(self) -> torch.Tensor | None:
         """The weighted sum that :meth:`add_to_loss` would add now (consumes nothing), or None."""
         parts = [] if self._model_added_its_own else list(self._pending)

@@ -14,7 +14,7 @@ from lightning_parallel.memory.checkpointing import (
 )
 from lightning_parallel.memory.counting import ActivationBytes, SavedTensorCounter, counting
 from lightning_parallel.memory.monitor import ActivationMemoryMonitor
-from lightning_parallel.memory.saved_tensors import COMPRESSIONS, ActivationSaver
+from lightning_parallel.memory.saved_tensors import COMPRESSIONS, ActivationSaver, saved_tensors_context
 
 __all__ = [
     "COMPRESSIONS",
@@ -26,5 +26,6 @@ __all__ = [
     "apply_activation_checkpointing",
     "counting",
     "is_checkpointed",
+    "saved_tensors_context",
     "select_modules",
 ]

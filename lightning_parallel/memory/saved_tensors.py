@@ -35,11 +35,12 @@ from lightning_parallel.memory.counting import (
     SavedTensorCounter,
     activate,
     active_counter,
+    counting,
     local_tensor,
     storage_key,
 )
 
-__all__ = ["COMPRESSIONS", "ActivationSaver", "compress", "decompress"]
+__all__ = ["COMPRESSIONS", "ActivationSaver", "compress", "decompress", "saved_tensors_context"]
 
 Compression = Literal["bf16", "fp8"]
 COMPRESSIONS: tuple[str, ...] = ("bf16", "fp8")
@@ -264,3 +265,20 @@ class ActivationSaver:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+@contextmanager
+def saved_tensors_context(
+    saver: ActivationSaver | None, counter: SavedTensorCounter | None
+) -> Iterator[None]:
+    """One training step's saved activations through ``saver`` and counted by ``counter`` (either may be None)."""
+    if counter is not None:
+        counter.reset()
+    if saver is not None:
+        with saver.context(counter):
+            yield
+    elif counter is not None:
+        with counting(counter):
+            yield
+    else:
+        yield

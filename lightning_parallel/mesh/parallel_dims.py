@@ -88,7 +88,20 @@ class ParallelDims:
 
     @property
     def degrees(self) -> dict[str, int]:
+        """The sizes of the mesh's axes ``pp``, ``dp``, ``tp`` (``dp`` includes the expert ranks)."""
         return {"pp": self.pipeline_parallel, "dp": self.data_parallel, "tp": self.tensor_parallel}
+
+    @property
+    def layout(self) -> dict[str, int]:
+        """Every degree that shapes a parallelized module, ``ep`` included: ep=2 and ep=1 on the same
+        ranks have the same :attr:`degrees` but shard the experts differently. What a reused module
+        and a checkpoint's metadata are compared by."""
+        return {
+            "pp": self.pipeline_parallel,
+            "dp": self.data_parallel,
+            "ep": self.expert_parallel,
+            "tp": self.tensor_parallel,
+        }
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create (once) the mesh with every axis named; all ranks must call this together."""

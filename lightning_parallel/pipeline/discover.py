@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_parallel.tensor_parallel.regions import _find_hidden
+from lightning_parallel.tensor_parallel.regions import find_hidden
 
 
 class PipelineSetupError(ValueError):
@@ -89,81 +89,111 @@ class Discovery:
     other_parameters: set[str] = field(default_factory=set)  # outside the blocks, unused by the step
 
 
-def discover(
-    module: nn.Module, block_names: list[str], step: Callable[[], Any], training: bool = True
-) -> Discovery:
-    """Run ``step`` once on the full model and classify every parameter outside the blocks.
+class DiscoveryProbe:
+    """Watches one run of the user's step (see :class:`~lightning_parallel.parallelize.sample.SampledStep`).
+
+    ``attach`` hooks the blocks, ``finish(output)`` classifies every parameter outside the
+    blocks from the step's output, ``detach`` removes the hooks; :func:`discover` runs all three
+    around a step. A probe, so that the one sampled step at setup can serve the plan
+    verification at the same time.
 
     ``training=False`` (``trainer.validate/test/predict`` without ``fit``): an evaluation step
     need not return a loss, so every parameter outside the blocks is also kept on the last
     stage (more memory there, never a missing weight).
     """
-    blocks = [module.get_submodule(name) for name in block_names]
-    block_param_ids = {id(p) for block in blocks for p in block.parameters()}
-    names = {id(p): n for n, p in module.named_parameters()}
-    outside = [p for n, p in module.named_parameters() if id(p) not in block_param_ids]
 
-    calls: list[int] = []
-    seen: dict[str, Any] = {}
+    needs_grad = True
 
-    def pre_hook(index: int) -> Callable[..., Any]:
+    def __init__(self, module: nn.Module, block_names: list[str], training: bool = True) -> None:
+        self.module, self.block_names, self.training = module, list(block_names), training
+        self.blocks = [module.get_submodule(name) for name in block_names]
+        block_param_ids = {id(p) for block in self.blocks for p in block.parameters()}
+        self.outside = [p for _, p in module.named_parameters() if id(p) not in block_param_ids]
+        self.calls: list[int] = []
+        self.seen: dict[str, Any] = {}
+        self.result: Discovery | None = None
+        self._handles: list[Any] = []
+        self._frozen: list[nn.Parameter] = []
+
+    def _pre_hook(self, index: int) -> Callable[..., Any]:
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            calls.append(index)
-            if index == 0 and "first_input" not in seen:
-                seen["first_input"] = _find_hidden(args, kwargs)[1]
+            self.calls.append(index)
+            if index == 0 and "first_input" not in self.seen:
+                self.seen["first_input"] = find_hidden(args, kwargs)[1]
 
         return hook
 
-    def post_hook(index: int) -> Callable[..., Any]:
+    def _post_hook(self, index: int) -> Callable[..., Any]:
         def hook(mod: nn.Module, args: Any, output: Any) -> Any:
-            seen.setdefault("template", OutputTemplate.of(output))
-            if index != len(blocks) - 1:
+            template = self.seen.setdefault("template", OutputTemplate.of(output))
+            if index != len(self.blocks) - 1:
                 return None
             # Cut the graph after the last block: gradients that still reach parameters outside
             # the blocks come from code after the blocks (final norm, head, loss).
             hidden = OutputTemplate.hidden_of(output).detach().requires_grad_()
-            return seen["template"].build(hidden) if seen["template"].kind != "tensor" else hidden
+            return template.build(hidden) if template.kind != "tensor" else hidden
 
         return hook
 
-    handles = []
-    for index, block in enumerate(blocks):
-        handles.append(block.register_forward_pre_hook(pre_hook(index), with_kwargs=True))
-        handles.append(block.register_forward_hook(post_hook(index)))
-    frozen = [p for p in module.parameters() if not p.requires_grad]
-    for p in frozen:  # classify frozen weights too (transfer learning): they still need a home
-        p.requires_grad_(True)
-    try:
-        with torch.enable_grad():
-            output = step()
-            loss = extract_loss(output) if training else None
-        if calls != list(range(len(blocks))):
+    def attach(self) -> None:
+        for index, block in enumerate(self.blocks):
+            self._handles.append(block.register_forward_pre_hook(self._pre_hook(index), with_kwargs=True))
+            self._handles.append(block.register_forward_hook(self._post_hook(index)))
+        self._frozen = [p for p in self.module.parameters() if not p.requires_grad]
+        for p in self._frozen:  # classify frozen weights too (transfer learning): they still need a home
+            p.requires_grad_(True)
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for p in self._frozen:
+            p.requires_grad_(False)
+        self._frozen = []
+
+    def finish(self, output: Any) -> None:
+        """Classify the parameters outside the blocks (autograd must be on: the step ran with grad)."""
+        loss = extract_loss(output) if self.training else None
+        calls, names = self.calls, self.block_names
+        if calls != list(range(len(self.blocks))):
             raise PipelineSetupError(
-                f"During one training step the blocks {block_names[0]}..{block_names[-1]} were called in the"
+                f"During one training step the blocks {names[0]}..{names[-1]} were called in the"
                 f" order {calls[:12]}{'...' if len(calls) > 12 else ''}, not once each in order. {SUPPORTED_STEP}"
             )
+        outside = self.outside
         post = _reached(loss, outside) if loss is not None else [True] * len(outside)
-        first_input = seen["first_input"]
+        first_input = self.seen["first_input"]
         pre = _reached(first_input.sum(), outside) if first_input.requires_grad else [False] * len(outside)
+        result = Discovery(
+            block_names=list(names),
+            block_costs=[sum(p.numel() for p in block.parameters()) for block in self.blocks],
+            template=self.seen["template"],
+        )
+        param_names = {id(p): n for n, p in self.module.named_parameters()}
+        for param, is_pre, is_post in zip(outside, pre, post, strict=True):
+            name = param_names[id(param)]
+            if is_pre:
+                result.pre_parameters.add(name)
+            if is_post:
+                result.post_parameters.add(name)
+            if not (is_pre or is_post):
+                result.other_parameters.add(name)
+        self.result = result
+
+
+def discover(
+    module: nn.Module, block_names: list[str], step: Callable[[], Any], training: bool = True
+) -> Discovery:
+    """Run ``step`` once on the full model and classify every parameter outside the blocks."""
+    probe = DiscoveryProbe(module, block_names, training)
+    probe.attach()
+    try:
+        with torch.enable_grad():
+            probe.finish(step())
     finally:
-        for handle in handles:
-            handle.remove()
-        for p in frozen:
-            p.requires_grad_(False)
-    result = Discovery(
-        block_names=list(block_names),
-        block_costs=[sum(p.numel() for p in block.parameters()) for block in blocks],
-        template=seen["template"],
-    )
-    for param, is_pre, is_post in zip(outside, pre, post, strict=True):
-        name = names[id(param)]
-        if is_pre:
-            result.pre_parameters.add(name)
-        if is_post:
-            result.post_parameters.add(name)
-        if not (is_pre or is_post):
-            result.other_parameters.add(name)
-    return result
+        probe.detach()
+    assert probe.result is not None
+    return probe.result
 
 
 def _reached(output: torch.Tensor, params: list[nn.Parameter]) -> list[bool]:

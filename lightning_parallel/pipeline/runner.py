@@ -25,7 +25,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor
 
-from lightning_parallel.grad_sync import GradientGroup, GradientSync
+from lightning_parallel.data_parallel.gradient_sync import GradientGroup
 from lightning_parallel.pipeline.discover import PipelineSetupError, extract_loss
 from lightning_parallel.pipeline.microbatch import (
     LogRecorder,
@@ -64,6 +64,7 @@ class PipelineRunner:
         runtime: StageRuntime,
         owned_names: set[str],
         tied_groups: dict[str, dist.ProcessGroup],
+        aux_collector: Any = None,
     ) -> None:
         self.module = module
         self.layout = layout
@@ -78,11 +79,9 @@ class PipelineRunner:
         self.last_stage = layout.num_stages - 1
         self.last_owner = layout.owners[self.last_stage]
         self.logs = LogRecorder()
-        # The reductions after the last accumulation batch (set by the strategy: it knows the mesh).
-        self.gradient_sync: GradientSync | None = None
-        # An ``AuxLossCollector`` in backward mode (MoE models): the strategy sets it.
-        self.aux_collector: Any = None
-        self._gradient_compressor: Any = None
+        # An ``AuxLossCollector`` in backward mode (MoE models), or None.
+        self.aux_collector = aux_collector
+        self._held: list[torch.Tensor | None] = []
         self._ctx: _StepContext | None = None
         self._loss_factor: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
         params = dict(module.named_parameters())
@@ -211,20 +210,38 @@ class PipelineRunner:
             else:
                 p.grad = grad
 
+    def train_step_held(
+        self,
+        step_fn: Callable[..., Any],
+        batch: Any,
+        step_args: Sequence[Any],
+        loss_factor: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """:meth:`train_step`, with this batch's gradients held aside until :meth:`add_held_gradients`.
+
+        Lightning zeroes gradients *between* ``training_step`` and ``backward`` (first batch of an
+        accumulation window), but the schedule has already run backward inside the step; so the
+        gradients it produced wait here and are added after Lightning's ``zero_grad``.
+        """
+        earlier = self.detach_gradients()
+        try:
+            loss = self.train_step(step_fn, batch, step_args, loss_factor)
+            self._held = self.detach_gradients()
+        finally:
+            self.attach_gradients(earlier, add=False)
+        return loss
+
+    def add_held_gradients(self) -> None:
+        if self._held:
+            self.attach_gradients(self._held, add=True)
+        self._held = []
+
     def tied_gradient_groups(self) -> list[GradientGroup]:
         """Weights held by several stages (a tied embedding and head): their gradients are summed."""
-        return [GradientGroup([self.module.get_parameter(n)], g) for n, g in self.tied_groups.items()]
-
-    @property
-    def gradient_compressor(self) -> Any:
-        return self._gradient_compressor
-
-    @gradient_compressor.setter
-    def gradient_compressor(self, compressor: Any) -> None:
-        """Compress the data-parallel average of the gradients (``gradient_compression=``)."""
-        self._gradient_compressor = compressor
-        if self.gradient_sync is not None:
-            self.gradient_sync.set_compressor(compressor)
+        return [
+            GradientGroup([self.module.get_parameter(n)], g, label=f"tied weight {n}")
+            for n, g in self.tied_groups.items()
+        ]
 
     # ---- evaluation ----------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """Schedule names as users write them, and what each one needs from the layout.
 
 The schedules themselves are ``torch.distributed.pipelining``'s; this module only maps plain
-strings to them, decides how many stages each rank holds and which rank holds which stage,
-and checks the micro-batch count before any process could hang inside a schedule.
+strings to them and decides which rank holds which stage. The user's schedule arguments (name,
+stages per rank, micro-batches) are checked in ``config/arguments.py``, before any process could
+hang inside a schedule.
 """
 
 from __future__ import annotations
@@ -65,42 +66,6 @@ def _class_name(spec: ScheduleSpec) -> str:
     return torch_schedules.get_schedule_class(spec.torch_name).__name__
 
 
-def resolve_schedule(name: str | None) -> ScheduleSpec:
-    """The spec for a user's schedule string; a clear ``ValueError`` for an unknown one."""
-    key = (name or DEFAULT_SCHEDULE).lower().replace("-", "_")
-    key = ALIASES.get(key, key)
-    if key not in SCHEDULES:
-        raise ValueError(
-            f"`pipeline_schedule={name!r}` is not a known schedule. Choose one of"
-            f" {', '.join(repr(n) for n in SCHEDULES)} (aliases: {', '.join(repr(a) for a in ALIASES)})."
-        )
-    return SCHEDULES[key]
-
-
-def virtual_stages_for(spec: ScheduleSpec, requested: int | None) -> int:
-    """Stages per rank: 1 for single-stage schedules, 2 (or ``requested``) for the others."""
-    if spec.fixed_virtual_stages is not None:
-        if requested not in (None, spec.fixed_virtual_stages):
-            raise ValueError(
-                f"`pipeline_virtual_stages={requested}`: the {spec.name!r} schedule places exactly"
-                f" {spec.fixed_virtual_stages} stages on each rank. Leave `pipeline_virtual_stages` unset."
-            )
-        return spec.fixed_virtual_stages
-    if not spec.multi_stage:
-        if requested not in (None, 1):
-            raise ValueError(
-                f"`pipeline_virtual_stages={requested}`: the {spec.name!r} schedule holds one stage per rank."
-                " Use 'interleaved_1f1b', 'looped_bfs' or 'interleaved_zero_bubble' for several stages per rank."
-            )
-        return 1
-    value = 2 if requested is None else requested
-    if not isinstance(value, int) or value < 2:
-        raise ValueError(
-            f"`pipeline_virtual_stages={requested!r}`: the {spec.name!r} schedule needs at least 2 stages per rank."
-        )
-    return value
-
-
 def stage_owner(spec: ScheduleSpec, stage: int, pipeline_parallel: int) -> int:
     """The pipeline rank that holds ``stage``."""
     if spec.placement == "v":
@@ -111,36 +76,6 @@ def stage_owner(spec: ScheduleSpec, stage: int, pipeline_parallel: int) -> int:
 def stages_of_rank(spec: ScheduleSpec, rank: int, pipeline_parallel: int, virtual_stages: int) -> list[int]:
     total = pipeline_parallel * virtual_stages
     return [s for s in range(total) if stage_owner(spec, s, pipeline_parallel) == rank]
-
-
-def check_micro_batches(spec: ScheduleSpec, micro_batches: int, pipeline_parallel: int) -> None:
-    """Refuse micro-batch counts the schedule cannot run (torch would fail or hang mid-step)."""
-    if not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"`micro_batches={micro_batches!r}` must be a positive integer.")
-    if spec.name == "interleaved_1f1b" and micro_batches % pipeline_parallel:
-        raise ValueError(
-            f"`micro_batches={micro_batches}`: the 'interleaved_1f1b' schedule needs a multiple of"
-            f" `pipeline_parallel={pipeline_parallel}` micro-batches. Use {_next_multiple(micro_batches, pipeline_parallel)}."
-        )
-    if spec.name == "1f1b" and micro_batches < pipeline_parallel:
-        raise ValueError(
-            f"`micro_batches={micro_batches}`: the '1f1b' schedule needs at least `pipeline_parallel="
-            f"{pipeline_parallel}` micro-batches (one in flight per stage). Use 'gpipe' for fewer."
-        )
-    if spec.placement in ("loop", "v") and micro_batches < pipeline_parallel:
-        raise ValueError(
-            f"`micro_batches={micro_batches}`: the {spec.name!r} schedule needs at least"
-            f" `pipeline_parallel={pipeline_parallel}` micro-batches to fill the pipeline."
-        )
-    if spec.name == "dualpipev" and micro_batches < 2 * pipeline_parallel:
-        raise ValueError(
-            f"`micro_batches={micro_batches}`: the 'dualpipev' schedule needs at least 2 x"
-            f" `pipeline_parallel` = {2 * pipeline_parallel} micro-batches."
-        )
-
-
-def _next_multiple(value: int, base: int) -> int:
-    return -(-value // base) * base
 
 
 def ideal_efficiency(

@@ -7,7 +7,6 @@ everywhere with the same ``ValueError`` before any pipeline communication starts
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,63 +14,69 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_parallel.pipeline.discover import Discovery, discover
-from lightning_parallel.pipeline.schedules import (
-    ScheduleSpec,
-    check_micro_batches,
-    stage_owner,
-    stages_of_rank,
-)
+from lightning_parallel.pipeline.discover import Discovery
+from lightning_parallel.pipeline.schedules import ScheduleSpec, stage_owner, stages_of_rank
 from lightning_parallel.pipeline.split import balanced_boundaries, check_user_boundaries, stage_ranges
 from lightning_parallel.pipeline.stages import StageLayout, StageRuntime, cut_into_stages
+from lightning_parallel.plans.detect import block_names
 
 
-@dataclass
+@dataclass(frozen=True)
 class PipelineConfig:
-    """The user's pipeline arguments, resolved."""
+    """The strategy's pipeline arguments, resolved (``config/validation.py`` checks them)."""
 
     pipeline_parallel: int
+    """Pipeline ranks (``pipeline_parallel=``)."""
     spec: ScheduleSpec
+    """The schedule (``pipeline_schedule=``), as torch's class and its stage placement."""
     virtual_stages: int
+    """Stages per rank: 1, or more for the interleaved and V schedules (``pipeline_virtual_stages=``)."""
     micro_batches: int
-    boundaries: Sequence[int] | None = (
-        None  # first block of stages 1..S-1 (``plan={"pipeline_boundaries": ...}``)
-    )
+    """Micro-batches per batch (``micro_batches=``; default: pipeline ranks x stages per rank)."""
+    boundaries: tuple[int, ...] | None = None
+    """First block of stages 1..S-1 (``plan={"pipeline_boundaries": [...]}``); None: balanced."""
 
     @property
     def num_stages(self) -> int:
         return self.pipeline_parallel * self.virtual_stages
 
-    def check(self) -> None:
-        check_micro_batches(self.spec, self.micro_batches, self.pipeline_parallel)
-
 
 def find_block_names(module: nn.Module) -> list[str]:
-    from lightning_parallel.plans.detect import find_block_stack
-
-    stack = find_block_stack(module)
-    if stack is None:
+    """The blocks the pipeline cuts between (``plans.detect.block_names``); a clear error without any."""
+    names = block_names(module)
+    if not names:
         raise ValueError(
             f"Pipeline parallelism cuts the model between its repeated blocks, but no block list (an"
             f" nn.ModuleList of same-class modules) was found in {type(module).__name__}."
         )
-    return [f"{stack.name}.{i}" for i in range(len(stack.blocks))]
+    return names
 
 
-def plan_stages(
-    module: nn.Module, config: PipelineConfig, step: Callable[[], Any], training: bool = True
-) -> StageLayout:
-    """Discover the model (one real step) and decide which blocks each stage holds."""
-    block_names = find_block_names(module)
-    n = len(block_names)
+@dataclass(frozen=True)
+class StageSplit:
+    """Which blocks each stage holds and which pipeline rank holds each stage: decided from the model
+    and the configuration alone (the ``plan`` command prints it without processes)."""
+
+    block_names: list[str]
+    block_costs: list[int]
+    ranges: list[range]
+    owners: list[int]
+
+
+def split_stages(module: nn.Module, config: PipelineConfig) -> StageSplit:
+    names = find_block_names(module)
+    costs = [sum(p.numel() for p in module.get_submodule(b).parameters()) for b in names]
     if config.boundaries is not None:
-        starts = check_user_boundaries(list(config.boundaries), n, config.num_stages)
+        starts = check_user_boundaries(list(config.boundaries), len(names), config.num_stages)
     else:
-        costs = [sum(p.numel() for p in module.get_submodule(b).parameters()) for b in block_names]
         starts = balanced_boundaries(costs, config.num_stages)
-    discovery: Discovery = discover(module, block_names, step, training)
     owners = [stage_owner(config.spec, s, config.pipeline_parallel) for s in range(config.num_stages)]
-    return StageLayout.build(module, stage_ranges(starts, n), owners, discovery)
+    return StageSplit(names, costs, stage_ranges(starts, len(names)), owners)
+
+
+def plan_stages(module: nn.Module, split: StageSplit, discovery: Discovery) -> StageLayout:
+    """The stage layout: the split, and what one real step (``discovery``) showed about the model."""
+    return StageLayout.build(module, split.ranges, split.owners, discovery)
 
 
 def cut_for_rank(
@@ -146,10 +151,12 @@ def filter_plan_to_kept_modules(plan: Any, module: nn.Module) -> Any:
 
 __all__ = [
     "PipelineConfig",
+    "StageSplit",
     "cut_for_rank",
     "filter_plan_to_kept_modules",
     "find_block_names",
     "norm_duplicates",
     "plan_stages",
+    "split_stages",
     "tied_weight_groups",
 ]

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.pipeline.discover import Discovery, OutputTemplate
-from lightning_parallel.tensor_parallel.regions import _find_hidden, _replace
+from lightning_parallel.tensor_parallel.regions import find_hidden, replace_hidden
 
 
 class StageExit(Exception):  # noqa: N818 - control flow, not an error
@@ -44,7 +44,7 @@ class SkippedBlock(nn.Module):
         self.template = template
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.template.build(_find_hidden(args, kwargs)[1])
+        return self.template.build(find_hidden(args, kwargs)[1])
 
     def extra_repr(self) -> str:
         return f"{self.held_elsewhere!r} runs on another pipeline stage"
@@ -145,7 +145,7 @@ def _gate(block: nn.Module, stage: int, template: OutputTemplate, runtime: Stage
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if runtime.active_stage is not None and runtime.active_stage != stage:
-            return template.build(_find_hidden(args, kwargs)[1])
+            return template.build(find_hidden(args, kwargs)[1])
         return original(*args, **kwargs)
 
     block.forward = forward  # type: ignore[method-assign]
@@ -155,8 +155,8 @@ def _injector(stage: int, runtime: StageRuntime) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if runtime.active_stage != stage or runtime.injected is None:
             return None
-        where, _ = _find_hidden(args, kwargs)
-        return _replace(args, kwargs, where, runtime.injected)
+        where, _ = find_hidden(args, kwargs)
+        return replace_hidden(args, kwargs, where, runtime.injected)
 
     return hook
 

@@ -29,7 +29,7 @@ from lightning_parallel.plans.detect import (
     kv_head_count,
     norms_in,
 )
-from lightning_parallel.plans.plan import ParallelPlan, ShardedContainer
+from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
 from lightning_parallel.tensor_parallel.styles import ColwiseProjection, RowwiseProjection, projection_dims
 
 
@@ -53,7 +53,7 @@ def exit_style(sequence_parallel: bool) -> RowwiseProjection:
     )
 
 
-def _scaled_attributes(module: nn.Module, tp: int, known: dict[str, int]) -> dict[str, tuple[int, int]]:
+def scaled_attributes(module: nn.Module, tp: int, known: dict[str, int]) -> dict[str, tuple[int, int]]:
     """Integer attributes the module's forward may read, scaled to the local shard."""
     scaled: dict[str, tuple[int, int]] = {}
     for key, value in vars(module).items():
@@ -108,7 +108,7 @@ def plan_attention(
         styles[join(full_name, name)] = ColwiseProjection(num_chunks=chunks, use_local_output=True)
     styles[join(full_name, cand.exit[0])] = exit_style(sp)
     widths = {hidden, exit_in, kv_heads * head_dim, 3 * exit_in}
-    scaled = _scaled_attributes(module, tp, {"heads": heads, "kv_heads": kv_heads, "widths": widths})
+    scaled = scaled_attributes(module, tp, {"heads": heads, "kv_heads": kv_heads, "widths": widths})
     container = ShardedContainer(
         name=full_name,
         kind="attention",
@@ -143,7 +143,7 @@ def plan_mlp(full_name: str, cand: ContainerCandidate, tp: int, sp: bool) -> tup
         kind="mlp",
         entries=[join(full_name, n) for n, _ in cand.entries],
         exit=join(full_name, cand.exit[0]),
-        scaled_attributes=_scaled_attributes(cand.module, tp, {"widths": {ffn, 2 * ffn}}),
+        scaled_attributes=scaled_attributes(cand.module, tp, {"widths": {ffn, 2 * ffn}}),
         hidden_size=hidden,
     )
     return container, styles
@@ -160,7 +160,7 @@ def auto_plan(model: nn.Module, tensor_parallel: int, sequence_parallel: bool) -
             " `plan='auto'` cannot find what to shard. Pass `plan=` with a dict of module-name patterns."
         )
     plan.block_list = stack.name
-    plan.block_names = [join(stack.name, str(i)) for i in range(len(stack.blocks))]
+    plan.block_names = stack.names
     for index, block in enumerate(stack.blocks):
         block_name = plan.block_names[index]
         candidates = containers_in(block)

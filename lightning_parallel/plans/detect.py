@@ -31,8 +31,15 @@ NORM_NAME = re.compile(r"norm", re.IGNORECASE)
 
 @dataclass
 class BlockStack:
+    """The repeated layer list of a model: ``name`` is its path in the model."""
+
     name: str
     blocks: nn.ModuleList
+
+    @property
+    def names(self) -> list[str]:
+        """The blocks' own paths in the model, in forward order (``transformer.h.0``, ...)."""
+        return [join(self.name, str(i)) for i in range(len(self.blocks))]
 
 
 @dataclass
@@ -78,6 +85,16 @@ def find_block_stack(model: nn.Module) -> BlockStack | None:
         if size > best_size:
             best, best_size = BlockStack(name, module), size
     return best
+
+
+def block_names(model: nn.Module) -> list[str]:
+    """The paths of the repeated blocks, in forward order; empty when the model has no block list.
+
+    The one block lister: tensor-parallel plans, the pipeline cut, activation checkpointing and
+    ``compile`` all mean these blocks.
+    """
+    stack = find_block_stack(model)
+    return stack.names if stack is not None else []
 
 
 def containers_in(block: nn.Module) -> list[ContainerCandidate]:

@@ -15,9 +15,9 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, SequenceParallel
 
-from lightning_parallel.plans.auto import _scaled_attributes, exit_style
+from lightning_parallel.plans.auto import exit_style, scaled_attributes
 from lightning_parallel.plans.detect import find_block_stack, head_count, head_dim_of, join, kv_head_count
-from lightning_parallel.plans.plan import ParallelPlan, ShardedContainer
+from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
 from lightning_parallel.tensor_parallel.styles import ColwiseProjection, is_projection, projection_dims
 
 STYLE_NAMES = (
@@ -81,7 +81,7 @@ def plan_from_dict(
     stack = find_block_stack(model)
     if stack is not None:
         plan.block_list = stack.name
-        plan.block_names = [join(stack.name, str(i)) for i in range(len(stack.blocks))]
+        plan.block_names = stack.names
     _infer_containers(model, plan)
     return plan
 
@@ -108,7 +108,7 @@ def _infer_containers(model: nn.Module, plan: ParallelPlan) -> None:
                 kind="attention" if heads is not None else "mlp",
                 entries=[n for n, _ in entries],
                 exit=exits[0][0],
-                scaled_attributes=_scaled_attributes(module, tp, known),
+                scaled_attributes=scaled_attributes(module, tp, known),
                 hidden_size=hidden,
             )
         )

@@ -1,5 +1,11 @@
 """Lightning's ``ModelParallelStrategy`` behaviour, without being a ``ModelParallelStrategy``.
 
+The bottom of the strategy's three classes: this one (Lightning's members, and the one mesh:
+degrees, process group, ``DeviceMesh``, precision plugin), then ``CheckpointingStrategy``
+(``strategy/checkpointing.py``: the checkpoint hooks), then ``HybridParallelStrategy``
+(``strategy/hybrid.py``: setup and the step hooks). Each declares the state it owns in its
+``__init__``; the subclasses read it, typed.
+
 We want its process-group set-up, launcher, collectives and distributed-checkpoint saving
 (``torch.distributed.checkpoint``), but Lightning's accelerator connector refuses
 ``precision="16-mixed"`` for any instance of that class: it assumes FSDP2's own mixed
@@ -12,16 +18,22 @@ member: Lightning stays the single source of that code, and the class is not an 
 from __future__ import annotations
 
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_save, _is_sharded_checkpoint
 from lightning.fabric.utilities.distributed import _init_dist_connection
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_parallel.config import ParallelConfig
+from lightning_parallel.config.validation import check_launch, check_zero_precision, resolve_dims
+from lightning_parallel.launch.placement import check_tensor_parallel_placement
+from lightning_parallel.mesh import ParallelDims
+from lightning_parallel.precision import convert_precision_plugin
+from lightning_parallel.zero import ZeroPrecision
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -30,10 +42,11 @@ _Lightning = ModelParallelStrategy
 
 
 class MeshParallelStrategy(ParallelStrategy):
-    """A ``ParallelStrategy`` with one ``DeviceMesh`` and sharded (DCP) checkpoints."""
+    """A ``ParallelStrategy`` with one ``DeviceMesh``, built from the validated configuration."""
 
     def __init__(
         self,
+        config: ParallelConfig,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -44,6 +57,10 @@ class MeshParallelStrategy(ParallelStrategy):
         self._timeout = timeout
         self._device_mesh: DeviceMesh | None = None
         self.num_nodes = 1
+        self.config = config
+        """What the user asked for, validated (``config/``); never changed after construction."""
+        self.dims: ParallelDims | None = None
+        """The resolved degrees, from ``Trainer(...)`` on (``tensor_parallel="auto"`` needs the devices)."""
 
     @property
     def is_distributed(self) -> bool:
@@ -57,7 +74,6 @@ class MeshParallelStrategy(ParallelStrategy):
     process_group_backend = _Lightning.process_group_backend
     restore_checkpoint_after_setup = _Lightning.restore_checkpoint_after_setup
     lightning_restore_optimizer = _Lightning.lightning_restore_optimizer
-    _configure_launcher = _Lightning._configure_launcher
     model_to_device = _Lightning.model_to_device
     tensor_init_context = _Lightning.tensor_init_context
     barrier = _Lightning.barrier
@@ -91,32 +107,51 @@ class MeshParallelStrategy(ParallelStrategy):
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
 
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported."
-            )
-        path = Path(self.broadcast(filepath))
-        if path.is_dir() and not self._save_distributed_checkpoint and not _is_sharded_checkpoint(path):
-            raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
-        if not self._save_distributed_checkpoint:
-            if _is_sharded_checkpoint(path):
-                import shutil
+    # ---- our mesh ------------------------------------------------------------------------
 
-                shutil.rmtree(path)
-            super().save_checkpoint(checkpoint=checkpoint, filepath=path)
-            return
-        if path.is_file():
-            path.unlink()
-        path.mkdir(parents=True, exist_ok=True)
-        converted = {"state_dict": checkpoint.pop("state_dict")}
-        converted.update(
-            {f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))}
+    @property
+    def tensor_parallel(self) -> int:
+        if self.dims is None:
+            raise RuntimeError("The tensor-parallel degree is resolved when the Trainer is created.")
+        return self.dims.tensor_parallel
+
+    def _resolve_dims(self) -> ParallelDims:
+        return resolve_dims(self.config, type(self).__name__, self.num_processes, self.num_nodes)
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Runs inside Trainer(...), before processes are launched: fail here, not in a collective.
+        self.dims = self._resolve_dims()
+        check_launch(self.config, self.dims, self.precision_plugin)
+        if not self.config.zero.enabled:
+            convert_precision_plugin(self.precision_plugin)  # an unsupported plugin fails here, before launch
+        _Lightning._configure_launcher(self)
+
+    @override
+    def setup_environment(self) -> None:
+        if self.dims is None:  # launched by torchrun or SLURM: no _configure_launcher
+            self.dims = self._resolve_dims()
+            check_launch(self.config, self.dims, self.precision_plugin)
+        self._setup_distributed()
+        self._device_mesh = self.dims.build_mesh(self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+        # Lightning's plugin, same precision, with clipping by the global norm over all shards and
+        # an fp16 overflow decision shared by every rank; under ZeRO, DeepSpeed's (scaler, masters, clipping).
+        if self.config.zero.enabled:
+            check_zero_precision(self.config.zero, self.precision_plugin)
+            if not isinstance(self.precision_plugin, ZeroPrecision):
+                self.precision_plugin = ZeroPrecision(self.precision_plugin.precision)
+        else:
+            pp_group = self._device_mesh["pp"].get_group() if self.dims.pp_enabled else None
+            self.precision_plugin = convert_precision_plugin(self.precision_plugin, pipeline_group=pp_group)
+        rank_zero_info(
+            f"{type(self).__name__}: mesh {self.dims.describe()}, ranks from {type(self.cluster_environment).__name__}"
         )
-        _distributed_checkpoint_save(converted, path)
-        if self.global_rank == 0:
-            import torch
+        check_tensor_parallel_placement(self)  # warn if a tensor-parallel group spans nodes
 
-            torch.save(checkpoint, path / _METADATA_FILENAME)
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dp_mesh = self.device_mesh["dp"]
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}

@@ -1,79 +1,69 @@
 """``HybridParallelStrategy``: the one Lightning strategy that composes every parallelism.
 
-Lifecycle (Lightning's extension contract):
+Lightning's hooks only; what they do is elsewhere:
 
-- ``_configure_launcher`` (inside ``Trainer(...)``, before any process is launched): check the
-  degrees against ``devices x num_nodes``. A bad layout is a ``ValueError`` here, in the
-  user's process, before a single collective exists.
-- ``setup_environment``: process group (with a collective timeout, so a lost rank ends the
-  job instead of hanging it) and the one named ``DeviceMesh``.
-- ``setup``: make parameters identical on every rank, build the plan, verify it on one block
-  of each class, shard (tensor/sequence parallel), then replicate over ``dp``; optimizers
-  and precision are set up on the sharded parameters.
+- ``__init__``: the arguments, checked and resolved into one ``ParallelConfig`` (``config/``).
+- ``_configure_launcher`` (inside ``Trainer(...)``, before any process is launched): the degrees
+  against ``devices x num_nodes`` and the refused combinations that need them
+  (``config/validation.py``): a bad layout is a ``ValueError`` in the user's process.
+- ``setup_environment``: process group (with a collective timeout, so a lost rank ends the job
+  instead of hanging it), the one named ``DeviceMesh``, the precision plugin.
+- ``setup``: the ordered recipe (``parallelize/recipe.py``) on the user's module, then
+  ``init_weights``, the optimizers and, under ZeRO, DeepSpeed's engine (``zero/engine.py``).
+- the step hooks: the pipeline's (``strategy/pipelined.py``), the memory savers' context, the
+  gradient reductions decided at setup (``parallelize/gradients.py``).
 
-Checkpointing (``torch.distributed.checkpoint``, sharded per rank) and the barrier/broadcast
-collectives are Lightning's ``ModelParallelStrategy`` code, taken member by member in
-``strategy/base.py`` (see there why we do not subclass it); its requirement that users write
-``configure_model`` is exactly what we remove.
+Checkpoint hooks: ``strategy/checkpointing.py``; Lightning's ``ModelParallelStrategy`` members
+(process group, collectives, launcher): ``strategy/base.py``.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.distributed.tensor.parallel import ParallelStyle
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_parallel.checkpoint.transfer import PathLike, check_init_weights
-from lightning_parallel.data_parallel import apply_data_parallel, average_direct_parameters, no_gradient_sync
-from lightning_parallel.grad_sync import GradientSync
-from lightning_parallel.launch.placement import check_tensor_parallel_placement
-from lightning_parallel.mesh import ParallelDims
-from lightning_parallel.pipeline.runner import PipelineRunner
-from lightning_parallel.plans import ParallelPlan
-from lightning_parallel.precision import convert_precision_plugin
-from lightning_parallel.strategy import parallel_state
-from lightning_parallel.strategy.checkpointing import ShardedCheckpointing, consolidated_refusal
-from lightning_parallel.strategy.compile import compile_blocks
-from lightning_parallel.strategy.experts import ExpertStrategyMixin, check_expert_arguments
-from lightning_parallel.strategy.memory_savers import MemorySaverArguments, MemorySaversMixin
-from lightning_parallel.strategy.pipelined import (
-    PipelineArguments,
-    PipelineStrategyMixin,
+from lightning_parallel.config import PathLike, PlanArg
+from lightning_parallel.config.validation import (
+    check_zero_optimizers,
+    strategy_config,
 )
-from lightning_parallel.strategy.tensor_parallel_setup import TensorParallelSetupMixin
-from lightning_parallel.strategy.validation import check_layout_pairs
-from lightning_parallel.strategy.zero import ZeroStrategyMixin, check_zero_layout
+from lightning_parallel.memory.counting import SavedTensorCounter
+from lightning_parallel.memory.saved_tensors import saved_tensors_context
+from lightning_parallel.parallelize import Parallelized, parallelize, recall
+from lightning_parallel.precision import HybridPrecision
+from lightning_parallel.strategy import pipelined
+from lightning_parallel.strategy.checkpointing import CheckpointingStrategy
+from lightning_parallel.strategy.sampling import sample_step
+from lightning_parallel.tensor_parallel import ParallelPlan
 from lightning_parallel.tensor_parallel.loss_parallel import (
-    LossParallelState,
     sharded_loss_backward,
     sharded_loss_step,
     to_plain,
 )
-from lightning_parallel.zero import ZeroArguments
+from lightning_parallel.zero.engine import deepspeed_environment, initialize_engine
 
-log = logging.getLogger(__name__)
+# ``Trainer(strategy=name)``: (name, description, arguments).
+PRESETS: list[tuple[str, str, dict[str, Any]]] = [
+    ("hybrid_parallel", "Data + tensor (+ sequence) parallelism for unchanged modules", {}),
+    ("tp2", "tensor_parallel=2", {"tensor_parallel": 2}),
+    (
+        "tp2_sp",
+        "tensor_parallel=2 with sequence parallelism",
+        {"tensor_parallel": 2, "sequence_parallel": True},
+    ),
+    ("tp_auto", "tensor parallel over each node", {"tensor_parallel": "auto"}),
+]
 
 
-PlanArg = Literal["auto"] | dict[str, ParallelStyle | str] | ParallelPlan
-
-
-class HybridParallelStrategy(
-    TensorParallelSetupMixin,
-    PipelineStrategyMixin,
-    ExpertStrategyMixin,
-    MemorySaversMixin,
-    ZeroStrategyMixin,
-    ShardedCheckpointing,
-):
+class HybridParallelStrategy(CheckpointingStrategy):
     """Train an unchanged LightningModule with data, tensor, sequence, pipeline and expert parallelism.
 
     Args:
@@ -167,123 +157,73 @@ class HybridParallelStrategy(
     ) -> None:
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
+        config = strategy_config(
+            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, expert_parallel=expert_parallel,
+            moe_aux_loss_coef=moe_aux_loss_coef, moe_z_loss_coef=moe_z_loss_coef, sequence_parallel=sequence_parallel,
+            micro_batches=micro_batches, pipeline_schedule=pipeline_schedule,
+            pipeline_virtual_stages=pipeline_virtual_stages, zero_stage=zero_stage, offload=offload,
+            offload_path=offload_path, deepspeed_config=deepspeed_config,
+            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing_policy=activation_checkpointing_policy, activation_offload=activation_offload,
+            activation_compression=activation_compression, gradient_compression=gradient_compression, plan=plan,
+            verify_plan=verify_plan, compile=compile, loss_parallel=loss_parallel,
+            save_distributed_checkpoint=save_distributed_checkpoint, init_weights=init_weights,
+        )  # fmt: skip
         super().__init__(
+            config,
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        check_expert_arguments(expert_parallel, moe_aux_loss_coef, moe_z_loss_coef)
-        self.init_weights = check_init_weights(init_weights)
-        self.zero = ZeroArguments.resolve(zero_stage, offload, offload_path, deepspeed_config)
-        check_zero_layout(self.zero, tensor_parallel, pipeline_parallel, expert_parallel, activation_checkpointing)
-        refusal = None if save_distributed_checkpoint else consolidated_refusal(
-            pipeline_parallel, expert_parallel, self.zero.stage
-        )
-        if refusal is not None:
-            raise ValueError(refusal)
-        if tensor_parallel != "auto" and (not isinstance(tensor_parallel, int) or tensor_parallel < 1):
-            raise ValueError(f"`tensor_parallel={tensor_parallel!r}` must be a positive integer or 'auto'.")
-        if sequence_parallel and tensor_parallel == 1:
-            rank_zero_warn("`sequence_parallel=True` has no effect with `tensor_parallel=1`; it is ignored.")
-        if not (plan == "auto" or isinstance(plan, (dict, ParallelPlan))):
-            raise ValueError(
-                f"`plan={plan!r}` must be 'auto', a dict of module-name patterns, or a ParallelPlan."
-            )
-        self.pipeline = PipelineArguments.resolve(
-            pipeline_parallel, micro_batches, pipeline_schedule, pipeline_virtual_stages, loss_parallel
-        )
-        self.memory_savers = MemorySaverArguments.resolve(
-            activation_checkpointing,
-            activation_checkpointing_policy,
-            activation_offload,
-            activation_compression,
-            gradient_compression,
-            tensor_parallel,
-            self.pipeline.config,
-        )
-        self._tensor_parallel_arg = tensor_parallel
-        self.sequence_parallel = sequence_parallel
-        self.pipeline_parallel = pipeline_parallel
-        self.expert_parallel = expert_parallel
-        self.moe_aux_loss_coef = moe_aux_loss_coef
-        self.moe_z_loss_coef = moe_z_loss_coef
-        self._manual_gradient_sync = None
-        self._plan_arg = plan
-        self.verify_plan = verify_plan
-        self.compile = compile
-        self.loss_parallel = loss_parallel
-        self._loss_state = LossParallelState()
-        self.dims: ParallelDims | None = None
-        self.plan: ParallelPlan | None = None
-        self._dp_units: list[torch.nn.Module] = []
-        self._hooks: list[Any] = []
-        self.pipeline_runner: PipelineRunner | None = None
+        self.activation_counter: SavedTensorCounter | None = None
+        """Set (e.g. by :class:`~lightning_parallel.memory.monitor.ActivationMemoryMonitor`) to count each step's activation bytes."""
         self._sync_blocked = False
 
-    # ---- layout --------------------------------------------------------------------------
+    # ---- what the user asked for, and what setup made of it ------------------------------
 
-    def _resolve_dims(self) -> ParallelDims:
-        world_size = self.num_nodes * self.num_processes
-        tp = self.num_processes if self._tensor_parallel_arg == "auto" else self._tensor_parallel_arg
-        try:
-            return ParallelDims(
-                world_size=world_size,
-                tensor_parallel=tp,
-                pipeline_parallel=self.pipeline_parallel,
-                expert_parallel=self.expert_parallel,
-            )
-        except ValueError as error:
-            raise ValueError(
-                f"{type(self).__name__}: {error} (Trainer devices={self.num_processes}, num_nodes={self.num_nodes})"
-            ) from None
-
-    @override
-    def _configure_launcher(self) -> None:
-        # Runs inside Trainer(...), before processes are launched: fail here, not in a collective.
-        self.dims = self._resolve_dims()
-        check_layout_pairs(  # needs the resolved degrees (tensor_parallel="auto")
-            tensor_parallel=self.dims.tensor_parallel,
-            sequence_parallel=self.sequence_parallel,
-            expert_parallel=self.dims.expert_parallel,
-        )
-        # An unsupported plugin fails here, before launch.
-        if self.zero_enabled:
-            self._zero_precision_plugin()
-        else:
-            convert_precision_plugin(self.precision_plugin)
-        super()._configure_launcher()
+    sequence_parallel = property(lambda self: self.config.tensor.sequence_parallel)
+    pipeline_parallel = property(
+        lambda self: self.config.pipeline.pipeline_parallel if self.config.pipeline else 1
+    )
+    expert_parallel = property(lambda self: self.config.experts.expert_parallel)
+    moe_aux_loss_coef = property(lambda self: self.config.experts.aux_loss_coef)
+    moe_z_loss_coef = property(lambda self: self.config.experts.z_loss_coef)
+    verify_plan = property(lambda self: self.config.tensor.verify_plan)
+    compile = property(lambda self: self.config.compile)
+    init_weights = property(lambda self: self.config.init_weights)
+    zero = property(lambda self: self.config.zero)
+    zero_enabled = property(lambda self: self.config.zero.enabled)
+    memory_savers = property(lambda self: self.config.memory)
 
     @property
-    def tensor_parallel(self) -> int:
-        if self.dims is None:
-            raise RuntimeError("The tensor-parallel degree is resolved when the Trainer is created.")
-        return self.dims.tensor_parallel
-
-    @override
-    def setup_environment(self) -> None:
-        if self.dims is None:
-            self.dims = self._resolve_dims()
-        self._setup_distributed()
-        self._device_mesh = self.dims.build_mesh(self.root_device.type)
-        assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
-        # Lightning's plugin, same precision, with clipping by the global norm over all shards and
-        # an fp16 overflow decision shared by every rank.
-        pp_group = self._device_mesh["pp"].get_group() if self.dims.pp_enabled else None
-        if self.zero_enabled:
-            self.precision_plugin = self._zero_precision_plugin()  # DeepSpeed's scaler, master weights, clipping
-        else:
-            self.precision_plugin = convert_precision_plugin(self.precision_plugin, pipeline_group=pp_group)
-        rank_zero_info(
-            f"{type(self).__name__}: mesh {self.dims.describe()}, ranks from {type(self.cluster_environment).__name__}"
-        )
-        check_tensor_parallel_placement(self)  # warn if a tensor-parallel group spans nodes
+    def loss_parallel(self) -> bool:
+        """Whether the loss is vocabulary-parallel: as asked, until setup finds no sharded head."""
+        return self.parallelized.loss_parallel if self.parallelized else self.config.tensor.loss_parallel
 
     @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dp_mesh = self.device_mesh["dp"]
-        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+    def plan(self) -> ParallelPlan | None:
+        """The tensor-parallel plan applied at setup (``print(trainer.strategy.plan)``)."""
+        return self.parallelized.plan if self.parallelized else None
+
+    @property
+    def pipeline_runner(self) -> Any:
+        return self.parallelized.pipeline if self.parallelized else None
+
+    @property
+    def pipeline_stages(self) -> list[Any]:
+        """This rank's ``torch.distributed.pipelining.PipelineStage`` objects (empty without pipelining)."""
+        runner = self.pipeline_runner
+        return list(runner.stages) if runner is not None else []
+
+    @property
+    def pipeline_group(self) -> torch.distributed.ProcessGroup | None:
+        runner = self.pipeline_runner
+        return runner.pp_group if runner is not None else None
+
+    @property
+    def activation_bytes(self) -> Any:
+        """The last counted step's :class:`~lightning_parallel.memory.counting.ActivationBytes` (or None)."""
+        return self.activation_counter.bytes if self.activation_counter is not None else None
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -295,108 +235,123 @@ class HybridParallelStrategy(
         self.model_to_device()
         module = self.lightning_module
         assert module is not None
-        if not parallel_state.restore(self, module):  # a module parallelized by an earlier fit/validate/...
-            self._parallelize(trainer, module)
-            self._load_init_weights(module)
-            parallel_state.remember(self, module)
+        parallelized = recall(
+            module, self.dims.layout
+        )  # a module parallelized by an earlier fit/validate/...
+        if parallelized is None:
+            training = trainer.state.fn == TrainerFn.FITTING
+            parallelized = parallelize(
+                module, self.config, self.dims, lambda: sample_step(trainer, self), device=self.root_device,
+                training=training,
+            )  # fmt: skip
+            if self.config.init_weights is not None:
+                self._load_init_weights(module, self.config.init_weights)
+            parallelized.remember(module)
+        self.parallelized = parallelized
+        if isinstance(self.precision_plugin, HybridPrecision):
+            self.precision_plugin.norm_exclude = parallelized.norm_exclude
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if self.zero_enabled:
-                self._initialize_zero(trainer, module)
+            if self.config.zero.enabled:
+                self._initialize_zero(trainer, parallelized)
         self.setup_precision_plugin()
 
-    def _parallelize(self, trainer: Trainer, module: LightningModule) -> None:
-        assert self.dims is not None
-        if self.dims.tp_enabled:
-            self.plan = self.build_plan(module)  # pure: a bad model fails here on every rank alike
-        self._sync_parameters(module)
-        layout = self._plan_pipeline(trainer, module) if self.dims.pp_enabled else None
-        if self.dims.tp_enabled:
-            self._verify_tensor_parallel(trainer, module)
-        if layout is not None:
-            self._cut_pipeline(module, layout)
-        self._apply_expert_parallel(module)
-        if self.dims.tp_enabled:
-            self._apply_tensor_parallel(module)
-        if layout is not None:
-            self._build_pipeline_runner(module, layout)
-        self._apply_memory_savers(module)
-        if self.compile:
-            names = self.pipeline_runner.layout.discovery.block_names if self.pipeline_runner else None
-            compile_blocks(module, names)
-        if self.zero_enabled:
-            self._prepare_for_zero(module)  # ZeRO reduces over dp: no DDP hooks
-        elif self.dims.ep_enabled and layout is None:
-            params = [p for p in module.parameters() if p.requires_grad]
-            self._manual_gradient_sync = GradientSync(self._expert_gradient_groups(params))
-        elif self.dims.dp_enabled and layout is None:
-            dp_mesh = self.device_mesh["dp"]
-            block_names = self.plan.block_names if self.plan else []
-            self._dp_units = apply_data_parallel(
-                module, dp_mesh, block_names, sharded_parameters=self.dims.tp_enabled
-            )
-            self._hooks += average_direct_parameters(module, dp_mesh)
-        self._apply_gradient_compression(module)
+    def _initialize_zero(self, trainer: Trainer, parallelized: Parallelized) -> None:
+        """Hand the parallelized module and the user's optimizer to ``deepspeed.initialize``."""
+        zero = self.config.zero
+        check_zero_optimizers(zero, len(self.optimizers), len(self.lr_scheduler_configs), trainer)
+        env = self.cluster_environment
+        assert env is not None and self.lightning_module is not None
+        deepspeed_environment(
+            self.global_rank, self.world_size, self.local_rank, env.main_address, env.main_port
+        )
+        engine, optimizer, mpu = initialize_engine(
+            self.lightning_module, self.optimizers[0], [c.scheduler for c in self.lr_scheduler_configs], zero,
+            self.device_mesh, self.precision_plugin.precision, trainer.gradient_clip_val,
+            self._process_group_backend, self._timeout,
+        )  # fmt: skip
+        self.zero_engine = engine
+        self.optimizers = [optimizer]
+        if parallelized.pipeline is None:
+            self.model = engine  # steps run through engine.forward
+        rank_zero_info(
+            f"{type(self).__name__}: ZeRO stage {zero.stage}" + (f", offload {zero.offload}" if zero.offload else "")
+            + f", sharded over {mpu.get_data_parallel_world_size()} data-parallel ranks"
+        )  # fmt: skip
 
-    def _sync_parameters(self, module: LightningModule) -> None:
-        """Start every rank from rank 0's weights (as DDP does), whatever each rank's init was."""
-        if self.world_size > 1:
-            from torch.distributed.utils import _sync_module_states
+    # ---- steps -----------------------------------------------------------------------------
 
-            _sync_module_states(module, torch.distributed.group.WORLD, 250 * 1024 * 1024, 0, set())
-
-    # ---- training-time behaviour ---------------------------------------------------------
+    def _parallelized(self) -> Parallelized:
+        if self.parallelized is None:
+            raise RuntimeError(f"{type(self).__name__}: a step ran before `setup` parallelized the module.")
+        return self.parallelized
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._saved_tensors_context():  # activation offload/compression (memory_savers.py)
-            if self.pipeline_runner is not None:
-                return self._pipelined_training_step(*args, **kwargs)
-            self._set_aux_loss_scale()
-            if not self.loss_parallel:
-                return self._with_injected_aux(super().training_step(*args, **kwargs))
-            assert self.lightning_module is not None
-            with sharded_loss_step(self.lightning_module, self._loss_state):
-                return self._with_injected_aux(to_plain(super().training_step(*args, **kwargs)))
+        p = self._parallelized()
+        saver = p.activation_saver if self.config.memory.saves_tensors else None
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        aux = p.experts.aux_losses
+        with saved_tensors_context(saver, self.activation_counter):
+            if p.pipeline is not None:
+                assert self.lightning_module is not None
+                return pipelined.training_step(
+                    p.pipeline, self.lightning_module, scaler, aux, self.precision_plugin.train_step_context,
+                    args, kwargs,
+                )  # fmt: skip
+            if aux is not None:
+                aux.start_step(pipelined.loss_scale(self.lightning_module, scaler, micro_batches=1))
+            if not p.loss_parallel:
+                output = super().training_step(*args, **kwargs)
+            else:
+                with sharded_loss_step(self.lightning_module, p.loss_state):
+                    output = to_plain(super().training_step(*args, **kwargs))
+            return aux.with_injected(output) if aux is not None else output
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.pipeline_runner is not None:
-            return self._pipelined_backward(closure_loss)
-        if not self.loss_parallel:
+        p = self._parallelized()
+        if (
+            p.pipeline is not None
+        ):  # the schedule already ran backward: Lightning's hooks around its gradients
+            module = self.lightning_module
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+            p.pipeline.add_held_gradients()
+            if not self._sync_blocked:
+                p.gradients.reduce()
+            closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+            self.post_backward(closure_loss)
+            return closure_loss
+        if not p.loss_parallel:
             result = super().backward(closure_loss, optimizer, *args, **kwargs)
         else:
             with sharded_loss_backward():
                 result = super().backward(closure_loss, optimizer, *args, **kwargs)
-        if self._manual_gradient_sync is not None and not self._sync_blocked:
-            self._manual_gradient_sync()  # expert parallelism: experts and the rest reduced differently
+        if not self._sync_blocked:
+            p.gradients.reduce()  # the explicit reductions (experts; under ZeRO the part before its step)
         return result
 
     # Evaluation: forward-only pipelines under pipeline parallelism, Lightning's step otherwise.
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline_runner is None:
-            return super().validation_step(*args, **kwargs)
-        return self._pipelined_eval_step(
-            "validation_step", self.precision_plugin.val_step_context, *args, **kwargs
-        )
+        return self._eval_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline_runner is None:
-            return super().test_step(*args, **kwargs)
-        return self._pipelined_eval_step(
-            "test_step", self.precision_plugin.test_step_context, *args, **kwargs
-        )
+        return self._eval_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline_runner is None:
-            return super().predict_step(*args, **kwargs)
-        return self._pipelined_eval_step(
-            "predict_step", self.precision_plugin.predict_step_context, *args, **kwargs
-        )
+        return self._eval_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
+    def _eval_step(self, hook: str, context: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        runner = self.pipeline_runner
+        if runner is None:
+            return getattr(super(), hook)(*args, **kwargs)
+        assert self.lightning_module is not None
+        return pipelined.eval_step(runner, self.lightning_module, hook, context, args, kwargs)
 
     @contextmanager
     @override
@@ -404,33 +359,13 @@ class HybridParallelStrategy(
         # Gradient accumulation: no data-parallel reduction until the last batch of the step.
         self._sync_blocked = True
         try:
-            with no_gradient_sync(self._dp_units):
+            with self._parallelized().gradients.paused():
                 yield
         finally:
             self._sync_blocked = False
 
-    @override
-    def teardown(self) -> None:
-        # The hooks stay: they belong to the parallelized module (its parameters stay sharded and
-        # its blocks cut), which a later fit/validate/test/predict reuses as it is.
-        self._hooks = []
-        self.pipeline_runner = None
-        super().teardown()
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="Data + tensor (+ sequence) parallelism for unchanged modules"
-        )
-        strategy_registry.register("tp2", cls, description="tensor_parallel=2", tensor_parallel=2)
-        strategy_registry.register(
-            "tp2_sp",
-            cls,
-            description="tensor_parallel=2 with sequence parallelism",
-            tensor_parallel=2,
-            sequence_parallel=True,
-        )
-        strategy_registry.register(
-            "tp_auto", cls, description="tensor parallel over each node", tensor_parallel="auto"
-        )
+        for name, description, arguments in PRESETS:
+            strategy_registry.register(name, cls, description=description, **arguments)

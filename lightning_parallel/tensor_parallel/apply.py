@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.hooks import RemovableHandle
 
-from lightning_parallel.plans.plan import ParallelPlan, ShardedContainer
+from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
 from lightning_parallel.tensor_parallel.regions import install_container_hooks, install_sequence_region
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,12 @@ HIDDEN_KWARGS = ("hidden_states", "x", "hidden", "inputs", "input", "h")
 SEQUENCE_DIM = 1
 
 
-def _find_hidden(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str | int, torch.Tensor]:
+def find_hidden(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str | int, torch.Tensor]:
+    """``(position or keyword, tensor)`` of the hidden state among a block's (or container's) arguments.
+
+    Shared by every hook that must change what a block receives: sequence-parallel regions
+    here, the pipeline's stage boundaries and discovery (``pipeline/``).
+    """
     if args and isinstance(args[0], torch.Tensor):
         return 0, args[0]
     for key in HIDDEN_KWARGS:
@@ -44,9 +49,10 @@ def _find_hidden(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str | i
     )
 
 
-def _replace(
+def replace_hidden(
     args: tuple[Any, ...], kwargs: dict[str, Any], where: str | int, value: Any
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments with the hidden state found by :func:`find_hidden` at ``where`` replaced by ``value``."""
     if isinstance(where, int):
         return (value, *args[1:]), kwargs
     return args, {**kwargs, where: value}
@@ -70,7 +76,7 @@ def install_container_hooks(
     rank = mesh.get_local_rank()
 
     def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        where, hidden = _find_hidden(args, kwargs)
+        where, hidden = find_hidden(args, kwargs)
         if isinstance(hidden, DTensor):
             shared = hidden.redistribute(mesh, [Replicate()])
         else:
@@ -82,7 +88,7 @@ def install_container_hooks(
             body_input = body_input.narrow(-1, rank * narrow_width, narrow_width)
         for entry in entries:
             entry._lp_shared_input = (body_input, shared)
-        return _replace(args, kwargs, where, body_input)
+        return replace_hidden(args, kwargs, where, body_input)
 
     def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
         for entry in entries:
@@ -134,8 +140,8 @@ def install_sequence_region(first: nn.Module, last: nn.Module, mesh: DeviceMesh)
     """Split the residual stream along the sequence entering ``first``, gather it leaving ``last``."""
 
     def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        where, hidden = _find_hidden(args, kwargs)
-        return _replace(args, kwargs, where, scatter_sequence(hidden, mesh))
+        where, hidden = find_hidden(args, kwargs)
+        return replace_hidden(args, kwargs, where, scatter_sequence(hidden, mesh))
 
     def leave(module: nn.Module, args: Any, output: Any) -> Any:
         return _map_first_tensor(output, lambda t: gather_sequence(t, mesh))

@@ -45,6 +45,21 @@ def projection_dims(module: nn.Module) -> tuple[int, int]:
     raise TypeError(f"{type(module).__name__} is not a projection")
 
 
+def sharded_dims(module: nn.Module, style: object) -> dict[str, int]:
+    """``{own parameter name: tensor dim}`` that ``style`` shards on ``module``; absent names stay replicated.
+
+    The one statement of where each style cuts (column parallel: the output features, row
+    parallel: the input features, wherever the module stores them): the styles below partition
+    by it, and sizes computed without processes (``python -m lightning_parallel plan``) read it.
+    """
+    embedding = isinstance(module, nn.Embedding)
+    if isinstance(style, ColwiseParallel):
+        return {"weight": 1} if embedding else {"weight": 1 if is_conv1d(module) else 0, "bias": 0}
+    if isinstance(style, RowwiseParallel):
+        return {"weight": 0 if embedding or is_conv1d(module) else 1}
+    return {}
+
+
 def _split_placement(dim: int, num_chunks: int) -> Placement:
     return Shard(dim) if num_chunks == 1 else _StridedShard(dim, split_factor=num_chunks)
 
@@ -76,10 +91,8 @@ class ColwiseProjection(ColwiseParallel):
         self.num_chunks = num_chunks
 
     def _partition_projection_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        weight_dim = 1 if is_conv1d(module) else 0
         placements = {
-            "weight": _split_placement(weight_dim, self.num_chunks),
-            "bias": _split_placement(0, self.num_chunks),
+            name: _split_placement(dim, self.num_chunks) for name, dim in sharded_dims(module, self).items()
         }
         _distribute_params(module, device_mesh, placements, self.src_data_rank)
 
@@ -118,7 +131,8 @@ class RowwiseProjection(RowwiseParallel):
     """Row parallelism for ``nn.Linear`` and ``Conv1D`` (Conv1D's input dim is its weight's dim 0)."""
 
     def _partition_conv1d_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        _distribute_params(module, device_mesh, {"weight": Shard(0), "bias": Replicate()}, self.src_data_rank)
+        placements = {name: Shard(dim) for name, dim in sharded_dims(module, self).items()}
+        _distribute_params(module, device_mesh, placements, self.src_data_rank)  # the bias stays whole
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):

@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils._pytree import tree_map
 
-from lightning_parallel.plans.plan import ParallelPlan, ShardedContainer
 from lightning_parallel.tensor_parallel.apply import install_container, scale_attributes
-from lightning_parallel.tensor_parallel.regions import _find_hidden, install_sequence_region
+from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
+from lightning_parallel.tensor_parallel.regions import find_hidden, install_sequence_region
 
 TOLERANCE = 1e-5
 
@@ -37,29 +37,77 @@ class _CaptureDone(Exception):
 Captured = tuple[tuple[Any, ...], dict[str, Any]]
 
 
-def capture_block_inputs(run_step: Callable[[], Any], blocks: dict[str, nn.Module]) -> dict[str, Captured]:
-    """Run ``run_step`` (no grad) until every block in ``blocks`` has been called once; keep its inputs."""
-    captured: dict[str, Captured] = {}
+class BlockInputCapture:
+    """Keeps a copy of what each of ``blocks`` receives the first time it is called.
 
-    def make_hook(name: str) -> Callable[..., None]:
+    A probe on the one sampled step at setup (``parallelize/sample.py``), which may run with
+    autograd on (the pipeline discovery shares the run): tensors are kept detached, as a
+    ``no_grad`` run would have produced them. An argument that cannot be copied off the graph
+    (an object holding tensors of the graph) leaves its block in ``missing``, captured again by
+    :func:`capture_block_inputs` alone.
+    """
+
+    needs_grad = False
+
+    def __init__(self, blocks: dict[str, nn.Module], stop_when_done: bool = False) -> None:
+        self.blocks = blocks
+        self.stop_when_done = stop_when_done
+        self.captured: dict[str, Captured] = {}
+        self.missing: set[str] = set()
+        self._handles: list[Any] = []
+
+    def _hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if name not in captured:
-                captured[name] = copy.deepcopy((args, kwargs))
-            if len(captured) == len(blocks):
+            if name not in self.captured and name not in self.missing:
+                try:
+                    self.captured[name] = copy.deepcopy(_detached((args, kwargs)))
+                except RuntimeError:  # a non-leaf tensor inside an object: not copyable under autograd
+                    self.missing.add(name)
+            if self.stop_when_done and len(self.captured) == len(self.blocks):
                 raise _CaptureDone
 
         return hook
 
-    handles = [block.register_forward_pre_hook(make_hook(n), with_kwargs=True) for n, block in blocks.items()]
+    def attach(self) -> None:
+        self._handles = [
+            block.register_forward_pre_hook(self._hook(n), with_kwargs=True)
+            for n, block in self.blocks.items()
+        ]
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def finish(self, output: Any) -> None:
+        """Nothing to compute from the step's output."""
+
+
+def _detached(value: Any) -> Any:
+    """Tensors (also inside tuples, lists and dicts) off the autograd graph, for ``deepcopy``."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_detached(v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+def capture_block_inputs(run_step: Callable[[], Any], blocks: dict[str, nn.Module]) -> dict[str, Captured]:
+    """Run ``run_step`` (no grad) until every block in ``blocks`` has been called once; keep its inputs."""
+    capture = BlockInputCapture(blocks, stop_when_done=True)
+    capture.attach()
     try:
         with torch.no_grad():
             run_step()
     except _CaptureDone:
         pass
     finally:
-        for handle in handles:
-            handle.remove()
-    return captured
+        capture.detach()
+    return capture.captured
 
 
 def _relative_plan(plan: ParallelPlan, prefix: str, narrow: set[str]) -> ParallelPlan:
@@ -98,7 +146,7 @@ def _to_fp32(value: Any) -> Any:
 
 def _run(block: nn.Module, inputs: Captured) -> tuple[torch.Tensor, torch.Tensor]:
     args, kwargs = tree_map(_to_fp32, copy.deepcopy(inputs))
-    where, hidden = _find_hidden(args, kwargs)
+    where, hidden = find_hidden(args, kwargs)
     hidden = hidden.detach().float().requires_grad_(True)
     if isinstance(where, int):
         args = (hidden, *args[1:])

@@ -1,4 +1,4 @@
-"""The ZeRO arguments of the strategy, checked at construction, and the DeepSpeed config they become.
+"""The ZeRO arguments of the strategy and the DeepSpeed config they become (checked in ``config/validation.py``).
 
 Users say ``zero_stage=2, offload="cpu"`` and keep their ``configure_optimizers``, Trainer
 precision and ``gradient_clip_val``; the DeepSpeed config is derived from those so that the one
@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 Offload = Literal["cpu", "nvme"]
 BUCKET_ELEMENTS = 25_000_000
 
 # Keys Lightning owns: a raw DeepSpeed value for them would disagree with the Trainer silently.
-_OWNED_KEYS = {
+OWNED_KEYS = {
     "gradient_accumulation_steps": "Trainer(accumulate_grad_batches=...)",
     "gradient_clipping": "Trainer(gradient_clip_val=...)",
     "fp16": "Trainer(precision='16-mixed')",
@@ -27,7 +26,7 @@ _OWNED_KEYS = {
 
 # Precision names -> the DeepSpeed section that implements them (fp32 master weights in the
 # ZeRO optimizer, parameters in low precision on the device).
-_PRECISION_SECTIONS = {
+ZERO_PRECISIONS: dict[str, str | None] = {
     "32-true": None,
     "32": None,
     "bf16-mixed": "bf16",
@@ -41,75 +40,23 @@ class ZeroArguments:
     """``zero_stage``, ``offload``, ``offload_path`` and ``deepspeed_config``, validated."""
 
     stage: int = 0
+    """``zero_stage=``: 0 off, 1 optimizer states sharded over the data-parallel ranks, 2 + gradients, 3 + parameters."""
     offload: Offload | None = None
+    """``offload=``: ``"cpu"`` (optimizer states and step; parameters too at stage 3) or ``"nvme"`` (stage 3)."""
     offload_path: str | None = None
+    """``offload_path=``: the folder for ``offload="nvme"``."""
     raw_config: Mapping[str, Any] = field(default_factory=dict)
+    """``deepspeed_config=``: raw DeepSpeed keys merged last (not those Lightning owns)."""
 
     @property
     def enabled(self) -> bool:
         return self.stage > 0
 
-    @classmethod
-    def resolve(
-        cls,
-        zero_stage: int,
-        offload: str | None,
-        offload_path: str | Path | None,
-        deepspeed_config: Mapping[str, Any] | None,
-    ) -> ZeroArguments:
-        if zero_stage not in (0, 1, 2, 3) or isinstance(zero_stage, bool):
-            raise ValueError(
-                f"`zero_stage={zero_stage!r}` must be 0 (off), 1 (optimizer states sharded), 2 (+ gradients) or"
-                " 3 (+ parameters)."
-            )
-        if offload not in (None, "cpu", "nvme"):
-            raise ValueError(f"`offload={offload!r}` must be None, 'cpu' or 'nvme'.")
-        if offload is not None and zero_stage == 0:
-            raise ValueError(
-                f"`offload={offload!r}` needs ZeRO: offloading moves ZeRO's optimizer partitions. Set"
-                " `zero_stage=1`, 2 or 3 (3 also offloads the parameters)."
-            )
-        if offload == "nvme":
-            if zero_stage != 3:
-                raise ValueError(
-                    f"`offload='nvme'` with `zero_stage={zero_stage}`: DeepSpeed offloads to NVMe only at stage 3"
-                    " (ZeRO-Infinity). Set `zero_stage=3`, or use `offload='cpu'` with stage 1 or 2."
-                )
-            if offload_path is None:
-                raise ValueError(
-                    "`offload='nvme'` needs `offload_path=`: a folder on a fast local disk for the swapped"
-                    " parameters and optimizer states."
-                )
-        elif offload_path is not None:
-            raise ValueError(
-                f"`offload_path={str(offload_path)!r}` is only used with `offload='nvme'`; remove it or set"
-                " `offload='nvme'`."
-            )
-        raw = dict(deepspeed_config or {})
-        if raw and zero_stage == 0:
-            raise ValueError("`deepspeed_config=` is only used with ZeRO: set `zero_stage=1`, 2 or 3.")
-        for key, owner in _OWNED_KEYS.items():
-            if key in raw:
-                raise ValueError(
-                    f"`deepspeed_config` sets {key!r}, which Lightning owns here: use {owner} instead, so the"
-                    " Trainer and DeepSpeed cannot disagree."
-                )
-        stage_in_raw = raw.get("zero_optimization", {}).get("stage")
-        if stage_in_raw is not None and stage_in_raw != zero_stage:
-            raise ValueError(
-                f"`deepspeed_config['zero_optimization']['stage']={stage_in_raw}` contradicts"
-                f" `zero_stage={zero_stage}`; set the stage with `zero_stage` only."
-            )
-        return cls(zero_stage, offload, None if offload_path is None else str(offload_path), raw)
-
     def deepspeed_config(self, precision: str, gradient_clip_val: float | None) -> dict[str, Any]:
-        """The config for ``deepspeed.initialize``: stage, offload, precision, clipping, user keys."""
-        if precision not in _PRECISION_SECTIONS:
-            raise ValueError(
-                f"HybridParallelStrategy(zero_stage={self.stage}): `Trainer(precision={precision!r})` is not"
-                " supported with ZeRO; use one of"
-                f" {sorted(_PRECISION_SECTIONS)} (DeepSpeed keeps fp32 master weights for the half precisions)."
-            )
+        """The config for ``deepspeed.initialize``: stage, offload, precision, clipping, user keys.
+
+        ``precision`` is one of :data:`ZERO_PRECISIONS` (``config/validation.py`` refused the rest).
+        """
         zero: dict[str, Any] = {
             "stage": self.stage,
             # Lightning's loop owns accumulation; ZeRO-2/3 may overlap the reduction with backward.
@@ -144,7 +91,7 @@ class ZeroArguments:
             "steps_per_print": 2**62,
             "wall_clock_breakdown": False,
         }
-        section = _PRECISION_SECTIONS[precision]
+        section = ZERO_PRECISIONS[precision]
         if section == "bf16":
             config["bf16"] = {"enabled": True}
         elif section == "fp16":

@@ -26,7 +26,9 @@ def _adam_mode(optimizer: torch.optim.Optimizer) -> bool | None:
     return None
 
 
-def offload_optimizer(optimizer: torch.optim.Optimizer, schedulers: Iterable[Any] = ()) -> torch.optim.Optimizer:
+def offload_optimizer(
+    optimizer: torch.optim.Optimizer, schedulers: Iterable[Any] = ()
+) -> torch.optim.Optimizer:
     """Return DeepSpeed's CPU Adam for a torch Adam/AdamW (same groups and hyper-parameters), else ``optimizer``."""
     adamw_mode = _adam_mode(optimizer)
     if adamw_mode is None:

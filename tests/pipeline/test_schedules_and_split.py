@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_parallel.config.arguments import check_micro_batches, resolve_schedule, virtual_stages_for
 from lightning_parallel.pipeline.schedules import (
     SCHEDULES,
     available_schedules,
-    check_micro_batches,
     ideal_efficiency,
-    resolve_schedule,
     stage_owner,
     stages_of_rank,
-    virtual_stages_for,
 )
 from lightning_parallel.pipeline.split import balanced_boundaries, check_user_boundaries, stage_ranges
 

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_parallel.config.arguments import resolve_schedule
 from lightning_parallel.pipeline.discover import PipelineSetupError, discover
-from lightning_parallel.pipeline.schedules import resolve_schedule, stage_owner, stages_of_rank
+from lightning_parallel.pipeline.schedules import stage_owner, stages_of_rank
 from lightning_parallel.pipeline.setup import find_block_names
 from lightning_parallel.pipeline.split import balanced_boundaries, stage_ranges
 from lightning_parallel.pipeline.stages import (

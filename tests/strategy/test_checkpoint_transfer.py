@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lightning_parallel import export_checkpoint, load_weights
-from lightning_parallel.checkpoint.transfer import check_init_weights
 from lightning_parallel.cli import main as cli_main
+from lightning_parallel.config.arguments import init_weights as check_init_weights
 
 
 class Wrapper(nn.Module):

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import HalfPrecision
 
 from lightning_parallel import HybridParallelStrategy
-from lightning_parallel.zero import ZeroArguments, offload_optimizer
+from lightning_parallel.config.arguments import zero as zero_arguments
+from lightning_parallel.config.validation import check_zero_precision
+from lightning_parallel.zero import offload_optimizer
 from tests.compat import refusal
 
 
 def test_config_follows_stage_offload_precision_and_clipping() -> None:
-    config = ZeroArguments.resolve(3, "cpu", None, None).deepspeed_config("bf16-mixed", 0.5)
+    config = zero_arguments(3, "cpu", None, None).deepspeed_config("bf16-mixed", 0.5)
     zero = config["zero_optimization"]
     assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu"
     assert zero["offload_param"]["device"] == "cpu"
@@ -25,19 +28,19 @@ def test_config_follows_stage_offload_precision_and_clipping() -> None:
     # Lightning counts accumulated batches; DeepSpeed must not (unmanaged mode, gas 1).
     assert config["managed_gradient_accumulation"] is False and config["gradient_accumulation_steps"] == 1
 
-    config = ZeroArguments.resolve(2, "cpu", None, None).deepspeed_config("16-mixed", None)
+    config = zero_arguments(2, "cpu", None, None).deepspeed_config("16-mixed", None)
     assert "offload_param" not in config["zero_optimization"]  # parameters offload only at stage 3
     assert config["fp16"]["enabled"] and config["fp16"]["loss_scale"] == 0  # dynamic loss scaling
     assert config["gradient_clipping"] == 0.0
 
-    config = ZeroArguments.resolve(3, "nvme", "/tmp/swap", None).deepspeed_config("32-true", None)
+    config = zero_arguments(3, "nvme", "/tmp/swap", None).deepspeed_config("32-true", None)
     assert config["zero_optimization"]["offload_param"] == {"device": "nvme", "nvme_path": "/tmp/swap", "pin_memory": True}
     assert "bf16" not in config and "fp16" not in config
 
 
 def test_raw_deepspeed_keys_are_merged_last() -> None:
     raw = {"zero_optimization": {"stage3_max_live_parameters": 123}, "wall_clock_breakdown": True}
-    config = ZeroArguments.resolve(3, None, None, raw).deepspeed_config("32-true", None)
+    config = zero_arguments(3, None, None, raw).deepspeed_config("32-true", None)
     assert config["zero_optimization"]["stage3_max_live_parameters"] == 123
     assert config["zero_optimization"]["stage"] == 3 and config["wall_clock_breakdown"] is True
 
@@ -64,7 +67,7 @@ def test_bad_zero_arguments_are_refused_at_construction(kwargs: dict, message: s
 
 def test_unsupported_precision_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"`Trainer\(precision='16-true'\)` is not supported with ZeRO"):
-        ZeroArguments.resolve(1, None, None, None).deepspeed_config("16-true", None)
+        check_zero_precision(zero_arguments(1, None, None, None), HalfPrecision("16-true"))
 
 
 @pytest.mark.parametrize(

@@ -84,7 +84,7 @@ def gradient_compression() -> dict[str, Any]:
 
 def pipeline_all_reduce() -> dict[str, Any]:
     from lightning_parallel.comm import BucketCompressor
-    from lightning_parallel.grad_sync import all_reduce_gradients
+    from lightning_parallel.data_parallel import all_reduce_gradients
 
     shapes = [(96, 64), (64,), (256, 64), (8, 8)]
     out: dict[str, Any] = {}

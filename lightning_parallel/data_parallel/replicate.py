@@ -1,4 +1,4 @@
-"""Synchronous data parallelism over the mesh's ``dp`` axis, composable with tensor parallelism.
+"""Hooked data parallelism over the mesh's ``dp`` axis, composable with tensor parallelism.
 
 Built on torch's FSDP2-based ``replicate`` (the successor of DDP): it accepts parameters that
 are already DTensors on the ``tp`` axis, averages gradients over ``dp`` only, and overlaps the

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from lightning_parallel.parallelize import compile_blocks
 from lightning_parallel.pipeline.stages import SkippedBlock
-from lightning_parallel.strategy.compile import compile_blocks
+from lightning_parallel.plans.detect import block_names
 from tests.models.families import build
 
 
 def test_every_block_is_compiled_lazily() -> None:
     model = build("nanogpt")
-    compile_blocks(model)
+    compile_blocks(model, block_names(model))
     blocks = list(model.model.transformer.h)
     assert blocks and all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
     assert getattr(model.model, "_compiled_call_impl", None) is None  # only the blocks

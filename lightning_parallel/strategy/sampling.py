@@ -1,17 +1,20 @@
-"""One real step of the user's code, run before training to record what each block receives.
+"""The user's own step on the first batch of the current stage, for the one sampled step at setup.
 
 The plan verification needs the exact arguments a transformer block gets (hidden states,
-masks, rotary embeddings, ...), and only the user's own step knows how to produce them. We
-take the first batch of the dataloader of the current stage and run the matching ``*_step``
-with logging silenced (no loop is running yet, and nothing must be logged).
+masks, rotary embeddings, ...) and the pipeline cut needs to watch one step; only the user's
+own step knows how to produce them. This is the Lightning side: the first batch of the
+dataloader of the current stage (read once) and the matching ``*_step``, with logging silenced
+(no loop is running yet, and nothing must be logged) and metric states left as they were. The
+recipe runs it (``parallelize/sample.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_parallel.parallelize.sample import SampledStep
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -72,11 +75,10 @@ def first_batch(trainer: Trainer, strategy: Strategy) -> Any | None:
         return None
 
 
-def sample_step(trainer: Trainer, strategy: Strategy, batch: Any | None = None) -> Callable[[], Any] | None:
-    """A zero-argument callable running the user's step on a real batch, or None if no data."""
+def sample_step(trainer: Trainer, strategy: Strategy) -> SampledStep | None:
+    """The user's step of the current stage on its first batch (read once), or None if there is no data."""
     _, step_name = _LOOP_AND_STEP.get(trainer.state.fn, ("fit_loop", "training_step"))
-    if batch is None:
-        batch = first_batch(trainer, strategy)
+    batch = first_batch(trainer, strategy)
     if batch is None:
         return None
     module = strategy.lightning_module
@@ -92,4 +94,4 @@ def sample_step(trainer: Trainer, strategy: Strategy, batch: Any | None = None) 
             del module.log, module.log_dict
             _restore_metric_states(saved)
 
-    return run
+    return SampledStep(batch, run)

@@ -7,7 +7,10 @@ Used once per optimizer step (after the last accumulation batch) when
   (``dp_replicate``), every other weight over all data-parallel ranks.
 
 Each :class:`GradientGroup` is "these parameters, summed over this group, divided by this
-number"; weights tied across pipeline stages are a group that sums (divisor 1).
+number"; weights tied across pipeline stages are a group that sums (divisor 1). A
+:class:`GradientScale` divides gradients without communicating (expert gradients before ZeRO
+averages them). :class:`GradientSync` runs a layout's reductions in order; which reductions a
+layout needs is decided in one place, ``parallelize/gradients.py``.
 """
 
 from __future__ import annotations
@@ -31,27 +34,53 @@ class GradientGroup:
     divisor: int = 1  # the sum over the group is divided by this
     # A ``lightning_parallel.comm.BucketCompressor`` for a plain mean (divisor = group size).
     compressor: Any = None
+    label: str = ""  # what the reduction is for, in ``describe()``
 
     def reduce(self) -> None:
         if dist.get_world_size(self.group) > 1 or self.divisor != 1:
             all_reduce_gradients(self.parameters, self.group, self.divisor, self.compressor)
 
+    @property
+    def is_mean(self) -> bool:
+        """A plain average over more than one rank: the only reduction a compressor may approximate."""
+        return self.divisor == dist.get_world_size(self.group) > 1
+
+    def describe(self) -> str:
+        size = dist.get_world_size(self.group)
+        how = "mean" if self.divisor == size else "sum" if self.divisor == 1 else f"sum / {self.divisor}"
+        compressed = f", compressed ({self.compressor.compression!r})" if self.compressor is not None else ""
+        return f"{self.label or 'gradients'}: {how} over {size} ranks ({len(self.parameters)} tensors){compressed}"
+
+
+@dataclass
+class GradientScale:
+    """Divide gradients by ``divisor``, without communicating (the other ranks' share comes later)."""
+
+    parameters: list[nn.Parameter]
+    divisor: int
+    label: str = ""
+
+    def reduce(self) -> None:
+        for param in self.parameters:
+            if param.grad is not None:
+                param.grad.div_(self.divisor)
+
+    def describe(self) -> str:
+        return f"{self.label or 'gradients'}: divided by {self.divisor} ({len(self.parameters)} tensors)"
+
 
 @dataclass
 class GradientSync:
-    """The reductions of one layout, applied in order (identical order on every rank of a group)."""
+    """The explicit reductions of one layout, applied in order (identical order on every rank of a group)."""
 
-    groups: list[GradientGroup]
+    groups: list[GradientGroup | GradientScale]
 
     def __call__(self) -> None:
         for group in self.groups:
             group.reduce()
 
-    def set_compressor(self, compressor: Any) -> None:
-        """Compress the data-parallel means (not the sums of tied weights, nor expert reductions)."""
-        for group in self.groups:
-            if group.divisor == dist.get_world_size(group.group) > 1:
-                group.compressor = compressor
+    def describe(self) -> list[str]:
+        return [group.describe() for group in self.groups]
 
 
 def all_reduce_gradients(

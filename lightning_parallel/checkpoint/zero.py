@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_parallel.strategy.checkpointing import (
-    _contiguous_shards,
-    _expert_layouts,
-    _experts_as_dtensors,
-    _experts_as_local,
-    _restore_strided,
+from lightning_parallel.checkpoint.layouts import (
+    contiguous_shards,
+    expert_layouts,
+    experts_as_dtensors,
+    experts_as_local,
+    restore_strided,
 )
 from lightning_parallel.zero.partitions import (
     ensure_state,
@@ -153,7 +153,7 @@ def zero_model_state(module: nn.Module, ep_mesh: Any) -> dict[str, Any]:
             state[name] = _as_saved(full[id(param)], to_saved)
     if owned(0):
         state.update(_buffers(module))
-    return _contiguous_shards(_experts_as_dtensors(state, _expert_layouts(module), ep_mesh, optimizer=False))
+    return contiguous_shards(experts_as_dtensors(state, expert_layouts(module), ep_mesh, optimizer=False))
 
 
 def zero_optimizer_state(module: nn.Module, optimizer: Any, engine: Any, ep_mesh: Any) -> dict[str, Any]:
@@ -185,7 +185,7 @@ def zero_optimizer_state(module: nn.Module, optimizer: Any, engine: Any, ep_mesh
             for key, value in param_groups[group].items():
                 if key != "params":
                     state[f"param_groups.{name}.{key}"] = value
-    state = _contiguous_shards(_experts_as_dtensors(state, _expert_layouts(module), ep_mesh, optimizer=True))
+    state = contiguous_shards(experts_as_dtensors(state, expert_layouts(module), ep_mesh, optimizer=True))
     state[_SCALER_KEY] = loss_scaler_state(optimizer)
     state[_ENGINE_KEY] = {k: int(getattr(engine, k)) for k in _ENGINE_COUNTERS if hasattr(engine, k)}
     return state
@@ -223,7 +223,7 @@ def load_zero_checkpoint(
     module's copy, optimizer states, hyper-parameters and loss scaler. Collective: every rank.
     ``optimizer``/``engine`` ``None`` (evaluation: no engine): the weights only."""
     parameters = list(_parameters(module))
-    layouts = _expert_layouts(module)
+    layouts = expert_layouts(module)
     _load_weights(module, optimizer, path, parameters, layouts, ep_mesh, strict)
     if optimizer is not None:
         _load_optimizer(optimizer, engine, path, parameters, layouts, ep_mesh)
@@ -239,7 +239,7 @@ def _load_weights(
     """Masters (DeepSpeed's setter), then the module's copy from the same values, then the buffers."""
     like: dict[str, Any] = {name: _zeros_like_saved(p, to_saved) for name, p, to_saved in parameters}
     like.update({k: v.clone() for k, v in _buffers(module).items()})
-    like = _experts_as_dtensors(like, layouts, ep_mesh, optimizer=False)
+    like = experts_as_dtensors(like, layouts, ep_mesh, optimizer=False)
     saved = set(_saved_keys(path, "state_dict"))
     missing = sorted(set(like) - saved)
     if strict and missing:
@@ -247,8 +247,8 @@ def _load_weights(
             f"The checkpoint {str(path)!r} lacks weights of the module: {missing[:5]} ({len(missing)})."
         )
     like = {k: v for k, v in like.items() if k in saved}
-    loaded = _experts_as_local(
-        _restore_strided(_read(path, "state_dict", _contiguous_shards(like)), like), layouts, optimizer=False
+    loaded = experts_as_local(
+        restore_strided(_read(path, "state_dict", contiguous_shards(like)), like), layouts, optimizer=False
     )
     values: dict[int, torch.Tensor] = {}
     for name, param, _ in parameters:
@@ -291,11 +291,11 @@ def _load_optimizer(
     """Per-parameter states, step and hyper-parameters (the LR scheduler's state is Lightning's), loss scaler."""
     files = _saved_keys(path, "optimizer_0")
     keys = sorted({k.rpartition(".")[2] for k in files if k.startswith("state.")} - {"step"})
-    template = _experts_as_dtensors(
+    template = experts_as_dtensors(
         _optimizer_template(optimizer, files, parameters, keys), layouts, ep_mesh, optimizer=True
     )
-    state = _experts_as_local(
-        _restore_strided(_read(path, "optimizer_0", _contiguous_shards(template)), template),
+    state = experts_as_local(
+        restore_strided(_read(path, "optimizer_0", contiguous_shards(template)), template),
         layouts,
         optimizer=True,
     )

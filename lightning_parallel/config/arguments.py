@@ -1,0 +1,272 @@
+"""Each argument of the strategy alone: checked (``ValueError`` naming the argument, the value and the fix) and resolved.
+
+Called by ``config/validation.py``, which also refuses the combinations; the two modules are the
+one place where the strategy's arguments are checked (split in two only to stay readable).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning_parallel.comm.compression import CASTS, GradientCompression, PowerSGD
+from lightning_parallel.config.parallel_config import ExpertConfig, MemorySaverConfig
+from lightning_parallel.memory.checkpointing import CheckpointingConfig
+from lightning_parallel.memory.saved_tensors import COMPRESSIONS
+from lightning_parallel.pipeline.schedules import ALIASES, DEFAULT_SCHEDULE, SCHEDULES, ScheduleSpec
+from lightning_parallel.pipeline.setup import PipelineConfig
+from lightning_parallel.tensor_parallel.plan import ParallelPlan
+from lightning_parallel.zero.arguments import OWNED_KEYS, ZeroArguments
+
+WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+
+
+def tensor_parallel(value: Any) -> None:
+    if value != "auto" and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"`tensor_parallel={value!r}` must be a positive integer or 'auto'.")
+
+
+def plan(value: Any) -> None:
+    if not (value == "auto" or isinstance(value, (dict, ParallelPlan))):
+        raise ValueError(
+            f"`plan={value!r}` must be 'auto', a dict of module-name patterns, or a ParallelPlan."
+        )
+
+
+def experts(expert_parallel: Any, aux_loss_coef: Any, z_loss_coef: Any) -> ExpertConfig:
+    if not isinstance(expert_parallel, int) or expert_parallel < 1:
+        raise ValueError(f"`expert_parallel={expert_parallel!r}` must be a positive integer.")
+    if aux_loss_coef is not None and (not isinstance(aux_loss_coef, (int, float)) or aux_loss_coef < 0):
+        raise ValueError(
+            f"`moe_aux_loss_coef={aux_loss_coef!r}` must be a non-negative number or None (off)."
+        )
+    if not isinstance(z_loss_coef, (int, float)) or z_loss_coef < 0:
+        raise ValueError(f"`moe_z_loss_coef={z_loss_coef!r}` must be a non-negative number.")
+    return ExpertConfig(expert_parallel, aux_loss_coef, z_loss_coef)
+
+
+def init_weights(init_weights: Any) -> Path | None:
+    if init_weights is None:
+        return None
+    if not isinstance(init_weights, (str, os.PathLike)):
+        raise ValueError(
+            f"`init_weights={init_weights!r}` must be the path of a state-dict file (`.safetensors`, `.pt`, `.bin`)."
+        )
+    path = Path(init_weights)
+    if path.suffix not in WEIGHT_SUFFIXES or not path.is_file():
+        raise ValueError(
+            f"`init_weights={str(path)!r}` must be an existing single-file state dict ({', '.join(WEIGHT_SUFFIXES)})."
+            " Write one with `safetensors.torch.save_file(module.state_dict(), path)`, `torch.save(...)` or"
+            " `python -m lightning_parallel export CHECKPOINT OUT.safetensors`; to resume a run pass the checkpoint"
+            " to `Trainer.fit(ckpt_path=...)` instead."
+        )
+    return path
+
+
+def zero(
+    stage: Any, offload: Any, offload_path: Any, deepspeed_config: Mapping[str, Any] | None
+) -> ZeroArguments:
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(
+            f"`zero_stage={stage!r}` must be 0 (off), 1 (optimizer states sharded), 2 (+ gradients) or"
+            " 3 (+ parameters)."
+        )
+    if offload not in (None, "cpu", "nvme"):
+        raise ValueError(f"`offload={offload!r}` must be None, 'cpu' or 'nvme'.")
+    if offload is not None and stage == 0:
+        raise ValueError(
+            f"`offload={offload!r}` needs ZeRO: offloading moves ZeRO's optimizer partitions. Set"
+            " `zero_stage=1`, 2 or 3 (3 also offloads the parameters)."
+        )
+    if offload == "nvme":
+        if stage != 3:
+            raise ValueError(
+                f"`offload='nvme'` with `zero_stage={stage}`: DeepSpeed offloads to NVMe only at stage 3"
+                " (ZeRO-Infinity). Set `zero_stage=3`, or use `offload='cpu'` with stage 1 or 2."
+            )
+        if offload_path is None:
+            raise ValueError(
+                "`offload='nvme'` needs `offload_path=`: a folder on a fast local disk for the swapped"
+                " parameters and optimizer states."
+            )
+    elif offload_path is not None:
+        raise ValueError(
+            f"`offload_path={str(offload_path)!r}` is only used with `offload='nvme'`; remove it or set"
+            " `offload='nvme'`."
+        )
+    raw = dict(deepspeed_config or {})
+    if raw and stage == 0:
+        raise ValueError("`deepspeed_config=` is only used with ZeRO: set `zero_stage=1`, 2 or 3.")
+    for key, owner in OWNED_KEYS.items():
+        if key in raw:
+            raise ValueError(
+                f"`deepspeed_config` sets {key!r}, which Lightning owns here: use {owner} instead, so the"
+                " Trainer and DeepSpeed cannot disagree."
+            )
+    stage_in_raw = raw.get("zero_optimization", {}).get("stage")
+    if stage_in_raw is not None and stage_in_raw != stage:
+        raise ValueError(
+            f"`deepspeed_config['zero_optimization']['stage']={stage_in_raw}` contradicts"
+            f" `zero_stage={stage}`; set the stage with `zero_stage` only."
+        )
+    return ZeroArguments(stage, offload, None if offload_path is None else str(offload_path), raw)
+
+
+def resolve_schedule(name: str | None) -> ScheduleSpec:
+    """The spec for a user's schedule string; a clear ``ValueError`` for an unknown one."""
+    key = (name or DEFAULT_SCHEDULE).lower().replace("-", "_")
+    key = ALIASES.get(key, key)
+    if key not in SCHEDULES:
+        raise ValueError(
+            f"`pipeline_schedule={name!r}` is not a known schedule. Choose one of"
+            f" {', '.join(repr(n) for n in SCHEDULES)} (aliases: {', '.join(repr(a) for a in ALIASES)})."
+        )
+    return SCHEDULES[key]
+
+
+def virtual_stages_for(spec: ScheduleSpec, requested: int | None) -> int:
+    """Stages per rank: 1 for single-stage schedules, 2 (or ``requested``) for the others."""
+    if spec.fixed_virtual_stages is not None:
+        if requested not in (None, spec.fixed_virtual_stages):
+            raise ValueError(
+                f"`pipeline_virtual_stages={requested}`: the {spec.name!r} schedule places exactly"
+                f" {spec.fixed_virtual_stages} stages on each rank. Leave `pipeline_virtual_stages` unset."
+            )
+        return spec.fixed_virtual_stages
+    if not spec.multi_stage:
+        if requested not in (None, 1):
+            raise ValueError(
+                f"`pipeline_virtual_stages={requested}`: the {spec.name!r} schedule holds one stage per rank."
+                " Use 'interleaved_1f1b', 'looped_bfs' or 'interleaved_zero_bubble' for several stages per rank."
+            )
+        return 1
+    value = 2 if requested is None else requested
+    if not isinstance(value, int) or value < 2:
+        raise ValueError(
+            f"`pipeline_virtual_stages={requested!r}`: the {spec.name!r} schedule needs at least 2 stages per rank."
+        )
+    return value
+
+
+def check_micro_batches(spec: ScheduleSpec, micro_batches: int, pipeline_parallel: int) -> None:
+    """Refuse micro-batch counts the schedule cannot run (torch would fail or hang mid-step)."""
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"`micro_batches={micro_batches!r}` must be a positive integer.")
+    p = pipeline_parallel
+    if spec.name == "interleaved_1f1b" and micro_batches % p:
+        raise ValueError(
+            f"`micro_batches={micro_batches}`: the 'interleaved_1f1b' schedule needs a multiple of"
+            f" `pipeline_parallel={p}` micro-batches. Use {-(-micro_batches // p) * p}."
+        )
+    if spec.name == "1f1b" and micro_batches < p:
+        raise ValueError(
+            f"`micro_batches={micro_batches}`: the '1f1b' schedule needs at least `pipeline_parallel="
+            f"{p}` micro-batches (one in flight per stage). Use 'gpipe' for fewer."
+        )
+    if spec.placement in ("loop", "v") and micro_batches < p:
+        raise ValueError(
+            f"`micro_batches={micro_batches}`: the {spec.name!r} schedule needs at least"
+            f" `pipeline_parallel={p}` micro-batches to fill the pipeline."
+        )
+    if spec.name == "dualpipev" and micro_batches < 2 * p:
+        raise ValueError(
+            f"`micro_batches={micro_batches}`: the 'dualpipev' schedule needs at least 2 x"
+            f" `pipeline_parallel` = {2 * p} micro-batches."
+        )
+
+
+def pipeline(
+    pipeline_parallel: Any, micro_batches: Any, schedule: Any, virtual_stages: Any, boundaries: Any
+) -> PipelineConfig | None:
+    if not isinstance(pipeline_parallel, int) or pipeline_parallel < 1:
+        raise ValueError(f"`pipeline_parallel={pipeline_parallel!r}` must be a positive integer.")
+    if pipeline_parallel == 1:
+        for name, value in (
+            ("micro_batches", micro_batches),
+            ("pipeline_schedule", schedule),
+            ("pipeline_virtual_stages", virtual_stages),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"`{name}={value!r}` needs `pipeline_parallel` > 1. Without pipeline stages there is"
+                    " nothing to schedule; for gradient accumulation use `Trainer(accumulate_grad_batches=...)`."
+                )
+        return None
+    spec = resolve_schedule(schedule)
+    virtual = virtual_stages_for(spec, virtual_stages)
+    micro = micro_batches if micro_batches is not None else pipeline_parallel * virtual
+    check_micro_batches(spec, micro, pipeline_parallel)
+    return PipelineConfig(
+        pipeline_parallel, spec, virtual, micro, None if boundaries is None else tuple(boundaries)
+    )
+
+
+def checkpointing(mode: Any, policy: Any) -> CheckpointingConfig | None:
+    if mode is None:
+        if policy is not None:
+            raise ValueError(
+                f"`activation_checkpointing_policy={policy!r}` needs `activation_checkpointing='selective'`;"
+                " without it nothing is recomputed."
+            )
+        return None
+    if mode not in ("full", "selective"):
+        raise ValueError(
+            f"`activation_checkpointing={mode!r}` is not supported: use 'full' (recompute every block),"
+            " 'selective' (see `activation_checkpointing_policy`) or None."
+        )
+    if mode == "full":
+        if policy is not None:
+            raise ValueError(
+                f"`activation_checkpointing='full'` recomputes every block; `activation_checkpointing_policy="
+                f"{policy!r}` chooses what to recompute, so use it with `activation_checkpointing='selective'`."
+            )
+        return CheckpointingConfig("full")
+    if policy is None or policy == "ops":
+        return CheckpointingConfig("selective", ops=True)
+    if isinstance(policy, int) and not isinstance(policy, bool):
+        if policy < 1:
+            raise ValueError(f"`activation_checkpointing_policy={policy!r}`: every k-th block needs k >= 1.")
+        return CheckpointingConfig("selective", every=policy)
+    if isinstance(policy, (list, tuple)) and policy and all(isinstance(p, str) for p in policy):
+        return CheckpointingConfig("selective", patterns=tuple(policy))
+    raise ValueError(
+        f"`activation_checkpointing_policy={policy!r}` is not supported: use 'ops' (Megatron-style selective"
+        " recomputation inside every block), an integer k (recompute every k-th block), or a list of"
+        " module-name patterns such as ['model.transformer.h.*.mlp']."
+    )
+
+
+def gradient_compression(value: Any) -> GradientCompression | None:
+    if value is None or isinstance(value, PowerSGD):
+        return value
+    if value == "powersgd":
+        return PowerSGD()
+    if isinstance(value, str) and value in CASTS:
+        return value
+    raise ValueError(
+        f"`gradient_compression={value!r}` is not supported: use 'bf16' or 'fp16' (all-reduce in half"
+        " precision), 'powersgd' or `lightning_parallel.comm.PowerSGD(rank=...)` (low-rank with error"
+        " feedback), or None. (1-bit and fp8 all-reduces are not offered: summing fp8 values over ranks"
+        " overflows and rounds too coarsely without per-rank scaling, which gloo and NCCL do not do.)"
+    )
+
+
+def memory_savers(
+    activation_checkpointing: Any,
+    policy: Any,
+    activation_offload: Any,
+    activation_compression: Any,
+    gradient_compression_arg: Any,
+) -> MemorySaverConfig:
+    resolved = checkpointing(activation_checkpointing, policy)
+    if not isinstance(activation_offload, bool):
+        raise ValueError(f"`activation_offload={activation_offload!r}` must be True or False.")
+    if activation_compression is not None and activation_compression not in COMPRESSIONS:
+        raise ValueError(
+            f"`activation_compression={activation_compression!r}` is not supported: use 'bf16' (half the"
+            " bytes, gradients within about 2^-8 relative), 'fp8' (a quarter, about 2^-4) or None."
+        )
+    compression = gradient_compression(gradient_compression_arg)
+    return MemorySaverConfig(resolved, activation_offload, activation_compression, compression)

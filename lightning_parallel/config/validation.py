@@ -1,0 +1,273 @@
+"""Every refused combination of the strategy's arguments: the one place to add a refusal.
+
+A refusal names the argument, the value and the fix, and is raised before any process could
+hang on a collective:
+
+- :func:`strategy_config`, inside ``HybridParallelStrategy(...)``: each argument alone
+  (``config/arguments.py``), and the pairs that need nothing but the arguments, in the order a
+  user meets them;
+- :func:`check_launch`, inside ``Trainer(...)`` once ``tensor_parallel="auto"`` is resolved and the
+  Trainer's precision is known, before any process is launched;
+- :func:`check_zero_optimizers`, at setup, when ``configure_optimizers`` has run.
+
+Checks that need the model (a head count that ``tensor_parallel`` does not divide, no block list
+to cut, no MoE block to shard) are raised by the setup step that inspects it; objects the user
+builds (``ParallelDims``, ``PowerSGD``, ``ParallelPlan``) check their own fields. Why each pair is
+refused is said in its message; docs/compatibility.md lists them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_parallel.config import arguments
+from lightning_parallel.config.parallel_config import (
+    PIPELINE_BOUNDARIES_KEY,
+    MemorySaverConfig,
+    ParallelConfig,
+    TensorParallelConfig,
+)
+from lightning_parallel.mesh import ParallelDims
+from lightning_parallel.pipeline.setup import PipelineConfig
+from lightning_parallel.zero.arguments import ZERO_PRECISIONS, ZeroArguments
+
+_NEAREST = "Nearest supported layouts: zero_stage=1 with {other}, or zero_stage={stage} without {name}."
+
+
+def strategy_config(**a: Any) -> ParallelConfig:
+    """``HybridParallelStrategy``'s keyword arguments (its signature), checked and resolved."""
+    experts = arguments.experts(a["expert_parallel"], a["moe_aux_loss_coef"], a["moe_z_loss_coef"])
+    weights = arguments.init_weights(a["init_weights"])
+    zero = arguments.zero(a["zero_stage"], a["offload"], a["offload_path"], a["deepspeed_config"])
+    tp, pp, plan = a["tensor_parallel"], a["pipeline_parallel"], a["plan"]
+    _check_zero_layout(zero, tp, pp, a["expert_parallel"], a["activation_checkpointing"])
+    if not a["save_distributed_checkpoint"]:
+        refusal = consolidated_refusal(pp, a["expert_parallel"], zero.stage)
+        if refusal is not None:
+            raise ValueError(refusal)
+    arguments.tensor_parallel(tp)
+    if a["sequence_parallel"] and tp == 1:
+        rank_zero_warn("`sequence_parallel=True` has no effect with `tensor_parallel=1`; it is ignored.")
+    arguments.plan(plan)
+    if a["loss_parallel"] and isinstance(pp, int) and pp > 1:
+        raise ValueError(
+            "`loss_parallel=True` with `pipeline_parallel` > 1 is not supported: the vocabulary-parallel loss"
+            " needs its own backward context, which the pipeline schedule does not enter. Leave"
+            " `loss_parallel=False` (the head's logits are gathered on the last stage)."
+        )
+    boundaries = plan.get(PIPELINE_BOUNDARIES_KEY) if isinstance(plan, dict) else None
+    pipeline = arguments.pipeline(
+        pp, a["micro_batches"], a["pipeline_schedule"], a["pipeline_virtual_stages"], boundaries
+    )
+    memory = arguments.memory_savers(
+        a["activation_checkpointing"], a["activation_checkpointing_policy"], a["activation_offload"],
+        a["activation_compression"], a["gradient_compression"],
+    )  # fmt: skip
+    _check_memory_savers(memory, a["gradient_compression"], tp, pipeline, zero)
+    styles = (
+        {k: v for k, v in plan.items() if k != PIPELINE_BOUNDARIES_KEY} if isinstance(plan, dict) else plan
+    )
+    tensor = TensorParallelConfig(tp, a["sequence_parallel"], styles, a["verify_plan"], a["loss_parallel"])
+    return ParallelConfig(tensor, pipeline, experts, zero, memory, a["compile"], weights)
+
+
+def _check_memory_savers(
+    memory: MemorySaverConfig,
+    argument: Any,
+    tensor_parallel: Any,
+    pipeline: PipelineConfig | None,
+    zero: ZeroArguments,
+) -> None:
+    compression, gradient_compression = memory.gradient_compression, argument
+    # tensor_parallel="auto" is resolved before launch (check_launch), where the same refusal applies.
+    if (
+        compression is not None
+        and pipeline is None
+        and isinstance(tensor_parallel, int)
+        and tensor_parallel > 1
+    ):
+        raise ValueError(
+            f"`gradient_compression={gradient_compression!r}` with `tensor_parallel={tensor_parallel!r}` is not"
+            " supported: without pipeline stages the data-parallel gradients of sharded parameters are"
+            " reduced by FSDP2's `replicate`, which takes no communication hook. Use `tensor_parallel=1`"
+            " (DDP hooks) or `pipeline_parallel` > 1 (the pipeline's own all-reduce), or leave"
+            " `gradient_compression=None`."
+        )
+    if compression is not None and zero.enabled:
+        raise ValueError(
+            f"`gradient_compression={gradient_compression!r}` with `zero_stage={zero.stage}` is not supported:"
+            " DeepSpeed's engine reduces the data-parallel gradients itself (in its step, or inside backward at"
+            " stages 2-3) and takes no compression hook here, so the setting would be silently ignored. Leave"
+            " `gradient_compression=None` with ZeRO, or use `zero_stage=0`."
+        )
+    if (
+        memory.checkpointing is not None
+        and memory.checkpointing.ops
+        and pipeline is not None
+        and pipeline.spec.bubble_free_backward
+    ):
+        raise ValueError(
+            f"`activation_checkpointing='selective'` (policy 'ops') with `pipeline_schedule="
+            f"{pipeline.spec.name!r}` is not supported: that schedule runs backward twice over each stage"
+            " (input gradients, then weight gradients) and torch's selective checkpointing allows one"
+            " backward per region. Use `activation_checkpointing='full'`, a block policy"
+            " (`activation_checkpointing_policy=2`), or the '1f1b' / 'interleaved_1f1b' schedule."
+        )
+
+
+# ---- pairs ------------------------------------------------------------------------------------
+
+
+def _check_zero_layout(
+    zero: ZeroArguments,
+    tensor_parallel: Any,
+    pipeline_parallel: Any,
+    expert_parallel: Any,
+    activation_checkpointing: Any,
+) -> None:
+    """The layouts ZeRO cannot run correctly (docs/zero.md, "Layouts")."""
+    if not zero.enabled:
+        return
+    if activation_checkpointing == "selective":
+        raise ValueError(
+            f"`activation_checkpointing='selective'` with `zero_stage={zero.stage}` is not supported: under"
+            " DeepSpeed's engine the selectively recomputed steps did not reproduce the one-process gradients"
+            " (losses 2e-5 to 5e-5 apart after two steps at stages 1 and 3, where full checkpointing and plain data"
+            " parallelism agree to 1e-7), and a silently different gradient is worse than an error. Use"
+            " `activation_checkpointing='full'` with ZeRO, or selective checkpointing with `zero_stage=0`."
+        )
+    if pipeline_parallel > 1 and zero.stage > 1:
+        raise ValueError(
+            f"`zero_stage={zero.stage}` with `pipeline_parallel={pipeline_parallel}` is not supported: the"
+            " pipeline schedule runs backward per micro-batch outside DeepSpeed's engine, and ZeRO-2/3 reduce or"
+            " gather inside per-backward/forward hooks (DeepSpeed's own pipeline engine refuses them too). "
+            + _NEAREST.format(other="pipeline_parallel", stage=zero.stage, name="pipeline parallelism")
+        )
+    if expert_parallel > 1 and zero.stage > 1:
+        raise ValueError(
+            f"`zero_stage={zero.stage}` with `expert_parallel={expert_parallel}` is not supported: the dense"
+            " gradients are averaged over the expert ranks before ZeRO reduces them over the expert-data-parallel"
+            " ranks, which needs ZeRO-1's single reduction at the step. "
+            + _NEAREST.format(other="expert_parallel", stage=zero.stage, name="expert parallelism")
+        )
+    if tensor_parallel != 1 and zero.stage == 3:
+        raise ValueError(
+            f"`zero_stage=3` with `tensor_parallel={tensor_parallel}` is not supported: ZeRO-3 partitions and"
+            " re-gathers parameters in DeepSpeed's module hooks, which do not know tensor-parallel (DTensor)"
+            " shards. Nearest supported layouts: zero_stage=2 (or 1) with tensor_parallel, or zero_stage=3 with"
+            " data parallelism only."
+        )
+
+
+def consolidated_refusal(pipeline_parallel: int, expert_parallel: int, zero_stage: int) -> str | None:
+    """Why one consolidated checkpoint file cannot hold this layout (``None``: it can).
+
+    Asked at construction (before any process exists) and again at each save and load, because
+    ``save_distributed_checkpoint`` can be changed on the strategy in between.
+    """
+    if zero_stage:
+        return (
+            "`save_distributed_checkpoint=False` (one consolidated file) is not supported with ZeRO: every master"
+            " weight would be gathered on rank 0 at each save. Save the sharded checkpoint (the default) and turn it"
+            " into one fp32 state dict afterwards with `lightning_parallel.consolidate_checkpoint(path)` or"
+            " `python -m lightning_parallel export CHECKPOINT OUT.safetensors`."
+        )
+    if pipeline_parallel > 1 or expert_parallel > 1:
+        return (
+            "`save_distributed_checkpoint=False` (one consolidated file) is not supported with"
+            f" `pipeline_parallel={pipeline_parallel}` / `expert_parallel={expert_parallel}` yet: each rank holds"
+            " different weights under the same names, and the file would keep rank 0's only. Leave it True"
+            " (sharded checkpoints hold every weight) and export a checkpoint folder as one file with"
+            " `python -m lightning_parallel export CKPT model.safetensors` (docs/checkpoints.md)."
+        )
+    return None
+
+
+# ---- before launch, and at setup ------------------------------------------------------------------
+
+
+def resolve_dims(config: ParallelConfig, strategy: str, devices: int, num_nodes: int) -> ParallelDims:
+    """The degrees for ``devices x num_nodes`` ranks (``tensor_parallel="auto"``: the devices of a node)."""
+    tp = devices if config.tensor.degree == "auto" else config.tensor.degree
+    try:
+        return ParallelDims(
+            world_size=num_nodes * devices,
+            tensor_parallel=tp,
+            pipeline_parallel=config.pipeline.pipeline_parallel if config.pipeline else 1,
+            expert_parallel=config.experts.expert_parallel,
+        )
+    except ValueError as error:
+        raise ValueError(f"{strategy}: {error} (Trainer devices={devices}, num_nodes={num_nodes})") from None
+
+
+def check_launch(config: ParallelConfig, dims: ParallelDims, precision_plugin: Any) -> None:
+    """The pairs that need the resolved degrees or the Trainer's precision; before any process is launched."""
+    tp, ep = dims.tensor_parallel, dims.expert_parallel
+    if config.tensor.sequence_parallel and tp > 1 and ep > 1:
+        raise ValueError(
+            f"HybridParallelStrategy(`sequence_parallel=True`, `tensor_parallel={tp}`,"
+            f" `expert_parallel={ep}`) is not supported: under sequence parallelism each"
+            " tensor-parallel rank holds a slice of the sequence, and the MoE blocks (which tensor parallelism"
+            " does not shard) would route only their rank's tokens, so expert capacity, drops and the"
+            " load-balancing loss would differ from the unsharded model. Nearest supported layouts:"
+            f" `sequence_parallel=False` with `tensor_parallel={tp}` and"
+            f" `expert_parallel={ep}`, or `sequence_parallel=True` with `expert_parallel=1`."
+        )
+    compression = config.memory.gradient_compression
+    if compression is not None and not dims.dp_enabled:
+        rank_zero_warn(f"`gradient_compression={compression!r}` has no effect without data parallelism.")
+    elif compression is not None and config.pipeline is None and tp > 1 and not dims.ep_enabled:
+        # Without stages or experts, the gradients of sharded parameters are reduced by FSDP2's `replicate`.
+        raise ValueError(
+            f"`gradient_compression={compression!r}` with tensor parallelism (tensor_parallel='auto' resolved"
+            f" to {tp}) is not supported: FSDP2's `replicate` takes no communication hook."
+            " Use `tensor_parallel=1`, `pipeline_parallel` > 1, or `gradient_compression=None`."
+        )
+    if config.zero.enabled:
+        check_zero_precision(config.zero, precision_plugin)
+
+
+def check_zero_precision(zero: ZeroArguments, plugin: Any) -> None:
+    """DeepSpeed owns the precision under ZeRO: a plugin doing more than Lightning's flag is refused.
+
+    Anything beyond Lightning's plain plugins (fp8, quantisation, a custom scaler) would be
+    silently dropped: DeepSpeed owns the casts, the master weights and the loss scale here.
+    """
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+    from lightning_parallel.zero import ZeroPrecision
+
+    if isinstance(plugin, ZeroPrecision):
+        return
+    if type(plugin) not in (Precision, MixedPrecision, HalfPrecision):
+        raise ValueError(
+            f"HybridParallelStrategy(zero_stage={zero.stage}): the precision plugin"
+            f" {type(plugin).__name__} cannot be used with ZeRO, DeepSpeed owns the precision (casts, fp32"
+            " master weights, loss scale). Use `Trainer(precision='32-true' | 'bf16-mixed' | 'bf16-true' |"
+            " '16-mixed')`, or `zero_stage=0` to keep this plugin."
+        )
+    if plugin.precision not in ZERO_PRECISIONS:
+        raise ValueError(
+            f"HybridParallelStrategy(zero_stage={zero.stage}): `Trainer(precision={plugin.precision!r})` is not"
+            " supported with ZeRO; use one of"
+            f" {sorted(ZERO_PRECISIONS)} (DeepSpeed keeps fp32 master weights for the half precisions)."
+        )
+
+
+def check_zero_optimizers(
+    zero: ZeroArguments, num_optimizers: int, num_schedulers: int, trainer: Any
+) -> None:
+    """At setup, once ``configure_optimizers`` has run: what DeepSpeed's engine can drive."""
+    if num_optimizers != 1 or num_schedulers > 1:
+        raise ValueError(
+            f"`zero_stage={zero.stage}`: `configure_optimizers` returned {num_optimizers} optimizers"
+            f" and {num_schedulers} schedulers; DeepSpeed drives exactly one optimizer (and at"
+            " most one scheduler). Put all parameter groups into one optimizer."
+        )
+    if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
+        raise ValueError(
+            "`Trainer(gradient_clip_algorithm='value')` with ZeRO: DeepSpeed clips by the global norm only."
+            " Use `gradient_clip_algorithm='norm'`."
+        )

@@ -1,0 +1,165 @@
+"""The ordered recipe: how an unchanged module becomes this rank's part of a parallel job.
+
+:func:`parallelize` reads top to bottom, as torchtitan's ``parallelize_llama`` does: each line is
+one step with explicit arguments (the step modules beside this one), in the order they must
+happen. The strategy calls it from ``setup`` and keeps the :class:`Parallelized` it returns.
+
+Order, and why:
+
+1. the tensor-parallel plan (pure: a model that cannot be sharded fails on every rank alike);
+2. every rank starts from rank 0's weights (as DDP does);
+3. one run of the user's step on a real batch, watched by the pipeline discovery and the plan
+   verification's capture of each block's inputs (both need the whole, unsharded model);
+4. the plan verified on one block of each class (refused before anything is changed);
+5. the pipeline cut (before sharding: other stages' blocks are freed, not sharded);
+6. experts sharded over ``ep``;
+7. tensor/sequence parallelism on what this rank keeps;
+8. the pipeline's stages and schedule (torch's ``PipelineStage`` wants the sharded modules);
+9. activation checkpointing and the saved-tensor saver (on the sharded, cut modules);
+10. ``compile`` of each block (after sharding, before data-parallel wrapping);
+11. every gradient reduction: data parallelism or ZeRO's preparation (``gradients.py``).
+
+The strategy then loads ``init_weights`` (each rank its own part), creates the optimizers and,
+under ZeRO, hands both to DeepSpeed's engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from lightning_parallel.config import ParallelConfig
+from lightning_parallel.mesh import ParallelDims
+from lightning_parallel.parallelize import pipeline_step, tensor_parallel_step
+from lightning_parallel.parallelize.experts_step import apply_experts
+from lightning_parallel.parallelize.gradients import plan_gradient_reductions
+from lightning_parallel.parallelize.memory_step import apply_memory_savers
+from lightning_parallel.parallelize.result import Parallelized
+from lightning_parallel.parallelize.sample import SampledStep, StepProbe
+from lightning_parallel.pipeline.stages import SkippedBlock, StageLayout
+from lightning_parallel.plans.detect import block_names
+from lightning_parallel.tensor_parallel import BlockInputCapture, ParallelPlan, capture_block_inputs
+from lightning_parallel.tensor_parallel.verify import Captured
+
+
+def parallelize(
+    module: nn.Module,
+    config: ParallelConfig,
+    dims: ParallelDims,
+    sample: Callable[[], SampledStep | None],
+    *,
+    device: torch.device,
+    training: bool,
+) -> Parallelized:
+    """Apply the layout ``dims`` (its mesh built) to ``module``, in place; every rank calls it alike.
+
+    ``sample``: makes the user's step on the first batch, called at most once and only when a step
+    needs it (None: no data; pipelines then refuse, the plan goes unverified with a warning).
+    ``training``: ``Trainer.fit`` (the step returns a loss).
+    """
+    mesh = dims.mesh
+    plan = (
+        tensor_parallel_step.build_plan(module, config.tensor, dims.tensor_parallel)
+        if dims.tp_enabled
+        else None
+    )
+    blocks = list(plan.block_names) if plan is not None and plan.block_names else block_names(module)
+    sync_parameters(module)
+    layout, captured = _observe_one_step(module, config, plan, sample, training, pipelined=dims.pp_enabled)
+    if plan is not None and captured is not None:
+        tensor_parallel_step.verify_plan(module, plan, mesh["tp"], captured)
+    cut = pipeline_step.cut_pipeline(module, layout, config.pipeline, mesh) if layout is not None else None
+    experts = apply_experts(module, config.experts, dims, mesh)
+    result = Parallelized(dims.layout, blocks, plan=plan, experts=experts)
+    if plan is not None:
+        hooks, result.loss_parallel, result.loss_state = tensor_parallel_step.shard(
+            module, plan, config.tensor, mesh["tp"], pipelined=dims.pp_enabled
+        )
+        result.hooks += hooks
+    if cut is not None:
+        assert config.pipeline is not None
+        result.pipeline, result.norm_exclude = pipeline_step.build_runner(
+            module, cut, config.pipeline, mesh, device, experts.aux_losses
+        )
+        result.hooks += cut.runtime.handles
+    result.activation_saver = apply_memory_savers(
+        module, config.memory, blocks, plan, experts.aux_losses, cut.runtime if cut is not None else None
+    )
+    if result.activation_saver is not None:
+        result.hooks += result.activation_saver.handles
+    if config.compile:
+        compile_blocks(module, blocks)
+    result.gradients = plan_gradient_reductions(
+        module, config, dims, mesh, runner=result.pipeline, expert_ids=experts.parameter_ids, blocks=blocks
+    )
+    result.hooks += result.gradients.hooks
+    rank_zero_info("Gradient reductions: " + "; ".join(result.gradients.describe()))
+    return result
+
+
+def sync_parameters(module: nn.Module) -> None:
+    """Start every rank from rank 0's weights (as DDP does), whatever each rank's init was."""
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        from torch.distributed.utils import _sync_module_states
+
+        _sync_module_states(module, torch.distributed.group.WORLD, 250 * 1024 * 1024, 0, set())
+
+
+def _observe_one_step(
+    module: nn.Module,
+    config: ParallelConfig,
+    plan: ParallelPlan | None,
+    make_sample: Callable[[], SampledStep | None],
+    training: bool,
+    pipelined: bool,
+) -> tuple[StageLayout | None, dict[str, Captured] | None]:
+    """The pipeline's stage layout and the verified blocks' inputs, from one run of the user's step."""
+    verifies = plan is not None and config.tensor.verify_plan
+    sample = make_sample() if pipelined or verifies else None
+    probes: list[StepProbe] = []
+    discovery = None
+    if pipelined:
+        assert config.pipeline is not None
+        if sample is None:
+            raise ValueError(pipeline_step.NO_DATA)
+        split, discovery = pipeline_step.discovery_probe(module, config.pipeline, sample.batch, training)
+        probes.append(discovery)
+    capture = None
+    if plan is not None and verifies:
+        if sample is None:
+            rank_zero_warn("No batch available before training: the tensor-parallel plan was not verified.")
+        else:
+            capture = BlockInputCapture(tensor_parallel_step.first_block_of_each_class(module, plan))
+            probes.append(capture)
+    if sample is None or not probes:
+        return None, None
+    if discovery is None and capture is not None:  # the capture alone: no autograd, stop once all are seen
+        return None, capture_block_inputs(sample.call, capture.blocks)
+    sample.run(probes)
+    captured = None
+    if capture is not None:
+        captured = capture.captured
+        if capture.missing:  # arguments that could not be copied off the autograd graph: capture them alone
+            captured.update(
+                capture_block_inputs(sample.call, {n: capture.blocks[n] for n in capture.missing})
+            )
+    assert discovery is not None and discovery.result is not None
+    return pipeline_step.plan_stages(module, split, discovery.result), captured
+
+
+def compile_blocks(module: nn.Module, blocks: list[str]) -> None:
+    """``compile=True``: ``torch.compile`` each block this rank runs, after sharding, as torchtitan does.
+
+    Per-block compilation keeps compile time flat in depth and leaves the communication hooks
+    between blocks in eager mode.
+    """
+    if not blocks:
+        rank_zero_warn("`compile=True`: no block list found; nothing was compiled.")
+        return
+    for name in blocks:
+        block = module.get_submodule(name)
+        if not isinstance(block, SkippedBlock):
+            block.compile()

@@ -1,0 +1,77 @@
+"""Tensor and sequence parallelism in the recipe: build the plan, verify it on one step, shard.
+
+Three functions because the pipeline cut falls between them: the plan is built and verified on
+the whole model (one real step of the user's code), then applied to what this rank keeps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_parallel.config import TensorParallelConfig
+from lightning_parallel.pipeline.setup import filter_plan_to_kept_modules
+from lightning_parallel.plans import ParallelPlan, auto_plan, plan_from_dict
+from lightning_parallel.tensor_parallel import apply_tensor_parallel, verify_and_choose_modes
+from lightning_parallel.tensor_parallel.loss_parallel import (
+    LossParallelState,
+    install_head_hook,
+    sharded_head_style,
+)
+from lightning_parallel.tensor_parallel.plan import record_parameter_shards
+from lightning_parallel.tensor_parallel.verify import Captured
+
+
+def build_plan(module: nn.Module, config: TensorParallelConfig, tensor_parallel: int) -> ParallelPlan:
+    """The plan for ``tensor_parallel`` ranks; pure, so a model that cannot be sharded fails on every rank alike."""
+    sequence_parallel = config.sequence_parallel and tensor_parallel > 1
+    if isinstance(config.plan, ParallelPlan):
+        return config.plan
+    if isinstance(config.plan, dict):
+        return plan_from_dict(module, config.plan, tensor_parallel, sequence_parallel)
+    return auto_plan(module, tensor_parallel, sequence_parallel)
+
+
+def first_block_of_each_class(module: nn.Module, plan: ParallelPlan) -> dict[str, nn.Module]:
+    """The blocks the verification runs: the first of every distinct class."""
+    firsts: dict[type, str] = {}
+    for name in plan.block_names:
+        firsts.setdefault(type(module.get_submodule(name)), name)
+    return {name: module.get_submodule(name) for name in firsts.values()}
+
+
+def verify_plan(
+    module: nn.Module, plan: ParallelPlan, tp_mesh: DeviceMesh, captured: dict[str, Captured]
+) -> None:
+    """Each verified block class sharded against unsharded on the inputs the sampled step gave it."""
+    for line in verify_and_choose_modes(module, plan, tp_mesh, captured):
+        plan.notes.append(line)
+
+
+def shard(
+    module: nn.Module, plan: ParallelPlan, config: TensorParallelConfig, tp_mesh: DeviceMesh, pipelined: bool
+) -> tuple[list[Any], bool, LossParallelState]:
+    """Shard what this rank holds (after a pipeline cut, other stages' modules are dropped from the plan).
+
+    Returns the hooks it installed, whether the loss stays vocabulary-parallel (``loss_parallel``
+    without a sharded head falls back to gathered logits) and the state the head hook fills.
+    """
+    if pipelined:
+        filter_plan_to_kept_modules(plan, module)
+    loss_parallel = config.loss_parallel
+    if loss_parallel and plan.head is not None:
+        plan.styles[plan.head] = sharded_head_style()
+    elif loss_parallel:
+        rank_zero_warn("`loss_parallel=True`: no sharded output head was found; logits stay gathered.")
+        loss_parallel = False
+    hooks = apply_tensor_parallel(module, plan, tp_mesh)
+    state = LossParallelState()
+    if loss_parallel:
+        assert plan.head is not None
+        hooks.append(install_head_hook(module.get_submodule(plan.head), state))
+    record_parameter_shards(plan, module)
+    rank_zero_info(str(plan))
+    return hooks, loss_parallel, state
