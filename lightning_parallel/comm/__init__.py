@@ -8,7 +8,6 @@ from lightning_parallel.comm.compression import (
     gradient_bytes,
     powersgd_payload_bytes,
     register_ddp_compression,
-    resolve_gradient_compression,
 )
 
 __all__ = [
@@ -19,5 +18,4 @@ __all__ = [
     "gradient_bytes",
     "powersgd_payload_bytes",
     "register_ddp_compression",
-    "resolve_gradient_compression",
 ]

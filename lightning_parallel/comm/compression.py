@@ -46,7 +46,6 @@ __all__ = [
     "gradient_bytes",
     "powersgd_payload_bytes",
     "register_ddp_compression",
-    "resolve_gradient_compression",
 ]
 
 CASTS = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -91,22 +90,6 @@ class PowerSGD:
 
 
 GradientCompression = str | PowerSGD
-
-
-def resolve_gradient_compression(value: Any) -> GradientCompression | None:
-    """Check the strategy's ``gradient_compression`` argument (a ``ValueError`` names the fix)."""
-    if value is None or isinstance(value, PowerSGD):
-        return value
-    if value == "powersgd":
-        return PowerSGD()
-    if isinstance(value, str) and value in CASTS:
-        return value
-    raise ValueError(
-        f"`gradient_compression={value!r}` is not supported: use 'bf16' or 'fp16' (all-reduce in half"
-        " precision), 'powersgd' or `lightning_parallel.comm.PowerSGD(rank=...)` (low-rank with error"
-        " feedback), or None. (1-bit and fp8 all-reduces are not offered: summing fp8 values over ranks"
-        " overflows and rounds too coarsely without per-rank scaling, which gloo and NCCL do not do.)"
-    )
 
 
 def half_precision_hook(dtype: torch.dtype) -> Callable[[Any, Any], torch.futures.Future[torch.Tensor]]:

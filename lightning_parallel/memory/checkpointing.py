@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -78,49 +79,12 @@ def keep_op(op: Any) -> bool:
 
 @dataclass(frozen=True)
 class CheckpointingConfig:
-    """What to recompute; built and checked from the strategy's arguments at construction."""
+    """What to recompute; built and checked from the strategy's arguments at construction (``config/arguments.py``)."""
 
     mode: Mode
     every: int | None = None  # every k-th block, recomputed fully
     patterns: tuple[str, ...] = ()  # modules recomputed fully
     ops: bool = False  # op-level selective recomputation in every block
-
-    @classmethod
-    def resolve(cls, mode: str | None, policy: Policy) -> CheckpointingConfig | None:
-        if mode is None:
-            if policy is not None:
-                raise ValueError(
-                    f"`activation_checkpointing_policy={policy!r}` needs `activation_checkpointing='selective'`;"
-                    " without it nothing is recomputed."
-                )
-            return None
-        if mode not in ("full", "selective"):
-            raise ValueError(
-                f"`activation_checkpointing={mode!r}` is not supported: use 'full' (recompute every block),"
-                " 'selective' (see `activation_checkpointing_policy`) or None."
-            )
-        if mode == "full":
-            if policy is not None:
-                raise ValueError(
-                    f"`activation_checkpointing='full'` recomputes every block; `activation_checkpointing_policy="
-                    f"{policy!r}` chooses what to recompute, so use it with `activation_checkpointing='selective'`."
-                )
-            return cls("full")
-        if policy is None or policy == "ops":
-            return cls("selective", ops=True)
-        if isinstance(policy, int) and not isinstance(policy, bool):
-            if policy < 1:
-                raise ValueError(
-                    f"`activation_checkpointing_policy={policy!r}`: every k-th block needs k >= 1."
-                )
-            return cls("selective", every=policy)
-        if isinstance(policy, (list, tuple)) and policy and all(isinstance(p, str) for p in policy):
-            return cls("selective", patterns=tuple(policy))
-        raise ValueError(
-            f"`activation_checkpointing_policy={policy!r}` is not supported: use 'ops' (Megatron-style selective"
-            " recomputation inside every block), an integer k (recompute every k-th block), or a list of"
-            " module-name patterns such as ['model.transformer.h.*.mlp']."
-        )
 
     def describe(self) -> str:
         if self.mode == "full":
@@ -235,12 +199,17 @@ def _recomputed(forward: Callable[..., Any], ops: bool, capture: StateCapture | 
         _count_keyword_inputs(kwargs)
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
-    run._lp_recomputed = True  # type: ignore[attr-defined]
+    _RECOMPUTED.add(run)
     return run
 
 
+# The forwards patched by ``_recomputed`` (so that a module is never wrapped twice).
+_RECOMPUTED: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+
+
 def is_checkpointed(module: nn.Module) -> bool:
-    return getattr(module.__dict__.get("forward"), "_lp_recomputed", False)
+    forward = module.__dict__.get("forward")
+    return forward is not None and forward in _RECOMPUTED
 
 
 def apply_activation_checkpointing(

@@ -9,7 +9,12 @@ Nothing here knows Lightning's Trainer: every step can be called, and tested, on
 with a mesh.
 """
 
-from lightning_parallel.parallelize.gradients import GradientReductions, plan_gradient_reductions
+from lightning_parallel.parallelize.gradients import (
+    GradientReductions,
+    Reduction,
+    decide_gradient_reductions,
+    plan_gradient_reductions,
+)
 from lightning_parallel.parallelize.recipe import compile_blocks, parallelize, sync_parameters
 from lightning_parallel.parallelize.result import Parallelized, recall
 from lightning_parallel.parallelize.sample import SampledStep, StepProbe
@@ -17,9 +22,11 @@ from lightning_parallel.parallelize.sample import SampledStep, StepProbe
 __all__ = [
     "GradientReductions",
     "Parallelized",
+    "Reduction",
     "SampledStep",
     "StepProbe",
     "compile_blocks",
+    "decide_gradient_reductions",
     "parallelize",
     "plan_gradient_reductions",
     "recall",

@@ -1,8 +1,9 @@
 """Every gradient reduction of a layout, decided in one function from the configuration.
 
-:func:`plan_gradient_reductions` is the one place that says which gradients are averaged or
-summed over which ranks, scaled by what, compressed or not, and when; nothing edits its result
-afterwards. Three kinds of reduction exist, and a layout uses what it needs:
+:func:`decide_gradient_reductions` says, from the configuration and the degrees alone (no
+process group, no model), which gradients are averaged or summed over which mesh axis, scaled by
+what, compressed or not, and when; :func:`plan_gradient_reductions` installs exactly those on
+this rank's module, and nothing edits them afterwards. Three moments exist:
 
 - inside backward: DDP's reducer or FSDP2's ``replicate`` over ``dp`` (data parallelism, with or
   without tensor parallelism), paused while gradients accumulate;
@@ -13,12 +14,13 @@ afterwards. Three kinds of reduction exist, and a layout uses what it needs:
 - in the optimizer step: DeepSpeed's ZeRO engine over the (expert-)data-parallel ranks, after the
   explicit part that must come first (tied weights, the dense gradients' mean over ``ep``).
 
-``describe()`` lists them in the order they run: the setup log prints it.
+``python -c`` answer to "which reductions run under pp=2 x ep=2 with ZeRO-1?"::
+
+    print("\\n".join(map(str, decide_gradient_reductions(config, dims))))
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,7 +29,12 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_parallel.comm.compression import BucketCompressor, PowerSGD, register_ddp_compression
+from lightning_parallel.comm.compression import (
+    BucketCompressor,
+    GradientCompression,
+    PowerSGD,
+    register_ddp_compression,
+)
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.data_parallel import (
     GradientGroup,
@@ -41,19 +48,68 @@ from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.zero.tensor_parallel import local_shard_parameters, mark_model_parallel
 
+IN_BACKWARD, AFTER_BACKWARD, IN_STEP = "inside backward", "after backward", "in the optimizer step"
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """One reduction of a layout, by name: which gradients, how, over which mesh axis, when."""
+
+    gradients: str  # "all", "dense" (not experts), "experts", "tied" (weights held by several stages), "dense but tied"
+    how: str  # "mean", "sum", "sum / dp size", "divided by ep"
+    axis: str  # a mesh axis; "pp" for a tied weight: the stages holding it
+    when: str  # IN_BACKWARD, AFTER_BACKWARD or IN_STEP
+    compression: GradientCompression | None = None
+
+    def __str__(self) -> str:
+        over = f" over {self.axis}" if self.how != "divided by ep" else ""
+        compressed = f", compressed ({self.compression!r})" if self.compression is not None else ""
+        return f"{self.when}: {self.gradients} gradients, {self.how}{over}{compressed}"
+
+
+def decide_gradient_reductions(config: ParallelConfig, dims: ParallelDims) -> list[Reduction]:
+    """The reductions of a layout, in the order they run (identical on every rank)."""
+    out = [Reduction("tied", "sum", "pp", AFTER_BACKWARD)] if dims.pp_enabled else []
+    if config.zero.enabled:
+        if dims.ep_enabled:
+            # ZeRO shards over dp_replicate: its mean there then makes dense weights averaged over the
+            # whole dp and experts summed over their replicas divided by dp, as without ZeRO.
+            out += [
+                Reduction("dense", "mean", "ep", AFTER_BACKWARD),
+                Reduction("experts", "divided by ep", "", AFTER_BACKWARD),
+            ]
+        return [*out, Reduction("all", "mean (ZeRO's)", "dp_replicate" if dims.ep_enabled else "dp", IN_STEP)]
+    compression = config.memory.gradient_compression if dims.dp_enabled else None
+    if not (dims.pp_enabled or dims.ep_enabled):
+        return [Reduction("all", "mean", "dp", IN_BACKWARD, compression)] if dims.dp_enabled else []
+    if dims.pp_enabled and isinstance(compression, PowerSGD):
+        # Each stage's group would compress a tied weight with its own error feedback and random
+        # factors, and its copies would drift apart (measured: 2.8% after 5 steps at pp=2 x dp=2);
+        # casts round identical sums identically, so only PowerSGD leaves them out.
+        out += [
+            Reduction("dense but tied", "mean", "dp", AFTER_BACKWARD, compression),
+            Reduction("tied", "mean", "dp", AFTER_BACKWARD),
+        ]
+    else:
+        out.append(Reduction("dense", "mean", "dp", AFTER_BACKWARD, compression))
+    if dims.ep_enabled:
+        # An expert's gradient already holds its ep group's tokens (docs/experts.md).
+        out.append(Reduction("experts", "sum / dp size", "dp_replicate", AFTER_BACKWARD))
+    return out
+
 
 @dataclass
 class GradientReductions:
-    """The reductions of one layout (see the module docstring), as the strategy's hooks run them."""
+    """The reductions of one layout, installed on this rank's module, as the strategy's hooks run them."""
 
+    decided: list[Reduction] = field(default_factory=list)
+    """What :func:`decide_gradient_reductions` decided (``describe`` prints it)."""
     after_backward: GradientSync | None = None
-    """Explicit reductions, once per optimizer step after the last accumulated backward."""
+    """The explicit reductions, once per optimizer step after the last accumulated backward."""
     in_backward: list[nn.Module] = field(default_factory=list)
     """Units of DDP's reducer / FSDP2's ``replicate``: they reduce inside backward."""
     hooks: list[Any] = field(default_factory=list)
     """Gradient hooks that average parameters registered directly on the LightningModule."""
-    in_optimizer_step: str | None = None
-    """What reduces inside the optimizer step (ZeRO), for ``describe``."""
 
     def reduce(self) -> None:
         """Run the explicit reductions (after the last backward of an optimizer step)."""
@@ -67,18 +123,7 @@ class GradientReductions:
             yield
 
     def describe(self) -> list[str]:
-        lines = []
-        if self.in_backward:
-            lines.append(f"inside backward: mean over dp by {len(self.in_backward)} replicated unit(s)")
-        if self.hooks:
-            lines.append(
-                f"inside backward: mean over dp of {len(self.hooks)} parameter(s) of the LightningModule"
-            )
-        if self.after_backward is not None:
-            lines += [f"after backward: {line}" for line in self.after_backward.describe()]
-        if self.in_optimizer_step is not None:
-            lines.append(f"in the optimizer step: {self.in_optimizer_step}")
-        return lines or ["none (one data-parallel replica)"]
+        return [str(r) for r in self.decided] or ["none (one data-parallel replica)"]
 
 
 def plan_gradient_reductions(
@@ -91,126 +136,81 @@ def plan_gradient_reductions(
     expert_ids: set[int],
     blocks: list[str],
 ) -> GradientReductions:
-    """Decide (and install) every gradient reduction of the layout; the last step of the recipe but ``init_weights``."""
-    if config.zero.enabled:
-        return _under_zero(module, dims, mesh, runner, expert_ids)
-    compression = config.memory.gradient_compression if dims.dp_enabled else None
-    compressor = BucketCompressor(compression) if compression is not None else None
-    if runner is not None:
-        groups = runner.tied_gradient_groups() + _compressed(
-            _data_parallel_groups(runner.parameters, expert_ids, mesh), compressor
-        )
-        if isinstance(compression, PowerSGD):
-            groups = _tied_weights_uncompressed(
-                groups, {id(module.get_parameter(n)) for n in runner.tied_groups}
-            )
-        return GradientReductions(after_backward=GradientSync(groups))
-    if dims.ep_enabled:
-        params = [p for p in module.parameters() if p.requires_grad]
-        return GradientReductions(
-            after_backward=GradientSync(
-                _compressed(_data_parallel_groups(params, expert_ids, mesh), compressor)
-            )
-        )
-    if not dims.dp_enabled:
-        return GradientReductions()
-    dp_mesh = mesh["dp"]
-    units = apply_data_parallel(module, dp_mesh, blocks, sharded_parameters=dims.tp_enabled)
-    if (
-        compression is not None
-    ):  # tensor parallelism without pipeline stages was refused (config/validation.py)
-        register_ddp_compression(units, compression, dp_mesh.get_group())
-    return GradientReductions(in_backward=units, hooks=average_direct_parameters(module, dp_mesh))
-
-
-def _data_parallel_groups(
-    parameters: list[nn.Parameter], expert_ids: set[int], mesh: DeviceMesh
-) -> list[GradientGroup]:
-    """Means over ``dp``; an expert weight's gradient already holds its ep group's tokens, so it is *summed*
-    over its replicas (``dp_replicate``) and divided by the data-parallel size (docs/experts.md)."""
-    dp = mesh["dp"]
-    dense = [p for p in parameters if id(p) not in expert_ids and p.requires_grad]
-    experts = [p for p in parameters if id(p) in expert_ids and p.requires_grad]
-    groups = [GradientGroup(dense, dp.get_group(), dp.size(), label="data-parallel mean")]
-    if experts:
-        replicas = mesh["dp_replicate"]
-        groups.append(
-            GradientGroup(experts, replicas.get_group(), dp.size(), label="experts over their replicas")
-        )
-    return groups
-
-
-def _compressed(groups: list[GradientGroup], compressor: BucketCompressor | None) -> list[GradientGroup]:
-    """Compress the plain means over more than one rank (not sums of tied weights, nor expert reductions)."""
-    if compressor is None:
-        return groups
-    return [dataclasses.replace(g, compressor=compressor) if g.is_mean else g for g in groups]
-
-
-def _tied_weights_uncompressed(
-    groups: list[GradientGroup | GradientScale], tied: set[int]
-) -> list[GradientGroup | GradientScale]:
-    """Average weights tied across pipeline stages (a GPT's embedding and head) without PowerSGD.
-
-    Each stage's data-parallel group compresses its own buckets, with its own error feedback and
-    random factors: a lossy approximation of the same gradient would differ on the two stages and
-    the two copies of the weight would drift apart (measured: 2.8% after 5 steps at pp=2 x dp=2).
-    Casts (bf16/fp16) round identical sums identically, so only PowerSGD needs this.
-    """
-    if not tied:
-        return groups
-    out: list[GradientGroup | GradientScale] = []
-    for group in groups:
+    """Install the decided reductions on this rank's part of the model (the recipe's last step)."""
+    decided = decide_gradient_reductions(config, dims)
+    result = GradientReductions(decided)
+    if config.zero.enabled:  # plain parameters for DeepSpeed, which flattens them (zero/tensor_parallel.py)
+        if dims.tp_enabled:
+            local_shard_parameters(module)
+        mark_model_parallel(p for p in _parameters(module, runner) if id(p) in expert_ids)
+    if any(r.when == IN_BACKWARD for r in decided):
+        dp_mesh = mesh["dp"]
+        result.in_backward = apply_data_parallel(module, dp_mesh, blocks, sharded_parameters=dims.tp_enabled)
+        result.hooks = average_direct_parameters(module, dp_mesh)
         if (
-            not isinstance(group, GradientGroup)
-            or group.compressor is None
-            or not any(id(p) in tied for p in group.parameters)
-        ):
-            out.append(group)
-            continue
-        out.append(dataclasses.replace(group, parameters=[p for p in group.parameters if id(p) not in tied]))
-        out.append(
-            dataclasses.replace(
-                group,
-                parameters=[p for p in group.parameters if id(p) in tied],
-                compressor=None,
-                label="tied weights, uncompressed",
-            )
-        )
-    return out
+            decided[0].compression is not None
+        ):  # tp without stages or experts was refused (config/validation.py)
+            register_ddp_compression(result.in_backward, decided[0].compression, dp_mesh.get_group())
+    explicit = [r for r in decided if r.when == AFTER_BACKWARD]
+    if explicit:
+        result.after_backward = GradientSync(_explicit_groups(explicit, module, mesh, runner, expert_ids))
+    return result
 
 
-def _under_zero(
+def _parameters(module: nn.Module, runner: PipelineRunner | None) -> list[nn.Parameter]:
+    return list(runner.parameters) if runner is not None else list(module.parameters())
+
+
+def _explicit_groups(
+    decided: list[Reduction],
     module: nn.Module,
-    dims: ParallelDims,
     mesh: DeviceMesh,
     runner: PipelineRunner | None,
     expert_ids: set[int],
-) -> GradientReductions:
-    """ZeRO reduces over the (expert-)data-parallel ranks in its step; before it, only what it cannot do.
+) -> list[GradientGroup | GradientScale]:
+    """The bucketed all-reduces (and scalings) of the reductions after backward, on this rank's parameters."""
+    trainable = [p for p in _parameters(module, runner) if p.requires_grad]
+    dense = [p for p in trainable if id(p) not in expert_ids]
+    experts = [p for p in trainable if id(p) in expert_ids]
+    tied = {id(module.get_parameter(n)) for n in runner.tied_groups} if runner is not None else set()
+    compression = next((r.compression for r in decided if r.compression is not None), None)
+    compressor = BucketCompressor(compression) if compression is not None else None
+    dp = mesh["dp"]
+    groups: list[GradientGroup | GradientScale] = []
+    for r in decided:
+        if (r.gradients, r.axis) == ("tied", "pp"):
+            assert runner is not None
+            groups += runner.tied_gradient_groups()
+        elif r.gradients == "dense" and r.axis == "ep":
+            groups.append(
+                GradientGroup(dense, mesh["ep"].get_group(), mesh["ep"].size(), label="dense mean over ep")
+            )
+        elif r.gradients == "experts" and r.how == "divided by ep":
+            groups.append(GradientScale(experts, mesh["ep"].size(), label="experts"))
+        elif r.gradients == "dense" or (r.gradients == "dense but tied" and not tied):
+            groups.append(_mean(dense, dp, compressor, "data-parallel mean"))
+        elif r.gradients == "dense but tied":
+            groups.append(
+                _mean([p for p in dense if id(p) not in tied], dp, compressor, "data-parallel mean")
+            )
+        elif (r.gradients, r.axis) == ("tied", "dp"):
+            if tied:  # this rank holds a tied weight: its mean uncompressed (the split above)
+                groups.append(
+                    _mean([p for p in dense if id(p) in tied], dp, None, "tied weights, uncompressed")
+                )
+        elif r.gradients == "experts" and experts:
+            groups.append(
+                GradientGroup(
+                    experts, mesh["dp_replicate"].get_group(), dp.size(), label="experts over their replicas"
+                )
+            )
+    return groups
 
-    Plain parameters for DeepSpeed first (it flattens them: tensor-parallel weights become their
-    local shards, ``zero/tensor_parallel.py``), expert slices flagged as model-parallel. Under
-    expert parallelism ZeRO shards over ``dp_replicate``, so the dense gradients are first averaged
-    over ``ep`` and the expert gradients divided by ``ep``: ZeRO's mean over ``dp_replicate`` then
-    makes dense weights averaged over the whole ``dp`` and experts summed over their replicas
-    divided by ``dp``, as without ZeRO.
-    """
-    if dims.tp_enabled:
-        local_shard_parameters(module)
-    parameters = list(runner.parameters) if runner is not None else list(module.parameters())
-    mark_model_parallel(p for p in parameters if id(p) in expert_ids)
-    groups: list[GradientGroup | GradientScale] = (
-        list(runner.tied_gradient_groups()) if runner is not None else []
-    )
-    if dims.ep_enabled:
-        trainable = [p for p in parameters if p.requires_grad]
-        ep = dims.expert_parallel
-        dense = [p for p in trainable if id(p) not in expert_ids]
-        groups.append(GradientGroup(dense, mesh["ep"].get_group(), ep, label="dense mean over ep"))
-        groups.append(GradientScale([p for p in trainable if id(p) in expert_ids], ep, label="experts"))
-    zero_ranks = "dp_replicate" if dims.ep_enabled else "dp"
-    return GradientReductions(
-        after_backward=GradientSync(groups) if groups else None,
-        in_optimizer_step=f"ZeRO's reduction over {zero_ranks} ({mesh[zero_ranks].size()} ranks)",
-    )
+
+def _mean(
+    params: list[nn.Parameter], dp: DeviceMesh, compressor: BucketCompressor | None, label: str
+) -> GradientGroup:
+    group = GradientGroup(params, dp.get_group(), dp.size(), label=label)
+    if compressor is not None and group.is_mean:  # never the sums of tied weights, nor expert reductions
+        group.compressor = compressor
+    return group

@@ -68,7 +68,7 @@ def parallelize(
     )
     blocks = list(plan.block_names) if plan is not None and plan.block_names else block_names(module)
     sync_parameters(module)
-    layout, captured = _observe_one_step(module, config, plan, sample, training, pipelined=dims.pp_enabled)
+    layout, captured = observe_one_step(module, config, plan, sample, training, pipelined=dims.pp_enabled)
     if plan is not None and captured is not None:
         tensor_parallel_step.verify_plan(module, plan, mesh["tp"], captured)
     cut = pipeline_step.cut_pipeline(module, layout, config.pipeline, mesh) if layout is not None else None
@@ -108,7 +108,7 @@ def sync_parameters(module: nn.Module) -> None:
         _sync_module_states(module, torch.distributed.group.WORLD, 250 * 1024 * 1024, 0, set())
 
 
-def _observe_one_step(
+def observe_one_step(
     module: nn.Module,
     config: ParallelConfig,
     plan: ParallelPlan | None,

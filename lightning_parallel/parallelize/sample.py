@@ -3,7 +3,7 @@
 The pipeline discovery (which blocks are called, which weights feed the first block and the
 loss) and the plan verification (what each block really receives) both learn from the user's
 own step on a real batch. :class:`SampledStep` holds that batch and a call of the step (made by
-the strategy, ``strategy/sample.py``: logging silenced, metric states restored) and runs it once
+the strategy, ``strategy/sampling.py``: logging silenced, metric states restored) and runs it once
 with all their probes attached.
 """
 

@@ -155,8 +155,14 @@ class PipelineRunner:
         step_args: Sequence[Any],
         loss_factor: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
-        """One pipelined forward+backward; returns the batch loss (mean over micro-batches) on every stage."""
+        """One pipelined forward+backward; returns the batch loss (mean over micro-batches) on every stage.
+
+        The gradients it produces are held aside until :meth:`add_held_gradients`: Lightning zeroes
+        gradients *between* ``training_step`` and ``backward`` (first batch of an accumulation
+        window), but the schedule has already run backward inside the step.
+        """
         m = self.micro_batches
+        earlier = self.detach_gradients()
         self._ctx = _StepContext(step_fn, split_batch(batch, m), tuple(step_args))
         self._loss_factor = lambda loss: loss_factor(loss) / m
         self.logs.clear()
@@ -166,8 +172,10 @@ class PipelineRunner:
             with self.logs.recording(self.module, lambda: self._ctx.current if self._ctx else 0):
                 self.schedule.step(mb_index=index, target=target, return_outputs=False)
             loss = self._finish(self._ctx.losses) + self._aux_mean(self._ctx)
+            self._held = self.detach_gradients()
         finally:
             self._ctx = None
+            self.attach_gradients(earlier, add=False)
         return loss
 
     def _aux_mean(self, ctx: _StepContext) -> torch.Tensor:
@@ -209,27 +217,6 @@ class PipelineRunner:
                 p.grad.add_(grad)
             else:
                 p.grad = grad
-
-    def train_step_held(
-        self,
-        step_fn: Callable[..., Any],
-        batch: Any,
-        step_args: Sequence[Any],
-        loss_factor: Callable[[torch.Tensor], torch.Tensor],
-    ) -> torch.Tensor:
-        """:meth:`train_step`, with this batch's gradients held aside until :meth:`add_held_gradients`.
-
-        Lightning zeroes gradients *between* ``training_step`` and ``backward`` (first batch of an
-        accumulation window), but the schedule has already run backward inside the step; so the
-        gradients it produced wait here and are added after Lightning's ``zero_grad``.
-        """
-        earlier = self.detach_gradients()
-        try:
-            loss = self.train_step(step_fn, batch, step_args, loss_factor)
-            self._held = self.detach_gradients()
-        finally:
-            self.attach_gradients(earlier, add=False)
-        return loss
 
     def add_held_gradients(self) -> None:
         if self._held:

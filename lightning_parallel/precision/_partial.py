@@ -69,11 +69,11 @@ def reduce_partial_grads_(params: list[Tensor]) -> None:
             if not isinstance(grad, DTensor):
                 continue
             for mesh_dim, placement in enumerate(grad.placements):
-                if placement.is_partial():
+                if isinstance(placement, Partial):
                     group = grad.device_mesh.get_group(mesh_dim)
                     ranks = group_ranks(group)
                     groups.setdefault(ranks, group)
-                    reduce_op = placement.reduce_op  # type: ignore[attr-defined]
+                    reduce_op = placement.reduce_op
                     buckets[(ranks, reduce_op, str(grad.dtype))].append((param, mesh_dim))
                     break  # one axis per round, the next round takes the next partial axis
         if not buckets:

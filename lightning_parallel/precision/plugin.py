@@ -80,7 +80,7 @@ class HybridPrecision(Precision):
             list(self.main_params(optimizer)),
             clip_val,
             pipeline_group=self.pipeline_group,
-            norm_exclude=getattr(self, "norm_exclude", set()),
+            norm_exclude=self.norm_exclude,
         )
 
     @override

@@ -50,7 +50,7 @@ def training_step(
         aux_losses.start_step(loss_scale(module, scaler, runner.micro_batches))
     step_fn = functools.partial(module.training_step, **kwargs) if kwargs else module.training_step
     with context():
-        return runner.train_step_held(step_fn, batch, rest, loss_factor)
+        return runner.train_step(step_fn, batch, rest, loss_factor)
 
 
 def eval_step(

@@ -65,4 +65,4 @@ def _repoint(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimi
         return
     scheduler.optimizer = new
     # The scheduler counted calls of the old optimizer's ``step``; the new one is stepped by ZeRO.
-    new._opt_called = True  # type: ignore[attr-defined]
+    vars(new)["_opt_called"] = True  # what the scheduler's step wrapper sets on a stepped optimizer

@@ -20,6 +20,7 @@ import copy
 import pytest
 import torch
 
+from lightning_parallel.config.arguments import checkpointing as checkpointing_config
 from lightning_parallel.memory import (
     ActivationBytes,
     ActivationSaver,
@@ -77,7 +78,7 @@ def step(
 
 @pytest.mark.parametrize("n_layer", [2, 3])
 def test_full_checkpointing_keeps_only_the_block_inputs(n_layer: int) -> None:
-    held, _, _ = step(gpt(n_layer), CheckpointingConfig.resolve("full", None))
+    held, _, _ = step(gpt(n_layer), checkpointing_config("full", None))
     assert held.total == outside_blocks_bytes() + n_layer * B * T * C * F32
     assert held.recompute_kept == 0 and held.recompute_inputs == 0  # inputs are positional: saved tensors
 
@@ -86,13 +87,13 @@ def test_every_option_against_the_baseline() -> None:
     base = gpt()
     options = {
         "none": {},
-        "selective (ops)": {"checkpointing": CheckpointingConfig.resolve("selective", "ops")},
-        "selective (every 2nd block)": {"checkpointing": CheckpointingConfig.resolve("selective", 2)},
-        "full": {"checkpointing": CheckpointingConfig.resolve("full", None)},
+        "selective (ops)": {"checkpointing": checkpointing_config("selective", "ops")},
+        "selective (every 2nd block)": {"checkpointing": checkpointing_config("selective", 2)},
+        "full": {"checkpointing": checkpointing_config("full", None)},
         "offload": {"offload": True},
         "bf16 compression": {"compression": "bf16"},
         "fp8 compression": {"compression": "fp8"},
-        "full + offload": {"checkpointing": CheckpointingConfig.resolve("full", None), "offload": True},
+        "full + offload": {"checkpointing": checkpointing_config("full", None), "offload": True},
     }
     held = {name: step(copy.deepcopy(base), **kwargs)[0] for name, kwargs in options.items()}
     baseline = held["none"].total

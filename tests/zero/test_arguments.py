@@ -58,6 +58,7 @@ def test_raw_deepspeed_keys_are_merged_last() -> None:
         ({"zero_stage": 2, "deepspeed_config": {"bf16": {"enabled": True}}}, "use Trainer(precision='bf16-mixed') instead"),
         ({"zero_stage": 2, "deepspeed_config": {"optimizer": {}}}, "use LightningModule.configure_optimizers instead"),
         ({"zero_stage": 2, "deepspeed_config": {"zero_optimization": {"stage": 3}}}, "contradicts `zero_stage=2`"),
+        ({"zero_stage": 1, "gradient_compression": "bf16"}, "`gradient_compression='bf16'` with `zero_stage=1` is not supported"),
     ],
 )  # fmt: skip
 def test_bad_zero_arguments_are_refused_at_construction(kwargs: dict, message: str) -> None:
