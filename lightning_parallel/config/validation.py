@@ -138,20 +138,24 @@ def _check_zero_layout(
             " parallelism agree to 1e-7), and a silently different gradient is worse than an error. Use"
             " `activation_checkpointing='full'` with ZeRO, or selective checkpointing with `zero_stage=0`."
         )
-    if pipeline_parallel > 1 and zero.stage > 1:
-        raise ValueError(
-            f"`zero_stage={zero.stage}` with `pipeline_parallel={pipeline_parallel}` is not supported: the"
-            " pipeline schedule runs backward per micro-batch outside DeepSpeed's engine, and ZeRO-2/3 reduce or"
-            " gather inside per-backward/forward hooks (DeepSpeed's own pipeline engine refuses them too). "
-            + _NEAREST.format(other="pipeline_parallel", stage=zero.stage, name="pipeline parallelism")
-        )
-    if expert_parallel > 1 and zero.stage > 1:
-        raise ValueError(
-            f"`zero_stage={zero.stage}` with `expert_parallel={expert_parallel}` is not supported: the dense"
-            " gradients are averaged over the expert ranks before ZeRO reduces them over the expert-data-parallel"
-            " ranks, which needs ZeRO-1's single reduction at the step. "
-            + _NEAREST.format(other="expert_parallel", stage=zero.stage, name="expert parallelism")
-        )
+    above_stage_1 = {
+        ("pipeline_parallel", "pipeline parallelism"): (
+            pipeline_parallel,
+            "the pipeline schedule runs backward per micro-batch outside DeepSpeed's engine, and ZeRO-2/3 reduce or"
+            " gather inside per-backward/forward hooks (DeepSpeed's own pipeline engine refuses them too).",
+        ),
+        ("expert_parallel", "expert parallelism"): (
+            expert_parallel,
+            "the dense gradients are averaged over the expert ranks before ZeRO reduces them over the"
+            " expert-data-parallel ranks, which needs ZeRO-1's single reduction at the step.",
+        ),
+    }
+    for (argument, name), (degree, reason) in above_stage_1.items():
+        if degree > 1 and zero.stage > 1:
+            raise ValueError(
+                f"`zero_stage={zero.stage}` with `{argument}={degree}` is not supported: {reason} "
+                + _NEAREST.format(other=argument, stage=zero.stage, name=name)
+            )
     if tensor_parallel != 1 and zero.stage == 3:
         raise ValueError(
             f"`zero_stage=3` with `tensor_parallel={tensor_parallel}` is not supported: ZeRO-3 partitions and"
