@@ -19,6 +19,7 @@ Checkpoint hooks: ``strategy/checkpointing.py``; Lightning's ``ModelParallelStra
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -363,6 +364,14 @@ class HybridParallelStrategy(CheckpointingStrategy):
                 yield
         finally:
             self._sync_blocked = False
+
+    @override
+    def teardown(self) -> None:
+        # The hooks and the stages stay with the module (a later fit/validate/test/predict reuses it);
+        # the strategy lets go of its runner, and keeps the plan to show (``strategy.plan``).
+        if self.parallelized is not None:
+            self.parallelized = dataclasses.replace(self.parallelized, pipeline=None)
+        super().teardown()
 
     @classmethod
     @override

@@ -34,7 +34,11 @@ def test_config_follows_stage_offload_precision_and_clipping() -> None:
     assert config["gradient_clipping"] == 0.0
 
     config = zero_arguments(3, "nvme", "/tmp/swap", None).deepspeed_config("32-true", None)
-    assert config["zero_optimization"]["offload_param"] == {"device": "nvme", "nvme_path": "/tmp/swap", "pin_memory": True}
+    assert config["zero_optimization"]["offload_param"] == {
+        "device": "nvme",
+        "nvme_path": "/tmp/swap",
+        "pin_memory": True,
+    }
     assert "bf16" not in config and "fp16" not in config
 
 
@@ -59,6 +63,8 @@ def test_raw_deepspeed_keys_are_merged_last() -> None:
         ({"zero_stage": 2, "deepspeed_config": {"optimizer": {}}}, "use LightningModule.configure_optimizers instead"),
         ({"zero_stage": 2, "deepspeed_config": {"zero_optimization": {"stage": 3}}}, "contradicts `zero_stage=2`"),
         ({"zero_stage": 1, "gradient_compression": "bf16"}, "`gradient_compression='bf16'` with `zero_stage=1` is not supported"),
+        ({"zero_stage": 1, "tensor_parallel": 2, "pipeline_parallel": 2},
+         "`zero_stage=1` with both `tensor_parallel=2` and `pipeline_parallel=2` is not supported yet"),
     ],
 )  # fmt: skip
 def test_bad_zero_arguments_are_refused_at_construction(kwargs: dict, message: str) -> None:
@@ -89,7 +95,9 @@ def test_fp8_plugin_is_refused_not_dropped(kwargs: dict, message: str) -> None:
         precision = "bf16-mixed"
 
     with pytest.raises(ValueError, match=f"the precision plugin Float8Like {message}"):
-        L.Trainer(accelerator="cpu", devices=2, strategy=HybridParallelStrategy(**kwargs), plugins=[Float8Like()])
+        L.Trainer(
+            accelerator="cpu", devices=2, strategy=HybridParallelStrategy(**kwargs), plugins=[Float8Like()]
+        )
 
 
 def _params() -> list[torch.nn.Parameter]:
@@ -105,7 +113,7 @@ def test_adam_becomes_deepspeed_cpu_adam_with_the_same_hyper_parameters(adamw: b
     params = _params()
     optimizer = cls([{"params": params[:1], "lr": 0.01}, {"params": params[1:], "weight_decay": 0.0}],
                     lr=0.1, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.05)  # fmt: skip
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
     swapped = offload_optimizer(optimizer, [scheduler])
     assert isinstance(swapped, DeepSpeedCPUAdam) and swapped.adam_w_mode is adamw
     assert [g["params"] for g in swapped.param_groups] == [params[:1], params[1:]]

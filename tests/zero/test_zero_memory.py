@@ -56,5 +56,7 @@ def test_bytes_per_rank_follow_the_zero_theory(tmp_path: Path, world_size: int) 
             for kind, (per_param, sharded) in theory.items():
                 expected = per_param * run["parameters"] / (world_size if sharded else 1)
                 if abs(run[kind] - expected) > 0.05 * expected:
-                    problems.append(f"rank {rank} zero{stage} {kind}: {run[kind]} bytes, theory {expected:.0f}")
+                    problems.append(
+                        f"rank {rank} zero{stage} {kind}: {run[kind]} bytes, theory {expected:.0f}"
+                    )
     assert not problems, "\n".join(problems)
