@@ -1,8 +1,8 @@
 """Build DeepSpeed's C++ ops (CPU Adam, shared-memory comm, async I/O, pinned memory) ahead of use.
 
 They otherwise compile on first use, minutes each on a small machine, inside a training job or a
-test's timed launch. ``scripts/setup_env.sh`` runs this with ``TORCH_EXTENSIONS_DIR`` set to the
-venv's own folder (``.venv/torch_extensions``, which ``tests/conftest.py`` also points at): torch
+test's timed launch. ``tests/conftest.py`` runs this once, before the first test, with
+``TORCH_EXTENSIONS_DIR`` set to the venv's own folder (``.venv/torch_extensions``): torch
 caches an op by its name only, so two checkouts sharing ``~/.cache/torch_extensions`` rewrite each
 other's build (other paths, same name) and each recompiles over the other.
 
@@ -22,12 +22,30 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 from deepspeed.accelerator import get_accelerator
 
 BUILDERS = ("CPUAdamBuilder", "ShareMemCommBuilder", "AsyncIOBuilder", "PinMemoryBuilder")
+
+
+def ensure_libaio() -> None:
+    """NVMe offload (ZeRO-Infinity) needs libaio's headers to build the async I/O op: installed with apt when
+    this runs as root (this project's machines); elsewhere the op is skipped and ``offload='nvme'`` unavailable."""
+    if Path("/usr/include/libaio.h").exists() or not shutil.which("apt-get") or os.geteuid() != 0:
+        return
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "libaio-dev"]
+    if subprocess.run(install, **quiet).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], **quiet)
+        if subprocess.run(install, **quiet).returncode != 0:
+            print(
+                "build_deepspeed_ops: libaio-dev not installed; offload='nvme' will be unavailable",
+                file=sys.stderr,
+            )
 
 
 def load_all() -> list[str]:
@@ -55,6 +73,7 @@ def main() -> None:
     for lock in cache.glob("*/lock"):  # left by a build that was killed: torch would wait on it forever
         print(f"build_deepspeed_ops: removing the stale {lock}")
         lock.unlink()
+    ensure_libaio()
     before = built_libraries(cache)
     loaded = load_all()
     rebuilt = sorted(so.stem for so, mtime in built_libraries(cache).items() if before.get(so) != mtime)

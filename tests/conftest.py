@@ -20,17 +20,51 @@ from tests.optional_packages import use_optional_packages
 
 use_optional_packages()  # torchao from .venv/extras (scripts/setup_env.sh), for the tests that use it
 
-# DeepSpeed's ops as scripts/setup_env.sh built them, in the venv's own cache (inherited by every
-# worker the harness starts): sharing ~/.cache/torch_extensions with another checkout recompiles them.
+# DeepSpeed's ops, built once before the first test (pytest_sessionstart below), in the venv's own
+# cache (inherited by every worker the harness starts): sharing ~/.cache/torch_extensions with
+# another checkout recompiles them.
 # And the venv's own ninja first on PATH, as an activated venv has it (setup_env.sh activates):
 # torch builds an op with the first `ninja` on PATH, and a system ninja of another version reads
 # the venv ninja's build log as stale (other hash) and recompiles every op inside the test launches.
 _VENV_OPS = Path(sys.prefix) / "torch_extensions"
-if _VENV_OPS.is_dir():
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_VENV_OPS))
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_VENV_OPS))
 _VENV_BIN = str(Path(sys.executable).parent)
 if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
     os.environ["PATH"] = os.pathsep.join(filter(None, [_VENV_BIN, os.environ.get("PATH")]))
+
+
+_OPS_READY = ".built"  # written when every op this machine can build is built and loads without a rebuild
+
+
+def _deepspeed_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def pytest_sessionstart(session) -> None:
+    """Build DeepSpeed's C++ ops before the first test, once per venv, so no test compiles inside a
+    timed launch (``scripts/setup_env.sh`` builds nothing: the README's main job needs none of them)."""
+    ops = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    if not _deepspeed_installed() or (ops / _OPS_READY).exists():
+        return
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "build_deepspeed_ops.py"
+    writer = session.config.get_terminal_writer()
+    writer.line(
+        f"tests: building DeepSpeed's C++ ops once into {ops} (CPU Adam, shared-memory comm, async I/O, pinned"
+        " memory: the ZeRO and offload tests load them; about 10 minutes on 2 cores, seconds once built)"
+    )
+    ops.mkdir(parents=True, exist_ok=True)
+    for extra in ([], ["--check"]):
+        result = subprocess.run([sys.executable, str(script), *extra], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise pytest.UsageError(
+                f"building DeepSpeed's ops failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+            )
+        writer.line(result.stdout.strip().splitlines()[-1] if result.stdout.strip() else "")
+    (ops / _OPS_READY).write_text("built and checked by scripts/build_deepspeed_ops.py\n")
 
 
 def pytest_configure(config) -> None:

@@ -49,7 +49,7 @@ from lightning_parallel.tensor_parallel.loss_parallel import (
     sharded_loss_step,
     to_plain,
 )
-from lightning_parallel.zero.engine import deepspeed_environment, initialize_engine
+from lightning_parallel.zero.engine import announce_compilation, deepspeed_environment, initialize_engine
 
 # ``Trainer(strategy=name)``: (name, description, arguments).
 PRESETS: list[tuple[str, str, dict[str, Any]]] = [
@@ -267,6 +267,8 @@ class HybridParallelStrategy(CheckpointingStrategy):
         deepspeed_environment(
             self.global_rank, self.world_size, self.local_rank, env.main_address, env.main_port
         )
+        if (line := announce_compilation(zero, self.root_device.type)) is not None:
+            rank_zero_info(line)
         engine, optimizer, mpu = initialize_engine(
             self.lightning_module, self.optimizers[0], [c.scheduler for c in self.lr_scheduler_configs], zero,
             self.device_mesh, self.precision_plugin.precision, trainer.gradient_clip_val,

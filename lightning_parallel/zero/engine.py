@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +37,40 @@ def deepspeed_environment(
     }
     for key, value in values.items():
         os.environ.setdefault(key, str(value))
+
+
+# The C++ ops a ZeRO job loads, and what for (DeepSpeed compiles each on first use, a minute or more).
+_OPS = {
+    "cpu_adam": "the optimizer step on the CPU (offload)",
+    "async_io": "the NVMe swapping (offload='nvme')",
+    "deepspeed_shm_comm": "DeepSpeed's collectives on the CPU",
+}
+
+
+def ops_to_compile(zero: ZeroArguments, device_type: str) -> list[str]:
+    """The ops this job needs that torch's extension cache does not hold yet (they compile on first use)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    needed = (["cpu_adam"] if zero.offload else []) + (["async_io"] if zero.offload == "nvme" else [])
+    needed += ["deepspeed_shm_comm"] if device_type == "cpu" else []
+    missing = []
+    for name in needed:
+        if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
+            missing.append(name)
+    return missing
+
+
+def announce_compilation(zero: ZeroArguments, device_type: str) -> str | None:
+    """One line saying which ops are about to compile, why, and where they are cached (None: nothing to compile)."""
+    missing = ops_to_compile(zero, device_type)
+    if not missing:
+        return None
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")
+    what = "; ".join(f"{name} ({_OPS[name]})" for name in missing)
+    return (
+        f"ZeRO: compiling DeepSpeed's C++ ops once, a minute or more each: {what}. Cached in {cache}"
+        " (set TORCH_EXTENSIONS_DIR to keep one cache per environment); later runs load them in seconds."
+    )
 
 
 def initialize_engine(

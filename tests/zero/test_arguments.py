@@ -7,6 +7,9 @@ construction with the argument, the value and the fix.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision
@@ -143,3 +146,21 @@ def test_other_optimizers_stay_and_unsupported_adam_options_are_refused() -> Non
 def test_selective_checkpointing_is_refused_under_zero(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         HybridParallelStrategy(**kwargs)
+
+
+def test_a_job_says_which_deepspeed_ops_it_compiles_and_why(tmp_path, monkeypatch) -> None:
+    """A fresh cache: every op the layout needs is announced (a minute or more each); the built cache: none."""
+    from lightning_parallel.zero.engine import announce_compilation
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    line = announce_compilation(zero_arguments(3, "nvme", "/tmp/x", None), "cpu")
+    assert line is not None and str(tmp_path) in line
+    for name in ("cpu_adam", "async_io", "deepspeed_shm_comm"):
+        assert name in line
+    assert "cpu_adam" not in (announce_compilation(zero_arguments(1, None, None, None), "cpu") or "")
+    assert (
+        announce_compilation(zero_arguments(1, None, None, None), "cuda") is None
+    )  # nothing compiles for it
+    built = Path(sys.prefix) / "torch_extensions"  # what tests/conftest.py built before this test
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(built))
+    assert announce_compilation(zero_arguments(3, "nvme", "/tmp/x", None), "cpu") is None
