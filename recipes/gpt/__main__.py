@@ -24,25 +24,36 @@ the resolved config and checkpoints go to ``runs/<name>/version_<n>/``.
 
 from __future__ import annotations
 
+from typing import Any
+
+import lightning as L
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_parallel  # noqa: F401  (registers "hybrid_parallel" and the presets with Lightning)
+from recipes.gpt.callbacks import use_step_limited_bar
 from recipes.gpt.data import TokenDataModule
 from recipes.gpt.module import GPTLightningModule
 
 
-class GPTCLI(LightningCLI):
-    """``LightningCLI`` that sets the sequence length once, on the model, for both sides."""
+class RecipeCLI(LightningCLI):
+    """``LightningCLI`` of the recipes: the sequence length set once, on the model, for both sides, and
+    the progress bar whose epoch field reads sensibly for a run limited by steps."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # The data must cut windows no longer than the model's position table; a single
         # source of truth makes a mismatch impossible.
         parser.link_arguments("model.block_size", "data.block_size")
 
+    def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        return use_step_limited_bar(super().instantiate_trainer(**kwargs))
 
-def main(args: list[str] | None = None) -> GPTCLI:
+
+GPTCLI = RecipeCLI
+
+
+def main(args: list[str] | None = None) -> RecipeCLI:
     """Parse ``args`` (default: ``sys.argv``), then run the subcommand (``fit``, ``validate``, ...)."""
-    return GPTCLI(GPTLightningModule, TokenDataModule, save_config_kwargs={"overwrite": True}, args=args)
+    return RecipeCLI(GPTLightningModule, TokenDataModule, save_config_kwargs={"overwrite": True}, args=args)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
-"""Throughput reporting for the GPT recipe: tokens per second on the progress bar and in the logs.
+"""Throughput reporting for the recipes: tokens/s, TFLOP/s and MFU on the progress bar and in the logs.
 
-Two tools, used together in the configs:
+Tools, used together in the configs:
 
-- :class:`TokensPerSecond`: global training tokens/s, shown on the progress bar as ``tok/s``
-  and logged. It counts data-parallel replicas, not ranks (see its docstring).
+- :class:`TokensPerSecond`: global training tokens/s (``tok/s``), and this device's model TFLOP/s
+  (``TFLOP/s``) and MFU (``MFU``, where the device's peak is known), on the progress bar and
+  logged. It counts data-parallel replicas, not ranks (see its docstring).
+- :class:`StepFlops`: the recipes' modules count their model FLOPs from their shapes
+  (``lightning_parallel.plans.flops``) and define ``flops_per_batch``, this device's share.
 - Lightning's ``ThroughputMonitor``, fed by :func:`sequences_in_batch` and
   :func:`tokens_in_batch`: per-device ``samples_per_sec`` / ``items_per_sec`` (items are
-  tokens here), plus MFU when the module defines ``flops_per_batch``. Its global numbers
-  multiply by the world size, so they overcount under tensor or pipeline parallelism; read
-  its ``device/...`` metrics, or ``tok/s``, in that case.
+  tokens here), ``device/flops_per_sec`` and ``device/mfu`` (from ``flops_per_batch``, on the
+  GPUs Lightning knows). Its global numbers multiply by the world size, so they overcount under
+  tensor or pipeline parallelism; read its ``device/...`` metrics, or ``tok/s``, in that case.
+- :class:`StepLimitedProgressBar`: Lightning's rich bar, whose epoch field reads ``Epoch 0``
+  instead of ``Epoch 0/-2`` when the run is limited by steps.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, RichProgressBar
+from torch import nn
+
+from lightning_parallel.plans.flops import forward_flops_per_token, peak_flops
 
 
 def sequences_in_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> int:
@@ -45,6 +53,68 @@ def data_parallel_replicas(trainer: L.Trainer) -> int:
     return int(kwargs.get("num_replicas", 1))
 
 
+def compute_dtype(trainer: L.Trainer) -> torch.dtype:
+    """The dtype the matmuls run in under the Trainer's precision (what the device's peak is quoted for)."""
+    precision = str(trainer.precision)
+    return (
+        torch.bfloat16
+        if precision.startswith("bf16")
+        else torch.float16
+        if precision.startswith("16")
+        else torch.float32
+    )
+
+
+class StepFlops:
+    """For a recipe's LightningModule: ``flops_per_batch``, this device's model FLOPs of one step.
+
+    Counted once from the unparallelised model's shapes (:meth:`count_flops`, in ``__init__``): a
+    batch's tokens x the FLOPs per token (forward and backward while training, forward in
+    validation), shared by the ranks that work on the same batch (world size / data-parallel
+    replicas: tensor and pipeline ranks), which is what Lightning's ``ThroughputMonitor`` expects
+    per device.
+    """
+
+    trainer: L.Trainer
+    _forward_flops_per_token: float = 0.0
+    _tokens_in_batch: int = 0
+
+    def count_flops(self, model: nn.Module, sequence_length: int) -> None:
+        self._forward_flops_per_token = forward_flops_per_token(model, sequence_length)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._tokens_in_batch = tokens_in_batch(batch)
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._tokens_in_batch = tokens_in_batch(batch)
+
+    @property
+    def flops_per_batch(self) -> float:
+        ranks_per_batch = self.trainer.world_size / data_parallel_replicas(self.trainer)
+        passes = 3.0 if self.trainer.training else 1.0  # backward: two matmuls per forward matmul
+        return passes * self._tokens_in_batch * self._forward_flops_per_token / ranks_per_batch
+
+
+class StepLimitedProgressBar(RichProgressBar):
+    """Lightning's rich progress bar; a run limited by ``max_steps`` reads ``Epoch 0`` (Lightning: ``Epoch 0/-2``)."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        if self.trainer.max_epochs is None or self.trainer.max_epochs >= 0:
+            return super()._get_train_description(current_epoch)
+        description = f"Epoch {current_epoch}"
+        if len(self.validation_description) > len(description):
+            description = f"{description:{len(self.validation_description)}}"
+        return description
+
+
+def use_step_limited_bar(trainer: L.Trainer) -> L.Trainer:
+    """Swap Lightning's default rich progress bar for :class:`StepLimitedProgressBar` (nothing else changes)."""
+    for index, callback in enumerate(trainer.callbacks):
+        if type(callback) is RichProgressBar:
+            trainer.callbacks[index] = StepLimitedProgressBar()
+    return trainer
+
+
 class TokensPerSecond(Callback):
     """Log global training tokens per second as ``tok/s``, on the progress bar and to the logger.
 
@@ -53,6 +123,10 @@ class TokensPerSecond(Callback):
     ranks work on the *same* batch, so multiplying by the world size would count that batch
     once per model-parallel rank. The replica count comes from
     :func:`data_parallel_replicas`, i.e. from the sampler settings the strategy chose.
+
+    ``TFLOP/s`` is this device's model FLOPs (the module's ``flops_per_batch``) per second, ``MFU``
+    that over the device's dense peak in the Trainer's precision (``lightning_parallel.plans.flops.
+    peak_flops``: known GPUs, or ``LP_PEAK_TFLOPS``; none on a CPU).
 
     The time is measured from ``on_train_batch_start`` to ``on_train_batch_end`` (forward,
     backward and optimizer step), averaged over the last ``window`` batches so that the
@@ -70,7 +144,10 @@ class TokensPerSecond(Callback):
             raise ValueError(f"`window={window}` must be at least 1.")
         self.window = window
         self._start: float | None = None
-        self._history: deque[tuple[int, float]] = deque(maxlen=window)  # (global tokens, seconds)
+        self._history: deque[tuple[int, float, float]] = deque(
+            maxlen=window
+        )  # (global tokens, device FLOPs, seconds)
+        self._peak: float | None = None
 
     @staticmethod
     def _sync(trainer: L.Trainer) -> None:
@@ -80,6 +157,7 @@ class TokensPerSecond(Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._history.clear()
+        self._peak = peak_flops(trainer.strategy.root_device, compute_dtype(trainer))
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -95,8 +173,22 @@ class TokensPerSecond(Callback):
         self._sync(trainer)
         seconds = time.perf_counter() - self._start
         self._start = None
-        self._history.append((tokens_in_batch(batch) * data_parallel_replicas(trainer), seconds))
-        tokens = sum(n for n, _ in self._history)
-        elapsed = sum(s for _, s in self._history)
-        if elapsed > 0:
-            pl_module.log("tok/s", tokens / elapsed, prog_bar=True, on_step=True, on_epoch=False)
+        flops = float(getattr(pl_module, "flops_per_batch", 0.0) or 0.0)
+        self._history.append((tokens_in_batch(batch) * data_parallel_replicas(trainer), flops, seconds))
+        elapsed = sum(s for _, _, s in self._history)
+        if elapsed <= 0:
+            return
+        pl_module.log(
+            "tok/s",
+            sum(n for n, _, _ in self._history) / elapsed,
+            prog_bar=True,
+            on_step=True,
+            on_epoch=False,
+        )
+        flops_per_second = sum(f for _, f, _ in self._history) / elapsed
+        if flops_per_second > 0:
+            pl_module.log("TFLOP/s", flops_per_second / 1e12, prog_bar=True, on_step=True, on_epoch=False)
+            if self._peak:
+                pl_module.log(
+                    "MFU", flops_per_second / self._peak, prog_bar=True, on_step=True, on_epoch=False
+                )

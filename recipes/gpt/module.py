@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics.text import Perplexity
 
+from recipes.gpt.callbacks import StepFlops
 from recipes.gpt.model import GPT, GPTConfig
 from recipes.gpt.tokenizer import PADDED_VOCAB_SIZE
 
@@ -55,7 +56,7 @@ def warmup_cosine(step: int, warmup_steps: int, decay_steps: int, min_lr_ratio: 
     return min_lr_ratio + 0.5 * (1.0 - min_lr_ratio) * (1.0 + math.cos(math.pi * progress))
 
 
-class GPTLightningModule(L.LightningModule):
+class GPTLightningModule(StepFlops, L.LightningModule):
     """Next-token prediction with a GPT; the defaults are the ``tiny.yaml`` model.
 
     Args:
@@ -107,6 +108,9 @@ class GPTLightningModule(L.LightningModule):
             )
         )
         self.val_ppl = Perplexity()
+        self.count_flops(
+            self.model, block_size
+        )  # flops_per_batch: TFLOP/s and MFU (recipes/gpt/callbacks.py)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits ``(B, T, V)`` for token ids ``(B, T)``."""

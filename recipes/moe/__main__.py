@@ -25,18 +25,12 @@ tokens are logged by ``recipes.moe.callbacks.ExpertLoad``; logs and checkpoints 
 
 from __future__ import annotations
 
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-
 import lightning_parallel  # noqa: F401  (registers "hybrid_parallel" and the presets with Lightning)
+from recipes.gpt.__main__ import RecipeCLI
 from recipes.gpt.data import TokenDataModule
 from recipes.moe.module import MoEGPTLightningModule
 
-
-class MoECLI(LightningCLI):
-    """``LightningCLI`` that sets the sequence length once, on the model, for both sides."""
-
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("model.block_size", "data.block_size")
+MoECLI = RecipeCLI  # the GPT recipe's: block size linked, step-limited progress bar
 
 
 def main(args: list[str] | None = None) -> MoECLI:

@@ -16,12 +16,13 @@ import torch.nn.functional as F
 from torchmetrics.text import Perplexity
 
 from lightning_parallel.experts import moe_aux_loss
+from recipes.gpt.callbacks import StepFlops
 from recipes.gpt.module import warmup_cosine_scheduler
 from recipes.gpt.tokenizer import PADDED_VOCAB_SIZE
 from recipes.moe.model import MoEGPT, MoEGPTConfig
 
 
-class MoEGPTLightningModule(L.LightningModule):
+class MoEGPTLightningModule(StepFlops, L.LightningModule):
     """Next-token prediction with a GPT-MoE; the defaults are the ``tiny.yaml`` model.
 
     Args:
@@ -89,6 +90,9 @@ class MoEGPTLightningModule(L.LightningModule):
             )  # fmt: skip
         )
         self.val_ppl = Perplexity()
+        self.count_flops(
+            self.model, block_size
+        )  # flops_per_batch: TFLOP/s and MFU (recipes/gpt/callbacks.py)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits ``(B, T, V)`` for token ids ``(B, T)``."""

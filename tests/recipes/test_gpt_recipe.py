@@ -246,3 +246,40 @@ def test_cli_fit_tiny_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     with open(run_dir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert any(row["train_loss"] for row in rows) and any(row["tok/s"] for row in rows)
+
+
+def test_tflops_and_mfu_on_the_bar_and_in_the_metrics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TFLOP/s (and MFU, given a peak) logged from the module's ``flops_per_batch``; no ThroughputMonitor
+    warning about it; the epoch field of a step-limited run reads "Epoch 0", not "Epoch 0/-2"."""
+    import warnings
+
+    from recipes.gpt.callbacks import StepLimitedProgressBar
+
+    monkeypatch.setenv("LP_PEAK_TFLOPS", "0.5")  # a CPU has no known peak: TFLOP/s only, unless told
+    monkeypatch.setattr(sys, "argv", ["recipes.gpt"])
+    args = [
+        "fit", "--config", str(REPO_ROOT / "recipes/gpt/configs/tiny.yaml"), "--trainer.max_steps", "12",
+        "--trainer.log_every_n_steps", "1", "--trainer.limit_val_batches", "2",
+        "--trainer.logger.init_args.save_dir", str(tmp_path),
+    ]  # fmt: skip
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cli = main(args)
+    assert not [w for w in seen if "flops_per_batch" in str(w.message)]
+    bar = cli.trainer.progress_bar_callback
+    assert isinstance(bar, StepLimitedProgressBar) and bar._get_train_description(0).strip() == "Epoch 0"
+    module = cli.model
+    tokens = 16 * 64  # the tiny config's batch x block size, one rank
+    cli.trainer.training = True  # forward and backward; evaluation counts the forward alone
+    assert module.flops_per_batch == pytest.approx(3 * tokens * module._forward_flops_per_token)
+    cli.trainer.validating = True
+    assert module.flops_per_batch == pytest.approx(tokens * module._forward_flops_per_token)
+    with open(tmp_path / "gpt-tiny" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    tflops = [float(r["TFLOP/s"]) for r in rows if r.get("TFLOP/s")]
+    mfu = [float(r["MFU"]) for r in rows if r.get("MFU")]
+    assert tflops and mfu and all(t > 0 for t in tflops)
+    assert mfu[-1] == pytest.approx(tflops[-1] / 0.5, rel=1e-6)
+    assert any(r.get("train/device/flops_per_sec") for r in rows)  # Lightning's ThroughputMonitor, fed too
