@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install the project with its test extras; builds nothing.
-# torch is pinned (pyproject) to the CPU build these machines carry; an unpinned torch can
-# pull a multi-GB CUDA build.
+# torch is installed first, exactly, as the CPU build these machines carry (pyproject.toml's range
+# alone could pull a multi-GB CUDA build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-python -m pip install -q "torch==2.13.0"
+python -m pip install -q "torch==2.13.0" "lightning==2.6.6"  # pyproject.toml has ranges; these machines, exact versions
 # DeepSpeed (ZeRO) from its sdist: --no-build-isolation, or pip would build it against a fresh
 # (CUDA) torch download in an isolated environment. Its C++ ops compile on first use.
 python -m pip install -q --no-build-isolation "deepspeed==0.19.8"
