@@ -193,6 +193,9 @@ def main() -> None:
         "--warmup", type=int, default=None, help="untimed steps per phase (default 5; tiny 2)"
     )
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile phase")
+    parser.add_argument(
+        "--compile-only", action="store_true", help="only eager and torch.compile (gpu_check's phase 6)"
+    )
     parser.add_argument("--json", default=None, help="also write the results as JSON here")
     args = parser.parse_args()
     # Lightning sets torch's CPU threads when a strategy launches processes (even one), unless
@@ -223,6 +226,8 @@ def main() -> None:
               ("lightning", lambda: run_lightning(shape, batches, device, steps, warmup, use_strategy=False)),
               ("strategy", lambda: run_lightning(shape, batches, device, steps, warmup, use_strategy=True)),
               ("eager again", lambda: run_plain(shape, batches, device, steps, warmup))]  # fmt: skip
+    if args.compile_only:
+        phases = [phases[0]]
     if not args.no_compile:
         phases.append(("compile", lambda: run_plain(shape, batches, device, steps, warmup, compile=True)))
     for name, run in phases:
@@ -241,12 +246,18 @@ def main() -> None:
 
     num_params = _module_params(shape)
     flops_per_token = 6 * num_params + 12 * shape["n_layer"] * shape["n_embd"] * shape["block_size"]
-    eager = statistics.fmean([_median(results, "eager"), _median(results, "eager again")])
+    eager = statistics.fmean([_median(results, n) for n in ("eager", "eager again") if n in results])
     rows = [_summary(name, result, tokens, flops_per_token, eager) for name, result in results.items()]
     print(f"\n# {num_params / 1e9:.3f}B parameters (without position embeddings), {flops_per_token / 1e9:.2f}"
           f" GFLOP/token, {tokens} tokens/step, {time.perf_counter() - start:.0f} s in all\n")  # fmt: skip
     header = ["phase", "step", "tokens/s", "MFU", "peak memory", "held before", "first loss", "vs eager"]
     print(table(header, rows))
+    if args.compile_only:
+        print(f"RESULT compile / eager = {_median(results, 'compile') / eager:.3f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": machine(), "shape": shape, "results": results}, f, indent=1)
+        return
     ratio = _median(results, "strategy") / eager
     lightning_ratio = _median(results, "lightning") / eager
     print(

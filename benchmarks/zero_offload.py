@@ -39,7 +39,9 @@ LADDER = {
 }  # fmt: skip
 
 
-def run_zero(shape: dict[str, Any], device: torch.device, steps: int, warmup: int, **strategy: Any) -> dict[str, Any]:
+def run_zero(
+    shape: dict[str, Any], device: torch.device, steps: int, warmup: int, **strategy: Any
+) -> dict[str, Any]:
     import lightning as L
     from torch.utils.data import DataLoader
 
@@ -71,7 +73,9 @@ def ratio(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             zip(median.items(), (on_device, offloaded), strict=True)]  # fmt: skip
     print(table(["phase", "step (median)", "peak GPU GiB"], rows))
     value = median["zero2 + cpu offload"] / median["zero2"]
-    print(f"RESULT zero2 offload / on-device step time: {value:.2f} (target <= {TARGET}; FSDP2 offload: 7.95)")
+    print(
+        f"RESULT zero2 offload / on-device step time: {value:.2f} (target <= {TARGET}; FSDP2 offload: 7.95)"
+    )
     return {"parameters": _module_params(shape), "median_s": median, "ratio": value, "target": TARGET,
             "peak_gib": {"zero2": on_device["peak_gib"], "offload": offloaded["peak_gib"]}}  # fmt: skip
 
@@ -79,7 +83,9 @@ def ratio(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 def largest(args: argparse.Namespace) -> dict[str, Any]:
     trained, tried = None, {}
     for name in ["tiny"] if args.tiny else LADDER:
-        command = [sys.executable, "-m", "benchmarks.zero_offload", "--one", name] + (["--cpu"] if args.cpu else [])
+        command = [sys.executable, "-m", "benchmarks.zero_offload", "--one", name] + (
+            ["--cpu"] if args.cpu else []
+        )
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.limit_s)
         ok = done.returncode == 0 and "TRAINED" in done.stdout
         tried[name] = "trained" if ok else (done.stderr.strip().splitlines() or ["failed"])[-1][:200]
@@ -105,7 +111,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model: check the code paths")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (with --tiny)")
-    parser.add_argument("--largest", action="store_true", help="the largest-model search instead of the ratio")
+    parser.add_argument(
+        "--largest", action="store_true", help="the largest-model search instead of the ratio"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)

@@ -1,0 +1,222 @@
+"""The GPU check for a lent H200, in one command that ends before its deadline: ``bash scripts/gpu_check.sh``.
+
+    PYTHONPATH=. python -m benchmarks.gpu_check --out DIR                # the lent GPU: at most 9 minutes
+    PYTHONPATH=. python -m benchmarks.gpu_check --dry-run --out DIR      # the same logic on a CPU, tiny shapes
+
+The lent machine gives a session 15 minutes of device time in all and at most 10 minutes a
+command, with its own Python 3.12, torch 2.11 and Lightning 2.6.6 (no deepspeed, no network), so
+this runs the most valuable measurements first, each a subprocess with a time limit cut to what
+is left of the deadline (``--deadline-s``, 540 s by default), and stops cleanly when time runs out:
+a phase that would not fit is skipped, one that overruns is stopped, and what was measured is kept.
+
+1. ``environment``: torch, CUDA, the device, the project imports.
+2. ``paths``: every phase of ``gpu_step`` on a tiny model (a broken code path fails in seconds).
+3. ``step``: GPT-1.3B, bf16: plain PyTorch eager vs Lightning vs the strategy (``benchmarks/gpu_step.py``).
+4. ``precisions``: 32-true, bf16-mixed and 16-mixed with loss scaling through the Trainer on an
+   nccl process group (tensor_parallel=1, dp=1) against plain PyTorch (``benchmarks/gpu_paths.py``).
+5. ``memory``: the memory savers on GPT-1.3B (``benchmarks/memory_savers.py``).
+6. ``compile``: ``torch.compile`` of the same step.
+7. ``fp8``: a few steps with ``Float8Precision`` against bf16-mixed (where the GPU has fp8).
+8. ``zero_offload``: ZeRO-2 + CPU offload against on-GPU, if deepspeed was carried there.
+
+Writes ``gpu_check.json`` (every phase's status, seconds, results and each figure against its
+target or reference figure: ``benchmarks/README.md``, ``docs/``, the reference measurements of
+that machine) and ``gpu_check.txt`` (what the phases printed) into ``--out``. Exit status 0 when
+every phase that ran passed its own checks; a missed speed target is reported, not a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DEADLINE_S = 540.0
+MARGIN_S = 15.0  # kept for writing the results and the process exit
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One number a phase produces, against a target (``<=``, ``>=``, ``==``) or a reference (within ``rel``)."""
+
+    name: str
+    read: Callable[[dict[str, Any]], Any]
+    compare: str  # "<=", ">=", "==", "~" (a reference figure, within ``rel``)
+    value: Any
+    source: str
+    rel: float = 0.0
+
+    def check(self, results: dict[str, Any]) -> dict[str, Any]:
+        try:
+            measured = self.read(results)
+        except (KeyError, TypeError, ZeroDivisionError, IndexError):
+            return {"figure": self.name, "measured": None, "verdict": "not measured", "source": self.source}
+        if self.compare == "<=":
+            ok = measured <= self.value
+        elif self.compare == ">=":
+            ok = measured >= self.value
+        elif self.compare == "==":
+            ok = measured == self.value
+        else:
+            ok = abs(measured - self.value) <= self.rel * abs(self.value)
+        wanted = f"{self.compare} {self.value}" + (f" (within {self.rel:.0%})" if self.compare == "~" else "")
+        return {"figure": self.name, "measured": measured, "wanted": wanted, "verdict": "pass" if ok else "miss",
+                "source": self.source}  # fmt: skip
+
+
+@dataclass
+class Phase:
+    name: str
+    args: list[str]  # ``python -m benchmarks.<...>`` arguments; ``{json}`` is this phase's results file
+    limit_s: float
+    figures: list[Figure] = field(default_factory=list)
+    needs: str | None = None  # a module that must import on the machine, else the phase is skipped
+
+
+def _ms(name: str) -> Callable[[dict[str, Any]], float]:
+    import statistics
+
+    return lambda r: statistics.median(r["results"][name]["times"]) * 1e3
+
+
+def phases(dry_run: bool) -> list[Phase]:
+    tiny_cpu = ["--tiny", "--cpu"] if dry_run else []
+    readme, anchors = (
+        "benchmarks/README.md",
+        "reference H200 measurements (docs/design.md, benchmarks/README.md)",
+    )
+    return [
+        Phase("environment", ["benchmarks.gpu_check", "--environment", "{json}"], 60,
+              [Figure("cuda device", lambda r: r["cuda"], "==", True, "the lent machine has one")] if not dry_run else []),
+        Phase("paths", ["benchmarks.gpu_step", "--tiny", "--no-compile", *(["--cpu"] if dry_run else []), "--json", "{json}"],
+              90),
+        Phase("step", ["benchmarks.gpu_step", "--no-compile", *tiny_cpu, "--json", "{json}"], 200, [
+            Figure("strategy / eager step time", lambda r: r["strategy_over_eager"], "<=", 1.02, readme),
+            Figure("eager GPT-1.3B ms/step", _ms("eager"), "~", 282.7, anchors, rel=0.10),
+            Figure("lightning / eager step time", lambda r: _ms("lightning")(r) / _ms("eager")(r), "~", 1.00, anchors, 0.03),
+        ] if not dry_run else [Figure("strategy / eager step time", lambda r: r["strategy_over_eager"] > 0, "==", True, "runs")]),
+        Phase("precisions", ["benchmarks.gpu_paths", *tiny_cpu, "--json", "{json}"], 120, [
+            Figure(f"{p} loss parity with plain PyTorch", lambda r, p=p: r["results"][p]["parity"], "==", True,
+                   "benchmarks/gpu_paths.py tolerances") for p in ("32-true", "bf16-mixed", "16-mixed")
+        ]),
+        Phase("memory", ["benchmarks.memory_savers", *(["--tiny", "--cpu"] if dry_run else ["--large", "--rounds", "3"]),
+                         "--json", "{json}"], 150, [
+            Figure("full checkpointing step time / none", lambda r: r["results"]["full"]["time_ratio"], "~", 1.22, anchors, 0.10),
+        ] if not dry_run else []),
+        Phase("compile", ["benchmarks.gpu_step", "--compile-only", *tiny_cpu, "--json", "{json}"], 120, [
+            Figure("compile GPT-1.3B ms/step", _ms("compile"), "~", 258.0, anchors, rel=0.10),
+        ] if not dry_run else []),
+        Phase("fp8", ["benchmarks.memory_savers", "--fp8"], 60),  # Float8Precision vs bf16-mixed, where the GPU has fp8
+        Phase("zero_offload", ["benchmarks.zero_offload", *tiny_cpu, "--json", "{json}"], 150, [
+            Figure("ZeRO-2 offload / on-GPU step time", lambda r: r["ratio"], "<=", 2.0, readme),
+        ] if not dry_run else [], needs="deepspeed"),
+    ]  # fmt: skip
+
+
+def environment(path: str) -> None:
+    """Phase 1, in its own process: what the machine has, and that the project imports there."""
+    import lightning
+    import torch
+
+    import lightning_parallel  # noqa: F401
+    import recipes.gpt.module  # noqa: F401
+
+    info = {"torch": torch.__version__, "cuda_version": torch.version.cuda, "lightning": lightning.__version__,
+            "python": sys.version.split()[0], "cuda": torch.cuda.is_available()}  # fmt: skip
+    if info["cuda"]:
+        info["device"] = torch.cuda.get_device_name(0)
+        info["bf16"] = torch.cuda.is_bf16_supported()
+    print(json.dumps(info))
+    Path(path).write_text(json.dumps(info))
+
+
+def run(
+    out: Path, deadline_s: float, dry_run: bool, only: list[str] | None = None, python: str = sys.executable
+) -> dict[str, Any]:
+    start = time.monotonic()
+    log = (out / "gpu_check.txt").open("w")
+    report: dict[str, Any] = {"deadline_s": deadline_s, "dry_run": dry_run, "phases": []}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if dry_run:
+        env["GPU_CHECK_DRY_RUN"] = "1"
+    for phase in phases(dry_run):
+        if only and phase.name not in only and phase.name != "environment":
+            continue
+        left = deadline_s - MARGIN_S - (time.monotonic() - start)
+        entry: dict[str, Any] = {"phase": phase.name, "status": "", "seconds": 0.0, "figures": []}
+        report["phases"].append(entry)
+        if (
+            phase.needs
+            and subprocess.run([python, "-c", f"import {phase.needs}"], capture_output=True).returncode
+        ):
+            entry["status"] = f"skipped: {phase.needs} is not installed"
+            continue
+        if left < min(30.0, phase.limit_s):
+            entry["status"] = "skipped: the deadline"
+            continue
+        results = out / f"{phase.name}.json"
+        args = [a.replace("{json}", str(results)) for a in phase.args]
+        limit = min(phase.limit_s, left)
+        log.write(f"\n$ python -m {' '.join(args)}   (limit {limit:.0f} s)\n")
+        log.flush()
+        began = time.monotonic()
+        try:
+            done = subprocess.run([python, "-m", *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=limit)  # fmt: skip
+            entry["status"] = "passed" if done.returncode == 0 else f"failed (exit status {done.returncode})"
+        except subprocess.TimeoutExpired:
+            entry["status"] = f"stopped at its limit of {limit:.0f} s"
+        entry["seconds"] = round(time.monotonic() - began, 1)
+        if results.exists():
+            entry["results"] = json.loads(results.read_text())
+            entry["figures"] = [figure.check(entry["results"]) for figure in phase.figures]
+        print(f"gpu_check: {phase.name}: {entry['status']} in {entry['seconds']} s", flush=True)
+        for figure in entry["figures"]:
+            print(
+                f"gpu_check:   {figure['figure']}: {figure['measured']} {figure.get('wanted', '')} -> {figure['verdict']}"
+            )
+    report["seconds"] = round(time.monotonic() - start, 1)
+    report["ok"] = all(
+        e["status"] in ("passed",) or e["status"].startswith("skipped") for e in report["phases"]
+    )
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    log.close()
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json and .txt"
+    )
+    parser.add_argument("--deadline-s", type=float, default=DEADLINE_S)
+    parser.add_argument("--dry-run", action="store_true", default=bool(os.environ.get("GPU_CHECK_DRY_RUN")))
+    parser.add_argument(
+        "--only",
+        default=os.environ.get("GPU_CHECK_ONLY", ""),
+        help="comma-separated phases to run (GPU_CHECK_ONLY=memory: the memory savers alone)",
+    )
+    parser.add_argument("--environment", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.environment:
+        environment(args.environment)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = run(out, args.deadline_s, args.dry_run, [name for name in args.only.split(",") if name])
+    print(
+        f"gpu_check: {'OK' if report['ok'] else 'FAILED'} in {report['seconds']} s; {out / 'gpu_check.json'}"
+    )
+    raise SystemExit(0 if report["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The GPU check's driver: phases cut to the deadline, stopped at their limit, skipped when time is out.
+
+Made-up phases (``python -m timeit``) stand in for the measurements, so the logic runs in seconds;
+``GPU_CHECK_DRY_RUN=1 bash scripts/gpu_check.sh`` runs the real phases on tiny shapes (benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu_check
+from benchmarks.gpu_check import MARGIN_S, Figure, Phase
+
+
+def test_phases_fit_the_deadline_and_what_ran_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made_up = [
+        Phase("environment", ["benchmarks.gpu_check", "--environment", "{json}"], 60,
+              [Figure("python 3", lambda r: r["python"].split(".")[0], "==", "3", "x"),
+               Figure("torch is older than 1", lambda r: int(r["torch"].split(".")[0]), "<=", 0, "y"),
+               Figure("absent", lambda r: r["no such key"], "==", 1, "z")]),
+        Phase("slow", ["timeit", "-n", "1", "-r", "1", "import time; time.sleep(60)"], 12),
+        Phase("late", ["timeit", "pass"], 60),
+        Phase("missing", ["timeit", "pass"], 60, needs="no_such_module_anywhere"),
+    ]  # fmt: skip
+    monkeypatch.setattr(gpu_check, "phases", lambda dry_run: made_up)
+    report = gpu_check.run(tmp_path, deadline_s=MARGIN_S + 40, dry_run=True)
+    status = {p["phase"]: p["status"] for p in report["phases"]}
+    assert status == {
+        "environment": "passed",
+        "slow": "stopped at its limit of 12 s",
+        "late": "skipped: the deadline",
+        "missing": "skipped: no_such_module_anywhere is not installed",
+    }
+    assert report["seconds"] < 40 and not report["ok"]  # a stopped phase fails the check
+    verdicts = [f["verdict"] for f in report["phases"][0]["figures"]]
+    assert verdicts == ["pass", "miss", "not measured"]
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["phases"][0]["results"]["python"].startswith(
+        "3."
+    )
+    assert "timeit" in (tmp_path / "gpu_check.txt").read_text()
+
+
+def test_every_phase_of_the_real_check_has_a_limit_that_fits_one_command() -> None:
+    for dry_run in (False, True):
+        real = gpu_check.phases(dry_run)
+        assert [p.name for p in real][:4] == [
+            "environment",
+            "paths",
+            "step",
+            "precisions",
+        ]  # most valuable first
+        assert all(p.limit_s <= gpu_check.DEADLINE_S for p in real) and gpu_check.DEADLINE_S <= 9 * 60
