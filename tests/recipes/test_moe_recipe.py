@@ -159,3 +159,17 @@ def test_weight_decay_skips_biases_and_norms() -> None:
     assert any(p is layer.experts.w_in for p in decay["params"])
     assert any(p is layer.experts.b_in for p in no_decay["params"])
     assert any(p is layer.router.weight for p in decay["params"])
+
+
+def test_tflops_and_mfu_in_the_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MoE recipe reports TFLOP/s and MFU too, from its own flops_per_batch (experts at top_k / E)."""
+    monkeypatch.setenv("LP_PEAK_TFLOPS", "0.5")
+    monkeypatch.setattr(sys, "argv", ["recipes.moe"])
+    args = ["fit", "--config", str(CONFIGS / "tiny.yaml"), "--trainer.max_steps", "12", "--trainer.log_every_n_steps", "1",
+            "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false",
+            "--trainer.logger.init_args.save_dir", str(tmp_path), "--model.block_size", "32", "--data.batch_size", "4"]  # fmt: skip
+    cli = main(args)
+    assert cli.model._forward_flops_per_token > 0
+    with open(tmp_path / "moe-tiny" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert any(r.get("TFLOP/s") for r in rows) and any(r.get("MFU") for r in rows)
