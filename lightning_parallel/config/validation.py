@@ -156,11 +156,12 @@ def _check_zero_layout(
                 f"`zero_stage={zero.stage}` with `{argument}={degree}` is not supported: {reason} "
                 + _NEAREST.format(other=argument, stage=zero.stage, name=name)
             )
-    if tensor_parallel != 1 and zero.stage == 3:
+    if tensor_parallel != 1 and zero.stage == 3 and zero.offload == "nvme":
         raise ValueError(
-            f"`zero_stage=3` with `tensor_parallel={tensor_parallel}` is not supported: ZeRO-3 partitions and"
-            " re-gathers parameters in DeepSpeed's module hooks, which do not know tensor-parallel (DTensor)"
-            " shards. Nearest supported layouts: zero_stage=2 (or 1) with tensor_parallel, or zero_stage=3 with"
+            f"`offload='nvme'` with `zero_stage=3` and `tensor_parallel={tensor_parallel}` is not supported yet:"
+            " ZeRO-3 with tensor parallelism runs on torch's FSDP2, which offloads to the CPU only, and DeepSpeed's"
+            " NVMe swapping lives in its own ZeRO-3 engine, whose hooks do not know tensor-parallel (DTensor)"
+            " shards. Nearest supported layouts: `offload='cpu'` with tensor_parallel, or `offload='nvme'` with"
             " data parallelism only."
         )
     if tensor_parallel != 1 and pipeline_parallel > 1:
@@ -238,7 +239,7 @@ def check_launch(config: ParallelConfig, dims: ParallelDims, precision_plugin: A
             f" to {tp}) is not supported: FSDP2's `replicate` takes no communication hook."
             " Use `tensor_parallel=1`, `pipeline_parallel` > 1, or `gradient_compression=None`."
         )
-    if config.zero.enabled:
+    if config.zero.enabled:  # also under FSDP2 (ZeRO-3 with tp): Lightning's plain plugins only, as tested
         check_zero_precision(config.zero, precision_plugin)
 
 

@@ -46,6 +46,8 @@ from lightning_parallel.data_parallel import (
 )
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.pipeline.runner import PipelineRunner
+from lightning_parallel.zero.engine import engine_for
+from lightning_parallel.zero.fsdp import fully_shard_modules, unsharded_parameters
 from lightning_parallel.zero.tensor_parallel import local_shard_parameters, mark_model_parallel
 
 IN_BACKWARD, AFTER_BACKWARD, IN_STEP = "inside backward", "after backward", "in the optimizer step"
@@ -69,6 +71,12 @@ class Reduction:
 
 def decide_gradient_reductions(config: ParallelConfig, dims: ParallelDims) -> list[Reduction]:
     """The reductions of a layout, in the order they run (identical on every rank)."""
+    engine = engine_for(config.zero, dims.tensor_parallel)
+    if engine == "fsdp2":  # ZeRO-3 with tensor parallelism (zero/fsdp.py); no pipeline or experts here
+        return [
+            Reduction("all", "mean (reduce-scatter of ZeRO-3's shards)", "dp", IN_BACKWARD),
+            Reduction("strided vector", "mean", "dp", AFTER_BACKWARD),  # fused biases FSDP2 keeps whole
+        ]
     out = [Reduction("tied", "sum", "pp", AFTER_BACKWARD)] if dims.pp_enabled else []
     if config.zero.enabled:
         if dims.ep_enabled:
@@ -139,6 +147,15 @@ def plan_gradient_reductions(
     """Install the decided reductions on this rank's part of the model (the recipe's last step)."""
     decided = decide_gradient_reductions(config, dims)
     result = GradientReductions(decided)
+    if engine_for(config.zero, dims.tensor_parallel) == "fsdp2":
+        dp_mesh = mesh["dp"]
+        kept = [module.get_submodule(b) for b in blocks]
+        whole = unsharded_parameters(module)
+        result.in_backward = fully_shard_modules(module, dp_mesh, kept, offload=config.zero.offload == "cpu")
+        result.hooks = average_direct_parameters(module, dp_mesh)
+        if whole:
+            result.after_backward = GradientSync([_mean(whole, dp_mesh, None, "fused biases kept whole")])
+        return result
     if config.zero.enabled:  # plain parameters for DeepSpeed, which flattens them (zero/tensor_parallel.py)
         if dims.tp_enabled:
             local_shard_parameters(module)

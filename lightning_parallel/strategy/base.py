@@ -34,6 +34,7 @@ from lightning_parallel.launch.placement import check_tensor_parallel_placement
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.precision import convert_precision_plugin
 from lightning_parallel.zero import ZeroPrecision
+from lightning_parallel.zero.engine import engine_for
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -110,6 +111,14 @@ class MeshParallelStrategy(ParallelStrategy):
     # ---- our mesh ------------------------------------------------------------------------
 
     @property
+    def deepspeed_zero(self) -> bool:
+        """Whether ZeRO runs on DeepSpeed's engine in this layout (``zero/engine.py``: ZeRO-3 with tensor
+        parallelism runs on FSDP2 and keeps Lightning's precision plugins)."""
+        return (
+            self.dims is not None and engine_for(self.config.zero, self.dims.tensor_parallel) == "deepspeed"
+        )
+
+    @property
     def tensor_parallel(self) -> int:
         if self.dims is None:
             raise RuntimeError("The tensor-parallel degree is resolved when the Trainer is created.")
@@ -123,7 +132,7 @@ class MeshParallelStrategy(ParallelStrategy):
         # Runs inside Trainer(...), before processes are launched: fail here, not in a collective.
         self.dims = self._resolve_dims()
         check_launch(self.config, self.dims, self.precision_plugin)
-        if not self.config.zero.enabled:
+        if not self.deepspeed_zero:
             convert_precision_plugin(self.precision_plugin)  # an unsupported plugin fails here, before launch
         _Lightning._configure_launcher(self)
 
@@ -140,6 +149,7 @@ class MeshParallelStrategy(ParallelStrategy):
         # an fp16 overflow decision shared by every rank; under ZeRO, DeepSpeed's (scaler, masters, clipping).
         if self.config.zero.enabled:
             check_zero_precision(self.config.zero, self.precision_plugin)
+        if self.deepspeed_zero:
             if not isinstance(self.precision_plugin, ZeroPrecision):
                 self.precision_plugin = ZeroPrecision(self.precision_plugin.precision)
         else:

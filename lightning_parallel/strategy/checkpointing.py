@@ -169,7 +169,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
         if not self._save_distributed_checkpoint:
             self._check_consolidated_supported()
             return super().lightning_module_state_dict()
-        if self.config.zero.enabled:  # DeepSpeed's fp32 masters, same layout (checkpoint/zero.py)
+        if self.deepspeed_zero:  # DeepSpeed's fp32 masters, same layout (checkpoint/zero.py)
             from lightning_parallel.checkpoint.zero import zero_model_state
 
             return zero_model_state(self.lightning_module, self._ep_mesh())
@@ -194,7 +194,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
 
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        if self.config.zero.enabled:
+        if self.deepspeed_zero:
             from lightning_parallel.checkpoint.zero import zero_optimizer_state
 
             return zero_optimizer_state(self.lightning_module, optimizer, self.zero_engine, self._ep_mesh())
@@ -247,7 +247,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
         )
 
         assert self.model is not None and self.lightning_module is not None
-        if self.config.zero.enabled:
+        if self.deepspeed_zero:
             from lightning_parallel.checkpoint.zero import load_zero_checkpoint
 
             optimizer = self.optimizers[0] if self.zero_engine is not None else None  # none: validate/test

@@ -254,7 +254,7 @@ class HybridParallelStrategy(CheckpointingStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if self.config.zero.enabled:
+            if self.deepspeed_zero:
                 self._initialize_zero(trainer, parallelized)
         self.setup_precision_plugin()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -37,6 +37,21 @@ def deepspeed_environment(
     }
     for key, value in values.items():
         os.environ.setdefault(key, str(value))
+
+
+Engine = Literal["deepspeed", "fsdp2"]
+
+
+def engine_for(zero: ZeroArguments, tensor_parallel: int) -> Engine | None:
+    """Which engine runs ZeRO for this layout (docs/design.md, "ZeRO engines"); None without ZeRO.
+
+    ZeRO-3 with tensor parallelism is torch's FSDP2 (``fully_shard`` over ``dp`` of the DTensor
+    tensor-parallel weights, torchtitan's 2-D layout): DeepSpeed's ZeRO-3 partitions parameters in
+    module hooks that do not know DTensors. Every other stage and layout is DeepSpeed's engine.
+    """
+    if not zero.enabled:
+        return None
+    return "fsdp2" if zero.stage == 3 and tensor_parallel > 1 else "deepspeed"
 
 
 # The C++ ops a ZeRO job loads, and what for (DeepSpeed compiles each on first use, a minute or more).

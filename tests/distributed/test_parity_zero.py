@@ -73,6 +73,13 @@ FOUR = [
     _case("zero1_tp2_sp_dp2_nanogpt", "nanogpt", 4, zero_stage=1, tensor_parallel=2, sequence_parallel=True),
     _case("zero1_pp2_gpipe_dp2_nanogpt", "nanogpt", 4, zero_stage=1, pipeline_parallel=2, pipeline_schedule="gpipe",
           micro_batches=2),
+    # ZeRO-3 with tensor parallelism: torch's FSDP2 over dp of the DTensor shards (zero/fsdp.py).
+    _case("zero3_tp2_dp2_nanogpt", "nanogpt", 4, zero_stage=3, tensor_parallel=2),
+    _case("zero3_tp2_sp_dp2_recipe_gpt", "recipe_gpt", 4, zero_stage=3, tensor_parallel=2, sequence_parallel=True),
+    _case("zero3_cpu_tp2_dp2_nanogpt", "nanogpt", 4, fields={"model_kwargs": ADAM}, zero_stage=3, offload="cpu",
+          tensor_parallel=2),
+    _case("zero3_tp2_dp2_clip_accum_hf_llama", "hf_llama", 4, zero_stage=3, tensor_parallel=2,
+          fields={"trainer_kwargs": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}}),
 ]  # fmt: skip
 
 

@@ -80,7 +80,9 @@ class ParityRecorder(Callback):
         params = {}
         slices: dict[str, tuple[int, torch.Tensor]] = {}  # expert shards: name -> (first expert, slice)
         with gathered_zero_parameters(trainer.strategy, pl_module):
-            named = [(name, param, param.detach().clone()) for name, param in user_named_parameters(pl_module)]
+            named = [
+                (name, param, param.detach().clone()) for name, param in user_named_parameters(pl_module)
+            ]
         for name, param, tensor in named:
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()

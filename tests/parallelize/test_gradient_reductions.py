@@ -38,6 +38,9 @@ def _decided(devices: int, **arguments: object) -> list[str]:
          ["after backward: dense gradients, mean over dp", "after backward: experts gradients, sum / dp size over dp_replicate"]),
         (2, {"zero_stage": 3}, ["in the optimizer step: all gradients, mean (ZeRO's) over dp"]),
         (4, {"zero_stage": 1, "tensor_parallel": 2}, ["in the optimizer step: all gradients, mean (ZeRO's) over dp"]),
+        (4, {"zero_stage": 3, "tensor_parallel": 2},  # FSDP2: reduce-scatter in backward (zero/fsdp.py)
+         ["inside backward: all gradients, mean (reduce-scatter of ZeRO-3's shards) over dp",
+          "after backward: strided vector gradients, mean over dp"]),
         (4, {"zero_stage": 1, "pipeline_parallel": 2, "expert_parallel": 2},
          ["after backward: tied gradients, sum over pp", "after backward: dense gradients, mean over ep",
           "after backward: experts gradients, divided by ep", "in the optimizer step: all gradients, mean (ZeRO's) over dp_replicate"]),

@@ -145,14 +145,6 @@ REFUSED_AT_CONSTRUCTION = [
         )
         for stage in (2, 3)
     ],
-    *[
-        refusal(
-            ("zero3", row),
-            dict(zero_stage=3, tensor_parallel=2, sequence_parallel=row == "sp"),
-            "`zero_stage=3` with `tensor_parallel=2` is not supported",
-        )
-        for row in ("tp", "sp")
-    ],
     # NVMe offload exists only at stage 3, so it inherits stage 3's refusals.
     *[
         refusal(
@@ -170,12 +162,14 @@ REFUSED_AT_CONSTRUCTION = [
                 for schedule in SCHEDULES
             ],
             ("ep", dict(expert_parallel=2), "`zero_stage=3` with `expert_parallel=2` is not supported"),
-            ("tp", dict(tensor_parallel=2), "`zero_stage=3` with `tensor_parallel=2` is not supported"),
-            (
-                "sp",
-                dict(tensor_parallel=2, sequence_parallel=True),
-                "`zero_stage=3` with `tensor_parallel=2` is not supported",
-            ),
+            *[
+                (
+                    row,
+                    dict(tensor_parallel=2, sequence_parallel=row == "sp"),
+                    "`offload='nvme'` with `zero_stage=3` and `tensor_parallel=2` is not supported yet",
+                )
+                for row in ("tp", "sp")
+            ],
         ]
     ],
     *[

@@ -6,7 +6,8 @@ Layouts: ZeRO-1 and ZeRO-2 on dp=2 (SGD with momentum), ZeRO-3 with CPU offload 
 DeepSpeed's CPU Adam), ZeRO-2 with tensor parallelism (tp=2, AdamW), ZeRO-1 with two pipeline
 stages and with expert parallelism (ep=2, Mixtral), ZeRO-2 in bf16-mixed. The resumed steps must equal the
 uninterrupted run's; two checkpoints are also resumed in another layout (ZeRO-1 without ZeRO,
-ZeRO-3 with CPU Adam as ZeRO-2 with torch's AdamW). The saved checkpoint, consolidated without processes
+ZeRO-3 with CPU Adam as ZeRO-2 with torch's AdamW, ZeRO-3 with tensor parallelism (FSDP2) as ZeRO-1 with
+two pipeline stages (DeepSpeed) and back). The saved checkpoint, consolidated without processes
 (``consolidate_checkpoint`` and ``python -m lightning_parallel export``), must load strictly into
 the unparallelised module and equal the weights of the same 2 steps trained in one process
 (the parity harness's rule, ``tests/distributed/harness.py:mismatch``).
@@ -29,6 +30,7 @@ from tests.strategy.scripts.zero_checkpoint import (
     LAYOUTS,
     PRECISION,
     RESHARDS,
+    RESHARDS_INTO_TENSOR_PARALLEL,
     SAMPLES,
     SEED,
     data_parallel,
@@ -85,6 +87,20 @@ def test_zero_checkpoint_resumes_in_another_layout(runs: Path, name: str) -> Non
         want, got = straight[rank]["losses"][FIRST_HALF:], resumed[rank]["losses"]
         assert got[0] == want[0], f"{name}, rank {rank}: the restored weights differ ({got} vs {want})"
         assert all(abs(g - w) / abs(w) < RTOL for g, w in zip(got, want, strict=True)), (got, want)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(RESHARDS_INTO_TENSOR_PARALLEL))
+def test_zero_checkpoint_resumes_into_tensor_parallelism(runs: Path, name: str) -> None:
+    """A checkpoint of another engine and layout (DeepSpeed's ZeRO-1 under two pipeline stages) continues under
+    ZeRO-3 with tensor parallelism (FSDP2) within fp32 parity from its first step on."""
+    source, _ = RESHARDS_INTO_TENSOR_PARALLEL[name]
+    straight, resumed = _read(runs / source, "straight"), _read(runs / name, "resumed")
+    for rank in range(2):
+        want, got = straight[rank]["losses"][FIRST_HALF:], resumed[rank]["losses"]
+        assert len(got) == len(want) > 0
+        assert all(abs(g - w) / abs(w) < RTOL for g, w in zip(got, want, strict=True)), (name, rank, got, want)
 
 
 @cache

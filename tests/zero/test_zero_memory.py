@@ -13,6 +13,10 @@ holds the gradient partition twice while it steps: its partition buffer in the p
 precision (here fp32, in bf16 training 2Ψ/N) and the fp32 copy the optimizer updates from (the
 ZeRO paper counts only the first); stages 1 and 2 step on the reduced buffer itself.
 
+ZeRO-3 with tensor parallelism (4 ranks: tp=2 x dp=2, torch's FSDP2 over dp): each rank holds 1/dp
+of what tensor parallelism alone would leave it, of parameters (the fp32 masters themselves),
+gradients and the optimizer states; sharding over dp that did not engage would show twice that.
+
 Measured on each rank through the real Trainer (tests/strategy/scripts/zero_memory.py). The 5%
 leaves room for DeepSpeed's alignment padding of each partition, nothing else.
 """
@@ -59,4 +63,13 @@ def test_bytes_per_rank_follow_the_zero_theory(tmp_path: Path, world_size: int) 
                     problems.append(
                         f"rank {rank} zero{stage} {kind}: {run[kind]} bytes, theory {expected:.0f}"
                     )
+    if world_size == 4:  # ZeRO-3 with tensor parallelism (FSDP2): tp shards, sharded again over dp=2
+        for rank, measured in enumerate(ranks):
+            run = measured["zero3_tp2"]
+            per_rank = run["tensor_parallel_numel"] / 2  # what tp alone leaves a rank, over dp=2
+            assert run["tensor_parallel_numel"] < 0.75 * run["parameters"]  # tensor parallelism engaged (1.0 if not)
+            for kind, per_param in (("module_parameters", 4), ("gradients", 4), ("optimizer_states", 8)):
+                expected = per_param * per_rank
+                if abs(run[kind] - expected) > 0.05 * expected:
+                    problems.append(f"rank {rank} zero3_tp2 {kind}: {run[kind]} bytes, theory {expected:.0f}")
     assert not problems, "\n".join(problems)

@@ -75,7 +75,9 @@ class ZeroBytes(L.Callback):
 
         inner.step = measured_step
 
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
         self._gradients(pl_module, trainer.strategy.zero_engine.optimizer)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -88,6 +90,52 @@ class ZeroBytes(L.Callback):
             master = _bytes(zero.single_partition_of_fp32_groups)
         states = _bytes(v for state in zero.optimizer.state.values() for v in state.values() if v.dim() > 0)
         self.measured.update(module_parameters=module, master_parameters=master, optimizer_states=states)
+
+
+def _local_bytes(tensors: Any) -> int:
+    """Bytes this rank holds of (DTensor) tensors: their local shards."""
+    from torch.distributed.tensor import DTensor
+
+    return _bytes(t.to_local() if isinstance(t, DTensor) else t for t in tensors)
+
+
+def _tensor_parallel_numel(module: torch.nn.Module) -> int:
+    """Elements a rank would hold under tensor parallelism alone (each weight's tp shard, replicas whole)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard  # fused q|k|v (not a Shard)
+
+    total = 0
+    for param in module.parameters():
+        if not isinstance(param, DTensor):
+            total += param.numel()
+            continue
+        names = param.device_mesh.mesh_dim_names or ()
+        tp_axis = names.index("tp") if "tp" in names else None  # FSDP2's dp-only mesh: replicated over tp
+        sharded = tp_axis is not None and isinstance(param.placements[tp_axis], (Shard, _StridedShard))
+        total += param.numel() // (param.device_mesh.size(tp_axis) if sharded else 1)
+    return total
+
+
+class FsdpBytes(L.Callback):
+    """ZeRO-3 with tensor parallelism (FSDP2): the shards of parameters, gradients and optimizer states."""
+
+    def __init__(self) -> None:
+        self.measured: dict[str, int] = {}
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
+        self.measured["gradients"] = _local_bytes(
+            p.grad for p in pl_module.parameters() if p.grad is not None
+        )
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        optimizer = trainer.optimizers[0]
+        states = [v for state in optimizer.state.values() for v in state.values() if v.dim() > 0]
+        self.measured.update(
+            module_parameters=_local_bytes(pl_module.parameters()), master_parameters=0,
+            optimizer_states=_local_bytes(states), tensor_parallel_numel=_tensor_parallel_numel(pl_module),
+        )  # fmt: skip
 
 
 def main(out_dir: Path) -> None:
@@ -109,6 +157,19 @@ def main(out_dir: Path) -> None:
         )  # fmt: skip
         trainer.fit(module, make_dataloader(BATCH, STEPS * BATCH * trainer.world_size))
         results[f"zero{stage}"] = {"parameters": numel, "world_size": trainer.world_size, **probe.measured}
+    if devices == 4:  # ZeRO-3 with tensor parallelism (FSDP2 over dp=2 of tp=2 shards)
+        L.seed_everything(0, verbose=False)
+        module = build("nanogpt", optimizer="adamw", n_layer=LAYERS)
+        numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        probe = FsdpBytes()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=devices,
+            strategy=HybridParallelStrategy(zero_stage=3, tensor_parallel=2, timeout=60),
+            max_steps=STEPS, callbacks=[probe], logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(module, make_dataloader(BATCH, STEPS * BATCH * 2))
+        results["zero3_tp2"] = {"parameters": numel, "world_size": trainer.world_size, **probe.measured}
     rank = torch.distributed.get_rank()
     (out_dir / f"zero_memory.rank{rank}.json").write_text(json.dumps(results))
 
