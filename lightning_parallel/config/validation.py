@@ -66,6 +66,14 @@ def strategy_config(**a: Any) -> ParallelConfig:
         a["activation_compression"], a["gradient_compression"],
     )  # fmt: skip
     _check_memory_savers(memory, a["gradient_compression"], tp, pipeline, zero)
+    if zero.stage == 1 and pipeline is not None and pipeline.spec.bubble_free_backward:
+        raise ValueError(
+            f"`zero_stage=1` with `pipeline_schedule={pipeline.spec.name!r}` is not supported: that schedule computes"
+            " the weight gradients in a second backward of its own (input gradients first), which DeepSpeed's ZeRO-1"
+            " gradient hooks do not follow (measured: its gradient buckets overflow). Nearest supported layouts:"
+            f" `zero_stage=2` or 3 with `pipeline_schedule={pipeline.spec.name!r}` (FSDP2, one reduce-scatter per"
+            " step), or `zero_stage=1` with '1f1b', 'interleaved_1f1b', 'looped_bfs' or 'gpipe'."
+        )
     styles = (
         {k: v for k, v in plan.items() if k != PIPELINE_BOUNDARIES_KEY} if isinstance(plan, dict) else plan
     )
@@ -139,11 +147,6 @@ def _check_zero_layout(
             " `activation_checkpointing='full'` with ZeRO, or selective checkpointing with `zero_stage=0`."
         )
     above_stage_1 = {
-        ("pipeline_parallel", "pipeline parallelism"): (
-            pipeline_parallel,
-            "the pipeline schedule runs backward per micro-batch outside DeepSpeed's engine, and ZeRO-2/3 reduce or"
-            " gather inside per-backward/forward hooks (DeepSpeed's own pipeline engine refuses them too).",
-        ),
         ("expert_parallel", "expert parallelism"): (
             expert_parallel,
             "the dense gradients are averaged over the expert ranks before ZeRO reduces them over the"
@@ -156,22 +159,27 @@ def _check_zero_layout(
                 f"`zero_stage={zero.stage}` with `{argument}={degree}` is not supported: {reason} "
                 + _NEAREST.format(other=argument, stage=zero.stage, name=name)
             )
-    if tensor_parallel != 1 and zero.stage == 3 and zero.offload == "nvme":
-        raise ValueError(
-            f"`offload='nvme'` with `zero_stage=3` and `tensor_parallel={tensor_parallel}` is not supported yet:"
-            " ZeRO-3 with tensor parallelism runs on torch's FSDP2, which offloads to the CPU only, and DeepSpeed's"
-            " NVMe swapping lives in its own ZeRO-3 engine, whose hooks do not know tensor-parallel (DTensor)"
-            " shards. Nearest supported layouts: `offload='cpu'` with tensor_parallel, or `offload='nvme'` with"
-            " data parallelism only."
+    if zero.offload == "nvme" and (tensor_parallel != 1 or pipeline_parallel > 1):
+        name, value = (
+            ("tensor_parallel", tensor_parallel)
+            if tensor_parallel != 1
+            else ("pipeline_parallel", pipeline_parallel)
         )
-    if tensor_parallel != 1 and pipeline_parallel > 1:
+        raise ValueError(
+            f"`offload='nvme'` with `zero_stage=3` and `{name}={value}` is not supported yet: ZeRO-3 with tensor or"
+            " pipeline parallelism runs on torch's FSDP2, which offloads to the CPU only, and DeepSpeed's NVMe"
+            " swapping lives in its own ZeRO-3 engine, whose hooks do not know tensor-parallel (DTensor) shards or"
+            " pipeline micro-batches. Nearest supported layouts: `offload='cpu'` with that layout, or"
+            " `offload='nvme'` with data parallelism only."
+        )
+    if tensor_parallel != 1 and pipeline_parallel > 1 and zero.stage == 1:
         raise ValueError(
             f"`zero_stage={zero.stage}` with both `tensor_parallel={tensor_parallel}` and"
             f" `pipeline_parallel={pipeline_parallel}` is not supported yet: ZeRO takes each tensor-parallel weight"
             " as its local shard (a new parameter), after the pipeline's stages recorded the weights they hold, so"
             " the held micro-batch gradients and the sum of weights tied across stages would miss them. Nearest"
-            f" supported layouts: zero_stage={zero.stage} with tensor_parallel, or zero_stage=1 with"
-            " pipeline_parallel, or both model-parallel axes with zero_stage=0."
+            " supported layouts: zero_stage=1 with tensor_parallel, or zero_stage=1 with pipeline_parallel,"
+            " or both model-parallel axes with zero_stage=2 or 3 (FSDP2) or zero_stage=0."
         )
 
 

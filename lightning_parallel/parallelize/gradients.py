@@ -47,10 +47,11 @@ from lightning_parallel.data_parallel import (
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.zero.engine import engine_for
-from lightning_parallel.zero.fsdp import fully_shard_modules, unsharded_parameters
+from lightning_parallel.zero.fsdp import Sharded, fully_shard_modules
 from lightning_parallel.zero.tensor_parallel import local_shard_parameters, mark_model_parallel
 
 IN_BACKWARD, AFTER_BACKWARD, IN_STEP = "inside backward", "after backward", "in the optimizer step"
+AFTER_STEP = "after the optimizer step"
 
 
 @dataclass(frozen=True)
@@ -71,10 +72,22 @@ class Reduction:
 
 def decide_gradient_reductions(config: ParallelConfig, dims: ParallelDims) -> list[Reduction]:
     """The reductions of a layout, in the order they run (identical on every rank)."""
-    engine = engine_for(config.zero, dims.tensor_parallel)
-    if engine == "fsdp2":  # ZeRO-3 with tensor parallelism (zero/fsdp.py); no pipeline or experts here
+    engine = engine_for(config.zero, dims.tensor_parallel, dims.pipeline_parallel)
+    if engine == "fsdp2":  # zero/fsdp.py; under pipeline stages once per step, after the schedule
+        shards = f"mean (reduce-scatter of ZeRO-{config.zero.stage}'s shards)"
+        if dims.pp_enabled:
+            steps = [
+                Reduction("all", shards + ", after the last micro-batch", "dp", AFTER_BACKWARD),
+                Reduction("tied", "sum", "pp", AFTER_BACKWARD),
+                Reduction("strided vector", "mean", "dp", AFTER_BACKWARD),
+            ]
+            if (
+                config.zero.stage == 2
+            ):  # ZeRO-2 keeps whole parameters between steps: gather the updated shards
+                steps.append(Reduction("all parameters'", "all-gather", "dp", AFTER_STEP))
+            return steps
         return [
-            Reduction("all", "mean (reduce-scatter of ZeRO-3's shards)", "dp", IN_BACKWARD),
+            Reduction("all", shards, "dp", IN_BACKWARD),
             Reduction("strided vector", "mean", "dp", AFTER_BACKWARD),  # fused biases FSDP2 keeps whole
         ]
     out = [Reduction("tied", "sum", "pp", AFTER_BACKWARD)] if dims.pp_enabled else []
@@ -118,6 +131,8 @@ class GradientReductions:
     """Units of DDP's reducer / FSDP2's ``replicate``: they reduce inside backward."""
     hooks: list[Any] = field(default_factory=list)
     """Gradient hooks that average parameters registered directly on the LightningModule."""
+    regather: list[nn.Module] = field(default_factory=list)
+    """FSDP2 units whose updated shards are gathered after each optimizer step (ZeRO-2 under stages)."""
 
     def reduce(self) -> None:
         """Run the explicit reductions (after the last backward of an optimizer step)."""
@@ -129,6 +144,11 @@ class GradientReductions:
         """No reduction inside backward while Lightning accumulates gradients."""
         with no_gradient_sync(self.in_backward):
             yield
+
+    def after_step(self) -> None:
+        """After the optimizer step: ZeRO-2 on FSDP2 gathers its updated shards (whole parameters between steps)."""
+        for unit in self.regather:
+            unit.unshard()
 
     def describe(self) -> list[str]:
         return [str(r) for r in self.decided] or ["none (one data-parallel replica)"]
@@ -143,18 +163,28 @@ def plan_gradient_reductions(
     runner: PipelineRunner | None,
     expert_ids: set[int],
     blocks: list[str],
+    fsdp: Sharded | None = None,
 ) -> GradientReductions:
-    """Install the decided reductions on this rank's part of the model (the recipe's last step)."""
+    """Install the decided reductions on this rank's part of the model (the recipe's last step).
+
+    ``fsdp``: under ZeRO on FSDP2, what :func:`shard_for_zero` made (before the pipeline's stages were
+    built on the sharded parameters).
+    """
     decided = decide_gradient_reductions(config, dims)
     result = GradientReductions(decided)
-    if engine_for(config.zero, dims.tensor_parallel) == "fsdp2":
+    if fsdp is not None:
         dp_mesh = mesh["dp"]
-        kept = [module.get_submodule(b) for b in blocks]
-        whole = unsharded_parameters(module)
-        result.in_backward = fully_shard_modules(module, dp_mesh, kept, offload=config.zero.offload == "cpu")
+        whole = fsdp.whole
+        if not dims.pp_enabled:  # under stages the runner reduces the units itself, once per step
+            result.in_backward = fsdp.units
         result.hooks = average_direct_parameters(module, dp_mesh)
-        if whole:
-            result.after_backward = GradientSync([_mean(whole, dp_mesh, None, "fused biases kept whole")])
+        groups: list[GradientGroup | GradientScale] = (
+            list(runner.tied_gradient_groups()) if runner is not None else []
+        )
+        groups += [_mean(whole, dp_mesh, None, "fused biases kept whole")] if whole else []
+        result.after_backward = GradientSync(groups) if groups else None
+        if any(r.when == AFTER_STEP for r in decided):
+            result.regather = fsdp.units
         return result
     if config.zero.enabled:  # plain parameters for DeepSpeed, which flattens them (zero/tensor_parallel.py)
         if dims.tp_enabled:
@@ -172,6 +202,23 @@ def plan_gradient_reductions(
     if explicit:
         result.after_backward = GradientSync(_explicit_groups(explicit, module, mesh, runner, expert_ids))
     return result
+
+
+def shard_for_zero(
+    module: nn.Module, config: ParallelConfig, dims: ParallelDims, mesh: DeviceMesh, blocks: list[str]
+) -> Sharded | None:
+    """ZeRO on FSDP2 (``zero/engine.py: engine_for``): ``fully_shard`` the blocks this rank holds and the rest;
+    None when ZeRO is DeepSpeed's (or off). Before the pipeline's stages exist: they capture the parameters."""
+    if engine_for(config.zero, dims.tensor_parallel, dims.pipeline_parallel) != "fsdp2":
+        return None
+    from lightning_parallel.pipeline.stages import SkippedBlock
+
+    kept = [module.get_submodule(b) for b in blocks if not isinstance(module.get_submodule(b), SkippedBlock)]
+    # Gathered once per step under stages (not once per micro-batch); ZeRO-3 alone reshards after forward.
+    reshard = config.zero.stage == 3 and not dims.pp_enabled
+    return fully_shard_modules(
+        module, mesh["dp"], kept, offload=config.zero.offload == "cpu", reshard_after_forward=reshard
+    )
 
 
 def _parameters(module: nn.Module, runner: PipelineRunner | None) -> list[nn.Parameter]:

@@ -14,7 +14,8 @@ Order, and why:
 5. the pipeline cut (before sharding: other stages' blocks are freed, not sharded);
 6. experts sharded over ``ep``;
 7. tensor/sequence parallelism on what this rank keeps;
-8. the pipeline's stages and schedule (torch's ``PipelineStage`` wants the sharded modules);
+8. ZeRO on FSDP2 (``zero/engine.py``): ``fully_shard`` over ``dp``, before the stages capture the
+   parameters; then the pipeline's stages and schedule (on the sharded modules);
 9. activation checkpointing and the saved-tensor saver (on the sharded, cut modules);
 10. ``compile`` of each block (after sharding, before data-parallel wrapping);
 11. every gradient reduction: data parallelism or ZeRO's preparation (``gradients.py``).
@@ -35,7 +36,7 @@ from lightning_parallel.config import ParallelConfig
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.parallelize import pipeline_step, tensor_parallel_step
 from lightning_parallel.parallelize.experts_step import apply_experts
-from lightning_parallel.parallelize.gradients import plan_gradient_reductions
+from lightning_parallel.parallelize.gradients import plan_gradient_reductions, shard_for_zero
 from lightning_parallel.parallelize.memory_step import apply_memory_savers
 from lightning_parallel.parallelize.result import Parallelized
 from lightning_parallel.parallelize.sample import SampledStep, StepProbe
@@ -79,10 +80,11 @@ def parallelize(
             module, plan, config.tensor, mesh["tp"], pipelined=dims.pp_enabled
         )
         result.hooks += hooks
+    fsdp = shard_for_zero(module, config, dims, mesh, blocks)  # ZeRO on FSDP2, before the stages exist
     if cut is not None:
         assert config.pipeline is not None
         result.pipeline, result.norm_exclude = pipeline_step.build_runner(
-            module, cut, config.pipeline, mesh, device, experts.aux_losses
+            module, cut, config.pipeline, mesh, device, experts.aux_losses, fsdp.units if fsdp else []
         )
         result.hooks += cut.runtime.handles
     result.activation_saver = apply_memory_savers(
@@ -93,7 +95,14 @@ def parallelize(
     if config.compile:
         compile_blocks(module, blocks)
     result.gradients = plan_gradient_reductions(
-        module, config, dims, mesh, runner=result.pipeline, expert_ids=experts.parameter_ids, blocks=blocks
+        module,
+        config,
+        dims,
+        mesh,
+        runner=result.pipeline,
+        expert_ids=experts.parameter_ids,
+        blocks=blocks,
+        fsdp=fsdp,
     )
     result.hooks += result.gradients.hooks
     rank_zero_info("Gradient reductions: " + "; ".join(result.gradients.describe()))

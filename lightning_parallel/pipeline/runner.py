@@ -65,6 +65,7 @@ class PipelineRunner:
         owned_names: set[str],
         tied_groups: dict[str, dist.ProcessGroup],
         aux_collector: Any = None,
+        fsdp_units: Sequence[nn.Module] = (),
     ) -> None:
         self.module = module
         self.layout = layout
@@ -81,12 +82,16 @@ class PipelineRunner:
         self.logs = LogRecorder()
         # An ``AuxLossCollector`` in backward mode (MoE models), or None.
         self.aux_collector = aux_collector
+        # ZeRO on FSDP2 (zero/fsdp.py): its units reduce once per step, after the schedule.
+        self.fsdp_units = list(fsdp_units)
         self._held: list[torch.Tensor | None] = []
         self._ctx: _StepContext | None = None
         self._loss_factor: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
         params = dict(module.named_parameters())
         self.parameters = [params[n] for n in sorted(owned_names) if n in params]
-        self.stage_modules = [StageModule(s, self._stage_parameters(s, params), self) for s in my_stages]
+        self.stage_modules = [
+            StageModule(s, module, self._stage_parameter_names(s, params), self) for s in my_stages
+        ]
         self.stages = [
             PipelineStage(sm, s, layout.num_stages, device, group=pp_group)
             for sm, s in zip(self.stage_modules, my_stages, strict=False)
@@ -103,9 +108,9 @@ class PipelineRunner:
                 f" {layout.num_stages} stages: torch refused the layout ({error})."
             ) from None
 
-    def _stage_parameters(self, stage: int, params: dict[str, nn.Parameter]) -> list[nn.Parameter]:
+    def _stage_parameter_names(self, stage: int, params: dict[str, nn.Parameter]) -> list[str]:
         names = {n for n, stages in self.layout.parameter_stages.items() if stage in stages}
-        return [params[n] for n in sorted(names) if n in params]
+        return [n for n in sorted(names) if n in params]
 
     @property
     def holds_last_stage(self) -> bool:
@@ -169,8 +174,14 @@ class PipelineRunner:
         index = torch.arange(m, device=self.device)
         target = torch.zeros(m, device=self.device)
         try:
+            if self.fsdp_units:
+                from lightning_parallel.zero.fsdp import accumulate_without_reducing, reduce_accumulated
+
+                accumulate_without_reducing(self.fsdp_units)
             with self.logs.recording(self.module, lambda: self._ctx.current if self._ctx else 0):
                 self.schedule.step(mb_index=index, target=target, return_outputs=False)
+            if self.fsdp_units:
+                reduce_accumulated(self.fsdp_units)
             loss = self._finish(self._ctx.losses) + self._aux_mean(self._ctx)
             self._held = self.detach_gradients()
         finally:

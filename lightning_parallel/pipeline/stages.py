@@ -15,7 +15,7 @@ The user's forward runs unchanged on every stage, from its first line, once per 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,15 +172,22 @@ def _exiter(stage: int, runtime: StageRuntime) -> Any:
 class StageModule(nn.Module):
     """The ``submodule`` torch's ``PipelineStage`` runs: the user's step, cut to one stage.
 
-    Its parameters are exactly the stage's (the zero-bubble schedules compute weight
-    gradients for ``submod.parameters()``); the step itself is the runner's.
+    Its parameters are exactly the stage's (the zero-bubble schedules compute weight gradients for
+    ``submod.parameters()``), looked up by name on the user's module at every call: under ZeRO on
+    FSDP2 a module holds its sharded or its gathered weights depending on the moment, and the
+    weight gradients belong to the gathered ones. The step itself is the runner's.
     """
 
-    def __init__(self, stage_index: int, parameters: Iterable[nn.Parameter], runner: Any) -> None:
+    def __init__(self, stage_index: int, root: nn.Module, names: Iterable[str], runner: Any) -> None:
         super().__init__()
         self.stage_index = stage_index
-        self.stage_parameters = nn.ParameterList(list(parameters))
-        object.__setattr__(self, "_runner", runner)  # not a submodule: no second copy of its parameters
+        self.parameter_names = sorted(names)
+        object.__setattr__(self, "_root", root)  # not submodules: no second copy of their parameters
+        object.__setattr__(self, "_runner", runner)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        for name in self.parameter_names:
+            yield self._root.get_parameter(name)
 
     def forward(self, *received: torch.Tensor, mb_index: torch.Tensor) -> torch.Tensor:
         return self._runner.run_stage(

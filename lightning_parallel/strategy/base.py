@@ -115,7 +115,9 @@ class MeshParallelStrategy(ParallelStrategy):
         """Whether ZeRO runs on DeepSpeed's engine in this layout (``zero/engine.py``: ZeRO-3 with tensor
         parallelism runs on FSDP2 and keeps Lightning's precision plugins)."""
         return (
-            self.dims is not None and engine_for(self.config.zero, self.dims.tensor_parallel) == "deepspeed"
+            self.dims is not None
+            and engine_for(self.config.zero, self.dims.tensor_parallel, self.dims.pipeline_parallel)
+            == "deepspeed"
         )
 
     @property

@@ -336,6 +336,12 @@ class HybridParallelStrategy(CheckpointingStrategy):
             p.gradients.reduce()  # the explicit reductions (experts; under ZeRO the part before its step)
         return result
 
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._parallelized().gradients.after_step()  # ZeRO-2 on FSDP2: the updated shards gathered again
+        return output
+
     # Evaluation: forward-only pipelines under pipeline parallelism, Lightning's step otherwise.
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

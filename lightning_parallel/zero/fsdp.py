@@ -8,12 +8,13 @@ blocks below. Each block is one unit (its own all-gather), the rest of each top-
 another; the LightningModule itself is never one (Lightning calls ``training_step``, not
 ``forward``, so its hooks would not fire).
 
-Fused projections (q|k|v) are ``_StridedShard`` on dim 0 over ``tp``; FSDP2 shards their weights
-along dim 1 instead (``shard_placement``), which it composes with a strided placement. A fused
-projection's bias has no other dim, and FSDP2's strided placement over ``dp`` on top of the
-strided one over ``tp`` mixed its rows (measured: the biases of ``c_attn`` wrong after a step);
-those few vectors stay whole over ``dp`` (``ignored_params``) and their gradients are averaged
-over ``dp`` after backward, with the other explicit reductions (``parallelize/gradients.py``).
+Over ``dp`` FSDP2 shards each weight along a dim tensor parallelism does not cut (a column-parallel
+weight along its input features, a row-parallel one along its outputs, ``shard_placement``): on the
+dim tensor parallelism cuts it would nest a strided placement inside the ``tp`` one, which mixed
+rows (measured: a fused q|k|v bias wrong after one step; column-parallel biases under pipeline
+micro-batches). The vectors tensor parallelism cuts (column-parallel biases) have no other dim;
+those few stay whole over ``dp`` (``ignored_params``) and their gradients are averaged over ``dp``
+after backward, with the other explicit reductions (``parallelize/gradients.py``).
 
 ``offload="cpu"``: FSDP2's ``CPUOffloadPolicy``: the sharded parameters, their gradients and the
 optimizer (state and step) live on the CPU, copied to the device for each all-gather.
@@ -21,29 +22,36 @@ optimizer (state and step) live on the CPU, copied to the device for each all-ga
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
+def _tensor_parallel_dims(param: nn.Parameter) -> set[int]:
+    """The tensor dims tensor parallelism already cuts (plain and strided shards)."""
+    if not isinstance(param, DTensor):
+        return set()
+    return {p.dim for p in param.placements if isinstance(p, (Shard, _StridedShard))}
+
+
 def shard_placement(param: nn.Parameter) -> Shard:
-    """FSDP2's placement over ``dp``: dim 0, unless tensor parallelism cut dim 0 into strided pieces."""
-    strided = isinstance(param, DTensor) and any(
-        isinstance(p, _StridedShard) and p.dim == 0 for p in param.placements
-    )
-    return Shard(1) if strided and param.dim() > 1 else Shard(0)
+    """FSDP2's placement over ``dp``: the first dim tensor parallelism does not cut.
 
-
-def _is_strided(param: nn.Parameter) -> bool:
-    return isinstance(param, DTensor) and any(
-        isinstance(p, _StridedShard) and p.dim == 0 for p in param.placements
-    )
+    Sharding a dim that tensor parallelism cuts makes FSDP2 nest a strided placement over ``dp`` inside
+    the ``tp`` one, which gave wrong rows under pipeline micro-batches (and for fused q|k|v always).
+    """
+    taken = _tensor_parallel_dims(param)
+    return Shard(next((d for d in range(param.dim()) if d not in taken), 0))
 
 
 def unsharded_parameters(root: nn.Module) -> list[nn.Parameter]:
-    """The parameters FSDP2 leaves whole over ``dp``: strided vectors (fused projections' biases)."""
-    return [p for p in root.parameters() if p.dim() == 1 and _is_strided(p)]
+    """The parameters FSDP2 leaves whole over ``dp``: vectors tensor parallelism already cuts (the biases of
+    column-parallel projections), which have no other dim to shard."""
+    return [p for p in root.parameters() if p.dim() == 1 and _tensor_parallel_dims(p)]
 
 
 def _holders(root: nn.Module, skip: set[int]) -> list[nn.Module]:
@@ -60,21 +68,68 @@ def _holders(root: nn.Module, skip: set[int]) -> list[nn.Module]:
     return found
 
 
+@dataclass
+class Sharded:
+    """What ``fully_shard_modules`` made: the FSDP2 units, and the parameters it left whole over ``dp``."""
+
+    units: list[nn.Module]
+    whole: list[nn.Parameter]
+
+
 def fully_shard_modules(
-    root: nn.Module, dp_mesh: DeviceMesh, blocks: list[nn.Module], offload: bool
-) -> list[nn.Module]:
-    """``fully_shard`` every block, then every other parameter-holding child of ``root``; returns the units."""
+    root: nn.Module,
+    dp_mesh: DeviceMesh,
+    blocks: list[nn.Module],
+    offload: bool,
+    reshard_after_forward: bool = True,
+) -> Sharded:
+    """``fully_shard`` every block, then every other parameter-holding child of ``root``."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
-    ignored = set(unsharded_parameters(root))
+    whole = unsharded_parameters(root)  # before sharding: afterwards every parameter is a DTensor over dp
     kwargs = {
+        "reshard_after_forward": reshard_after_forward,
         "mesh": dp_mesh,
         "shard_placement_fn": shard_placement,
         "offload_policy": policy,
-        "ignored_params": ignored,
+        "ignored_params": set(whole),
     }
     units = [fully_shard(block, **kwargs) for block in blocks if any(True for _ in block.parameters())]
     units += [fully_shard(holder, **kwargs) for holder in _holders(root, {id(u) for u in units})]
-    return units
+    return Sharded(units, whole)
+
+
+def accumulate_without_reducing(units: list[FSDPModule]) -> None:
+    """Before a pipeline schedule's micro-batches: keep unsharded gradients and parameters until the last.
+
+    The schedule runs backward once per micro-batch outside any ``no_sync`` a wrapper could see; without
+    this every micro-batch would reduce-scatter (and re-gather) on its own.
+    """
+    for unit in units:
+        unit.set_requires_gradient_sync(False, recurse=False)
+        unit.set_reshard_after_backward(False, recurse=False)
+        unit.set_is_last_backward(False)
+
+
+def reduce_accumulated(units: list[FSDPModule]) -> None:
+    """After the schedule: one reduce-scatter per unit for the whole step, then reshard.
+
+    What torch's own ``PipelineStage`` does for an FSDP2 stage module (``_PipelineStageBase.
+    _post_backward``, torch 2.13): the post-backward of every parameter group, then the root's final
+    callback that waits for the reductions; our stages are not FSDP modules themselves (each runs
+    the user's whole step), so the runner calls it.
+    """
+    roots = []
+    for unit in units:
+        unit.set_requires_gradient_sync(True, recurse=False)
+        unit.set_reshard_after_backward(True, recurse=False)
+        unit.set_is_last_backward(True)
+        state = unit._get_fsdp_state()
+        for group in state._fsdp_param_groups:
+            group.post_backward()
+        if state._is_root:
+            roots.append(state)
+    for state in roots:
+        state._root_post_backward_final_callback()

@@ -48,6 +48,7 @@ TWO = [
           fields={"model_kwargs": {"optimizer": "adamw", "warmup_steps": 2}, "trainer_kwargs": {"gradient_clip_val": 0.05}}),
     _case("zero3_acfull_dp2_nanogpt", "nanogpt", zero_stage=3, activation_checkpointing="full"),
     _case("zero2_acfull_dp2_nanogpt", "nanogpt", zero_stage=2, activation_checkpointing="full"),
+    _case("zero1_acfull_dp2_nanogpt", "nanogpt", zero_stage=1, activation_checkpointing="full"),
 ]  # fmt: skip
 
 
@@ -83,6 +84,36 @@ FOUR = [
 ]  # fmt: skip
 
 
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
+DEEP = {"model_kwargs": {"n_layer": 4}, "batch_size": 4}  # 4 blocks: two stages per rank for the V schedules
+
+
+def _pipelined(stage: int, index: int, schedule: str) -> Case:
+    """ZeRO-2/3 under two pipeline stages (FSDP2 per stage, one reduce-scatter per step); every schedule once with
+    CPU offload (AdamW on the CPU), alternately at stage 2 and 3."""
+    offload = (index + stage) % 2 == 0
+    fields = {**DEEP, "model_kwargs": {**DEEP["model_kwargs"], **(ADAM if offload else {})}}
+    return _case(f"zero{stage}{'_cpu' if offload else ''}_pp2_{schedule}_dp2_nanogpt", "nanogpt", 4, fields=fields,
+                 zero_stage=stage, pipeline_parallel=2, pipeline_schedule=schedule,
+                 micro_batches=4 if schedule == "dualpipev" else 2, **({"offload": "cpu"} if offload else {}))  # fmt: skip
+
+
+PIPELINED = [
+    *[_pipelined(stage, i, schedule) for stage in (2, 3) for i, schedule in enumerate(SCHEDULES)],
+    # ZeRO-1 (DeepSpeed) under the schedules the FOUR cases leave out.
+    *[_case(f"zero1_pp2_{schedule}_dp2_nanogpt", "nanogpt", 4, fields=DEEP, zero_stage=1, pipeline_parallel=2,
+            pipeline_schedule=schedule, micro_batches=4 if schedule == "dualpipev" else 2)
+      for schedule in ("interleaved_1f1b", "looped_bfs")],  # the zero-bubble ones are refused (test_bad_input.py)
+    _case("zero3_acfull_pp2_dp2_nanogpt", "nanogpt", 4, fields=DEEP, zero_stage=3, pipeline_parallel=2,
+          micro_batches=2, activation_checkpointing="full"),
+    _case("zero2_pp2_clip_accum_dp2_recipe_gpt", "recipe_gpt", 4, zero_stage=2, pipeline_parallel=2, micro_batches=2,
+          fields={"trainer_kwargs": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}}),
+]  # fmt: skip
+# Three dimensions: ZeRO-3 (FSDP2 over dp) x tensor parallel x pipeline stages, on 8 ranks.
+EIGHT = [_case("zero3_tp2_pp2_dp2_recipe_gpt", "recipe_gpt", 8, zero_stage=3, tensor_parallel=2, pipeline_parallel=2,
+               micro_batches=2)]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def two_process() -> dict[str, Result]:
     return run_cases(TWO + LOW_PRECISION, 2, timeout_s=600, references_for=TWO + LOW_PRECISION)
@@ -115,3 +146,23 @@ def test_zero_low_precision_within_its_tolerance(two_process: dict[str, Result],
 @pytest.mark.parametrize("case", FOUR, ids=lambda c: c.name)
 def test_zero_four_processes(four_process: dict[str, Result], case: Case) -> None:
     assert_parity(four_process[case.name], reference(case))
+
+
+@pytest.fixture(scope="module")
+def pipelined() -> dict[str, Result]:
+    return run_cases(PIPELINED, 4, timeout_s=900, references_for=PIPELINED)
+
+
+@pytest.mark.compat
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("case", PIPELINED, ids=lambda c: c.name)
+def test_zero_under_pipeline_stages(pipelined: dict[str, Result], case: Case) -> None:
+    assert_parity(pipelined[case.name], reference(case))
+
+
+@pytest.mark.compat
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", EIGHT, ids=lambda c: c.name)
+def test_zero3_tensor_and_pipeline_parallel_eight_processes(case: Case) -> None:
+    results = run_cases([case], 8, timeout_s=600, references_for=[case])
+    assert_parity(results[case.name], reference(case))

@@ -130,12 +130,11 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zer
 REFUSED_AT_CONSTRUCTION = [
     *[
         refusal(
-            (f"zero{stage}", f"pp={schedule}"),
-            dict(zero_stage=stage, pipeline_parallel=2, pipeline_schedule=schedule),
-            f"`zero_stage={stage}` with `pipeline_parallel=2` is not supported",
+            ("zero1", f"pp={schedule}"),
+            dict(zero_stage=1, pipeline_parallel=2, pipeline_schedule=schedule),
+            f"`zero_stage=1` with `pipeline_schedule={schedule!r}` is not supported",
         )
-        for stage in (2, 3)
-        for schedule in SCHEDULES
+        for schedule in ("interleaved_zero_bubble", "zbv", "dualpipev")
     ],
     *[
         refusal(
@@ -157,7 +156,7 @@ REFUSED_AT_CONSTRUCTION = [
                 (
                     f"pp={schedule}",
                     dict(pipeline_parallel=2, pipeline_schedule=schedule),
-                    "`zero_stage=3` with `pipeline_parallel=2` is not supported",
+                    "`offload='nvme'` with `zero_stage=3` and `pipeline_parallel=2` is not supported yet",
                 )
                 for schedule in SCHEDULES
             ],

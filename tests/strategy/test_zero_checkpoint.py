@@ -100,7 +100,12 @@ def test_zero_checkpoint_resumes_into_tensor_parallelism(runs: Path, name: str) 
     for rank in range(2):
         want, got = straight[rank]["losses"][FIRST_HALF:], resumed[rank]["losses"]
         assert len(got) == len(want) > 0
-        assert all(abs(g - w) / abs(w) < RTOL for g, w in zip(got, want, strict=True)), (name, rank, got, want)
+        assert all(abs(g - w) / abs(w) < RTOL for g, w in zip(got, want, strict=True)), (
+            name,
+            rank,
+            got,
+            want,
+        )
 
 
 @cache

@@ -67,9 +67,27 @@ def test_bytes_per_rank_follow_the_zero_theory(tmp_path: Path, world_size: int) 
         for rank, measured in enumerate(ranks):
             run = measured["zero3_tp2"]
             per_rank = run["tensor_parallel_numel"] / 2  # what tp alone leaves a rank, over dp=2
-            assert run["tensor_parallel_numel"] < 0.75 * run["parameters"]  # tensor parallelism engaged (1.0 if not)
+            assert (
+                run["tensor_parallel_numel"] < 0.75 * run["parameters"]
+            )  # tensor parallelism engaged (1.0 if not)
             for kind, per_param in (("module_parameters", 4), ("gradients", 4), ("optimizer_states", 8)):
                 expected = per_param * per_rank
                 if abs(run[kind] - expected) > 0.05 * expected:
                     problems.append(f"rank {rank} zero3_tp2 {kind}: {run[kind]} bytes, theory {expected:.0f}")
+        # ZeRO-2/3 on FSDP2 under two pipeline stages (dp=2): Ψ_s the stage's parameters. ZeRO-2 keeps the
+        # gathered whole parameters between steps (4Ψ_s) beside its fp32 master shard (4Ψ_s/2); ZeRO-3's
+        # module parameters are the master shards themselves.
+        pipelined = {2: {"module_parameters": (4, False), "master_parameters": (4, True), "gradients": (4, True),
+                         "optimizer_states": (8, True)},
+                     3: {"module_parameters": (4, True), "master_parameters": (0, True), "gradients": (4, True),
+                         "optimizer_states": (8, True)}}  # fmt: skip
+        for rank, measured in enumerate(ranks):
+            for stage, theory in pipelined.items():
+                run = measured[f"zero{stage}_pp2"]
+                for kind, (per_param, sharded) in theory.items():
+                    expected = per_param * run["stage_parameters"] / (2 if sharded else 1)
+                    if abs(run[kind] - expected) > 0.05 * expected + (1 if expected == 0 else 0):
+                        problems.append(
+                            f"rank {rank} zero{stage}_pp2 {kind}: {run[kind]} bytes, theory {expected:.0f}"
+                        )
     assert not problems, "\n".join(problems)

@@ -54,12 +54,18 @@ PRECISION = {"zero2_bf16": "bf16-mixed"}  # the others "32-true"
 RESHARDS: dict[str, tuple[str, dict[str, Any]]] = {
     "zero1_to_dp": ("zero1", {}),  # out of ZeRO (the strategy's own data parallelism)
     "zero3_cpu_adam_to_zero2": ("zero3_cpu_adam", dict(zero_stage=2)),  # CPU Adam's state into torch's AdamW
-    "zero3_tp2_to_zero1_pp2": ("zero3_tp2", dict(zero_stage=1, **PIPELINE)),  # FSDP2's shards into DeepSpeed's
+    "zero3_tp2_to_zero1_pp2": (
+        "zero3_tp2",
+        dict(zero_stage=1, **PIPELINE),
+    ),  # FSDP2's shards into DeepSpeed's
 }
 # Resumed into tensor parallelism: its sharded matmuls sum in another order, so even the first resumed
 # loss agrees within fp32 parity, not bit for bit.
 RESHARDS_INTO_TENSOR_PARALLEL: dict[str, tuple[str, dict[str, Any]]] = {
-    "zero1_pp2_to_zero3_tp2": ("zero1_pp2", dict(zero_stage=3, tensor_parallel=2)),  # DeepSpeed's into FSDP2's
+    "zero1_pp2_to_zero3_tp2": (
+        "zero1_pp2",
+        dict(zero_stage=3, tensor_parallel=2),
+    ),  # DeepSpeed's into FSDP2's
 }
 
 

@@ -138,6 +138,34 @@ class FsdpBytes(L.Callback):
         )  # fmt: skip
 
 
+class PipelinedFsdpBytes(L.Callback):
+    """ZeRO-2/3 on FSDP2 under pipeline stages: what a rank holds of its stage, after the step.
+
+    The optimizer's parameters are the fp32 masters (FSDP2's shards); the module's registered ones are
+    the same tensors at ZeRO-3 and the gathered whole parameters at ZeRO-2 (kept between steps).
+    """
+
+    def __init__(self) -> None:
+        self.measured: dict[str, int] = {}
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
+        masters = [p for group in optimizer.param_groups for p in group["params"]]
+        self.measured["gradients"] = _local_bytes(p.grad for p in masters if p.grad is not None)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        optimizer = trainer.optimizers[0]
+        masters = [p for group in optimizer.param_groups for p in group["params"]]
+        registered = list(trainer.strategy.pipeline_runner.stage_modules[0].parameters())
+        same = {id(p) for p in masters} == {id(p) for p in registered}
+        states = [v for state in optimizer.state.values() for v in state.values() if v.dim() > 0]
+        self.measured.update(
+            module_parameters=_local_bytes(registered), master_parameters=0 if same else _local_bytes(masters),
+            optimizer_states=_local_bytes(states), stage_parameters=sum(p.numel() for p in masters),
+        )  # fmt: skip
+
+
 def main(out_dir: Path) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -170,6 +198,17 @@ def main(out_dir: Path) -> None:
         )  # fmt: skip
         trainer.fit(module, make_dataloader(BATCH, STEPS * BATCH * 2))
         results["zero3_tp2"] = {"parameters": numel, "world_size": trainer.world_size, **probe.measured}
+        for stage in (2, 3):  # ZeRO-2/3 on FSDP2 under two pipeline stages (dp=2)
+            L.seed_everything(0, verbose=False)
+            module = build("nanogpt", optimizer="adamw", n_layer=LAYERS)
+            probe = PipelinedFsdpBytes()
+            trainer = L.Trainer(
+                accelerator="cpu", devices=devices, max_steps=STEPS, callbacks=[probe], logger=False,
+                strategy=HybridParallelStrategy(zero_stage=stage, pipeline_parallel=2, micro_batches=2, timeout=60),
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            )  # fmt: skip
+            trainer.fit(module, make_dataloader(BATCH, STEPS * BATCH * 2))
+            results[f"zero{stage}_pp2"] = {"world_size": trainer.world_size, **probe.measured}
     rank = torch.distributed.get_rank()
     (out_dir / f"zero_memory.rank{rank}.json").write_text(json.dumps(results))
 

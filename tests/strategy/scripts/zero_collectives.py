@@ -1,0 +1,76 @@
+"""Collectives per optimizer step of ZeRO-2/3 (FSDP2) under two pipeline stages with 4 micro-batches.
+
+    python tests/strategy/scripts/zero_collectives.py OUT_DIR   # RANK/WORLD_SIZE/MASTER_* from the launcher
+
+nanoGPT, pp=2 x dp=2, ``micro_batches=4``, three steps; ``torch.distributed.all_gather_single`` and
+``reduce_scatter_single`` (what FSDP2 calls) are counted per training step from the second on (the
+first also gathers the initial shards). Every rank writes ``OUT_DIR/zero_collectives.rank{r}.json``:
+per stage, the FSDP2 units on the rank and the gathers and reduce-scatters of each counted step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from lightning_parallel import HybridParallelStrategy
+from tests.models.families import build, make_dataloader
+
+COUNTS = {"all_gather": 0, "reduce_scatter": 0}
+
+
+def _counting(name: str, original: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        COUNTS[name] += 1
+        return original(*args, **kwargs)
+
+    return wrapper
+
+
+class PerStep(L.Callback):
+    def __init__(self) -> None:
+        self.steps: list[dict[str, int]] = []
+        self.units = 0
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int
+    ) -> None:
+        COUNTS.update(all_gather=0, reduce_scatter=0)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.steps.append(dict(COUNTS))
+        self.units = len(trainer.strategy.pipeline_runner.fsdp_units)
+
+
+def main(out_dir: Path) -> None:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    dist.all_gather_single = _counting("all_gather", dist.all_gather_single)
+    dist.reduce_scatter_single = _counting("reduce_scatter", dist.reduce_scatter_single)
+    devices = int(os.environ["WORLD_SIZE"])
+    results = {}
+    for stage in (2, 3):
+        L.seed_everything(0, verbose=False)
+        probe = PerStep()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=devices, max_steps=3, callbacks=[probe], logger=False,
+            strategy=HybridParallelStrategy(zero_stage=stage, pipeline_parallel=2, micro_batches=4, timeout=60),
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(build("nanogpt", n_layer=4), make_dataloader(4, 3 * 4 * 2))
+        results[f"zero{stage}"] = {"units": probe.units, "steps": probe.steps[1:]}
+    (out_dir / f"zero_collectives.rank{dist.get_rank()}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

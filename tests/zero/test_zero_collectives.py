@@ -1,0 +1,36 @@
+"""ZeRO-2/3 under pipeline stages communicates once per optimizer step, not once per micro-batch (counted).
+
+Two stages x two data-parallel ranks, 4 micro-batches (tests/strategy/scripts/zero_collectives.py):
+each FSDP2 unit of a rank reduce-scatters its gradients once per step, after the schedule, and
+gathers its parameters once (ZeRO-3 before the first micro-batch, ZeRO-2 after the optimizer step,
+keeping whole parameters between steps). Once per micro-batch would be 4x that.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.strategy import launch
+
+pytestmark = [pytest.mark.distributed]
+
+
+@pytest.mark.timeout(600)
+def test_one_gather_and_one_reduce_scatter_per_unit_and_step(tmp_path: Path) -> None:
+    result = launch("zero_collectives.py", [str(tmp_path)], tmp_path, world_size=4, timeout_s=400, grace_s=30)
+    result.assert_all_succeeded()
+    for rank in range(4):
+        measured = json.loads((tmp_path / f"zero_collectives.rank{rank}.json").read_text())
+        for stage in ("zero2", "zero3"):
+            units, steps = measured[stage]["units"], measured[stage]["steps"]
+            assert units >= 2 and len(steps) == 2  # blocks of the stage, and the rest of the model
+            for counted in steps:
+                assert counted == {"all_gather": units, "reduce_scatter": units}, (
+                    rank,
+                    stage,
+                    units,
+                    counted,
+                )
