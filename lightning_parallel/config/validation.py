@@ -138,14 +138,6 @@ def _check_zero_layout(
     """The layouts ZeRO cannot run correctly (docs/zero.md, "Layouts")."""
     if not zero.enabled:
         return
-    if activation_checkpointing == "selective":
-        raise ValueError(
-            f"`activation_checkpointing='selective'` with `zero_stage={zero.stage}` is not supported: under"
-            " DeepSpeed's engine the selectively recomputed steps did not reproduce the one-process gradients"
-            " (losses 2e-5 to 5e-5 apart after two steps at stages 1 and 3, where full checkpointing and plain data"
-            " parallelism agree to 1e-7), and a silently different gradient is worse than an error. Use"
-            " `activation_checkpointing='full'` with ZeRO, or selective checkpointing with `zero_stage=0`."
-        )
     above_stage_1 = {
         ("expert_parallel", "expert parallelism"): (
             expert_parallel,

@@ -46,7 +46,7 @@ from lightning_parallel.data_parallel import (
 )
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.pipeline.runner import PipelineRunner
-from lightning_parallel.zero.engine import engine_for
+from lightning_parallel.zero.engine import config_engine
 from lightning_parallel.zero.fsdp import Sharded, fully_shard_modules
 from lightning_parallel.zero.tensor_parallel import local_shard_parameters, mark_model_parallel
 
@@ -72,7 +72,7 @@ class Reduction:
 
 def decide_gradient_reductions(config: ParallelConfig, dims: ParallelDims) -> list[Reduction]:
     """The reductions of a layout, in the order they run (identical on every rank)."""
-    engine = engine_for(config.zero, dims.tensor_parallel, dims.pipeline_parallel)
+    engine = config_engine(config, dims)
     if engine == "fsdp2":  # zero/fsdp.py; under pipeline stages once per step, after the schedule
         shards = f"mean (reduce-scatter of ZeRO-{config.zero.stage}'s shards)"
         if dims.pp_enabled:
@@ -209,7 +209,7 @@ def shard_for_zero(
 ) -> Sharded | None:
     """ZeRO on FSDP2 (``zero/engine.py: engine_for``): ``fully_shard`` the blocks this rank holds and the rest;
     None when ZeRO is DeepSpeed's (or off). Before the pipeline's stages exist: they capture the parameters."""
-    if engine_for(config.zero, dims.tensor_parallel, dims.pipeline_parallel) != "fsdp2":
+    if config_engine(config, dims) != "fsdp2":
         return None
     from lightning_parallel.pipeline.stages import SkippedBlock
 

@@ -34,7 +34,7 @@ from lightning_parallel.launch.placement import check_tensor_parallel_placement
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.precision import convert_precision_plugin
 from lightning_parallel.zero import ZeroPrecision
-from lightning_parallel.zero.engine import engine_for
+from lightning_parallel.zero.engine import config_engine
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -114,11 +114,7 @@ class MeshParallelStrategy(ParallelStrategy):
     def deepspeed_zero(self) -> bool:
         """Whether ZeRO runs on DeepSpeed's engine in this layout (``zero/engine.py``: ZeRO-3 with tensor
         parallelism runs on FSDP2 and keeps Lightning's precision plugins)."""
-        return (
-            self.dims is not None
-            and engine_for(self.config.zero, self.dims.tensor_parallel, self.dims.pipeline_parallel)
-            == "deepspeed"
-        )
+        return self.dims is not None and config_engine(self.config, self.dims) == "deepspeed"
 
     @property
     def tensor_parallel(self) -> int:

@@ -42,20 +42,35 @@ def deepspeed_environment(
 Engine = Literal["deepspeed", "fsdp2"]
 
 
-def engine_for(zero: ZeroArguments, tensor_parallel: int, pipeline_parallel: int = 1) -> Engine | None:
+def engine_for(
+    zero: ZeroArguments,
+    tensor_parallel: int,
+    pipeline_parallel: int = 1,
+    selective_checkpointing: bool = False,
+) -> Engine | None:
     """Which engine runs ZeRO for this layout (docs/design.md, "ZeRO engines"); None without ZeRO.
 
     torch's FSDP2 (``fully_shard`` over ``dp``, as torchtitan) where DeepSpeed cannot: ZeRO-3 with
     tensor parallelism (its stage 3 partitions parameters in module hooks that do not know
-    DTensors) and ZeRO-2/3 with pipeline stages (its stages 2/3 reduce inside per-backward hooks,
-    once per micro-batch, which is why its own pipeline engine refuses them). Every other stage and
-    layout is DeepSpeed's engine.
+    DTensors), and ZeRO-2/3 with
+    pipeline stages (its stages 2/3 reduce inside per-backward hooks, once per micro-batch, which is
+    why its own pipeline engine refuses them). Every other stage and layout is DeepSpeed's engine
+    (NVMe offload always: FSDP2 offloads to the CPU only).
     """
     if not zero.enabled:
         return None
-    if (zero.stage == 3 and tensor_parallel > 1) or (zero.stage > 1 and pipeline_parallel > 1):
+    if zero.offload == "nvme":
+        return "deepspeed"
+    if zero.stage == 3 and tensor_parallel > 1:
+        return "fsdp2"
+    if zero.stage > 1 and pipeline_parallel > 1:
         return "fsdp2"
     return "deepspeed"
+
+
+def config_engine(config: Any, dims: Any) -> Engine | None:
+    """:func:`engine_for` of a ``ParallelConfig`` on resolved ``ParallelDims``."""
+    return engine_for(config.zero, dims.tensor_parallel, dims.pipeline_parallel)
 
 
 # The C++ ops a ZeRO job loads, and what for (DeepSpeed compiles each on first use, a minute or more).

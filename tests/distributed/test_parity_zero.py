@@ -49,6 +49,11 @@ TWO = [
     _case("zero3_acfull_dp2_nanogpt", "nanogpt", zero_stage=3, activation_checkpointing="full"),
     _case("zero2_acfull_dp2_nanogpt", "nanogpt", zero_stage=2, activation_checkpointing="full"),
     _case("zero1_acfull_dp2_nanogpt", "nanogpt", zero_stage=1, activation_checkpointing="full"),
+    # Selective checkpointing (DeepSpeed's stage 3 with torch's own linear: zero/arguments.py), NVMe offload too.
+    *[_case(f"zero{s}_acsel_dp2_{family}", family, zero_stage=s, activation_checkpointing="selective")
+      for s in (1, 2, 3) for family in ("nanogpt", "recipe_gpt")],
+    _case("zero3_nvme_acsel_dp2_nanogpt", "nanogpt", fields={"model_kwargs": ADAM}, zero_stage=3, offload="nvme",
+          offload_path=NVME_PATH, activation_checkpointing="selective"),
 ]  # fmt: skip
 
 
@@ -106,6 +111,10 @@ PIPELINED = [
       for schedule in ("interleaved_1f1b", "looped_bfs")],  # the zero-bubble ones are refused (test_bad_input.py)
     _case("zero3_acfull_pp2_dp2_nanogpt", "nanogpt", 4, fields=DEEP, zero_stage=3, pipeline_parallel=2,
           micro_batches=2, activation_checkpointing="full"),
+    _case("zero3_acsel_pp2_dp2_nanogpt", "nanogpt", 4, fields=DEEP, zero_stage=3, pipeline_parallel=2,
+          micro_batches=2, activation_checkpointing="selective"),
+    _case("zero2_acsel_tp2_dp2_nanogpt", "nanogpt", 4, zero_stage=2, tensor_parallel=2,
+          activation_checkpointing="selective"),
     _case("zero2_pp2_clip_accum_dp2_recipe_gpt", "recipe_gpt", 4, zero_stage=2, pipeline_parallel=2, micro_batches=2,
           fields={"trainer_kwargs": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}}),
 ]  # fmt: skip
