@@ -164,15 +164,6 @@ def _check_zero_layout(
             " pipeline micro-batches. Nearest supported layouts: `offload='cpu'` with that layout, or"
             " `offload='nvme'` with data parallelism only."
         )
-    if tensor_parallel != 1 and pipeline_parallel > 1 and zero.stage == 1:
-        raise ValueError(
-            f"`zero_stage={zero.stage}` with both `tensor_parallel={tensor_parallel}` and"
-            f" `pipeline_parallel={pipeline_parallel}` is not supported yet: ZeRO takes each tensor-parallel weight"
-            " as its local shard (a new parameter), after the pipeline's stages recorded the weights they hold, so"
-            " the held micro-batch gradients and the sum of weights tied across stages would miss them. Nearest"
-            " supported layouts: zero_stage=1 with tensor_parallel, or zero_stage=1 with pipeline_parallel,"
-            " or both model-parallel axes with zero_stage=2 or 3 (FSDP2) or zero_stage=0."
-        )
 
 
 def consolidated_refusal(pipeline_parallel: int, expert_parallel: int, zero_stage: int) -> str | None:

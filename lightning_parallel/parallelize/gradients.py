@@ -48,7 +48,11 @@ from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.zero.engine import config_engine
 from lightning_parallel.zero.fsdp import Sharded, fully_shard_modules
-from lightning_parallel.zero.tensor_parallel import local_shard_parameters, mark_model_parallel
+from lightning_parallel.zero.tensor_parallel import (
+    local_shard_parameters,
+    mark_model_parallel,
+    registered_parameter,
+)
 
 IN_BACKWARD, AFTER_BACKWARD, IN_STEP = "inside backward", "after backward", "in the optimizer step"
 AFTER_STEP = "after the optimizer step"
@@ -186,9 +190,7 @@ def plan_gradient_reductions(
         if any(r.when == AFTER_STEP for r in decided):
             result.regather = fsdp.units
         return result
-    if config.zero.enabled:  # plain parameters for DeepSpeed, which flattens them (zero/tensor_parallel.py)
-        if dims.tp_enabled:
-            local_shard_parameters(module)
+    if config.zero.enabled:  # expert slices differ across ep ranks: DeepSpeed's norm counts them on each
         mark_model_parallel(p for p in _parameters(module, runner) if id(p) in expert_ids)
     if any(r.when == IN_BACKWARD for r in decided):
         dp_mesh = mesh["dp"]
@@ -207,9 +209,18 @@ def plan_gradient_reductions(
 def shard_for_zero(
     module: nn.Module, config: ParallelConfig, dims: ParallelDims, mesh: DeviceMesh, blocks: list[str]
 ) -> Sharded | None:
-    """ZeRO on FSDP2 (``zero/engine.py: engine_for``): ``fully_shard`` the blocks this rank holds and the rest;
-    None when ZeRO is DeepSpeed's (or off). Before the pipeline's stages exist: they capture the parameters."""
-    if config_engine(config, dims) != "fsdp2":
+    """The parameters ZeRO's engine takes, before the pipeline's stages exist (they capture the parameters).
+
+    FSDP2 (``zero/engine.py: engine_for``): ``fully_shard`` the blocks this rank holds and the rest.
+    DeepSpeed with tensor parallelism: each DTensor weight re-registered as its plain local shard
+    (returns None, as without ZeRO).
+    """
+    engine = config_engine(config, dims)
+    if (
+        engine == "deepspeed" and dims.tp_enabled
+    ):  # DeepSpeed flattens plain tensors (zero/tensor_parallel.py)
+        local_shard_parameters(module)
+    if engine != "fsdp2":
         return None
     from lightning_parallel.pipeline.stages import SkippedBlock
 
@@ -236,7 +247,7 @@ def _explicit_groups(
     trainable = [p for p in _parameters(module, runner) if p.requires_grad]
     dense = [p for p in trainable if id(p) not in expert_ids]
     experts = [p for p in trainable if id(p) in expert_ids]
-    tied = {id(module.get_parameter(n)) for n in runner.tied_groups} if runner is not None else set()
+    tied = {id(registered_parameter(module, n)) for n in runner.tied_groups} if runner is not None else set()
     compression = next((r.compression for r in decided if r.compression is not None), None)
     compressor = BucketCompressor(compression) if compression is not None else None
     dp = mesh["dp"]

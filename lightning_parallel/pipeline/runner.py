@@ -36,6 +36,7 @@ from lightning_parallel.pipeline.microbatch import (
 )
 from lightning_parallel.pipeline.schedules import ScheduleSpec
 from lightning_parallel.pipeline.stages import StageExit, StageLayout, StageModule, StageRuntime
+from lightning_parallel.zero.tensor_parallel import registered_parameter, user_name
 
 
 @dataclass
@@ -87,7 +88,9 @@ class PipelineRunner:
         self._held: list[torch.Tensor | None] = []
         self._ctx: _StepContext | None = None
         self._loss_factor: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
-        params = dict(module.named_parameters())
+        params = {
+            user_name(n): p for n, p in module.named_parameters()
+        }  # a local-shard weight under its name
         self.parameters = [params[n] for n in sorted(owned_names) if n in params]
         self.stage_modules = [
             StageModule(s, module, self._stage_parameter_names(s, params), self) for s in my_stages
@@ -237,7 +240,7 @@ class PipelineRunner:
     def tied_gradient_groups(self) -> list[GradientGroup]:
         """Weights held by several stages (a tied embedding and head): their gradients are summed."""
         return [
-            GradientGroup([self.module.get_parameter(n)], g, label=f"tied weight {n}")
+            GradientGroup([registered_parameter(self.module, n)], g, label=f"tied weight {n}")
             for n, g in self.tied_groups.items()
         ]
 

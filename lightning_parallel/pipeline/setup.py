@@ -19,6 +19,7 @@ from lightning_parallel.pipeline.schedules import ScheduleSpec, stage_owner, sta
 from lightning_parallel.pipeline.split import balanced_boundaries, check_user_boundaries, stage_ranges
 from lightning_parallel.pipeline.stages import StageLayout, StageRuntime, cut_into_stages
 from lightning_parallel.plans.detect import block_names
+from lightning_parallel.zero.tensor_parallel import registered_parameter
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def norm_duplicates(layout: StageLayout, pp_rank: int, module: nn.Module) -> set
     out = set()
     for name, ranks in layout.tied_across_ranks().items():
         if pp_rank in ranks and pp_rank != ranks[0]:  # middle stages of 3+ do not hold it at all
-            out.add(id(module.get_parameter(name)))
+            out.add(id(registered_parameter(module, name)))
     return out
 
 

@@ -25,6 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.pipeline.discover import Discovery, OutputTemplate
 from lightning_parallel.tensor_parallel.regions import find_hidden, replace_hidden
+from lightning_parallel.zero.tensor_parallel import registered_parameter
 
 
 class StageExit(Exception):  # noqa: N818 - control flow, not an error
@@ -187,7 +188,7 @@ class StageModule(nn.Module):
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         for name in self.parameter_names:
-            yield self._root.get_parameter(name)
+            yield registered_parameter(self._root, name)
 
     def forward(self, *received: torch.Tensor, mb_index: torch.Tensor) -> torch.Tensor:
         return self._runner.run_stage(

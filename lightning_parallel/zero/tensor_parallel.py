@@ -94,3 +94,13 @@ def user_named_parameters(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
         else:
             out.append((user_name(name), getattr(module.get_submodule(split[0]), split[1])))
     return out
+
+
+def registered_parameter(module: nn.Module, name: str) -> nn.Parameter:
+    """The parameter registered under the user's ``name``: for a weight taken as its local shard, the
+    parametrization's ``original`` (what DeepSpeed and the optimizer hold); else ``get_parameter``."""
+    owner, _, attribute = name.rpartition(".")
+    holder = module.get_submodule(owner) if owner else module
+    if parametrize.is_parametrized(holder, attribute):
+        return getattr(holder.parametrizations, attribute).original
+    return module.get_parameter(name)

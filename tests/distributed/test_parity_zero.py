@@ -119,8 +119,11 @@ PIPELINED = [
           fields={"trainer_kwargs": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}}),
 ]  # fmt: skip
 # Three dimensions: ZeRO-3 (FSDP2 over dp) x tensor parallel x pipeline stages, on 8 ranks.
-EIGHT = [_case("zero3_tp2_pp2_dp2_recipe_gpt", "recipe_gpt", 8, zero_stage=3, tensor_parallel=2, pipeline_parallel=2,
-               micro_batches=2)]  # fmt: skip
+EIGHT = [
+    _case(f"zero{stage}_tp2_pp2_dp2_recipe_gpt", "recipe_gpt", 8, zero_stage=stage, tensor_parallel=2,
+          pipeline_parallel=2, micro_batches=2)
+    for stage in (1, 3)  # DeepSpeed's ZeRO-1 on the local shards; FSDP2's ZeRO-3
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -169,9 +172,15 @@ def test_zero_under_pipeline_stages(pipelined: dict[str, Result], case: Case) ->
     assert_parity(pipelined[case.name], reference(case))
 
 
+@pytest.fixture(scope="module")
+def eight_process() -> dict[str, Result]:
+    return run_cases(EIGHT, 8, timeout_s=600, references_for=EIGHT)
+
+
 @pytest.mark.compat
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", EIGHT, ids=lambda c: c.name)
-def test_zero3_tensor_and_pipeline_parallel_eight_processes(case: Case) -> None:
-    results = run_cases([case], 8, timeout_s=600, references_for=[case])
-    assert_parity(results[case.name], reference(case))
+def test_zero_tensor_and_pipeline_parallel_eight_processes(
+    eight_process: dict[str, Result], case: Case
+) -> None:
+    assert_parity(eight_process[case.name], reference(case))

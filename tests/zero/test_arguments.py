@@ -66,8 +66,6 @@ def test_raw_deepspeed_keys_are_merged_last() -> None:
         ({"zero_stage": 2, "deepspeed_config": {"optimizer": {}}}, "use LightningModule.configure_optimizers instead"),
         ({"zero_stage": 2, "deepspeed_config": {"zero_optimization": {"stage": 3}}}, "contradicts `zero_stage=2`"),
         ({"zero_stage": 1, "gradient_compression": "bf16"}, "`gradient_compression='bf16'` with `zero_stage=1` is not supported"),
-        ({"zero_stage": 1, "tensor_parallel": 2, "pipeline_parallel": 2},
-         "`zero_stage=1` with both `tensor_parallel=2` and `pipeline_parallel=2` is not supported yet"),
     ],
 )  # fmt: skip
 def test_bad_zero_arguments_are_refused_at_construction(kwargs: dict, message: str) -> None:
