@@ -47,7 +47,9 @@ DATA_PARALLEL = {"dp": {}, "zero1": {"zero_stage": 1}, "zero2": {"zero_stage": 2
 PIPELINED = {"pp2": {}, "zero2_pp2": {"zero_stage": 2}, "zero3_pp2": {"zero_stage": 3}}
 
 
-def _fit(name: str, kwargs: dict[str, Any], shape: dict[str, Any], data: Any, args: argparse.Namespace) -> list[float]:
+def _fit(
+    name: str, kwargs: dict[str, Any], shape: dict[str, Any], data: Any, args: argparse.Namespace
+) -> list[float]:
     import lightning as L
 
     from lightning_parallel import HybridParallelStrategy
