@@ -42,6 +42,7 @@ __all__ = [
     "Timings",
     "breakdown",
     "compare",
+    "finish_worker",
     "ROOT",
     "StepTimer",
     "init_process_group",
@@ -340,6 +341,23 @@ def init_process_group(timeout_s: float = 120.0) -> int:
     dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
                             timeout=timedelta(seconds=timeout_s))  # fmt: skip
     return rank
+
+
+def finish_worker() -> None:
+    """End a benchmark rank: barrier, destroy every process group, flush, and leave without finalization.
+
+    A rank whose results are written must not fail afterwards: seen once in CI, a pipeline rank
+    aborted in interpreter finalization ("terminate called without an active exception", status -6)
+    after a clean run, the known race of gloo's worker threads releasing tensors once Python is
+    torn down (pytorch/pytorch PR 179291). ``os._exit`` skips that finalization.
+    """
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def write_json(path: Path, payload: Any) -> None:

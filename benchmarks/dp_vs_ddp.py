@@ -32,6 +32,7 @@ from benchmarks.common import (
     Timings,
     breakdown,
     compare,
+    finish_worker,
     init_process_group,
     launch,
     launch_env,
@@ -85,7 +86,6 @@ def _collectives(
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
 
     quiet_lightning()
     torch.set_num_threads(args.threads)
@@ -98,9 +98,7 @@ def worker(args: argparse.Namespace) -> None:
         counts = _collectives(shape, data, args, dist_env)
         if rank == 0:
             (args.out / "collectives.json").write_text(json.dumps(counts))
-        dist.barrier()
-        dist.destroy_process_group()
-        return
+        finish_worker()
 
     def run(baton: Baton, name: str) -> Timings:
         timer = LockstepTimer(baton, name, warmup=args.warmup)
@@ -124,8 +122,7 @@ def worker(args: argparse.Namespace) -> None:
             "threads": torch.get_num_threads(),
         }
         (args.out / "dp_vs_ddp.json").write_text(json.dumps(payload))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker()
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
+    finish_worker,
     init_process_group,
     launch,
     machine,
@@ -54,7 +55,6 @@ def configurations() -> dict[str, Any]:
 
 def rank_main(out: Path, steps: int) -> None:
     import lightning as L
-    import torch.distributed as dist
 
     from lightning_parallel import HybridParallelStrategy
     from lightning_parallel.comm import count_all_reduce_bytes, gradient_bytes
@@ -97,8 +97,7 @@ def rank_main(out: Path, steps: int) -> None:
         }
     if rank == 0:
         (out / "result.json").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker()
 
 
 def main(argv: list[str] | None = None) -> None:

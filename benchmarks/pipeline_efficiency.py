@@ -53,6 +53,7 @@ import torch
 
 from benchmarks.common import (
     Baton,
+    finish_worker,
     init_process_group,
     launch,
     launch_env,
@@ -240,8 +241,7 @@ def worker(args: argparse.Namespace) -> None:
         payload = {"results": results, "seconds": time.perf_counter() - start, "shape": shape,
                    "load_average": (start_load, os.getloadavg()[0])}  # fmt: skip
         (args.out / "pipeline_efficiency.json").write_text(json.dumps(payload))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker()
 
 
 # ---- results -------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from benchmarks.common import (
+    finish_worker,
     init_process_group,
     launch,
     launch_env,
@@ -261,7 +262,6 @@ def _run(
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
 
     from lightning_parallel.config.arguments import resolve_schedule
 
@@ -283,8 +283,7 @@ def worker(args: argparse.Namespace) -> None:
         )
     if rank == 0:
         (args.out / "pipeline_memory.json").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker()
 
 
 def measure(

@@ -62,6 +62,7 @@ import torch
 
 from benchmarks.common import (
     ROOT,
+    finish_worker,
     init_process_group,
     launch,
     launch_env,
@@ -459,7 +460,6 @@ def _measure(sp: bool, clip: bool, loss_parallel: bool) -> dict[str, Any]:
 
 
 def worker(out: Path, configs: tuple[Config, ...]) -> None:
-    import torch.distributed as dist
 
     quiet_lightning()
     torch.set_num_threads(1)
@@ -471,8 +471,7 @@ def worker(out: Path, configs: tuple[Config, ...]) -> None:
         results.append(_measure(*config))
     if rank == 0:
         (out / "collectives.json").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker()
 
 
 def measure(configs: tuple[Config, ...] = WITHOUT_CLIP, timeout_s: float = 300.0) -> list[dict[str, Any]]:

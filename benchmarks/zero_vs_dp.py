@@ -29,6 +29,7 @@ import torch
 
 from benchmarks.common import (
     StepTimer,
+    finish_worker,
     init_process_group,
     launch,
     launch_env,
@@ -68,7 +69,6 @@ def _fit(
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
 
     quiet_lightning()
     torch.set_num_threads(1)
@@ -88,8 +88,7 @@ def worker(args: argparse.Namespace) -> None:
         rounds.append(measured)
     if rank == 0:
         (args.out / "zero_vs_dp.json").write_text(json.dumps(rounds))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker()
 
 
 def main() -> None:

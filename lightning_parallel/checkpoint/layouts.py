@@ -121,3 +121,21 @@ def experts_as_local(state: dict[str, Any], layouts: dict[str, Any], optimizer: 
         k: v.to_local() if isinstance(v, DTensor) and owner_name(k, optimizer) in layouts else v
         for k, v in state.items()
     }
+
+
+def saved_keys(path: Any, entry: str) -> dict[str, Any]:
+    """``key -> storage metadata`` of one entry of a DCP checkpoint (what the files hold, before reading)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    prefix = f"{entry}."
+    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    return {k[len(prefix) :]: v for k, v in metadata.items() if k.startswith(prefix)}
+
+
+def hyper_parameters_to_read(state: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
+    """The flat optimizer entry less the parameter-group options the checkpoint does not hold.
+
+    Another optimizer class may have saved it (DeepSpeed's CPU Adam has no ``maximize``, torch's AdamW no
+    ``bias_correction``): those options keep this optimizer's values; per-parameter states are all read.
+    """
+    return {k: v for k, v in state.items() if k in saved or not k.startswith("param_groups.")}

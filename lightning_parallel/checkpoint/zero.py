@@ -31,6 +31,7 @@ from lightning_parallel.checkpoint.layouts import (
     experts_as_dtensors,
     experts_as_local,
     restore_strided,
+    saved_keys,
 )
 from lightning_parallel.zero.partitions import (
     ensure_state,
@@ -200,15 +201,6 @@ def _zeros_like_saved(param: nn.Parameter, to_saved: Any) -> Any:
     return _as_saved(torch.zeros(_local_shape(param), dtype=torch.float32), to_saved)
 
 
-def _saved_keys(path: Path, entry: str) -> dict[str, Any]:
-    """``key -> storage metadata`` of one entry of a DCP checkpoint (what the files hold, before reading)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    prefix = f"{entry}."
-    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
-    return {k[len(prefix) :]: v for k, v in metadata.items() if k.startswith(prefix)}
-
-
 def _read(path: Path, entry: str, template: dict[str, Any]) -> dict[str, Any]:
     from lightning.fabric.strategies.fsdp import _distributed_checkpoint_load
 
@@ -240,7 +232,7 @@ def _load_weights(
     like: dict[str, Any] = {name: _zeros_like_saved(p, to_saved) for name, p, to_saved in parameters}
     like.update({k: v.clone() for k, v in _buffers(module).items()})
     like = experts_as_dtensors(like, layouts, ep_mesh, optimizer=False)
-    saved = set(_saved_keys(path, "state_dict"))
+    saved = set(saved_keys(path, "state_dict"))
     missing = sorted(set(like) - saved)
     if strict and missing:
         raise ValueError(
@@ -289,7 +281,7 @@ def _load_optimizer(
     optimizer: Any, engine: Any, path: Path, parameters: list, layouts: dict, ep_mesh: Any
 ) -> None:
     """Per-parameter states, step and hyper-parameters (the LR scheduler's state is Lightning's), loss scaler."""
-    files = _saved_keys(path, "optimizer_0")
+    files = saved_keys(path, "optimizer_0")
     keys = sorted({k.rpartition(".")[2] for k in files if k.startswith("state.")} - {"step"})
     template = experts_as_dtensors(
         _optimizer_template(optimizer, files, parameters, keys), layouts, ep_mesh, optimizer=True

@@ -30,7 +30,9 @@ from lightning_parallel.checkpoint.layouts import (
     expert_layouts,
     experts_as_dtensors,
     experts_as_local,
+    hyper_parameters_to_read,
     restore_strided,
+    saved_keys,
 )
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.config.validation import consolidated_refusal
@@ -265,9 +267,12 @@ class CheckpointingStrategy(MeshParallelStrategy):
         for idx, optimizer in enumerate(self.optimizers):
             optimizer_state = get_optimizer_state_dict(self.model, optimizer, options=FLAT)
             optimizer_state = experts_as_dtensors(optimizer_state, layouts, ep_mesh, optimizer=True)
-            readable = contiguous_shards(optimizer_state)
+            shards = contiguous_shards(optimizer_state)
+            readable = hyper_parameters_to_read(shards, saved_keys(path, f"optimizer_{idx}"))
             _distributed_checkpoint_load({f"optimizer_{idx}": readable}, path)
-            restored = experts_as_local(restore_strided(readable, optimizer_state), layouts, optimizer=True)
+            restored = experts_as_local(
+                restore_strided({**shards, **readable}, optimizer_state), layouts, optimizer=True
+            )
             set_optimizer_state_dict(self.model, optimizer, restored, options=FLAT)
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 

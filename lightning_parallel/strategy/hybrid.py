@@ -50,6 +50,7 @@ from lightning_parallel.tensor_parallel.loss_parallel import (
     to_plain,
 )
 from lightning_parallel.zero.engine import announce_compilation, deepspeed_environment, initialize_engine
+from lightning_parallel.zero.optimizer import offload_optimizer
 
 # ``Trainer(strategy=name)``: (name, description, arguments).
 PRESETS: list[tuple[str, str, dict[str, Any]]] = [
@@ -256,7 +257,16 @@ class HybridParallelStrategy(CheckpointingStrategy):
             self.setup_optimizers(trainer)
             if self.deepspeed_zero:
                 self._initialize_zero(trainer, parallelized)
+            elif self.config.zero.offload == "cpu":  # FSDP2's shards on the CPU
+                self._offload_sharded_optimizers()
         self.setup_precision_plugin()
+
+    def _offload_sharded_optimizers(self) -> None:
+        """FSDP2 with ``offload="cpu"``: Adam/AdamW become DeepSpeed's CPU Adam on the CPU shards."""
+        if (line := announce_compilation(self.config.zero, self.root_device.type)) is not None:
+            rank_zero_info(line)
+        schedulers = [c.scheduler for c in self.lr_scheduler_configs]
+        self.optimizers = [offload_optimizer(o, schedulers, sharded=True) for o in self.optimizers]
 
     def _initialize_zero(self, trainer: Trainer, parallelized: Parallelized) -> None:
         """Hand the parallelized module and the user's optimizer to ``deepspeed.initialize``."""

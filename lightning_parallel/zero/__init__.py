@@ -3,7 +3,8 @@
 - :class:`ZeroArguments`: the strategy's ``zero_stage``/``offload``/``offload_path``/``deepspeed_config``,
   validated, and the DeepSpeed config derived from them and the Trainer.
 - :class:`MeshParallelUnit`: the strategy's mesh as the ``mpu`` DeepSpeed asks for its groups.
-- :func:`offload_optimizer`: Adam/AdamW as DeepSpeed's CPU Adam when optimizer states are offloaded.
+- :func:`offload_optimizer`: Adam/AdamW as DeepSpeed's CPU Adam when optimizer states are offloaded
+  (on the FSDP2 engine, `sharded_cpu_adam.ShardedCPUAdam` on the local shards).
 - :class:`ZeroPrecision`: backward and step through the engine.
 """
 

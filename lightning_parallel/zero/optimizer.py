@@ -27,9 +27,13 @@ def _adam_mode(optimizer: torch.optim.Optimizer) -> bool | None:
 
 
 def offload_optimizer(
-    optimizer: torch.optim.Optimizer, schedulers: Iterable[Any] = ()
+    optimizer: torch.optim.Optimizer, schedulers: Iterable[Any] = (), sharded: bool = False
 ) -> torch.optim.Optimizer:
-    """Return DeepSpeed's CPU Adam for a torch Adam/AdamW (same groups and hyper-parameters), else ``optimizer``."""
+    """Return DeepSpeed's CPU Adam for a torch Adam/AdamW (same groups and hyper-parameters), else ``optimizer``.
+
+    ``sharded``: the parameters are FSDP2's DTensor shards on the CPU (``zero/sharded_cpu_adam.py``);
+    otherwise DeepSpeed's engine hands the kernel its own flat fp32 partitions.
+    """
     adamw_mode = _adam_mode(optimizer)
     if adamw_mode is None:
         return optimizer
@@ -39,7 +43,10 @@ def offload_optimizer(
                 f"`{type(optimizer).__name__}({option}=True)` with `offload='cpu'`: DeepSpeed's CPU Adam has no"
                 f" {option}. Drop {option}, or turn offloading off."
             )
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    if sharded:
+        from lightning_parallel.zero.sharded_cpu_adam import ShardedCPUAdam as CPUAdam
+    else:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam as CPUAdam
 
     groups = []
     for group in optimizer.param_groups:
@@ -47,7 +54,7 @@ def offload_optimizer(
         hyper["lr"] = float(hyper["lr"])
         groups.append(hyper)
     defaults = optimizer.defaults
-    replacement = DeepSpeedCPUAdam(
+    replacement = CPUAdam(
         groups,
         lr=float(defaults["lr"]),
         betas=tuple(defaults["betas"]),
@@ -64,5 +71,5 @@ def _repoint(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimi
     if getattr(scheduler, "optimizer", None) is not old:
         return
     scheduler.optimizer = new
-    # The scheduler counted calls of the old optimizer's ``step``; the new one is stepped by ZeRO.
+    # The scheduler counted calls of the old optimizer's ``step``; the new one is stepped by ZeRO or Lightning.
     vars(new)["_opt_called"] = True  # what the scheduler's step wrapper sets on a stepped optimizer

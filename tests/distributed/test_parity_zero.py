@@ -1,14 +1,15 @@
-"""DeepSpeed ZeRO inside HybridParallelStrategy reproduces the single-process run.
+"""ZeRO inside HybridParallelStrategy reproduces the single-process run, on both engines.
 
 fp32, per-step loss within 1e-5 relative and the final parameters element-wise (the project's
-parity rule): ZeRO stages 1, 2, 3 on dp=2, each with and without CPU offload, stage 3 with NVMe
-offload to a temporary folder; ZeRO-2 with CPU offload, gradient clipping and the recipe's LR
-schedule (warm-up then cosine); each stage with full activation checkpointing (selective is
-refused with ZeRO: tests/zero/test_arguments.py). Four ranks: ZeRO-1
-and ZeRO-2 with tensor parallelism (tp=2 x dp=2, with sequence parallelism too), ZeRO-1 with
-pipeline (pp=2 x dp=2, 1F1B and GPipe) and with expert parallelism (ep=2 x dp_replicate=2).
-Offloading runs Adam (as DeepSpeed's CPU Adam), the rest SGD. Each stage in bf16-mixed and
-bf16-true within the low-precision tolerance (2e-2 per step).
+parity rule). Two ranks (DeepSpeed's engine): stages 1, 2, 3 on dp=2, each with and without CPU
+offload, stage 3 with NVMe offload to a temporary folder; ZeRO-2 with CPU offload, clipping and the
+recipe's LR schedule (warm-up then cosine); each stage with full and with selective activation
+checkpointing. Four ranks: ZeRO-1/2 with tensor (and sequence) parallelism, ZeRO-1 with pipeline
+and expert parallelism, and on FSDP2 ZeRO-3 with tensor parallelism (CPU offload, clipping and
+accumulation too) and ZeRO-2/3 under every pipeline schedule (each once with CPU offload). Eight
+ranks: ZeRO-1 and ZeRO-3 x tp2 x pp2. Offloading runs Adam/AdamW, as DeepSpeed's CPU Adam on both
+engines (tests/zero/test_zero_memory.py asserts which optimizer stepped), the rest SGD. bf16-mixed
+and bf16-true within the low-precision tolerance (2e-2 per step).
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ ZeRO paper counts only the first); stages 1 and 2 step on the reduced buffer its
 ZeRO-3 with tensor parallelism (4 ranks: tp=2 x dp=2, torch's FSDP2 over dp): each rank holds 1/dp
 of what tensor parallelism alone would leave it, of parameters (the fp32 masters themselves),
 gradients and the optimizer states; sharding over dp that did not engage would show twice that.
+The same with ``offload="cpu"`` (the shards on the CPU, stepped by DeepSpeed's CPU Adam, whose
+states are DTensors like them; on this CPU-only machine both sides are host memory).
 
 Measured on each rank through the real Trainer (tests/strategy/scripts/zero_memory.py). The 5%
 leaves room for DeepSpeed's alignment padding of each partition, nothing else.
@@ -64,16 +66,24 @@ def test_bytes_per_rank_follow_the_zero_theory(tmp_path: Path, world_size: int) 
                         f"rank {rank} zero{stage} {kind}: {run[kind]} bytes, theory {expected:.0f}"
                     )
     if world_size == 4:  # ZeRO-3 with tensor parallelism (FSDP2): tp shards, sharded again over dp=2
-        for rank, measured in enumerate(ranks):
-            run = measured["zero3_tp2"]
+        for measured in ranks:
+            assert measured["zero3_tp2"]["optimizer"] == "AdamW"  # the user's, on the device
+            # Offloaded: DeepSpeed's CPU Adam steps FSDP2's CPU shards, its states DTensors like them.
+            assert measured["zero3_cpu_tp2"]["optimizer"] == "ShardedCPUAdam"
+            assert measured["zero3_cpu_tp2"]["sharded_states"]
+        runs = [
+            (rank, name, measured[name])
+            for rank, measured in enumerate(ranks)
+            for name in ("zero3_tp2", "zero3_cpu_tp2")
+        ]
+        for rank, name, run in runs:
             per_rank = run["tensor_parallel_numel"] / 2  # what tp alone leaves a rank, over dp=2
-            assert (
-                run["tensor_parallel_numel"] < 0.75 * run["parameters"]
-            )  # tensor parallelism engaged (1.0 if not)
+            # Tensor parallelism engaged (the ratio is 1.0 if not).
+            assert run["tensor_parallel_numel"] < 0.75 * run["parameters"]
             for kind, per_param in (("module_parameters", 4), ("gradients", 4), ("optimizer_states", 8)):
                 expected = per_param * per_rank
                 if abs(run[kind] - expected) > 0.05 * expected:
-                    problems.append(f"rank {rank} zero3_tp2 {kind}: {run[kind]} bytes, theory {expected:.0f}")
+                    problems.append(f"rank {rank} {name} {kind}: {run[kind]} bytes, theory {expected:.0f}")
         # ZeRO-2/3 on FSDP2 under two pipeline stages (dp=2): Ψ_s the stage's parameters. ZeRO-2 keeps the
         # gathered whole parameters between steps (4Ψ_s) beside its fp32 master shard (4Ψ_s/2); ZeRO-3's
         # module parameters are the master shards themselves.

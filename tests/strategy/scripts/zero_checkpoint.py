@@ -46,6 +46,8 @@ LAYOUTS: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
     "zero1_ep2": (dict(zero_stage=1, expert_parallel=2), "hf_mixtral", {}),
     "zero2_bf16": (dict(zero_stage=2), "nanogpt", {}),
     "zero3_tp2": (dict(zero_stage=3, tensor_parallel=2), "nanogpt", ADAM),  # FSDP2 (dp=1 here) of tp shards
+    # FSDP2's CPU shards stepped by DeepSpeed's CPU Adam (zero/sharded_cpu_adam.py).
+    "zero3_cpu_tp2": (dict(zero_stage=3, tensor_parallel=2, offload="cpu"), "nanogpt", ADAM),
 }
 PRECISION = {"zero2_bf16": "bf16-mixed"}  # the others "32-true"
 
@@ -54,10 +56,18 @@ PRECISION = {"zero2_bf16": "bf16-mixed"}  # the others "32-true"
 RESHARDS: dict[str, tuple[str, dict[str, Any]]] = {
     "zero1_to_dp": ("zero1", {}),  # out of ZeRO (the strategy's own data parallelism)
     "zero3_cpu_adam_to_zero2": ("zero3_cpu_adam", dict(zero_stage=2)),  # CPU Adam's state into torch's AdamW
+    "zero3_cpu_adam_to_dp": (
+        "zero3_cpu_adam",
+        {},
+    ),  # ... and out of ZeRO, whose loader wants every hyper-parameter
     "zero3_tp2_to_zero1_pp2": (
         "zero3_tp2",
         dict(zero_stage=1, **PIPELINE),
     ),  # FSDP2's shards into DeepSpeed's
+    "zero3_cpu_tp2_to_zero3_tp2": (
+        "zero3_cpu_tp2",
+        dict(zero_stage=3, tensor_parallel=2),
+    ),  # CPU Adam's DTensor states into torch's AdamW, both on FSDP2
 }
 # Resumed into tensor parallelism: its sharded matmuls sum in another order, so even the first resumed
 # loss agrees within fp32 parity, not bit for bit.

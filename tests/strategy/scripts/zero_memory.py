@@ -132,9 +132,12 @@ class FsdpBytes(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         optimizer = trainer.optimizers[0]
         states = [v for state in optimizer.state.values() for v in state.values() if v.dim() > 0]
+        from torch.distributed.tensor import DTensor
+
         self.measured.update(
             module_parameters=_local_bytes(pl_module.parameters()), master_parameters=0,
             optimizer_states=_local_bytes(states), tensor_parallel_numel=_tensor_parallel_numel(pl_module),
+            optimizer=type(optimizer).__name__, sharded_states=all(isinstance(v, DTensor) for v in states),
         )  # fmt: skip
 
 
@@ -185,19 +188,23 @@ def main(out_dir: Path) -> None:
         )  # fmt: skip
         trainer.fit(module, make_dataloader(BATCH, STEPS * BATCH * trainer.world_size))
         results[f"zero{stage}"] = {"parameters": numel, "world_size": trainer.world_size, **probe.measured}
-    if devices == 4:  # ZeRO-3 with tensor parallelism (FSDP2 over dp=2 of tp=2 shards)
-        L.seed_everything(0, verbose=False)
-        module = build("nanogpt", optimizer="adamw", n_layer=LAYERS)
-        numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
-        probe = FsdpBytes()
-        trainer = L.Trainer(
-            accelerator="cpu", devices=devices,
-            strategy=HybridParallelStrategy(zero_stage=3, tensor_parallel=2, timeout=60),
-            max_steps=STEPS, callbacks=[probe], logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False,
-        )  # fmt: skip
-        trainer.fit(module, make_dataloader(BATCH, STEPS * BATCH * 2))
-        results["zero3_tp2"] = {"parameters": numel, "world_size": trainer.world_size, **probe.measured}
+    if (
+        devices == 4
+    ):  # ZeRO-3 with tensor parallelism (FSDP2 over dp=2 of tp=2 shards), on the device and offloaded
+        for offload in (None, "cpu"):
+            L.seed_everything(0, verbose=False)
+            module = build("nanogpt", optimizer="adamw", n_layer=LAYERS)
+            numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
+            probe = FsdpBytes()
+            trainer = L.Trainer(
+                accelerator="cpu", devices=devices,
+                strategy=HybridParallelStrategy(zero_stage=3, tensor_parallel=2, offload=offload, timeout=60),
+                max_steps=STEPS, callbacks=[probe], logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False,
+            )  # fmt: skip
+            trainer.fit(module, make_dataloader(BATCH, STEPS * BATCH * 2))
+            name = "zero3_cpu_tp2" if offload else "zero3_tp2"
+            results[name] = {"parameters": numel, "world_size": trainer.world_size, **probe.measured}
         for stage in (2, 3):  # ZeRO-2/3 on FSDP2 under two pipeline stages (dp=2)
             L.seed_everything(0, verbose=False)
             module = build("nanogpt", optimizer="adamw", n_layer=LAYERS)

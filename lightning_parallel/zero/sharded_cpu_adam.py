@@ -1,0 +1,69 @@
+"""DeepSpeed's CPU Adam on the shards FSDP2 offloads to the CPU (``offload="cpu"`` on the FSDP2 engine).
+
+DeepSpeed's vectorised kernel reads plain tensors by address; FSDP2's parameters, their gradients
+and states made like them are DTensors, which it cannot take (measured on these machines: a crash).
+The DTensors stay the optimizer's parameters and states, so everything keyed by them is unchanged:
+distributed checkpoint's optimizer state dict, the gradient-norm clipping over the optimizer's
+parameters, LR schedulers. Only the kernel call sees each rank's local shard, which shares storage
+with its DTensor, so the update lands in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+from torch.distributed.tensor import DTensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard (a view of the DTensor's storage under ``no_grad``)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class ShardedCPUAdam(DeepSpeedCPUAdam):
+    """``DeepSpeedCPUAdam`` whose parameters may be DTensors on the CPU: the kernel runs on their local shards."""
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.device.type != "cpu":
+                    raise RuntimeError(
+                        f"{type(self).__name__}: a parameter on {param.device}; the FSDP2 engine keeps the"
+                        " shards on the CPU with `offload='cpu'` only."
+                    )
+                state = self.state[param]
+                if not state:
+                    dtype = torch.float if self.fp32_optimizer_states else param.dtype
+                    state["step"] = torch.tensor(0.0)  # as torch's Adam: checkpoints interchangeable with it
+                    state["exp_avg"] = torch.zeros_like(param, dtype=dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype)
+                state["step"] += 1
+                tensors = [_local(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])]
+                updated = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+                self.ds_opt_adam.adam_update(
+                    self.opt_id, int(state["step"]), group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                    group["bias_correction"], *updated,
+                )  # fmt: skip
+                for original, copy in zip(tensors, updated, strict=True):
+                    if copy is not original:
+                        original.copy_(copy)
+        return loss
+
+    def __del__(self) -> None:
+        # Lightning wraps each optimizer in a ``LightningOptimizer`` that subclasses it and forwards attribute
+        # reads to it: when a wrapper dies, DeepSpeed's ``__del__`` would destroy the kernel's state of the
+        # optimizer it wraps (``destroy_adam(opt_id)``), and the next step reads freed memory (measured: a
+        # segfault). Only the object that created the state destroys it.
+        if "ds_opt_adam" in vars(self):
+            super().__del__()
