@@ -92,35 +92,62 @@ def owner_name(key: str, optimizer: bool) -> str:
 
 
 def experts_as_dtensors(
-    state: dict[str, Any], layouts: dict[str, Any], mesh: Any, optimizer: bool
+    state: dict[str, Any], layouts: dict[str, Any], mesh: Any, optimizer: bool, replicas_mesh: Any = None
 ) -> dict[str, Any]:
     """Expert slices are the same name on every ep rank with different rows: as plain tensors,
     ``torch.distributed.checkpoint`` would keep one rank's rows. As ``Shard(0)`` DTensors over the
-    ``ep`` axis the files hold the whole stacked tensor, which also reshards to another ``ep``."""
+    ``ep`` axis the files hold the whole stacked tensor, which also reshards to another ``ep``.
+
+    Under ZeRO on FSDP2 each slice is itself a DTensor, sharded over the slice's replicas along a
+    later dim (``zero/fsdp.py: expert_placement``): on ``replicas_mesh`` (the ``(dp_replicate, ep)``
+    mesh) it becomes that shard and ``Shard(0)`` over ``ep``, one box of the whole stacked tensor.
+    """
     if not layouts:
         return state
     out = dict(state)
     for key, value in state.items():
         shard = layouts.get(owner_name(key, optimizer))
-        if shard is None or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        if shard is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
             continue
-        if value.dim() == 0 or value.shape[0] != shard.num_local:
+        if value.shape[0] != shard.num_local:
             continue
         global_shape = torch.Size((shard.num_experts, *value.shape[1:]))
         stride = torch.empty(global_shape, device="meta").stride()
+        if isinstance(value, DTensor):
+            if replicas_mesh is None or value.device_mesh.ndim != 1:
+                continue
+            out[key] = DTensor.from_local(
+                value.to_local(), replicas_mesh, [value.placements[0], Shard(0)], run_check=False,
+                shape=global_shape, stride=stride,
+            )  # fmt: skip
+            continue
         out[key] = DTensor.from_local(
             value, mesh, [Shard(0)], run_check=False, shape=global_shape, stride=stride
         )
     return out
 
 
-def experts_as_local(state: dict[str, Any], layouts: dict[str, Any], optimizer: bool) -> dict[str, Any]:
+def experts_as_local(
+    state: dict[str, Any], layouts: dict[str, Any], optimizer: bool, like: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Inverse of :func:`experts_as_dtensors`; ``like``: the state before it, whose FSDP2 shards come back."""
     if not layouts:
         return state
-    return {
-        k: v.to_local() if isinstance(v, DTensor) and owner_name(k, optimizer) in layouts else v
-        for k, v in state.items()
-    }
+
+    def local(key: str, value: Any) -> Any:
+        if not isinstance(value, DTensor) or owner_name(key, optimizer) not in layouts:
+            return value
+        original = like.get(key) if like is not None else None
+        if isinstance(original, DTensor):
+            if original.device_mesh is value.device_mesh:
+                return value
+            return DTensor.from_local(
+                value.to_local(), original.device_mesh, original.placements, run_check=False,
+                shape=original.shape, stride=original.stride(),
+            )  # fmt: skip
+        return value.to_local()
+
+    return {k: local(k, v) for k, v in state.items()}
 
 
 def saved_keys(path: Any, entry: str) -> dict[str, Any]:

@@ -33,8 +33,6 @@ from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.pipeline.setup import PipelineConfig
 from lightning_parallel.zero.arguments import ZERO_PRECISIONS, ZeroArguments
 
-_NEAREST = "Nearest supported layouts: zero_stage=1 with {other}, or zero_stage={stage} without {name}."
-
 
 def strategy_config(**a: Any) -> ParallelConfig:
     """``HybridParallelStrategy``'s keyword arguments (its signature), checked and resolved."""
@@ -138,31 +136,19 @@ def _check_zero_layout(
     """The layouts ZeRO cannot run correctly (docs/zero.md, "Layouts")."""
     if not zero.enabled:
         return
-    above_stage_1 = {
-        ("expert_parallel", "expert parallelism"): (
-            expert_parallel,
-            "the dense gradients are averaged over the expert ranks before ZeRO reduces them over the"
-            " expert-data-parallel ranks, which needs ZeRO-1's single reduction at the step.",
-        ),
-    }
-    for (argument, name), (degree, reason) in above_stage_1.items():
-        if degree > 1 and zero.stage > 1:
-            raise ValueError(
-                f"`zero_stage={zero.stage}` with `{argument}={degree}` is not supported: {reason} "
-                + _NEAREST.format(other=argument, stage=zero.stage, name=name)
-            )
-    if zero.offload == "nvme" and (tensor_parallel != 1 or pipeline_parallel > 1):
-        name, value = (
-            ("tensor_parallel", tensor_parallel)
-            if tensor_parallel != 1
-            else ("pipeline_parallel", pipeline_parallel)
-        )
+    if zero.offload == "nvme" and (tensor_parallel != 1 or pipeline_parallel > 1 or expert_parallel > 1):
+        name, value = next(
+            (n, v)
+            for n, v in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel),
+                         ("expert_parallel", expert_parallel))
+            if v != 1
+        )  # fmt: skip
         raise ValueError(
-            f"`offload='nvme'` with `zero_stage=3` and `{name}={value}` is not supported yet: ZeRO-3 with tensor or"
-            " pipeline parallelism runs on torch's FSDP2, which offloads to the CPU only, and DeepSpeed's NVMe"
-            " swapping lives in its own ZeRO-3 engine, whose hooks do not know tensor-parallel (DTensor) shards or"
-            " pipeline micro-batches. Nearest supported layouts: `offload='cpu'` with that layout, or"
-            " `offload='nvme'` with data parallelism only."
+            f"`offload='nvme'` with `zero_stage=3` and `{name}={value}` is not supported yet: ZeRO-3 with tensor,"
+            " pipeline or expert parallelism runs on torch's FSDP2, which offloads to the CPU only, and DeepSpeed's"
+            " NVMe swapping lives in its own ZeRO-3 engine, whose hooks do not know tensor-parallel (DTensor)"
+            " shards, pipeline micro-batches or expert slices. Nearest supported layouts: `offload='cpu'` with that"
+            " layout, or `offload='nvme'` with data parallelism only."
         )
 
 

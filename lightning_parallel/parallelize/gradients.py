@@ -47,7 +47,7 @@ from lightning_parallel.data_parallel import (
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.zero.engine import config_engine
-from lightning_parallel.zero.fsdp import Sharded, fully_shard_modules
+from lightning_parallel.zero.fsdp import ExpertSharding, Sharded, fully_shard_modules, regather
 from lightning_parallel.zero.tensor_parallel import (
     local_shard_parameters,
     mark_model_parallel,
@@ -79,9 +79,16 @@ def decide_gradient_reductions(config: ParallelConfig, dims: ParallelDims) -> li
     engine = config_engine(config, dims)
     if engine == "fsdp2":  # zero/fsdp.py; under pipeline stages once per step, after the schedule
         shards = f"mean (reduce-scatter of ZeRO-{config.zero.stage}'s shards)"
+        dense = "all"
+        if dims.ep_enabled:  # experts: their own units over their replicas
+            dense = "dense"
+            summed = f"sum / dp size (reduce-scatter of ZeRO-{config.zero.stage}'s shards)"
+            when = (AFTER_BACKWARD, ", after the last micro-batch") if dims.pp_enabled else (IN_BACKWARD, "")
+            expert_step = Reduction("experts", summed + when[1], "dp_replicate", when[0])
         if dims.pp_enabled:
             steps = [
-                Reduction("all", shards + ", after the last micro-batch", "dp", AFTER_BACKWARD),
+                Reduction(dense, shards + ", after the last micro-batch", "dp", AFTER_BACKWARD),
+                *([expert_step] if dims.ep_enabled else []),
                 Reduction("tied", "sum", "pp", AFTER_BACKWARD),
                 Reduction("strided vector", "mean", "dp", AFTER_BACKWARD),
             ]
@@ -90,10 +97,14 @@ def decide_gradient_reductions(config: ParallelConfig, dims: ParallelDims) -> li
             ):  # ZeRO-2 keeps whole parameters between steps: gather the updated shards
                 steps.append(Reduction("all parameters'", "all-gather", "dp", AFTER_STEP))
             return steps
-        return [
-            Reduction("all", shards, "dp", IN_BACKWARD),
+        steps = [
+            Reduction(dense, shards, "dp", IN_BACKWARD),
+            *([expert_step] if dims.ep_enabled else []),
             Reduction("strided vector", "mean", "dp", AFTER_BACKWARD),  # fused biases FSDP2 keeps whole
         ]
+        if config.zero.stage == 2:  # as under stages: whole parameters between steps
+            steps.append(Reduction("all parameters'", "all-gather", "dp", AFTER_STEP))
+        return steps
     out = [Reduction("tied", "sum", "pp", AFTER_BACKWARD)] if dims.pp_enabled else []
     if config.zero.enabled:
         if dims.ep_enabled:
@@ -151,8 +162,7 @@ class GradientReductions:
 
     def after_step(self) -> None:
         """After the optimizer step: ZeRO-2 on FSDP2 gathers its updated shards (whole parameters between steps)."""
-        for unit in self.regather:
-            unit.unshard()
+        regather(self.regather)
 
     def describe(self) -> list[str]:
         return [str(r) for r in self.decided] or ["none (one data-parallel replica)"]
@@ -227,9 +237,12 @@ def shard_for_zero(
     kept = [module.get_submodule(b) for b in blocks if not isinstance(module.get_submodule(b), SkippedBlock)]
     # Gathered once per step under stages (not once per micro-batch); ZeRO-3 alone reshards after forward.
     reshard = config.zero.stage == 3 and not dims.pp_enabled
+    # Experts over their replicas (dp_replicate), everything else over the whole dp (zero/fsdp.py).
+    experts = ExpertSharding(mesh["dp_replicate"], dims.data_parallel) if dims.ep_enabled else None
     return fully_shard_modules(
-        module, mesh["dp"], kept, offload=config.zero.offload == "cpu", reshard_after_forward=reshard
-    )
+        module, mesh["dp"], kept, offload=config.zero.offload == "cpu", reshard_after_forward=reshard,
+        experts=experts,
+    )  # fmt: skip
 
 
 def _parameters(module: nn.Module, runner: PipelineRunner | None) -> list[nn.Parameter]:

@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_parallel.config import ParallelConfig
+from lightning_parallel.experts import expert_parameters
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.parallelize import pipeline_step, tensor_parallel_step
 from lightning_parallel.parallelize.experts_step import apply_experts
@@ -105,6 +106,8 @@ def parallelize(
         fsdp=fsdp,
     )
     result.hooks += result.gradients.hooks
+    if dims.ep_enabled:  # the final parameters: FSDP2 replaced the experts' (zero/fsdp.py)
+        result.norm_experts = {id(p) for p in expert_parameters(module).values()}
     rank_zero_info("Gradient reductions: " + "; ".join(result.gradients.describe()))
     return result
 

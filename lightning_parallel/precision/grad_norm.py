@@ -54,6 +54,8 @@ def global_grad_norm(
     pipeline_group: ProcessGroup | None = None,
     *,
     error_if_nonfinite: bool = False,
+    expert_group: ProcessGroup | None = None,
+    expert_ids: set[int] | None = None,
 ) -> Tensor:
     """Return the norm of all gradients viewed as one vector: a float32 scalar, equal on every rank.
 
@@ -68,6 +70,10 @@ def global_grad_norm(
             totals are summed because each stage holds different parameters. ``None`` without
             pipeline parallelism.
         error_if_nonfinite: raise (on every rank alike) if the total norm is nan or inf.
+        expert_group, expert_ids: under expert parallelism, the ``ep`` group and the ids of the
+            parameters holding this rank's experts: each ep rank holds other experts under the same
+            names (plain tensors, or FSDP2 shards over their replicas only), so their sums are also
+            summed over ``expert_group``.
     """
     params = unique_parameters(parameters)
     p = _check_norm_type(norm_type)
@@ -82,6 +88,10 @@ def global_grad_norm(
         grad = param.grad
         # Keyed by the gradient's layout, or the parameter's when there is no gradient.
         key = _shard_groups(grad if grad is not None else param, groups)
+        if expert_group is not None and expert_ids and id(param) in expert_ids:
+            ranks = group_ranks(expert_group)
+            groups.setdefault(ranks, expert_group)
+            key = key | {ranks}
         entries = contributions[key]  # registers the key even without a gradient
         if grad is not None:
             entries.append(grad.to_local() if isinstance(grad, DTensor) else grad)
@@ -116,6 +126,8 @@ def clip_grad_norm_(
     *,
     error_if_nonfinite: bool = False,
     norm_exclude: set[int] | None = None,
+    expert_group: ProcessGroup | None = None,
+    expert_ids: set[int] | None = None,
 ) -> Tensor:
     """Scale all gradients in place so that their global norm is at most ``max_norm``.
 
@@ -129,7 +141,10 @@ def clip_grad_norm_(
     """
     params = unique_parameters(parameters)
     measured = [p for p in params if id(p) not in norm_exclude] if norm_exclude else params
-    total_norm = global_grad_norm(measured, norm_type, pipeline_group, error_if_nonfinite=error_if_nonfinite)
+    total_norm = global_grad_norm(
+        measured, norm_type, pipeline_group, error_if_nonfinite=error_if_nonfinite, expert_group=expert_group,
+        expert_ids=expert_ids,
+    )  # fmt: skip
     coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
     by_device_dtype: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
     for local in _local_grads(params):

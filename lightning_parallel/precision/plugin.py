@@ -61,6 +61,9 @@ class HybridPrecision(Precision):
         self.pipeline_group = pipeline_group
         # Weights held by two pipeline stages (a tied embedding and head) count once in the norm.
         self.norm_exclude: set[int] = set()
+        # Expert parallelism: this rank's expert parameters, whose norms are summed over the ep group too.
+        self.expert_group: ProcessGroup | None = None
+        self.expert_ids: set[int] = set()
 
     @override
     def _after_closure(self, model: pl.LightningModule, optimizer: Steppable) -> None:
@@ -81,6 +84,8 @@ class HybridPrecision(Precision):
             clip_val,
             pipeline_group=self.pipeline_group,
             norm_exclude=self.norm_exclude,
+            expert_group=self.expert_group,
+            expert_ids=self.expert_ids,
         )
 
     @override

@@ -180,12 +180,19 @@ class CheckpointingStrategy(MeshParallelStrategy):
         assert self.model is not None
         layouts = expert_layouts(self.model)
         state = experts_as_dtensors(
-            get_model_state_dict(self.model), layouts, self._ep_mesh(), optimizer=False
-        )
+            get_model_state_dict(self.model), layouts, self._ep_mesh(), optimizer=False,
+            replicas_mesh=self._expert_replicas_mesh(),
+        )  # fmt: skip
         return contiguous_shards(state)
 
     def _ep_mesh(self) -> Any:
         return self.device_mesh["ep"] if self.dims is not None and self.dims.ep_enabled else None
+
+    def _expert_replicas_mesh(self) -> Any:
+        """``(dp_replicate, ep)``: where ZeRO's FSDP2 shards of expert slices live (checkpoint/layouts.py)."""
+        return (
+            self.device_mesh["dp_replicate", "ep"] if self.dims is not None and self.dims.ep_enabled else None
+        )
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -203,7 +210,11 @@ class CheckpointingStrategy(MeshParallelStrategy):
         assert self.model is not None
         state = get_optimizer_state_dict(self.model, optimizer, options=FLAT)
         layouts = expert_layouts(self.model)
-        return contiguous_shards(experts_as_dtensors(state, layouts, self._ep_mesh(), optimizer=True))
+        return contiguous_shards(
+            experts_as_dtensors(
+                state, layouts, self._ep_mesh(), optimizer=True, replicas_mesh=self._expert_replicas_mesh()
+            )
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -256,22 +267,28 @@ class CheckpointingStrategy(MeshParallelStrategy):
             load_zero_checkpoint(self.lightning_module, optimizer, self.zero_engine, path, self._ep_mesh(),
                                  strict=self.lightning_module.strict_loading)  # fmt: skip
             return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
-        layouts, ep_mesh = expert_layouts(self.model), self._ep_mesh()
-        model_state = experts_as_dtensors(get_model_state_dict(self.model), layouts, ep_mesh, optimizer=False)
+        layouts, ep_mesh, replicas = expert_layouts(self.model), self._ep_mesh(), self._expert_replicas_mesh()
+        original = get_model_state_dict(self.model)
+        model_state = experts_as_dtensors(original, layouts, ep_mesh, optimizer=False, replicas_mesh=replicas)
         readable = contiguous_shards(model_state)
         _distributed_checkpoint_load({"state_dict": readable}, path)
         self.model.load_state_dict(
-            experts_as_local(restore_strided(readable, model_state), layouts, optimizer=False),
+            experts_as_local(restore_strided(readable, model_state), layouts, optimizer=False, like=original),
             strict=self.lightning_module.strict_loading,
         )
         for idx, optimizer in enumerate(self.optimizers):
-            optimizer_state = get_optimizer_state_dict(self.model, optimizer, options=FLAT)
-            optimizer_state = experts_as_dtensors(optimizer_state, layouts, ep_mesh, optimizer=True)
+            original = get_optimizer_state_dict(self.model, optimizer, options=FLAT)
+            optimizer_state = experts_as_dtensors(
+                original, layouts, ep_mesh, optimizer=True, replicas_mesh=replicas
+            )
             shards = contiguous_shards(optimizer_state)
             readable = hyper_parameters_to_read(shards, saved_keys(path, f"optimizer_{idx}"))
             _distributed_checkpoint_load({f"optimizer_{idx}": readable}, path)
             restored = experts_as_local(
-                restore_strided({**shards, **readable}, optimizer_state), layouts, optimizer=True
+                restore_strided({**shards, **readable}, optimizer_state),
+                layouts,
+                optimizer=True,
+                like=original,
             )
             set_optimizer_state_dict(self.model, optimizer, restored, options=FLAT)
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)

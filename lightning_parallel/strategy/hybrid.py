@@ -252,6 +252,10 @@ class HybridParallelStrategy(CheckpointingStrategy):
         self.parallelized = parallelized
         if isinstance(self.precision_plugin, HybridPrecision):
             self.precision_plugin.norm_exclude = parallelized.norm_exclude
+            self.precision_plugin.expert_ids = parallelized.norm_experts
+            self.precision_plugin.expert_group = (
+                self.device_mesh["ep"].get_group() if parallelized.norm_experts else None
+            )
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

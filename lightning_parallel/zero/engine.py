@@ -47,6 +47,7 @@ def engine_for(
     tensor_parallel: int,
     pipeline_parallel: int = 1,
     selective_checkpointing: bool = False,
+    expert_parallel: int = 1,
 ) -> Engine | None:
     """Which engine runs ZeRO for this layout (docs/design.md, "ZeRO engines"); None without ZeRO.
 
@@ -54,7 +55,10 @@ def engine_for(
     tensor parallelism (its stage 3 partitions parameters in module hooks that do not know
     DTensors), and ZeRO-2/3 with
     pipeline stages (its stages 2/3 reduce inside per-backward hooks, once per micro-batch, which is
-    why its own pipeline engine refuses them). Every other stage and layout is DeepSpeed's engine
+    why its own pipeline engine refuses them), and ZeRO-2/3 with expert parallelism (dense gradients
+    must be averaged over the expert ranks before DeepSpeed's reduction over their replicas, which
+    its per-backward hooks at stages 2/3 leave no room for; FSDP2 shards experts over their replicas
+    in their own units). Every other stage and layout is DeepSpeed's engine
     (NVMe offload always: FSDP2 offloads to the CPU only).
     """
     if not zero.enabled:
@@ -63,14 +67,16 @@ def engine_for(
         return "deepspeed"
     if zero.stage == 3 and tensor_parallel > 1:
         return "fsdp2"
-    if zero.stage > 1 and pipeline_parallel > 1:
+    if zero.stage > 1 and (pipeline_parallel > 1 or expert_parallel > 1):
         return "fsdp2"
     return "deepspeed"
 
 
 def config_engine(config: Any, dims: Any) -> Engine | None:
     """:func:`engine_for` of a ``ParallelConfig`` on resolved ``ParallelDims``."""
-    return engine_for(config.zero, dims.tensor_parallel, dims.pipeline_parallel)
+    return engine_for(
+        config.zero, dims.tensor_parallel, dims.pipeline_parallel, expert_parallel=dims.expert_parallel
+    )
 
 
 # The C++ ops a ZeRO job loads, and what for (DeepSpeed compiles each on first use, a minute or more).

@@ -16,6 +16,14 @@ micro-batches). The vectors tensor parallelism cuts (column-parallel biases) hav
 those few stay whole over ``dp`` (``ignored_params``) and their gradients are averaged over ``dp``
 after backward, with the other explicit reductions (``parallelize/gradients.py``).
 
+Expert weights (expert parallelism) are units of their own, sharded over the expert-data-parallel
+ranks (``dp_replicate``: the ranks holding the same experts), as torchtitan's expert FSDP: the ep
+slices stay where expert parallelism put them and each is cut again, along its second dim (the
+first is the expert dim the ep slices cut, so a checkpoint can describe the rank's piece as one
+box of the stacked tensor: ``checkpoint/layouts.py``). Their reduce-scatter sums over the replicas
+and divides by the whole data-parallel size (an expert's gradient already holds the tokens of its
+ep group), with sum-only collectives (gloo has no pre-multiplied sum).
+
 ``offload="cpu"``: FSDP2's ``CPUOffloadPolicy``: the sharded parameters, their gradients and the
 optimizer (state and step) live on the CPU, copied to the device for each all-gather.
 """
@@ -68,6 +76,47 @@ def _holders(root: nn.Module, skip: set[int]) -> list[nn.Module]:
     return found
 
 
+def expert_placement(param: nn.Parameter, replicas: int) -> Shard:
+    """FSDP2's placement of an expert weight over its replicas: past the expert dim of a stacked weight.
+
+    FSDP2 shards a dim other than 0 evenly only, so the first later dim that ``replicas`` divides.
+    """
+    from lightning_parallel.experts import expert_shard
+
+    mark = expert_shard(param)
+    if mark is None or mark.dim is None:  # a ModuleList expert: one whole expert, any dim
+        return Shard(0)
+    for dim in range(1, param.dim()):
+        if param.shape[dim] % replicas == 0:
+            return Shard(dim)
+    raise ValueError(
+        f"ZeRO with `expert_parallel`: an expert weight of shape {tuple(param.shape)} has no dim past the expert"
+        f" dim that its {replicas} expert-data-parallel replicas divide (FSDP2 shards those evenly only). Choose"
+        " a data-parallel degree over `expert_parallel` that divides the experts' hidden sizes."
+    )
+
+
+@dataclass(frozen=True)
+class ExpertSharding:
+    """How expert weights are sharded: over ``mesh`` (their replicas), gradients divided by ``data_parallel``."""
+
+    mesh: DeviceMesh
+    data_parallel: int
+
+
+def _expert_owners(root: nn.Module) -> list[tuple[nn.Module, dict[str, object]]]:
+    """Modules that register expert parameters themselves, with each parameter's ``ExpertShard``."""
+    from lightning_parallel.experts import expert_shard
+
+    owners = []
+    for module in root.modules():
+        marks = {n: expert_shard(p) for n, p in module.named_parameters(recurse=False)}
+        marks = {n: m for n, m in marks.items() if m is not None}
+        if marks:
+            owners.append((module, marks))
+    return owners
+
+
 @dataclass
 class Sharded:
     """What ``fully_shard_modules`` made: the FSDP2 units, and the parameters it left whole over ``dp``."""
@@ -82,8 +131,10 @@ def fully_shard_modules(
     blocks: list[nn.Module],
     offload: bool,
     reshard_after_forward: bool = True,
+    experts: ExpertSharding | None = None,
 ) -> Sharded:
-    """``fully_shard`` every block, then every other parameter-holding child of ``root``."""
+    """``fully_shard`` the expert weights (``experts``), every block, then every other parameter-holding
+    child of ``root``."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
@@ -96,9 +147,60 @@ def fully_shard_modules(
         "offload_policy": policy,
         "ignored_params": set(whole),
     }
-    units = [fully_shard(block, **kwargs) for block in blocks if any(True for _ in block.parameters())]
+    units = _shard_experts(root, experts, kwargs) if experts is not None else []
+    units += [fully_shard(block, **kwargs) for block in blocks if any(True for _ in block.parameters())]
     units += [fully_shard(holder, **kwargs) for holder in _holders(root, {id(u) for u in units})]
     return Sharded(units, whole)
+
+
+def _shard_experts(root: nn.Module, experts: ExpertSharding, kwargs: dict) -> list[nn.Module]:
+    """One unit per module holding expert weights, over their replicas; the ``ExpertShard`` marks carried
+    over to FSDP2's new (DTensor) parameters, which checkpoints, clipping and the norms read."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_parallel.experts.foreign import SHARD_ATTR
+
+    units = []
+    replicas = experts.mesh.size()
+    for owner, marks in _expert_owners(root):
+        others = [n for n, _ in owner.named_parameters(recurse=False) if n not in marks]
+        if others:
+            raise ValueError(
+                f"ZeRO with `expert_parallel`: {type(owner).__name__} registers expert weights beside other"
+                f" parameters ({', '.join(others)}); the expert weights are sharded over their replicas in a unit"
+                " of their own. Keep the stacked expert weights in a module of their own (as Hugging Face's fused"
+                " experts and this library's MoE do)."
+            )
+        placements = {
+            id(owner.get_parameter(n)): expert_placement(owner.get_parameter(n), replicas) for n in marks
+        }
+        unit = fully_shard(owner, **{**kwargs, "mesh": experts.mesh,
+                                     "shard_placement_fn": lambda p, placements=placements: placements[id(p)]})  # fmt: skip
+        unit.set_gradient_divide_factor(float(experts.data_parallel))
+        # gloo has no pre-multiplied sum: sum, then divide. Not on one replica, where torch 2.13 skips the
+        # collective and divides once itself, and the forced sum would divide a second time (measured).
+        unit.set_force_sum_reduction_for_comms(experts.mesh.size() > 1)
+        for name, mark in marks.items():
+            setattr(owner.get_parameter(name), SHARD_ATTR, mark)
+        units.append(unit)
+    return units
+
+
+def regather(units: list[FSDPModule]) -> None:
+    """ZeRO-2 between steps: gather the updated shards, so the whole parameters stay until the next backward.
+
+    The gathered parameters are other objects than the shards; expert marks are carried over to them, so
+    ``expert_parameters(module)`` answers alike between steps.
+    """
+    from lightning_parallel.experts.foreign import SHARD_ATTR
+
+    for unit in units:
+        unit.unshard()
+        for group in unit._get_fsdp_state()._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                mark = getattr(fsdp_param.sharded_param, SHARD_ATTR, None)
+                if mark is not None:
+                    setattr(fsdp_param.unsharded_param, SHARD_ATTR, mark)
 
 
 def accumulate_without_reducing(units: list[FSDPModule]) -> None:

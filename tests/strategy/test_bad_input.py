@@ -136,14 +136,6 @@ REFUSED_AT_CONSTRUCTION = [
         )
         for schedule in ("interleaved_zero_bubble", "zbv", "dualpipev")
     ],
-    *[
-        refusal(
-            (f"zero{stage}", "ep"),
-            dict(zero_stage=stage, expert_parallel=2),
-            f"`zero_stage={stage}` with `expert_parallel=2` is not supported",
-        )
-        for stage in (2, 3)
-    ],
     # NVMe offload exists only at stage 3, so it inherits stage 3's refusals.
     *[
         refusal(
@@ -160,7 +152,11 @@ REFUSED_AT_CONSTRUCTION = [
                 )
                 for schedule in SCHEDULES
             ],
-            ("ep", dict(expert_parallel=2), "`zero_stage=3` with `expert_parallel=2` is not supported"),
+            (
+                "ep",
+                dict(expert_parallel=2),
+                "`offload='nvme'` with `zero_stage=3` and `expert_parallel=2` is not supported yet",
+            ),
             *[
                 (
                     row,

@@ -48,6 +48,7 @@ LAYOUTS: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
     "zero3_tp2": (dict(zero_stage=3, tensor_parallel=2), "nanogpt", ADAM),  # FSDP2 (dp=1 here) of tp shards
     # FSDP2's CPU shards stepped by DeepSpeed's CPU Adam (zero/sharded_cpu_adam.py).
     "zero3_cpu_tp2": (dict(zero_stage=3, tensor_parallel=2, offload="cpu"), "nanogpt", ADAM),
+    "zero3_ep2": (dict(zero_stage=3, expert_parallel=2), "hf_mixtral", ADAM),  # FSDP2 shards of expert slices
 }
 PRECISION = {"zero2_bf16": "bf16-mixed"}  # the others "32-true"
 
@@ -64,6 +65,11 @@ RESHARDS: dict[str, tuple[str, dict[str, Any]]] = {
         "zero3_tp2",
         dict(zero_stage=1, **PIPELINE),
     ),  # FSDP2's shards into DeepSpeed's
+    "zero3_ep2_to_zero1_ep2": (
+        "zero3_ep2",
+        dict(zero_stage=1, expert_parallel=2),
+    ),  # FSDP2's into DeepSpeed's
+    "zero1_ep2_to_zero2_ep2": ("zero1_ep2", dict(zero_stage=2, expert_parallel=2)),  # and back
     "zero3_cpu_tp2_to_zero3_tp2": (
         "zero3_cpu_tp2",
         dict(zero_stage=3, tensor_parallel=2),
