@@ -65,6 +65,12 @@ class HybridPrecision(Precision):
         self.expert_group: ProcessGroup | None = None
         self.expert_ids: set[int] = set()
 
+    def set_norm_layout(
+        self, norm_exclude: set[int], expert_ids: set[int], expert_group: ProcessGroup | None
+    ) -> None:
+        """What the gradient norm must know of the layout: tied weights another stage counts, this rank's experts."""
+        self.norm_exclude, self.expert_ids, self.expert_group = norm_exclude, expert_ids, expert_group
+
     @override
     def _after_closure(self, model: pl.LightningModule, optimizer: Steppable) -> None:
         """Reduce ``Partial`` gradients (sequence-parallel norms) in one bucketed all-reduce per group.

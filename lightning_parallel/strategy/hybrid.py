@@ -49,8 +49,12 @@ from lightning_parallel.tensor_parallel.loss_parallel import (
     sharded_loss_step,
     to_plain,
 )
-from lightning_parallel.zero.engine import announce_compilation, deepspeed_environment, initialize_engine
-from lightning_parallel.zero.optimizer import offload_optimizer
+from lightning_parallel.zero.engine import (
+    announce_compilation,
+    deepspeed_environment,
+    initialize_engine,
+    offload_sharded_optimizers,
+)
 
 # ``Trainer(strategy=name)``: (name, description, arguments).
 PRESETS: list[tuple[str, str, dict[str, Any]]] = [
@@ -251,26 +255,20 @@ class HybridParallelStrategy(CheckpointingStrategy):
             parallelized.remember(module)
         self.parallelized = parallelized
         if isinstance(self.precision_plugin, HybridPrecision):
-            self.precision_plugin.norm_exclude = parallelized.norm_exclude
-            self.precision_plugin.expert_ids = parallelized.norm_experts
-            self.precision_plugin.expert_group = (
-                self.device_mesh["ep"].get_group() if parallelized.norm_experts else None
+            ep_group = self.device_mesh["ep"].get_group() if parallelized.norm_experts else None
+            self.precision_plugin.set_norm_layout(
+                parallelized.norm_exclude, parallelized.norm_experts, ep_group
             )
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.deepspeed_zero:
                 self._initialize_zero(trainer, parallelized)
-            elif self.config.zero.offload == "cpu":  # FSDP2's shards on the CPU
-                self._offload_sharded_optimizers()
+            elif self.config.zero.offload == "cpu":  # FSDP2's shards on the CPU: DeepSpeed's CPU Adam
+                self.optimizers = offload_sharded_optimizers(
+                    self.optimizers, self.lr_scheduler_configs, self.config.zero, self.root_device.type
+                )
         self.setup_precision_plugin()
-
-    def _offload_sharded_optimizers(self) -> None:
-        """FSDP2 with ``offload="cpu"``: Adam/AdamW become DeepSpeed's CPU Adam on the CPU shards."""
-        if (line := announce_compilation(self.config.zero, self.root_device.type)) is not None:
-            rank_zero_info(line)
-        schedulers = [c.scheduler for c in self.lr_scheduler_configs]
-        self.optimizers = [offload_optimizer(o, schedulers, sharded=True) for o in self.optimizers]
 
     def _initialize_zero(self, trainer: Trainer, parallelized: Parallelized) -> None:
         """Hand the parallelized module and the user's optimizer to ``deepspeed.initialize``."""

@@ -142,3 +142,16 @@ def initialize_engine(
         dist_init_required=False,
     )
     return engine, zero_optimizer, mpu
+
+
+def offload_sharded_optimizers(
+    optimizers: list[Any], scheduler_configs: list[Any], zero: ZeroArguments, device_type: str
+) -> list[Any]:
+    """FSDP2 with ``offload="cpu"``: Adam/AdamW become DeepSpeed's CPU Adam on the CPU shards (the LR schedulers
+    of Lightning's ``scheduler_configs`` re-pointed); the others stay."""
+    schedulers = [config.scheduler for config in scheduler_configs]
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    if (line := announce_compilation(zero, device_type)) is not None:
+        rank_zero_info(line)
+    return [offload_optimizer(o, schedulers, sharded=True) for o in optimizers]

@@ -37,7 +37,12 @@ def _case(name: str, family: str, world_size: int, fields: dict | None = None, *
 # `moe_aux_loss_coef`: the strategy injects Mixtral's load-balancing loss; the reference adds the
 # same loss in its step (tests/models/hf.py, HFMixtralAuxModule): same losses, same gradients.
 AUX = {"moe_aux_loss_coef": HFMixtralAuxModule.AUX_COEF}
-TWO = [*[_case(f"ep2_{f}", f, 2) for f in FAMILIES], _case("ep2_aux_hf_mixtral", "hf_mixtral_aux", 2, **AUX)]
+TWO = [
+    *[_case(f"ep2_{f}", f, 2) for f in FAMILIES],
+    _case("ep2_aux_hf_mixtral", "hf_mixtral_aux", 2, **AUX),
+    # Clipping by the global norm: each ep rank's experts count once (summed over ep; was per rank).
+    _case("ep2_clip_hf_mixtral", "hf_mixtral", 2, fields={"trainer_kwargs": {"gradient_clip_val": 0.05}}),
+]
 BF16 = [
     _case(f"ep2_{name}_recipe_moe", "recipe_moe", 2, fields={"trainer_kwargs": {"precision": precision}})
     for name, precision in [("bf16", "bf16-mixed"), ("bf16true", "bf16-true"),

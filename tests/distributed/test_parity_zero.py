@@ -55,6 +55,12 @@ TWO = [
       for s in (1, 2, 3) for family in ("nanogpt", "recipe_gpt")],
     _case("zero3_nvme_acsel_dp2_nanogpt", "nanogpt", fields={"model_kwargs": ADAM}, zero_stage=3, offload="nvme",
           offload_path=NVME_PATH, activation_checkpointing="selective"),
+    # ZeRO-2/3 with expert parallelism (FSDP2: expert slices their own units over their replicas, here one).
+    _case("zero3_ep2_hf_mixtral", "hf_mixtral", zero_stage=3, expert_parallel=2),
+    _case("zero2_cpu_ep2_clip_hf_mixtral", "hf_mixtral", zero_stage=2, offload="cpu", expert_parallel=2,
+          fields={"model_kwargs": ADAM, "trainer_kwargs": {"gradient_clip_val": 0.05}}),
+    _case("zero3_acsel_ep2_hf_mixtral", "hf_mixtral", zero_stage=3, expert_parallel=2,
+          activation_checkpointing="selective"),
 ]  # fmt: skip
 
 
@@ -87,6 +93,13 @@ FOUR = [
           tensor_parallel=2),
     _case("zero3_tp2_dp2_clip_accum_hf_llama", "hf_llama", 4, zero_stage=3, tensor_parallel=2,
           fields={"trainer_kwargs": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}}),
+    # Expert slices sharded again over their 2 replicas (dp_replicate=2), dense weights over all 4 ranks.
+    _case("zero3_ep2_dp2_hf_mixtral", "hf_mixtral", 4, zero_stage=3, expert_parallel=2),
+    _case("zero3_cpu_ep2_dp2_hf_mixtral", "hf_mixtral", 4, fields={"model_kwargs": ADAM}, zero_stage=3,
+          offload="cpu", expert_parallel=2),
+    _case("zero2_ep2_dp2_clip_accum_recipe_moe", "recipe_moe", 4, zero_stage=2, expert_parallel=2,
+          fields={"trainer_kwargs": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}}),
+    _case("zero3_ep2_tp2_hf_mixtral", "hf_mixtral", 4, zero_stage=3, expert_parallel=2, tensor_parallel=2),
 ]  # fmt: skip
 
 
@@ -118,12 +131,21 @@ PIPELINED = [
           activation_checkpointing="selective"),
     _case("zero2_pp2_clip_accum_dp2_recipe_gpt", "recipe_gpt", 4, zero_stage=2, pipeline_parallel=2, micro_batches=2,
           fields={"trainer_kwargs": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}}),
+    # With expert parallelism (dp=2 is ep=2): experts reduce-scattered once per step with the rest.
+    _case("zero3_pp2_ep2_hf_mixtral", "hf_mixtral", 4, fields=DEEP, zero_stage=3, pipeline_parallel=2,
+          expert_parallel=2, micro_batches=2),
+    _case("zero2_cpu_pp2_ep2_hf_mixtral", "hf_mixtral", 4, fields={**DEEP, "model_kwargs": {"n_layer": 4, **ADAM}},
+          zero_stage=2, offload="cpu", pipeline_parallel=2, expert_parallel=2, micro_batches=2),
 ]  # fmt: skip
 # Three dimensions: ZeRO-3 (FSDP2 over dp) x tensor parallel x pipeline stages, on 8 ranks.
 EIGHT = [
-    _case(f"zero{stage}_tp2_pp2_dp2_recipe_gpt", "recipe_gpt", 8, zero_stage=stage, tensor_parallel=2,
-          pipeline_parallel=2, micro_batches=2)
-    for stage in (1, 3)  # DeepSpeed's ZeRO-1 on the local shards; FSDP2's ZeRO-3
+    *[_case(f"zero{stage}_tp2_pp2_dp2_recipe_gpt", "recipe_gpt", 8, zero_stage=stage, tensor_parallel=2,
+            pipeline_parallel=2, micro_batches=2)
+      for stage in (1, 3)],  # DeepSpeed's ZeRO-1 on the local shards; FSDP2's ZeRO-3
+    # Four dimensions on the MoE recipe: one micro-batch, as capacity applies per micro-batch (its drops
+    # then equal the single process's); dp=2 is ep=2.
+    _case("zero3_tp2_pp2_ep2_recipe_moe", "recipe_moe", 8, zero_stage=3, tensor_parallel=2, pipeline_parallel=2,
+          expert_parallel=2, pipeline_schedule="gpipe", micro_batches=1, fields={"batch_size": 4}),
 ]  # fmt: skip
 
 

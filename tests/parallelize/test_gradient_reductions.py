@@ -41,6 +41,20 @@ def _decided(devices: int, **arguments: object) -> list[str]:
         (4, {"zero_stage": 3, "tensor_parallel": 2},  # FSDP2: reduce-scatter in backward (zero/fsdp.py)
          ["inside backward: all gradients, mean (reduce-scatter of ZeRO-3's shards) over dp",
           "after backward: strided vector gradients, mean over dp"]),
+        (4, {"zero_stage": 3, "expert_parallel": 2},  # FSDP2: experts their own units over their replicas
+         ["inside backward: dense gradients, mean (reduce-scatter of ZeRO-3's shards) over dp",
+          "inside backward: experts gradients, sum / dp size (reduce-scatter of ZeRO-3's shards) over dp_replicate",
+          "after backward: strided vector gradients, mean over dp"]),
+        (4, {"zero_stage": 2, "expert_parallel": 2},  # ZeRO-2: whole parameters between steps
+         ["inside backward: dense gradients, mean (reduce-scatter of ZeRO-2's shards) over dp",
+          "inside backward: experts gradients, sum / dp size (reduce-scatter of ZeRO-2's shards) over dp_replicate",
+          "after backward: strided vector gradients, mean over dp",
+          "after the optimizer step: all parameters' gradients, all-gather over dp"]),
+        (4, {"zero_stage": 3, "pipeline_parallel": 2, "expert_parallel": 2},
+         ["after backward: dense gradients, mean (reduce-scatter of ZeRO-3's shards), after the last micro-batch over dp",
+          "after backward: experts gradients, sum / dp size (reduce-scatter of ZeRO-3's shards), after the last"
+          " micro-batch over dp_replicate",
+          "after backward: tied gradients, sum over pp", "after backward: strided vector gradients, mean over dp"]),
         (4, {"zero_stage": 1, "pipeline_parallel": 2, "expert_parallel": 2},
          ["after backward: tied gradients, sum over pp", "after backward: dense gradients, mean over ep",
           "after backward: experts gradients, divided by ep", "in the optimizer step: all gradients, mean (ZeRO's) over dp_replicate"]),

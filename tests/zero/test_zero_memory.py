@@ -100,4 +100,18 @@ def test_bytes_per_rank_follow_the_zero_theory(tmp_path: Path, world_size: int) 
                         problems.append(
                             f"rank {rank} zero{stage}_pp2 {kind}: {run[kind]} bytes, theory {expected:.0f}"
                         )
+        # ZeRO-3 with expert parallelism (ep=2 x dp_replicate=2): dense weights over all 4 ranks, each ep
+        # slice (half the experts) over its 2 replicas: a rank holds a quarter of both.
+        for rank, measured in enumerate(ranks):
+            run = measured["zero3_ep2"]
+            assert 0 < run["expert_parameters"] < run["parameters"]
+            expected_experts = 4 * run["expert_parameters"] / 4
+            if abs(run["expert_bytes"] - expected_experts) > 0.05 * expected_experts:
+                problems.append(
+                    f"rank {rank} zero3_ep2 experts: {run['expert_bytes']} bytes, theory {expected_experts:.0f}"
+                )
+            for kind, per_param in (("module_parameters", 4), ("gradients", 4), ("optimizer_states", 8)):
+                expected = per_param * run["parameters"] / 4
+                if abs(run[kind] - expected) > 0.05 * expected:
+                    problems.append(f"rank {rank} zero3_ep2 {kind}: {run[kind]} bytes, theory {expected:.0f}")
     assert not problems, "\n".join(problems)

@@ -216,6 +216,24 @@ def main(out_dir: Path) -> None:
             )  # fmt: skip
             trainer.fit(module, make_dataloader(BATCH, STEPS * BATCH * 2))
             results[f"zero{stage}_pp2"] = {"world_size": trainer.world_size, **probe.measured}
+        # ZeRO-3 with expert parallelism (FSDP2): ep=2 x dp_replicate=2, experts sharded over their 2 replicas.
+        from lightning_parallel.experts import expert_parameters, find_moe_blocks
+
+        L.seed_everything(0, verbose=False)
+        module = build("hf_mixtral", optimizer="adamw")
+        experts = {n for info in find_moe_blocks(module) for n in info.expert_param_names}
+        numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        expert_numel = sum(p.numel() for n, p in module.named_parameters() if n in experts)
+        probe = FsdpBytes()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=devices, max_steps=STEPS, callbacks=[probe], logger=False,
+            strategy=HybridParallelStrategy(zero_stage=3, expert_parallel=2, timeout=60),
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(module, make_dataloader(BATCH, STEPS * BATCH * devices))
+        held = _local_bytes(expert_parameters(module).values())
+        results["zero3_ep2"] = {"parameters": numel, "expert_parameters": expert_numel, "expert_bytes": held,
+                                **probe.measured}  # fmt: skip
     rank = torch.distributed.get_rank()
     (out_dir / f"zero_memory.rank{rank}.json").write_text(json.dumps(results))
 
