@@ -10,7 +10,9 @@ ZeRO-3 with CPU Adam as ZeRO-2 with torch's AdamW, ZeRO-3 with tensor parallelis
 two pipeline stages (DeepSpeed) and back). The saved checkpoint, consolidated without processes
 (``consolidate_checkpoint`` and ``python -m lightning_parallel export``), must load strictly into
 the unparallelised module and equal the weights of the same 2 steps trained in one process
-(the parity harness's rule, ``tests/distributed/harness.py:mismatch``).
+(the parity harness's rule, ``tests/distributed/harness.py:mismatch``). ZeRO-3 with ep=2 runs on
+2 ranks (one replica per ep slice) and on 4 (the slices sharded again over 2 replicas, FSDP2),
+resumed as itself and as ZeRO-1, and consolidated.
 """
 
 from __future__ import annotations
@@ -28,19 +30,21 @@ from tests.strategy.scripts.zero_checkpoint import (
     BATCH_SIZE,
     FIRST_HALF,
     LAYOUTS,
+    LAYOUTS_FOUR,
     PRECISION,
     RESHARDS,
+    RESHARDS_FOUR,
     RESHARDS_INTO_TENSOR_PARALLEL,
-    SAMPLES,
     SEED,
     data_parallel,
+    samples,
 )
 
 # The tests that use ``runs`` are marked distributed (they launch processes); the others start none.
 
 
-def _read(out: Path, run: str) -> list[dict]:
-    return [json.loads((out / f"{run}.rank{rank}.json").read_text()) for rank in range(2)]
+def _read(out: Path, run: str, world_size: int = 2) -> list[dict]:
+    return [json.loads((out / f"{run}.rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +113,7 @@ def test_zero_checkpoint_resumes_into_tensor_parallelism(runs: Path, name: str) 
 
 
 @cache
-def _single_process(family: str, overrides: tuple, dp: int) -> dict[str, torch.Tensor]:
+def _single_process(family: str, overrides: tuple, dp: int, world_size: int = 2) -> dict[str, torch.Tensor]:
     """The same steps in one process, the harness's way: the samples of all data-parallel ranks per batch."""
     import lightning as L
 
@@ -117,7 +121,7 @@ def _single_process(family: str, overrides: tuple, dp: int) -> dict[str, torch.T
 
     L.seed_everything(SEED, verbose=False)
     model = build(family, **dict(overrides))
-    loader = reference_dataloader(BATCH_SIZE, dp, SAMPLES, sampler_seed=SEED)
+    loader = reference_dataloader(BATCH_SIZE, dp, samples(world_size), sampler_seed=SEED)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=FIRST_HALF, deterministic=True, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -200,3 +204,45 @@ def test_zero3_partition_of_an_uneven_weight() -> None:
     value = torch.arange(1.0, 8.0).reshape(7, 1)  # 7 elements on 2 ranks: partitions of 4
     assert partition_of(value, 0, 4).tolist() == [1.0, 2.0, 3.0, 4.0]
     assert partition_of(value, 1, 4).tolist() == [5.0, 6.0, 7.0, 0.0]
+
+
+# ---- four ranks: expert slices sharded again over their replicas ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("zero_checkpoint_four")
+    for mode in ("first", "resume"):
+        result = launch("zero_checkpoint.py", [mode, str(out), ",".join(LAYOUTS_FOUR)], out, world_size=4,
+                        timeout_s=600)  # fmt: skip
+        result.assert_all_succeeded()
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", list(LAYOUTS_FOUR))
+def test_replica_sharded_experts_resume_reshard_and_consolidate(four_rank_runs: Path, layout: str) -> None:
+    """ZeRO-3 x ep2 x dp_replicate=2: the same run continues, ZeRO-1 resumes it, and the consolidated
+    file is the single process's module (each rank's quarter of an expert tensor in its place)."""
+    from lightning_parallel import consolidate_checkpoint
+    from tests.distributed.harness import mismatch
+
+    straight = _read(four_rank_runs / layout, "straight", 4)
+    resumed = _read(four_rank_runs / layout, "resumed", 4)
+    for rank in range(4):
+        assert resumed[rank]["losses"] == straight[rank]["losses"][FIRST_HALF:], rank
+    for name, (source, _) in RESHARDS_FOUR.items():
+        if source != layout:
+            continue
+        other = _read(four_rank_runs / name, "resumed", 4)
+        for rank in range(4):
+            want, got = straight[rank]["losses"][FIRST_HALF:], other[rank]["losses"]
+            assert got[0] == want[0], f"{name}, rank {rank}: the restored weights differ ({got} vs {want})"
+            assert all(abs(g - w) / abs(w) < RTOL for g, w in zip(got, want, strict=True)), (got, want)
+    _, family, overrides = LAYOUTS_FOUR[layout]
+    consolidated = consolidate_checkpoint(four_rank_runs / layout / "step2.ckpt")
+    reference = _single_process(family, tuple(sorted(overrides.items())), data_parallel(layout, 4), 4)
+    assert set(consolidated) == set(reference)
+    problems = {name: mismatch(consolidated[name], reference[name]) for name in reference}
+    assert not any(problems.values()), {k: v for k, v in problems.items() if v}

@@ -20,6 +20,7 @@ its steps 3-4. Writes ``OUT_DIR/<layout>/<run>.rank<r>.json``: the per-step loss
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,11 @@ LAYOUTS: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
     "zero3_ep2": (dict(zero_stage=3, expert_parallel=2), "hf_mixtral", ADAM),  # FSDP2 shards of expert slices
 }
 PRECISION = {"zero2_bf16": "bf16-mixed"}  # the others "32-true"
+# On 4 ranks (``python ... first OUT_DIR LAYOUTS`` with WORLD_SIZE=4): expert slices sharded again over their
+# 2 replicas (ep=2 x dp_replicate=2), each rank's piece one box of the stacked tensor in the files.
+LAYOUTS_FOUR: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
+    "zero3_ep2_dp2": (dict(zero_stage=3, expert_parallel=2), "hf_mixtral", ADAM),
+}
 
 
 # Resumed in another layout: name -> (the layout whose step2.ckpt is resumed, the strategy kwargs to resume with).
@@ -75,6 +81,9 @@ RESHARDS: dict[str, tuple[str, dict[str, Any]]] = {
         dict(zero_stage=3, tensor_parallel=2),
     ),  # CPU Adam's DTensor states into torch's AdamW, both on FSDP2
 }
+RESHARDS_FOUR: dict[str, tuple[str, dict[str, Any]]] = {
+    "zero3_ep2_dp2_to_zero1_ep2_dp2": ("zero3_ep2_dp2", dict(zero_stage=1, expert_parallel=2)),
+}
 # Resumed into tensor parallelism: its sharded matmuls sum in another order, so even the first resumed
 # loss agrees within fp32 parity, not bit for bit.
 RESHARDS_INTO_TENSOR_PARALLEL: dict[str, tuple[str, dict[str, Any]]] = {
@@ -85,10 +94,15 @@ RESHARDS_INTO_TENSOR_PARALLEL: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def data_parallel(layout: str) -> int:
+def data_parallel(layout: str, world_size: int = 2) -> int:
     """Ranks that read different batches (experts are carved out of them; tensor and pipeline ranks are not)."""
-    strategy = LAYOUTS[layout][0]
-    return 2 // (strategy.get("tensor_parallel", 1) * strategy.get("pipeline_parallel", 1))
+    strategy = {**LAYOUTS, **LAYOUTS_FOUR}[layout][0]
+    return world_size // (strategy.get("tensor_parallel", 1) * strategy.get("pipeline_parallel", 1))
+
+
+def samples(world_size: int) -> int:
+    """4 batches per data-parallel rank and epoch: the save after step 2 is mid-epoch."""
+    return SAMPLES * world_size // 2
 
 
 class RecordLosses(L.Callback):
@@ -102,11 +116,12 @@ class RecordLosses(L.Callback):
 
 
 def fit(
-    out: Path, run: str, layout: str, ckpt_path: Path | None = None, strategy: dict[str, Any] | None = None
-) -> None:
+    out: Path, run: str, layout: str, ckpt_path: Path | None = None, strategy: dict[str, Any] | None = None,
+    world_size: int = 2,
+) -> None:  # fmt: skip
     """``ckpt_path=None``: the uninterrupted run, saving ``step2.ckpt``; else the resume from it (in the
     layout's strategy, or in ``strategy``)."""
-    strategy_kwargs, family, model_kwargs = LAYOUTS[layout]
+    strategy_kwargs, family, model_kwargs = {**LAYOUTS, **LAYOUTS_FOUR}[layout]
     strategy_kwargs = strategy_kwargs if strategy is None else strategy
     save = ckpt_path is None
     L.seed_everything(SEED, verbose=False)
@@ -119,32 +134,34 @@ def fit(
                             every_n_train_steps=FIRST_HALF)
         )  # fmt: skip
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=HybridParallelStrategy(timeout=60, **strategy_kwargs),
+        accelerator="cpu", devices=world_size, strategy=HybridParallelStrategy(timeout=60, **strategy_kwargs),
         precision=PRECISION.get(layout, "32-true"), max_steps=STEPS, use_distributed_sampler=True,
         deterministic=True, callbacks=callbacks, logger=False, enable_checkpointing=save, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
-    trainer.fit(model, make_dataloader(BATCH_SIZE, SAMPLES), ckpt_path=ckpt_path)
+    trainer.fit(model, make_dataloader(BATCH_SIZE, samples(world_size)), ckpt_path=ckpt_path)
     result = {"losses": recorder.losses, "global_step": trainer.global_step}
     (out / f"{run}.rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 def main(mode: str, out: Path, layouts: str) -> None:
     torch.set_num_threads(1)
+    world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown removes it
     for layout in layouts.split(","):
         directory = out / layout
         directory.mkdir(parents=True, exist_ok=True)
         if mode == "first":
-            fit(directory, "straight", layout)
+            fit(directory, "straight", layout, world_size=world_size)
         elif mode == "resume":
-            fit(directory, "resumed", layout, ckpt_path=directory / "step2.ckpt")
+            fit(directory, "resumed", layout, ckpt_path=directory / "step2.ckpt", world_size=world_size)
         else:
             raise SystemExit(f"unknown mode {mode!r}")
-    for name, (source, strategy) in {**RESHARDS, **RESHARDS_INTO_TENSOR_PARALLEL}.items():
+    for name, (source, strategy) in {**RESHARDS, **RESHARDS_INTO_TENSOR_PARALLEL, **RESHARDS_FOUR}.items():
         if mode == "resume" and source in layouts.split(","):
             directory = out / name
             directory.mkdir(exist_ok=True)
-            fit(directory, "resumed", source, ckpt_path=out / source / "step2.ckpt", strategy=strategy)
+            fit(directory, "resumed", source, ckpt_path=out / source / "step2.ckpt", strategy=strategy,
+                world_size=world_size)  # fmt: skip
 
 
 if __name__ == "__main__":
