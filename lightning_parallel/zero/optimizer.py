@@ -10,6 +10,8 @@ as in Lightning.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -73,3 +75,24 @@ def _repoint(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimi
     scheduler.optimizer = new
     # The scheduler counted calls of the old optimizer's ``step``; the new one is stepped by ZeRO or Lightning.
     vars(new)["_opt_called"] = True  # what the scheduler's step wrapper sets on a stepped optimizer
+    _count_steps(new)
+
+
+def _count_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer.step`` as a scheduler marks the optimizer it is built on (torch's LR schedulers wrap
+    ``step`` at construction, and warn "optimizer.step() has been overridden" at their first step when the
+    wrapper is missing, as it is on an optimizer that replaced the one they were built on)."""
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+    owner = weakref.ref(optimizer)  # no cycle through the bound method: the optimizer dies as before
+
+    @functools.wraps(step)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        stepped = owner()
+        if stepped is not None:
+            vars(stepped)["_opt_called"] = True
+        return step(*args, **kwargs)
+
+    counted._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = counted  # type: ignore[method-assign]
