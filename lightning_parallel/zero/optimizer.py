@@ -94,5 +94,5 @@ def _count_steps(optimizer: torch.optim.Optimizer) -> None:
             vars(stepped)["_opt_called"] = True
         return step(*args, **kwargs)
 
-    counted._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    vars(counted)["_wrapped_by_lr_sched"] = True  # the mark torch's schedulers look for
     optimizer.step = counted  # type: ignore[method-assign]
