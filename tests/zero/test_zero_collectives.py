@@ -3,7 +3,9 @@
 Two stages x two data-parallel ranks, 4 micro-batches (tests/strategy/scripts/zero_collectives.py):
 each FSDP2 unit of a rank reduce-scatters its gradients once per step, after the schedule, and
 gathers its parameters once (ZeRO-3 before the first micro-batch, ZeRO-2 after the optimizer step,
-keeping whole parameters between steps). Once per micro-batch would be 4x that.
+keeping whole parameters between steps). Once per micro-batch would be 4x that. ZeRO-2 with expert
+parallelism (ep=2 x dp_replicate=2, no stages, the experts' units of their own over their replicas):
+also one of each per unit and step.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def test_one_gather_and_one_reduce_scatter_per_unit_and_step(tmp_path: Path) -> 
     result.assert_all_succeeded()
     for rank in range(4):
         measured = json.loads((tmp_path / f"zero_collectives.rank{rank}.json").read_text())
-        for stage in ("zero2", "zero3"):
+        for stage in ("zero2", "zero3", "zero2_ep2"):
             units, steps = measured[stage]["units"], measured[stage]["steps"]
             assert units >= 2 and len(steps) == 2  # blocks of the stage, and the rest of the model
             for counted in steps:

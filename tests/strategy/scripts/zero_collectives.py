@@ -48,7 +48,10 @@ class PerStep(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self.steps.append(dict(COUNTS))
-        self.units = len(trainer.strategy.pipeline_runner.fsdp_units)
+        runner = trainer.strategy.pipeline_runner
+        self.units = len(
+            runner.fsdp_units if runner is not None else trainer.strategy.parallelized.gradients.in_backward
+        )
 
 
 def main(out_dir: Path) -> None:
@@ -69,6 +72,17 @@ def main(out_dir: Path) -> None:
         )  # fmt: skip
         trainer.fit(build("nanogpt", n_layer=4), make_dataloader(4, 3 * 4 * 2))
         results[f"zero{stage}"] = {"units": probe.units, "steps": probe.steps[1:]}
+    # ZeRO-2 with expert parallelism, no stages (ep=2 x dp_replicate=2): the expert units are their own, over
+    # their 2 replicas; every unit still gathers once (after the step) and reduce-scatters once per step.
+    L.seed_everything(0, verbose=False)
+    probe = PerStep()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, max_steps=3, callbacks=[probe], logger=False,
+        strategy=HybridParallelStrategy(zero_stage=2, expert_parallel=2, timeout=60),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(build("hf_mixtral"), make_dataloader(2, 3 * 2 * devices))
+    results["zero2_ep2"] = {"units": probe.units, "steps": probe.steps[1:]}
     (out_dir / f"zero_collectives.rank{dist.get_rank()}.json").write_text(json.dumps(results))
 
 
