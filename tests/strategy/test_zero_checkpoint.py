@@ -47,14 +47,19 @@ def _read(out: Path, run: str, world_size: int = 2) -> list[dict]:
     return [json.loads((out / f"{run}.rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("zero_checkpoint")
+def _run_layouts(out: Path, layouts: list[str], world_size: int) -> Path:
+    """The uninterrupted runs saving ``step2.ckpt``, then the resumes (and reshards) in fresh processes."""
     for mode in ("first", "resume"):
-        result = launch("zero_checkpoint.py", [mode, str(out), ",".join(LAYOUTS)], out, timeout_s=600)
+        result = launch("zero_checkpoint.py", [mode, str(out), ",".join(layouts)], out, world_size=world_size,
+                        timeout_s=600)  # fmt: skip
         print(f"{mode}: {result.wall_s:.1f} s")
         result.assert_all_succeeded()
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _run_layouts(tmp_path_factory.mktemp("zero_checkpoint"), list(LAYOUTS), 2)
 
 
 @pytest.mark.distributed
@@ -211,12 +216,7 @@ def test_zero3_partition_of_an_uneven_weight() -> None:
 
 @pytest.fixture(scope="module")
 def four_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("zero_checkpoint_four")
-    for mode in ("first", "resume"):
-        result = launch("zero_checkpoint.py", [mode, str(out), ",".join(LAYOUTS_FOUR)], out, world_size=4,
-                        timeout_s=600)  # fmt: skip
-        result.assert_all_succeeded()
-    return out
+    return _run_layouts(tmp_path_factory.mktemp("zero_checkpoint_four"), list(LAYOUTS_FOUR), 4)
 
 
 @pytest.mark.distributed
