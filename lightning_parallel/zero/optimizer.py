@@ -11,6 +11,7 @@ as in Lightning.
 from __future__ import annotations
 
 import functools
+import types
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -82,17 +83,18 @@ def _count_steps(optimizer: torch.optim.Optimizer) -> None:
     """Mark ``optimizer.step`` as a scheduler marks the optimizer it is built on (torch's LR schedulers wrap
     ``step`` at construction, and warn "optimizer.step() has been overridden" at their first step when the
     wrapper is missing, as it is on an optimizer that replaced the one they were built on)."""
-    step = optimizer.step
-    if hasattr(step, "_wrapped_by_lr_sched"):
-        return
-    owner = weakref.ref(optimizer)  # no cycle through the bound method: the optimizer dies as before
+    bound = optimizer.step
+    if hasattr(bound, "_wrapped_by_lr_sched") or not isinstance(bound, types.MethodType):
+        return  # marked already, or replaced by someone else: left alone
+    # The function, not the bound method, and a weak reference: no cycle, the optimizer dies as before.
+    function, owner = bound.__func__, weakref.ref(optimizer)
 
-    @functools.wraps(step)
+    @functools.wraps(function)
     def counted(*args: Any, **kwargs: Any) -> Any:
         stepped = owner()
-        if stepped is not None:
-            vars(stepped)["_opt_called"] = True
-        return step(*args, **kwargs)
+        assert stepped is not None  # its own attribute: called through it
+        vars(stepped)["_opt_called"] = True
+        return function(stepped, *args, **kwargs)
 
     vars(counted)["_wrapped_by_lr_sched"] = True  # the mark torch's schedulers look for
     optimizer.step = counted  # type: ignore[method-assign]

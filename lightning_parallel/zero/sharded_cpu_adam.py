@@ -34,20 +34,14 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
                 loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            on_device = []
             for param in group["params"]:
                 if param.grad is None:
                     continue
+                state = self._state_of(param)
                 if param.device.type != "cpu":
-                    raise RuntimeError(
-                        f"{type(self).__name__}: a parameter on {param.device}; the FSDP2 engine keeps the"
-                        " shards on the CPU with `offload='cpu'` only."
-                    )
-                state = self.state[param]
-                if not state:
-                    dtype = torch.float if self.fp32_optimizer_states else param.dtype
-                    state["step"] = torch.tensor(0.0)  # as torch's Adam: checkpoints interchangeable with it
-                    state["exp_avg"] = torch.zeros_like(param, dtype=dtype)
-                    state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype)
+                    on_device.append(param)
+                    continue
                 state["step"] += 1
                 tensors = [_local(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])]
                 updated = [t if t.is_contiguous() else t.contiguous() for t in tensors]
@@ -58,7 +52,41 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
                 for original, copy in zip(tensors, updated, strict=True):
                     if copy is not original:
                         original.copy_(copy)
+            self._step_on_device(group, on_device)
         return loss
+
+    def _state_of(self, param: torch.Tensor) -> dict[str, Any]:
+        state = self.state[param]
+        if not state:
+            dtype = torch.float if self.fp32_optimizer_states else param.dtype
+            state["step"] = torch.tensor(0.0)  # as torch's Adam: checkpoints interchangeable with it
+            state["exp_avg"] = torch.zeros_like(param, dtype=dtype)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype)
+        return state
+
+    def _step_on_device(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """Torch's Adam for the few parameters FSDP2 does not offload (the vectors tensor parallelism cuts,
+        which it leaves whole over ``dp``; parameters of the LightningModule itself): same update, same
+        state keys, on their device."""
+        if not params:
+            return
+        if not group["bias_correction"]:
+            raise ValueError(
+                f"{type(self).__name__}(bias_correction=False): parameters FSDP2 keeps on {params[0].device} are"
+                " stepped by torch's Adam, which always corrects the bias. Leave bias_correction=True."
+            )
+        from torch.optim.adam import adam
+
+        states = [self._state_of(p) for p in params]
+        beta1, beta2 = group["betas"]
+        with torch.no_grad():
+            adam(
+                [_local(p) for p in params], [_local(p.grad) for p in params],
+                [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states], [],
+                [s["step"] for s in states], foreach=False, decoupled_weight_decay=self.adam_w_mode, amsgrad=False,
+                beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                maximize=False,
+            )  # fmt: skip
 
     def __del__(self) -> None:
         # Lightning wraps each optimizer in a ``LightningOptimizer`` that subclasses it and forwards attribute
