@@ -120,9 +120,7 @@ def load_weights(
             continue
         value = full[name]
         shard = experts.get(name)
-        if isinstance(current, DTensor):
-            expected = tuple(current.shape)
-        elif shard is not None:
+        if shard is not None:  # this rank's ep slice (under ZeRO on FSDP2, a DTensor over its replicas)
             expected = (shard.num_experts, *current.shape[1:])
         else:
             expected = tuple(current.shape)
@@ -132,12 +130,12 @@ def load_weights(
                 " must hold the weights of this architecture (same sizes), as the unparallelised module's state_dict."
             )
         value = value.to(device=current.device, dtype=current.dtype)
+        if shard is not None:
+            value = value.narrow(0, shard.first_expert, shard.num_local).contiguous()
         if isinstance(current, DTensor):
             loaded[name] = distribute_tensor(
                 value, current.device_mesh, current.placements, src_data_rank=None
             )
-        elif shard is not None:
-            loaded[name] = value.narrow(0, shard.first_expert, shard.num_local).contiguous()
         else:
             loaded[name] = value
     missing = sorted(set(target) - set(loaded))

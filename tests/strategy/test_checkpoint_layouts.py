@@ -80,7 +80,7 @@ def test_a_checkpoint_resumes_in_another_layout(runs: Path, writer: str, reader:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "ep2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "ep2", "zero3_ep2"])
 def test_export_gives_the_unparallelised_state_dict(runs: Path, layout: str, tmp_path: Path) -> None:
     """The checkpoint taken before the first step, exported to one file: exactly ``W``, every name of the
     unparallelised module, bit for bit (fused q|k|v of tp=2, both pipeline stages, all experts)."""

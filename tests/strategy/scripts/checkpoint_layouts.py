@@ -1,6 +1,6 @@
 """Checkpoints across layouts: resharding on load, weights in from one file, weights out to one file.
 
-    python tests/strategy/scripts/checkpoint_layouts.py write2 OUT_DIR  # 2 ranks: tp2, dp2, pp2, ep2, ep1
+    python tests/strategy/scripts/checkpoint_layouts.py write2 OUT_DIR  # 2 ranks: tp2, dp2, pp2, ep2, ep1, zero3_ep2
     python tests/strategy/scripts/checkpoint_layouts.py world4 OUT_DIR  # 4 ranks: pp4, dp4; read pp2, dp2
     python tests/strategy/scripts/checkpoint_layouts.py read2  OUT_DIR  # 2 ranks: read the others; references
 
@@ -48,6 +48,8 @@ LAYOUTS: dict[str, tuple[str, int, dict[str, Any], str]] = {
     "pp2": ("recipe_gpt", 2, dict(pipeline_parallel=2, micro_batches=2), "recipe_gpt.inner.pt"),
     "ep2": ("recipe_moe", 2, dict(expert_parallel=2), "recipe_moe.safetensors"),
     "ep1": ("recipe_moe", 2, {}, "recipe_moe.safetensors"),
+    # ZeRO-3 on FSDP2: each ep slice a DTensor over its replicas when the file's experts are cut in.
+    "zero3_ep2": ("recipe_moe", 2, dict(zero_stage=3, expert_parallel=2), "recipe_moe.safetensors"),
     "pp4": ("recipe_gpt", 4, dict(pipeline_parallel=4, micro_batches=4), "recipe_gpt.safetensors"),
     "dp4": ("recipe_gpt", 4, {}, "recipe_gpt.safetensors"),
 }
@@ -104,7 +106,7 @@ def fit(out: Path, run: str, layout: str, resume_from: str | None = None) -> Non
         world_size // strategy_kwargs.get("tensor_parallel", 1) // strategy_kwargs.get("pipeline_parallel", 1)
     )
     writer = resume_from is None
-    record = Record(out / layout / "step0.ckpt" if writer and layout in ("tp2", "pp2", "ep2") else None)
+    record = Record(out / layout / "step0.ckpt" if writer and layout in ("tp2", "pp2", "ep2", "zero3_ep2") else None)
     callbacks: list[L.Callback] = [record]
     if writer:
         callbacks.append(
@@ -149,7 +151,7 @@ def main(mode: str, out: Path) -> None:
     world_size = int(os.environ["WORLD_SIZE"])
     if mode == "write2":
         write_weights(out)
-        for layout in ("tp2", "dp2", "pp2", "ep2", "ep1"):
+        for layout in ("tp2", "dp2", "pp2", "ep2", "ep1", "zero3_ep2"):
             fit(out, layout, layout)
     elif mode == "world4":
         for layout in ("pp4", "dp4"):
