@@ -36,3 +36,15 @@ def test_one_gather_and_one_reduce_scatter_per_unit_and_step(tmp_path: Path) -> 
                     units,
                     counted,
                 )
+
+
+@pytest.mark.timeout(600)
+def test_a_second_fit_trains_the_reused_sharded_module(tmp_path: Path) -> None:
+    """fit, then fit again on the same module under ZeRO-2 x ep2 (FSDP2): the reused module's optimizer
+    is built on the shards (not the whole parameters ZeRO-2 keeps between steps), so the second fit trains."""
+    result = launch("zero_refit.py", [str(tmp_path)], tmp_path, world_size=2, timeout_s=400, grace_s=30)
+    result.assert_all_succeeded()
+    for rank in range(2):
+        measured = json.loads((tmp_path / f"zero_refit.rank{rank}.json").read_text())
+        assert measured["optimizer_holds_shards"], measured
+        assert measured["moved"] > 1e-3, measured

@@ -106,7 +106,9 @@ def fit(out: Path, run: str, layout: str, resume_from: str | None = None) -> Non
         world_size // strategy_kwargs.get("tensor_parallel", 1) // strategy_kwargs.get("pipeline_parallel", 1)
     )
     writer = resume_from is None
-    record = Record(out / layout / "step0.ckpt" if writer and layout in ("tp2", "pp2", "ep2", "zero3_ep2") else None)
+    record = Record(
+        out / layout / "step0.ckpt" if writer and layout in ("tp2", "pp2", "ep2", "zero3_ep2") else None
+    )
     callbacks: list[L.Callback] = [record]
     if writer:
         callbacks.append(
