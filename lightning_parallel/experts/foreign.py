@@ -130,6 +130,12 @@ def _top_k(block: nn.Module, router: nn.Module | None) -> int | None:
     return None
 
 
+def per_expert(param: torch.Tensor, count: int) -> bool:
+    """A stacked per-expert tensor of a fused experts module: a weight ``(E, ., .)``, or a bias ``(E, F)``
+    (GPT-OSS) whose leading dim is the expert count ``count`` of its weights."""
+    return param.dim() >= 3 or (param.dim() == 2 and param.shape[0] == count)
+
+
 def _match(prefix: str, block: nn.Module) -> MoEBlockInfo | None:
     if isinstance(block, MoE):
         names = [f"{prefix}experts.{n}" for n, _ in block.experts.named_parameters()]
@@ -153,10 +159,11 @@ def _match(prefix: str, block: nn.Module) -> MoEBlockInfo | None:
         router_name = router_names[0]
         if kind == "module_list" and not isinstance(getattr(block, router_name), nn.Linear):
             continue
+        local = next((p.shape[0] for p in child.parameters(recurse=False) if p.dim() >= 3), 0)
         params = [
             f"{prefix}{name}.{n}"
             for n, p in child.named_parameters()
-            if kind == "module_list" or p.dim() >= 3
+            if kind == "module_list" or per_expert(p, local)
         ]
         return MoEBlockInfo(prefix.rstrip("."), block, kind, num_experts,
                             _top_k(block, getattr(block, router_name)), router_name, name, params)  # fmt: skip

@@ -41,6 +41,7 @@ from lightning_parallel.experts.foreign import (
     adapt_module_list,
     check_module_list,
     find_moe_blocks,
+    per_expert,
 )
 from lightning_parallel.experts.layer import MoE
 
@@ -155,7 +156,9 @@ class ExpertParallel:
                 _apply_to_moe(info.block, ep_group, token_group)
             elif info.kind == "fused":
                 experts = info.experts
-                names = [n for n, p in experts.named_parameters(recurse=False) if p.dim() >= 3]
+                names = [
+                    n for n, p in experts.named_parameters(recurse=False) if per_expert(p, info.num_experts)
+                ]
                 _slice_stacked(experts, names, info.num_experts, rank, size)
                 if size > 1:
                     adapt_fused_experts(info, ep_group)

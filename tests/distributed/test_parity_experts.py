@@ -1,7 +1,7 @@
 """Expert parallelism reproduces the single-process run (fp32, 1e-5 per step, final parameters).
 
-Two families: Hugging Face Mixtral from a tiny config (unchanged code, fused experts, top-2,
-dropless) and the project's MoE recipe (4 experts, top-2, capacity factor 1.25: tokens are
+Families: Hugging Face Mixtral from a tiny config (unchanged code, fused experts, top-2,
+dropless), GPT-OSS at two ranks (fused experts with per-expert biases, attention sinks) and the project's MoE recipe (4 experts, top-2, capacity factor 1.25: tokens are
 dropped; its training step adds the layers' load-balancing and z-losses). Layouts: ep=2,
 ep=2 x dp=2 (dp_replicate=2), ep=2 x tp=2 and ep=2 x pp=2 (every schedule); bf16 and fp16, mixed
 and true, within the low-precision tolerance.
@@ -42,6 +42,9 @@ TWO = [
     _case("ep2_aux_hf_mixtral", "hf_mixtral_aux", 2, **AUX),
     # Clipping by the global norm: each ep rank's experts count once (summed over ep; was per rank).
     _case("ep2_clip_hf_mixtral", "hf_mixtral", 2, fields={"trainer_kwargs": {"gradient_clip_val": 0.05}}),
+    # GPT-OSS: per-expert biases (E, F) beside the stacked weights, sliced with them (were kept whole: each
+    # ep rank read expert 0's bias rows; measured 2.5e-3 off at the first step).
+    _case("ep2_hf_gpt_oss", "hf_gpt_oss", 2),
 ]
 BF16 = [
     _case(f"ep2_{name}_recipe_moe", "recipe_moe", 2, fields={"trainer_kwargs": {"precision": precision}})

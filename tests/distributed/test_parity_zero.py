@@ -57,6 +57,7 @@ TWO = [
           offload_path=NVME_PATH, activation_checkpointing="selective"),
     # ZeRO-2/3 with expert parallelism (FSDP2: expert slices their own units over their replicas, here one).
     _case("zero3_ep2_hf_mixtral", "hf_mixtral", zero_stage=3, expert_parallel=2),
+    _case("zero3_ep2_hf_gpt_oss", "hf_gpt_oss", zero_stage=3, expert_parallel=2),  # per-expert biases too
     _case("zero2_cpu_ep2_clip_hf_mixtral", "hf_mixtral", zero_stage=2, offload="cpu", expert_parallel=2,
           fields={"model_kwargs": ADAM, "trainer_kwargs": {"gradient_clip_val": 0.05}}),
     _case("zero3_acsel_ep2_hf_mixtral", "hf_mixtral", zero_stage=3, expert_parallel=2,

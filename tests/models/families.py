@@ -60,6 +60,12 @@ def _hf_mixtral(**overrides: Any) -> L.LightningModule:
     return HFMixtralModule(**{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
 
 
+def _hf_gpt_oss(**overrides: Any) -> L.LightningModule:
+    from tests.models.hf import HFGptOssModule
+
+    return HFGptOssModule(**{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
+
+
 def _hf_mixtral_aux(**overrides: Any) -> L.LightningModule:
     from tests.models.hf import HFMixtralAuxModule
 
@@ -116,6 +122,7 @@ FAMILIES: dict[str, Callable[..., L.LightningModule]] = {
     "hf_gpt2": _hf_gpt2,
     "hf_llama": _hf_llama,
     "hf_mixtral": _hf_mixtral,
+    "hf_gpt_oss": _hf_gpt_oss,
     "recipe_moe": _recipe_moe,
     "hf_mixtral_aux": _hf_mixtral_aux,
 }

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MixtralConfig,
@@ -109,6 +111,34 @@ class HFMixtralModule(_CausalLMModule):
             pad_token_id=None, use_cache=False, attn_implementation="sdpa",
         )  # fmt: skip
         self.model = MixtralForCausalLM(config)
+
+
+class HFGptOssModule(_CausalLMModule):
+    """``GptOssForCausalLM``: fused experts with per-expert biases (2-D, ``(E, F)``), a router with a bias,
+    attention sinks, sliding and full attention layers (eager: the sinks), top-2 of 4 experts.
+
+    The expert biases start random (HF initialises them to zero), so that a rank using another expert's
+    bias row is visible from the first step.
+    """
+
+    def __init__(
+        self, vocab_size: int = 128, block_size: int = 32, learning_rate: float | None = None,
+        optimizer: str = "sgd", n_layer: int = 2, num_experts: int = 4,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.save_hyperparameters()
+        config = GptOssConfig(
+            vocab_size=vocab_size, max_position_embeddings=block_size, hidden_size=64, intermediate_size=96,
+            num_hidden_layers=n_layer, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            num_local_experts=num_experts, num_experts_per_tok=2, sliding_window=16, bos_token_id=0,
+            eos_token_id=0, pad_token_id=None, use_cache=False, attn_implementation="eager",
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )  # fmt: skip
+        self.model = GptOssForCausalLM(config)
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if name.endswith("_proj_bias"):
+                    param.normal_(0.0, 0.5)
 
 
 class HFMixtralAuxModule(HFMixtralModule):
