@@ -40,7 +40,7 @@ def strategy_config(**a: Any) -> ParallelConfig:
     weights = arguments.init_weights(a["init_weights"])
     zero = arguments.zero(a["zero_stage"], a["offload"], a["offload_path"], a["deepspeed_config"])
     tp, pp, plan = a["tensor_parallel"], a["pipeline_parallel"], a["plan"]
-    _check_zero_layout(zero, tp, pp, a["expert_parallel"], a["activation_checkpointing"])
+    _check_zero_layout(zero, tp, pp, a["expert_parallel"])
     if not a["save_distributed_checkpoint"]:
         refusal = consolidated_refusal(pp, a["expert_parallel"], zero.stage)
         if refusal is not None:
@@ -131,7 +131,6 @@ def _check_zero_layout(
     tensor_parallel: Any,
     pipeline_parallel: Any,
     expert_parallel: Any,
-    activation_checkpointing: Any,
 ) -> None:
     """The layouts ZeRO cannot run correctly (docs/zero.md, "Layouts")."""
     if not zero.enabled:

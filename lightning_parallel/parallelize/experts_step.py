@@ -24,7 +24,8 @@ class ExpertState:
     """What the later steps and the hooks need to know about the experts."""
 
     parameter_ids: set[int] = field(default_factory=set)
-    """Ids of the parameters that hold this rank's experts (reduced over their replicas only)."""
+    """Ids of the parameters that hold this rank's experts (reduced over their replicas only; their norms
+    summed over ``ep`` too). Under ZeRO on FSDP2 those of its sharded parameters."""
     aux_losses: AuxLossCollector | None = None
     """The MoE auxiliary losses injected into backward (``moe_aux_loss_coef``, or pipelined MoE layers)."""
 

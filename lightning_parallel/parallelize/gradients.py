@@ -77,34 +77,8 @@ class Reduction:
 def decide_gradient_reductions(config: ParallelConfig, dims: ParallelDims) -> list[Reduction]:
     """The reductions of a layout, in the order they run (identical on every rank)."""
     engine = config_engine(config, dims)
-    if engine == "fsdp2":  # zero/fsdp.py; under pipeline stages once per step, after the schedule
-        shards = f"mean (reduce-scatter of ZeRO-{config.zero.stage}'s shards)"
-        dense = "all"
-        if dims.ep_enabled:  # experts: their own units over their replicas
-            dense = "dense"
-            summed = f"sum / dp size (reduce-scatter of ZeRO-{config.zero.stage}'s shards)"
-            when = (AFTER_BACKWARD, ", after the last micro-batch") if dims.pp_enabled else (IN_BACKWARD, "")
-            expert_step = Reduction("experts", summed + when[1], "dp_replicate", when[0])
-        if dims.pp_enabled:
-            steps = [
-                Reduction(dense, shards + ", after the last micro-batch", "dp", AFTER_BACKWARD),
-                *([expert_step] if dims.ep_enabled else []),
-                Reduction("tied", "sum", "pp", AFTER_BACKWARD),
-                Reduction("strided vector", "mean", "dp", AFTER_BACKWARD),
-            ]
-            if (
-                config.zero.stage == 2
-            ):  # ZeRO-2 keeps whole parameters between steps: gather the updated shards
-                steps.append(Reduction("all parameters'", "all-gather", "dp", AFTER_STEP))
-            return steps
-        steps = [
-            Reduction(dense, shards, "dp", IN_BACKWARD),
-            *([expert_step] if dims.ep_enabled else []),
-            Reduction("strided vector", "mean", "dp", AFTER_BACKWARD),  # fused biases FSDP2 keeps whole
-        ]
-        if config.zero.stage == 2:  # as under stages: whole parameters between steps
-            steps.append(Reduction("all parameters'", "all-gather", "dp", AFTER_STEP))
-        return steps
+    if engine == "fsdp2":
+        return _fsdp_reductions(config, dims)
     out = [Reduction("tied", "sum", "pp", AFTER_BACKWARD)] if dims.pp_enabled else []
     if config.zero.enabled:
         if dims.ep_enabled:
@@ -132,6 +106,22 @@ def decide_gradient_reductions(config: ParallelConfig, dims: ParallelDims) -> li
         # An expert's gradient already holds its ep group's tokens (docs/experts.md).
         out.append(Reduction("experts", "sum / dp size", "dp_replicate", AFTER_BACKWARD))
     return out
+
+
+def _fsdp_reductions(config: ParallelConfig, dims: ParallelDims) -> list[Reduction]:
+    """ZeRO on FSDP2 (zero/fsdp.py): reduce-scatters inside backward; under pipeline stages once per step,
+    after the schedule. Experts (their own units over their replicas) are summed and divided by dp."""
+    when, after = (AFTER_BACKWARD, ", after the last micro-batch") if dims.pp_enabled else (IN_BACKWARD, "")
+    shards = f"(reduce-scatter of ZeRO-{config.zero.stage}'s shards){after}"
+    steps = [Reduction("dense" if dims.ep_enabled else "all", f"mean {shards}", "dp", when)]
+    if dims.ep_enabled:
+        steps.append(Reduction("experts", f"sum / dp size {shards}", "dp_replicate", when))
+    if dims.pp_enabled:
+        steps.append(Reduction("tied", "sum", "pp", AFTER_BACKWARD))
+    steps.append(Reduction("strided vector", "mean", "dp", AFTER_BACKWARD))  # fused biases FSDP2 keeps whole
+    if config.zero.stage == 2:  # ZeRO-2 keeps whole parameters between steps: gather the updated shards
+        steps.append(Reduction("all parameters'", "all-gather", "dp", AFTER_STEP))
+    return steps
 
 
 @dataclass

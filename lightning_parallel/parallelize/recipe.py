@@ -82,6 +82,8 @@ def parallelize(
         )
         result.hooks += hooks
     fsdp = shard_for_zero(module, config, dims, mesh, blocks)  # ZeRO on FSDP2, before the stages exist
+    if fsdp is not None and dims.ep_enabled:  # FSDP2 replaced the experts' parameters (zero/fsdp.py)
+        experts.parameter_ids = {id(p) for p in expert_parameters(module).values()}
     if cut is not None:
         assert config.pipeline is not None
         result.pipeline, result.norm_exclude = pipeline_step.build_runner(
@@ -106,8 +108,6 @@ def parallelize(
         fsdp=fsdp,
     )
     result.hooks += result.gradients.hooks
-    if dims.ep_enabled:  # the final parameters: FSDP2 replaced the experts' (zero/fsdp.py)
-        result.norm_experts = {id(p) for p in expert_parameters(module).values()}
     rank_zero_info("Gradient reductions: " + "; ".join(result.gradients.describe()))
     return result
 

@@ -47,8 +47,6 @@ class Parallelized:
     """Every gradient reduction of the layout (``parallelize/gradients.py``)."""
     norm_exclude: set[int] = field(default_factory=set)
     """Tied weights this rank leaves out of the global gradient norm (counted on another stage)."""
-    norm_experts: set[int] = field(default_factory=set)
-    """This rank's expert parameters (after ZeRO's sharding): their norms are summed over ``ep`` too."""
     hooks: list[Any] = field(default_factory=list)
     """Every hook installed on the module (they stay with it: a later entry point reuses them)."""
 

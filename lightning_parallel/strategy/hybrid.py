@@ -255,9 +255,9 @@ class HybridParallelStrategy(CheckpointingStrategy):
             parallelized.remember(module)
         self.parallelized = parallelized
         if isinstance(self.precision_plugin, HybridPrecision):
-            ep_group = self.device_mesh["ep"].get_group() if parallelized.norm_experts else None
+            ep_group = self.device_mesh["ep"].get_group() if parallelized.experts.parameter_ids else None
             self.precision_plugin.set_norm_layout(
-                parallelized.norm_exclude, parallelized.norm_experts, ep_group
+                parallelized.norm_exclude, parallelized.experts.parameter_ids, ep_group
             )
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

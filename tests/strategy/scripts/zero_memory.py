@@ -169,6 +169,21 @@ class PipelinedFsdpBytes(L.Callback):
         )  # fmt: skip
 
 
+def _train(
+    family: str, strategy: HybridParallelStrategy, probe: L.Callback, devices: int, data_parallel: int
+) -> tuple[L.LightningModule, L.Trainer, int]:
+    """The seeded module (AdamW) trained ``STEPS`` steps under ``strategy``; its trainable elements before."""
+    L.seed_everything(0, verbose=False)
+    module = build(family, optimizer="adamw", **({"n_layer": LAYERS} if family == "nanogpt" else {}))
+    numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, callbacks=[probe], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, make_dataloader(BATCH, STEPS * BATCH * data_parallel))
+    return module, trainer, numel
+
+
 def main(out_dir: Path) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -176,66 +191,38 @@ def main(out_dir: Path) -> None:
     results: dict[str, Any] = {}
     devices = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown removes it
     for stage in (1, 2, 3):
-        L.seed_everything(0, verbose=False)
-        module = build("nanogpt", optimizer="adamw", n_layer=LAYERS)
-        numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
         probe = ZeroBytes()
-        trainer = L.Trainer(
-            accelerator="cpu", devices=devices,
-            strategy=HybridParallelStrategy(zero_stage=stage, timeout=60),
-            max_steps=STEPS, callbacks=[probe], logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False,
-        )  # fmt: skip
-        trainer.fit(module, make_dataloader(BATCH, STEPS * BATCH * trainer.world_size))
+        _, trainer, numel = _train("nanogpt", HybridParallelStrategy(zero_stage=stage, timeout=60), probe, devices,
+                                   devices)  # fmt: skip
         results[f"zero{stage}"] = {"parameters": numel, "world_size": trainer.world_size, **probe.measured}
-    if (
-        devices == 4
-    ):  # ZeRO-3 with tensor parallelism (FSDP2 over dp=2 of tp=2 shards), on the device and offloaded
-        for offload in (None, "cpu"):
-            L.seed_everything(0, verbose=False)
-            module = build("nanogpt", optimizer="adamw", n_layer=LAYERS)
-            numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
-            probe = FsdpBytes()
-            trainer = L.Trainer(
-                accelerator="cpu", devices=devices,
-                strategy=HybridParallelStrategy(zero_stage=3, tensor_parallel=2, offload=offload, timeout=60),
-                max_steps=STEPS, callbacks=[probe], logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False,
-            )  # fmt: skip
-            trainer.fit(module, make_dataloader(BATCH, STEPS * BATCH * 2))
-            name = "zero3_cpu_tp2" if offload else "zero3_tp2"
-            results[name] = {"parameters": numel, "world_size": trainer.world_size, **probe.measured}
-        for stage in (2, 3):  # ZeRO-2/3 on FSDP2 under two pipeline stages (dp=2)
-            L.seed_everything(0, verbose=False)
-            module = build("nanogpt", optimizer="adamw", n_layer=LAYERS)
-            probe = PipelinedFsdpBytes()
-            trainer = L.Trainer(
-                accelerator="cpu", devices=devices, max_steps=STEPS, callbacks=[probe], logger=False,
-                strategy=HybridParallelStrategy(zero_stage=stage, pipeline_parallel=2, micro_batches=2, timeout=60),
-                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            )  # fmt: skip
-            trainer.fit(module, make_dataloader(BATCH, STEPS * BATCH * 2))
-            results[f"zero{stage}_pp2"] = {"world_size": trainer.world_size, **probe.measured}
-        # ZeRO-3 with expert parallelism (FSDP2): ep=2 x dp_replicate=2, experts sharded over their 2 replicas.
-        from lightning_parallel.experts import expert_parameters, find_moe_blocks
-
-        L.seed_everything(0, verbose=False)
-        module = build("hf_mixtral", optimizer="adamw")
-        experts = {n for info in find_moe_blocks(module) for n in info.expert_param_names}
-        numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
-        expert_numel = sum(p.numel() for n, p in module.named_parameters() if n in experts)
+    if devices != 4:
+        (out_dir / f"zero_memory.rank{torch.distributed.get_rank()}.json").write_text(json.dumps(results))
+        return
+    # ZeRO-3 with tensor parallelism (FSDP2 over dp=2 of tp=2 shards), on the device and offloaded.
+    for offload in (None, "cpu"):
         probe = FsdpBytes()
-        trainer = L.Trainer(
-            accelerator="cpu", devices=devices, max_steps=STEPS, callbacks=[probe], logger=False,
-            strategy=HybridParallelStrategy(zero_stage=3, expert_parallel=2, timeout=60),
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        )  # fmt: skip
-        trainer.fit(module, make_dataloader(BATCH, STEPS * BATCH * devices))
-        held = _local_bytes(expert_parameters(module).values())
-        results["zero3_ep2"] = {"parameters": numel, "expert_parameters": expert_numel, "expert_bytes": held,
-                                **probe.measured}  # fmt: skip
-    rank = torch.distributed.get_rank()
-    (out_dir / f"zero_memory.rank{rank}.json").write_text(json.dumps(results))
+        strategy = HybridParallelStrategy(zero_stage=3, tensor_parallel=2, offload=offload, timeout=60)
+        _, trainer, numel = _train("nanogpt", strategy, probe, devices, 2)
+        name = "zero3_cpu_tp2" if offload else "zero3_tp2"
+        results[name] = {"parameters": numel, "world_size": trainer.world_size, **probe.measured}
+    for stage in (2, 3):  # ZeRO-2/3 on FSDP2 under two pipeline stages (dp=2)
+        probe = PipelinedFsdpBytes()
+        strategy = HybridParallelStrategy(zero_stage=stage, pipeline_parallel=2, micro_batches=2, timeout=60)
+        _, trainer, _ = _train("nanogpt", strategy, probe, devices, 2)
+        results[f"zero{stage}_pp2"] = {"world_size": trainer.world_size, **probe.measured}
+    # ZeRO-3 with expert parallelism (FSDP2): ep=2 x dp_replicate=2, experts sharded over their 2 replicas.
+    from lightning_parallel.experts import expert_parameters, find_moe_blocks
+
+    whole = build("hf_mixtral", optimizer="adamw")
+    names = {n for info in find_moe_blocks(whole) for n in info.expert_param_names}
+    expert_numel = sum(p.numel() for n, p in whole.named_parameters() if n in names)
+    probe = FsdpBytes()
+    module, trainer, numel = _train("hf_mixtral", HybridParallelStrategy(zero_stage=3, expert_parallel=2, timeout=60),
+                                    probe, devices, devices)  # fmt: skip
+    held = _local_bytes(expert_parameters(module).values())
+    results["zero3_ep2"] = {"parameters": numel, "expert_parameters": expert_numel, "expert_bytes": held,
+                            **probe.measured}  # fmt: skip
+    (out_dir / f"zero_memory.rank{torch.distributed.get_rank()}.json").write_text(json.dumps(results))
 
 
 if __name__ == "__main__":
