@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_parallel.comm.compression import CASTS, GradientCompression, PowerSGD
-from lightning_parallel.config.parallel_config import ExpertConfig, MemorySaverConfig
+from lightning_parallel.config.parallel_config import ContextParallelConfig, ExpertConfig, MemorySaverConfig
 from lightning_parallel.memory.checkpointing import CheckpointingConfig
 from lightning_parallel.memory.saved_tensors import COMPRESSIONS
 from lightning_parallel.pipeline.schedules import ALIASES, DEFAULT_SCHEDULE, SCHEDULES, ScheduleSpec
@@ -45,6 +45,21 @@ def experts(expert_parallel: Any, aux_loss_coef: Any, z_loss_coef: Any) -> Exper
     if not isinstance(z_loss_coef, (int, float)) or z_loss_coef < 0:
         raise ValueError(f"`moe_z_loss_coef={z_loss_coef!r}` must be a non-negative number.")
     return ExpertConfig(expert_parallel, aux_loss_coef, z_loss_coef)
+
+
+CONTEXT_MODES = ("ring", "ulysses")
+
+
+def context_parallel(degree: Any, mode: Any) -> ContextParallelConfig:
+    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+        raise ValueError(f"`context_parallel={degree!r}` must be a positive integer (1: off).")
+    if mode not in CONTEXT_MODES:
+        raise ValueError(
+            f"`context_parallel_mode={mode!r}` must be one of {CONTEXT_MODES}: 'ring' rotates keys and values"
+            " around the context ranks (any head count), 'ulysses' switches to a head split for attention by"
+            " all-to-all (the heads must divide context_parallel)."
+        )
+    return ContextParallelConfig(degree, mode)
 
 
 def init_weights(init_weights: Any) -> Path | None:

@@ -58,6 +58,20 @@ class ExpertConfig:
 
 
 @dataclass(frozen=True)
+class ContextParallelConfig:
+    """Sequences split across ranks through the whole block stack, attention included."""
+
+    degree: int = 1
+    """``context_parallel=``: ranks that hold different tokens of each sequence, carved out of the data-parallel ranks."""
+    mode: str = "ring"
+    """``context_parallel_mode=``: ``"ring"`` (keys and values rotate) or ``"ulysses"`` (all-to-all to a head split)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.degree > 1
+
+
+@dataclass(frozen=True)
 class MemorySaverConfig:
     """Memory savers on activations, and the bandwidth saver on gradients."""
 
@@ -93,3 +107,5 @@ class ParallelConfig:
     """``compile=``: ``torch.compile`` each block this rank runs, after sharding."""
     init_weights: Path | None = None
     """``init_weights=``: a single-file state dict loaded after sharding, each rank its own part."""
+    context: ContextParallelConfig = ContextParallelConfig()
+    """Context parallelism: the sequence split through attention (degree 1: off)."""

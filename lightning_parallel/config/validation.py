@@ -25,6 +25,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_parallel.config import arguments
 from lightning_parallel.config.parallel_config import (
     PIPELINE_BOUNDARIES_KEY,
+    ContextParallelConfig,
+    ExpertConfig,
     MemorySaverConfig,
     ParallelConfig,
     TensorParallelConfig,
@@ -72,11 +74,43 @@ def strategy_config(**a: Any) -> ParallelConfig:
             f" `zero_stage=2` or 3 with `pipeline_schedule={pipeline.spec.name!r}` (FSDP2, one reduce-scatter per"
             " step), or `zero_stage=1` with '1f1b', 'interleaved_1f1b', 'looped_bfs' or 'gpipe'."
         )
+    context = arguments.context_parallel(a["context_parallel"], a["context_parallel_mode"])
+    _check_context(context, experts, a["compile"])
     styles = (
         {k: v for k, v in plan.items() if k != PIPELINE_BOUNDARIES_KEY} if isinstance(plan, dict) else plan
     )
     tensor = TensorParallelConfig(tp, a["sequence_parallel"], styles, a["verify_plan"], a["loss_parallel"])
-    return ParallelConfig(tensor, pipeline, experts, zero, memory, a["compile"], weights)
+    return ParallelConfig(tensor, pipeline, experts, zero, memory, a["compile"], weights, context)
+
+
+def _check_context(context: ContextParallelConfig, experts: ExpertConfig, compile: bool) -> None:
+    """What context parallelism does not compose with yet (docs/context_parallel.md, "Layouts")."""
+    if not context.enabled:
+        return
+    clashes = [
+        (name, value)
+        for name, value, clash in (
+            ("expert_parallel", experts.expert_parallel, experts.expert_parallel > 1),
+            ("moe_aux_loss_coef", experts.aux_loss_coef, experts.aux_loss_coef is not None),
+            ("moe_z_loss_coef", experts.z_loss_coef, bool(experts.z_loss_coef)),
+        )
+        if clash
+    ]
+    if clashes:
+        name, value = clashes[0]
+        raise ValueError(
+            f"`context_parallel={context.degree}` with `{name}={value!r}` is not supported yet: each context rank"
+            " holds other tokens of the sequence, so its MoE blocks would route (and measure the load of) only those"
+            " tokens, and the mesh does not factor context and expert ranks together. Nearest supported layouts:"
+            f" `context_parallel={context.degree}` without expert parallelism or strategy-added MoE losses, or"
+            f" `{name}` with `context_parallel=1`."
+        )
+    if compile:
+        raise ValueError(
+            f"`compile=True` with `context_parallel={context.degree}` is not supported yet: the blocks' attention"
+            " calls are routed through the ring by a torch function mode, which per-block compilation has not been"
+            " checked against. Leave `compile=False` under context parallelism."
+        )
 
 
 def _check_memory_savers(
@@ -187,6 +221,7 @@ def resolve_dims(config: ParallelConfig, strategy: str, devices: int, num_nodes:
             tensor_parallel=tp,
             pipeline_parallel=config.pipeline.pipeline_parallel if config.pipeline else 1,
             expert_parallel=config.experts.expert_parallel,
+            context_parallel=config.context.degree,
         )
     except ValueError as error:
         raise ValueError(f"{strategy}: {error} (Trainer devices={devices}, num_nodes={num_nodes})") from None

@@ -6,6 +6,10 @@ Mesh axes, outermost first (DESIGN.md section 2):
   tolerate the slowest links (across nodes).
 - ``dp``: data-parallel replicas. Gradients are averaged over it once per optimizer step.
   When experts are sharded it is the product ``dp_replicate x ep``; experts live on ``ep``.
+  When sequences are split for context parallelism it is the product ``dp_batch x cp``: the
+  ``cp`` ranks of one ``dp_batch`` index read the same batch and hold different tokens of each
+  sequence; parameters are replicated over ``cp`` and their gradients averaged with the rest of
+  ``dp`` (``context_parallel/split.py`` says why that average is exact).
 - ``tp``: tensor-parallel shards. Innermost, so that the ranks of one tensor-parallel group
   are adjacent global ranks: with ranks placed node by node they share a node (fast links),
   which matters because TP communicates inside every layer.
@@ -24,6 +28,8 @@ if TYPE_CHECKING:
 AXIS_NAMES: tuple[str, ...] = ("pp", "dp", "tp")
 # With expert parallelism: dp is split into dp_replicate x ep ("dp" is their flattened axis).
 EXPERT_AXIS_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "ep", "tp")
+# With context parallelism: dp is split into dp_batch x cp (the sampler's replicas are dp_batch).
+CONTEXT_AXIS_NAMES: tuple[str, ...] = ("pp", "dp_batch", "cp", "tp")
 
 
 @dataclass
@@ -39,10 +45,17 @@ class ParallelDims:
     pipeline_parallel: int = 1
     data_parallel: int = -1
     expert_parallel: int = 1
+    context_parallel: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tensor_parallel", "pipeline_parallel", "expert_parallel"):
+        for name in (
+            "world_size",
+            "tensor_parallel",
+            "pipeline_parallel",
+            "expert_parallel",
+            "context_parallel",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}={value!r}` must be a positive integer.")
@@ -70,6 +83,22 @@ class ParallelDims:
                 f" expert_parallel among {[d for d in range(1, self.data_parallel + 1) if self.data_parallel % d == 0]}."
             )
 
+        if self.data_parallel % self.context_parallel != 0:
+            raise ValueError(
+                f"`context_parallel={self.context_parallel}` must divide the data-parallel size {self.data_parallel}"
+                f" ({self.world_size} ranks / (tensor_parallel={self.tensor_parallel} x pipeline_parallel="
+                f"{self.pipeline_parallel})): context ranks are carved out of the data-parallel ranks. Choose"
+                f" context_parallel among {[d for d in range(1, self.data_parallel + 1) if self.data_parallel % d == 0]}."
+            )
+        if self.context_parallel > 1 and self.expert_parallel > 1:
+            raise ValueError(
+                f"`context_parallel={self.context_parallel}` with `expert_parallel={self.expert_parallel}` is not"
+                " supported yet: both axes are carved out of the data-parallel ranks and the mesh does not factor"
+                " them together, and each context rank would route only its tokens (expert capacity and the"
+                " load-balancing loss would differ from one process). Nearest supported layouts:"
+                " `context_parallel` with `expert_parallel=1` (experts replicated), or `expert_parallel` alone."
+            )
+
     @property
     def tp_enabled(self) -> bool:
         return self.tensor_parallel > 1
@@ -87,6 +116,15 @@ class ParallelDims:
         return self.expert_parallel > 1
 
     @property
+    def cp_enabled(self) -> bool:
+        return self.context_parallel > 1
+
+    @property
+    def data_replicas(self) -> int:
+        """Ranks that read different batches: ``dp`` without the context ranks (which share theirs)."""
+        return self.data_parallel // self.context_parallel
+
+    @property
     def degrees(self) -> dict[str, int]:
         """The sizes of the mesh's axes ``pp``, ``dp``, ``tp`` (``dp`` includes the expert ranks)."""
         return {"pp": self.pipeline_parallel, "dp": self.data_parallel, "tp": self.tensor_parallel}
@@ -100,6 +138,7 @@ class ParallelDims:
             "pp": self.pipeline_parallel,
             "dp": self.data_parallel,
             "ep": self.expert_parallel,
+            "cp": self.context_parallel,
             "tp": self.tensor_parallel,
         }
 
@@ -119,6 +158,16 @@ class ParallelDims:
                 )
                 self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_AXIS_NAMES)
                 self._mesh["dp_replicate", "ep"]._flatten("dp")
+            elif self.cp_enabled:
+                # dp = dp_batch x cp: batches differ over "dp_batch"; gradients are averaged over "dp".
+                shape = (
+                    self.pipeline_parallel,
+                    self.data_replicas,
+                    self.context_parallel,
+                    self.tensor_parallel,
+                )
+                self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=CONTEXT_AXIS_NAMES)
+                self._mesh["dp_batch", "cp"]._flatten("dp")
             else:
                 shape = tuple(self.degrees[name] for name in AXIS_NAMES)
                 self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXIS_NAMES)
@@ -131,6 +180,9 @@ class ParallelDims:
         return self._mesh
 
     def describe(self) -> str:
+        context = f" (cp={self.context_parallel} of dp)" if self.cp_enabled else ""
         return (
-            " x ".join(f"{name}={self.degrees[name]}" for name in AXIS_NAMES) + f" (world {self.world_size})"
+            " x ".join(f"{name}={self.degrees[name]}" for name in AXIS_NAMES)
+            + context
+            + f" (world {self.world_size})"
         )

@@ -35,7 +35,7 @@ from torch import nn
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.experts import expert_parameters
 from lightning_parallel.mesh import ParallelDims
-from lightning_parallel.parallelize import pipeline_step, tensor_parallel_step
+from lightning_parallel.parallelize import context_parallel_step, pipeline_step, tensor_parallel_step
 from lightning_parallel.parallelize.experts_step import apply_experts
 from lightning_parallel.parallelize.gradients import plan_gradient_reductions, shard_for_zero
 from lightning_parallel.parallelize.memory_step import apply_memory_savers
@@ -70,17 +70,32 @@ def parallelize(
     )
     blocks = list(plan.block_names) if plan is not None and plan.block_names else block_names(module)
     sync_parameters(module)
-    layout, captured = observe_one_step(module, config, plan, sample, training, pipelined=dims.pp_enabled)
-    if plan is not None and captured is not None:
+    context = (
+        context_parallel_step.context_state(config.context, mesh, plan is not None and plan.sequence_parallel)
+        if dims.cp_enabled
+        else None
+    )
+    layout, captured = observe_one_step(
+        module, config, plan, blocks, sample, training, pipelined=dims.pp_enabled, split=context is not None
+    )
+    if plan is not None and captured is not None and config.tensor.verify_plan:
         tensor_parallel_step.verify_plan(module, plan, mesh["tp"], captured)
+    if context is not None:
+        context_parallel_step.verify(module, context, blocks, captured, dims.tensor_parallel)
     cut = pipeline_step.cut_pipeline(module, layout, config.pipeline, mesh) if layout is not None else None
     experts = apply_experts(module, config.experts, dims, mesh)
-    result = Parallelized(dims.layout, blocks, plan=plan, experts=experts)
+    result = Parallelized(dims.layout, blocks, plan=plan, experts=experts, context=context)
+    if (
+        context is not None
+    ):  # after the pipeline's injection of received activations, before sequence parallelism
+        result.hooks += context_parallel_step.enter(module, blocks, context)
     if plan is not None:
         hooks, result.loss_parallel, result.loss_state = tensor_parallel_step.shard(
             module, plan, config.tensor, mesh["tp"], pipelined=dims.pp_enabled
         )
         result.hooks += hooks
+    if context is not None:  # after the sequence-parallel region's own gather
+        result.hooks += context_parallel_step.leave(module, blocks, context)
     fsdp = shard_for_zero(module, config, dims, mesh, blocks)  # ZeRO on FSDP2, before the stages exist
     if fsdp is not None and dims.ep_enabled:  # FSDP2 replaced the experts' parameters (zero/fsdp.py)
         experts.parameter_ids = {id(p) for p in expert_parameters(module).values()}
@@ -124,12 +139,17 @@ def observe_one_step(
     module: nn.Module,
     config: ParallelConfig,
     plan: ParallelPlan | None,
+    blocks: list[str],
     make_sample: Callable[[], SampledStep | None],
     training: bool,
     pipelined: bool,
+    split: bool,
 ) -> tuple[StageLayout | None, dict[str, Captured] | None]:
-    """The pipeline's stage layout and the verified blocks' inputs, from one run of the user's step."""
-    verifies = plan is not None and config.tensor.verify_plan
+    """The pipeline's stage layout and the verified blocks' inputs, from one run of the user's step.
+
+    ``split``: context parallelism verifies its split on the same captured inputs.
+    """
+    verifies = (plan is not None and config.tensor.verify_plan) or (split and bool(blocks))
     sample = make_sample() if pipelined or verifies else None
     probes: list[StepProbe] = []
     discovery = None
@@ -140,11 +160,14 @@ def observe_one_step(
         split, discovery = pipeline_step.discovery_probe(module, config.pipeline, sample.batch, training)
         probes.append(discovery)
     capture = None
-    if plan is not None and verifies:
+    if verifies:
         if sample is None:
-            rank_zero_warn("No batch available before training: the tensor-parallel plan was not verified.")
+            if plan is not None:
+                rank_zero_warn(
+                    "No batch available before training: the tensor-parallel plan was not verified."
+                )
         else:
-            capture = BlockInputCapture(tensor_parallel_step.first_block_of_each_class(module, plan))
+            capture = BlockInputCapture(tensor_parallel_step.first_block_of_each_class(module, blocks))
             probes.append(capture)
     if sample is None or not probes:
         return None, None

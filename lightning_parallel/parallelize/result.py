@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_parallel.context_parallel import ContextState
 from lightning_parallel.memory.saved_tensors import ActivationSaver
 from lightning_parallel.parallelize.experts_step import ExpertState
 from lightning_parallel.parallelize.gradients import GradientReductions
@@ -37,6 +38,8 @@ class Parallelized:
     """This rank's stages and schedule (None without pipeline parallelism)."""
     experts: ExpertState = field(default_factory=ExpertState)
     """Expert parameters and the MoE auxiliary-loss collector."""
+    context: ContextState | None = None
+    """The context-parallel split (None without context parallelism)."""
     loss_parallel: bool = False
     """Whether the training step runs with vocabulary-sharded logits (``loss_parallel=True`` and a sharded head)."""
     loss_state: LossParallelState = field(default_factory=LossParallelState)

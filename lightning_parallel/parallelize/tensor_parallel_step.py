@@ -35,10 +35,10 @@ def build_plan(module: nn.Module, config: TensorParallelConfig, tensor_parallel:
     return auto_plan(module, tensor_parallel, sequence_parallel)
 
 
-def first_block_of_each_class(module: nn.Module, plan: ParallelPlan) -> dict[str, nn.Module]:
-    """The blocks the verification runs: the first of every distinct class."""
+def first_block_of_each_class(module: nn.Module, block_names: list[str]) -> dict[str, nn.Module]:
+    """The blocks the verifications run (the plan's, the context split's): the first of every distinct class."""
     firsts: dict[type, str] = {}
-    for name in plan.block_names:
+    for name in block_names:
         firsts.setdefault(type(module.get_submodule(name)), name)
     return {name: module.get_submodule(name) for name in firsts.values()}
 

@@ -161,5 +161,6 @@ class MeshParallelStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dp_mesh = self.device_mesh["dp"]
+        # Context ranks share their batch (each holds other tokens of it): the sampler's replicas are dp_batch.
+        dp_mesh = self.device_mesh["dp_batch" if self.dims is not None and self.dims.cp_enabled else "dp"]
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}

@@ -42,6 +42,7 @@ from lightning_parallel.parallelize import Parallelized, parallelize, recall
 from lightning_parallel.precision import HybridPrecision
 from lightning_parallel.strategy import pipelined
 from lightning_parallel.strategy.checkpointing import CheckpointingStrategy
+from lightning_parallel.strategy.presets import PRESETS
 from lightning_parallel.strategy.sampling import sample_step
 from lightning_parallel.tensor_parallel import ParallelPlan
 from lightning_parallel.tensor_parallel.loss_parallel import (
@@ -55,18 +56,6 @@ from lightning_parallel.zero.engine import (
     initialize_engine,
     offload_sharded_optimizers,
 )
-
-# ``Trainer(strategy=name)``: (name, description, arguments).
-PRESETS: list[tuple[str, str, dict[str, Any]]] = [
-    ("hybrid_parallel", "Data + tensor (+ sequence) parallelism for unchanged modules", {}),
-    ("tp2", "tensor_parallel=2", {"tensor_parallel": 2}),
-    (
-        "tp2_sp",
-        "tensor_parallel=2 with sequence parallelism",
-        {"tensor_parallel": 2, "sequence_parallel": True},
-    ),
-    ("tp_auto", "tensor parallel over each node", {"tensor_parallel": "auto"}),
-]
 
 
 class HybridParallelStrategy(CheckpointingStrategy):
@@ -89,6 +78,9 @@ class HybridParallelStrategy(CheckpointingStrategy):
         expert_parallel: ranks that shard the experts of Mixture-of-Experts blocks (this
             library's ``MoE``, Hugging Face Mixtral/Qwen2-MoE, any router + identical experts),
             carved out of the data-parallel ranks; tokens reach their expert by all-to-all.
+        context_parallel: ranks that split every sequence through the whole block stack, attention
+            included (carved out of the data-parallel ranks; docs/context_parallel.md).
+            ``context_parallel_mode``: ``"ring"`` (keys and values rotate) or ``"ulysses"`` (all-to-all).
         moe_aux_loss_coef: add the Switch load-balancing loss of every MoE block, times this,
             to the gradients (the user's loss is left as it is); ``None``: off (the default:
             the user's step may already add it). ``moe_z_loss_coef``: the router z-loss.
@@ -137,6 +129,8 @@ class HybridParallelStrategy(CheckpointingStrategy):
         tensor_parallel: int | Literal["auto"] = 1,
         pipeline_parallel: int = 1,
         expert_parallel: int = 1,
+        context_parallel: int = 1,
+        context_parallel_mode: Literal["ring", "ulysses"] = "ring",
         moe_aux_loss_coef: float | None = None,
         moe_z_loss_coef: float = 0.0,
         sequence_parallel: bool = False,
@@ -174,6 +168,7 @@ class HybridParallelStrategy(CheckpointingStrategy):
             activation_compression=activation_compression, gradient_compression=gradient_compression, plan=plan,
             verify_plan=verify_plan, compile=compile, loss_parallel=loss_parallel,
             save_distributed_checkpoint=save_distributed_checkpoint, init_weights=init_weights,
+            context_parallel=context_parallel, context_parallel_mode=context_parallel_mode,
         )  # fmt: skip
         super().__init__(
             config,
@@ -192,6 +187,7 @@ class HybridParallelStrategy(CheckpointingStrategy):
         lambda self: self.config.pipeline.pipeline_parallel if self.config.pipeline else 1
     )
     expert_parallel = property(lambda self: self.config.experts.expert_parallel)
+    context_parallel = property(lambda self: self.config.context.degree)
     moe_aux_loss_coef = property(lambda self: self.config.experts.aux_loss_coef)
     moe_z_loss_coef = property(lambda self: self.config.experts.z_loss_coef)
     verify_plan = property(lambda self: self.config.tensor.verify_plan)

@@ -123,7 +123,7 @@ def gather_sequence(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return _local(dt.redistribute(mesh, [Replicate()]))
 
 
-def _map_first_tensor(output: Any, fn: Any) -> Any:
+def map_first_tensor(output: Any, fn: Any) -> Any:
     if isinstance(output, torch.Tensor):
         return fn(output)
     if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
@@ -144,7 +144,7 @@ def install_sequence_region(first: nn.Module, last: nn.Module, mesh: DeviceMesh)
         return replace_hidden(args, kwargs, where, scatter_sequence(hidden, mesh))
 
     def leave(module: nn.Module, args: Any, output: Any) -> Any:
-        return _map_first_tensor(output, lambda t: gather_sequence(t, mesh))
+        return map_first_tensor(output, lambda t: gather_sequence(t, mesh))
 
     return [
         first.register_forward_pre_hook(enter, with_kwargs=True),

@@ -146,14 +146,15 @@ def hybrid(
     """Register a case under ``lightning_parallel.HybridParallelStrategy(**strategy_kwargs)``.
 
     Data parallel is what tensor and pipeline parallel leave (expert parallel is carved out of
-    it, so it does not change the data split). ``case_fields`` sets other :class:`Case` fields
+    it, so it does not change the data split; context parallel is carved out of it too, and its
+    ranks share their batch, so the data split is what it leaves). ``case_fields`` sets other :class:`Case` fields
     (``steps``, ``trainer_kwargs``, ...).
     """
     if world_size % (tensor_parallel * pipeline_parallel):
         raise ValueError(f"{name}: world_size {world_size} is not divisible by tp*pp")
     kwargs = dict(strategy_kwargs, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
     spec = StrategySpec("lightning_parallel:HybridParallelStrategy", kwargs)
-    dp = world_size // (tensor_parallel * pipeline_parallel)
+    dp = world_size // (tensor_parallel * pipeline_parallel * strategy_kwargs.get("context_parallel", 1))
     return register(Case(name, family, spec, world_size=world_size, data_parallel=dp, **(case_fields or {})))[
         0
     ]

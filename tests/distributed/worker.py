@@ -124,7 +124,19 @@ class ParityRecorder(Callback):
             **_with_experts(merge_replicas([p for _, p in gathered]), experts_full),
             "global_step": trainer.global_step,
             "data_parallel": int(sampler_kwargs.get("num_replicas", 1)),
+            "facts": strategy_facts(trainer.strategy),
         }
+
+
+def strategy_facts(strategy: Any) -> dict[str, int]:
+    """Counts that show a feature ran (rank 0's): attention calls routed over the context split, its bytes."""
+    from lightning_parallel.context_parallel import TRAFFIC
+
+    parallelized = getattr(strategy, "parallelized", None)
+    context = getattr(parallelized, "context", None)
+    if context is None:
+        return {}
+    return {"context_calls": context.calls, **{f"context_{k}_bytes": v for k, v in TRAFFIC.snapshot().items()}}
 
 
 def gathered_zero_parameters(strategy: Any, module: torch.nn.Module) -> Any:
@@ -172,6 +184,9 @@ def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], 
         os.environ.pop(key, None)
     os.environ.update(env)
     L.seed_everything(case.seed, verbose=False)
+    from lightning_parallel.context_parallel import TRAFFIC
+
+    TRAFFIC.reset()
     model = build(case.family, **case.model_kwargs)
     if reference:
         devices, strategy = 1, "auto"

@@ -56,13 +56,14 @@ class HFGPT2Module(_CausalLMModule):
         learning_rate: float | None = None,
         optimizer: str = "sgd",
         n_layer: int = 2,
+        attn_implementation: str = "eager",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         config = GPT2Config(
             vocab_size=vocab_size, n_positions=block_size, n_embd=64, n_layer=n_layer, n_head=4,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-            use_cache=False, attn_implementation="eager",
+            use_cache=False, attn_implementation=attn_implementation,
         )  # fmt: skip
         self.model = GPT2LMHeadModel(config)
 
