@@ -18,8 +18,9 @@ Markers (registered in ``tests/conftest.py``; how to use them: docs/testing.md, 
   arguments and the message it must assert; the generator checks that the arguments hold the pair.
 
 Rows are derived, not chosen, so the rules live here: ``dp`` means every parameter has more than
-one data-parallel replica (``world_size / (tp * pp * ep) > 1``; under expert parallelism the
-experts' replicas count, ep=2 on 2 ranks is not dp); ``sp`` needs ``tensor_parallel > 1``
+one data-parallel replica (``world_size / (tp * pp * ep * cp) > 1``; under expert parallelism the
+experts' replicas count, ep=2 on 2 ranks is not dp; context ranks share their batch, cp=2 on 2
+ranks is not dp either); ``sp`` needs ``tensor_parallel > 1``
 (otherwise it is ignored); a pipeline row is the schedule actually run (the default is 1F1B).
 """
 
@@ -59,6 +60,7 @@ ROWS: tuple[str, ...] = (
     "sp",
     *_SCHEDULE_ROWS,
     "ep",
+    "cp",
     *_AC_ROWS,
     *PRECISIONS,
 )
@@ -92,8 +94,9 @@ def features_of(
     tp = 2 if tp == "auto" else int(tp)
     pp = int(strategy_kwargs.get("pipeline_parallel", 1))
     ep = int(strategy_kwargs.get("expert_parallel", 1))
+    cp = int(strategy_kwargs.get("context_parallel", 1))
     rows = {_PRECISION_ALIASES.get(precision, precision)}
-    if world_size is not None and world_size // (tp * pp * ep) > 1:
+    if world_size is not None and world_size // (tp * pp * ep * cp) > 1:
         rows.add("dp")
     if tp > 1:
         rows.add("tp")
@@ -104,6 +107,8 @@ def features_of(
         rows.add(f"pp={_canonical_schedule(schedule)}")
     if ep > 1:
         rows.add("ep")
+    if cp > 1:
+        rows.add("cp")
     if strategy_kwargs.get("zero_stage"):
         rows.add(f"zero{int(strategy_kwargs['zero_stage'])}")
     if strategy_kwargs.get("offload"):

@@ -1,0 +1,141 @@
+"""Context parallelism reproduces the single-process run (fp32, 1e-5 per step, final parameters).
+
+Both attention modes (ring: keys and values rotate; Ulysses: all-to-all to a head split) on the
+recipe GPT (fused q/k/v, learned positions, tied head), Hugging Face Llama (rotary tables and
+position ids computed at model level and handed to every block, grouped KV heads: ``enable_gqa``
+in the ring, repeated heads in Ulysses when the KV heads do not divide C) and Hugging Face GPT-2
+with SDPA attention. 2 ranks: cp=2 alone and with activation checkpointing (full, selective),
+accumulation and clipping, ZeRO-1/2/3 and CPU offload, bf16. 4 ranks: cp=2 x tp=2 (with and
+without sequence parallelism), cp=2 x dp=2, cp=2 x pp=2, cp=4.
+
+Each case also asserts that the split engaged: the model's attention calls were routed (one per
+block per step) and the collectives of its mode carried bytes. The negative controls of the
+mechanism are in ``tests/context_parallel/`` (attention over this rank's tokens alone misses the
+reference) and ``tests/strategy/test_bad_input.py`` (a model whose attention is not routable is
+refused at setup, because the split would change it).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.compat import case_features
+from tests.distributed.cases import CASES, Case, hybrid
+from tests.distributed.harness import Result, assert_parity, reference, run_cases
+
+pytestmark = [pytest.mark.distributed]
+
+SDPA_GPT2 = {"model_kwargs": {"attn_implementation": "sdpa"}}
+FAMILIES = {"recipe_gpt": {}, "hf_llama": {}, "hf_gpt2": SDPA_GPT2}
+LAYERS = 2
+STEPS = 4
+BF16_LOSS_RTOL = 2e-2  # the project's low-precision rule (tests/distributed/test_parity_hybrid.py)
+
+
+def _case(name: str, family: str, world_size: int, fields: dict | None = None, **kwargs: object) -> Case:
+    if name in CASES:
+        return CASES[name]
+    fields = {**FAMILIES[family], **(fields or {})}
+    return hybrid(name, family, world_size=world_size, timeout=60, case_fields=fields, **kwargs)
+
+
+TWO = [
+    *[
+        _case(f"cp2_{mode}_{family}", family, 2, context_parallel=2, context_parallel_mode=mode)
+        for mode in ("ring", "ulysses")
+        for family in FAMILIES
+    ],
+    _case("cp2_ring_ac_full_recipe_gpt", "recipe_gpt", 2, context_parallel=2, activation_checkpointing="full"),
+    _case("cp2_ulysses_ac_selective_hf_llama", "hf_llama", 2, context_parallel=2, context_parallel_mode="ulysses",
+          activation_checkpointing="selective"),
+    _case("cp2_ring_accum_clip_hf_llama", "hf_llama", 2, context_parallel=2,
+          fields={"trainer_kwargs": {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}}),
+    _case("cp2_ring_zero1_recipe_gpt", "recipe_gpt", 2, context_parallel=2, zero_stage=1),
+    _case("cp2_ring_zero2_hf_llama", "hf_llama", 2, context_parallel=2, zero_stage=2),
+    _case("cp2_ulysses_zero3_recipe_gpt", "recipe_gpt", 2, context_parallel=2, context_parallel_mode="ulysses",
+          zero_stage=3),
+    _case("cp2_ring_zero2_cpu_hf_llama", "hf_llama", 2, context_parallel=2, zero_stage=2, offload="cpu"),
+]  # fmt: skip
+BF16 = [
+    _case("cp2_ring_bf16_recipe_gpt", "recipe_gpt", 2, context_parallel=2,
+          fields={"trainer_kwargs": {"precision": "bf16-mixed"}}),
+    _case("cp2_ulysses_bf16true_hf_llama", "hf_llama", 2, context_parallel=2, context_parallel_mode="ulysses",
+          fields={"trainer_kwargs": {"precision": "bf16-true"}}),
+]  # fmt: skip
+PP = {"batch_size": 4}
+FOUR = [
+    _case("cp2_ring_tp2_recipe_gpt", "recipe_gpt", 4, context_parallel=2, tensor_parallel=2),
+    _case("cp2_ring_tp2_sp_hf_llama", "hf_llama", 4, context_parallel=2, tensor_parallel=2, sequence_parallel=True),
+    _case("cp2_ulysses_tp2_hf_llama", "hf_llama", 4, context_parallel=2, tensor_parallel=2,
+          context_parallel_mode="ulysses"),
+    _case("cp2_ulysses_tp2_sp_recipe_gpt", "recipe_gpt", 4, context_parallel=2, tensor_parallel=2,
+          sequence_parallel=True, context_parallel_mode="ulysses"),
+    _case("cp2_ring_dp2_hf_gpt2", "hf_gpt2", 4, context_parallel=2),
+    _case("cp2_ulysses_dp2_recipe_gpt", "recipe_gpt", 4, context_parallel=2, context_parallel_mode="ulysses"),
+    _case("cp2_ring_pp2_recipe_gpt", "recipe_gpt", 4, context_parallel=2, pipeline_parallel=2, fields=PP),
+    _case("cp2_ulysses_pp2_hf_llama", "hf_llama", 4, context_parallel=2, pipeline_parallel=2,
+          context_parallel_mode="ulysses", fields=PP),
+    _case("cp4_ring_hf_llama", "hf_llama", 4, context_parallel=4),
+    _case("cp4_ulysses_recipe_gpt", "recipe_gpt", 4, context_parallel=4, context_parallel_mode="ulysses"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_process_results() -> dict[str, Result]:
+    return run_cases(TWO + BF16, world_size=2, timeout_s=900, references_for=TWO + BF16 + FOUR)
+
+
+@pytest.fixture(scope="module")
+def four_process_results() -> dict[str, Result]:
+    return run_cases(FOUR, world_size=4, timeout_s=900, references_for=FOUR)
+
+
+def _assert_engaged(case: Case, result: Result) -> None:
+    """The model's attention went through the split: one routed call per block per step, bytes in the mode's collective."""
+    kwargs = case.strategy.kwargs  # type: ignore[union-attr]
+    calls = result.facts.get("context_calls", 0)
+    per_step = LAYERS if kwargs.get("pipeline_parallel", 1) == 1 else LAYERS // 2  # rank 0 holds the first stage
+    accumulation = int(case.trainer_kwargs.get("accumulate_grad_batches", 1))
+    micro_batches = 2 if kwargs.get("pipeline_parallel", 1) > 1 else 1
+    assert calls >= per_step * STEPS * accumulation * micro_batches, f"{case.name}: {result.facts}"
+    collective = "ring" if kwargs.get("context_parallel_mode", "ring") == "ring" else "all_to_all"
+    assert result.facts.get(f"context_{collective}_bytes", 0) > 0, f"{case.name}: {result.facts}"
+    assert result.facts.get("context_all_gather_bytes", 0) > 0 or kwargs.get("pipeline_parallel", 1) > 1
+
+
+@pytest.mark.compat
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("name", [c.name for c in TWO])
+def test_context_parallel_on_two_ranks_matches_single_process(
+    two_process_results: dict[str, Result], name: str
+) -> None:
+    result, case = two_process_results[name], CASES[name]
+    assert result.world_size == 2 and result.data_parallel == 1  # the context ranks share one batch
+    assert "cp" in case_features(case)
+    assert_parity(result, reference(name))
+    _assert_engaged(case, result)
+
+
+@pytest.mark.compat
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("name", [c.name for c in BF16])
+def test_context_parallel_low_precision_losses_match_single_process(
+    two_process_results: dict[str, Result], name: str
+) -> None:
+    result, ref = two_process_results[name], reference(name)
+    assert len(result.losses) == len(ref.losses) > 0
+    for step, (got, want) in enumerate(zip(result.losses, ref.losses, strict=True)):
+        assert abs(got - want) / abs(want) < BF16_LOSS_RTOL, f"step {step}: {got} vs {want}"
+    _assert_engaged(CASES[name], result)
+
+
+@pytest.mark.compat
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("name", [c.name for c in FOUR])
+def test_context_parallel_on_four_ranks_matches_single_process(
+    four_process_results: dict[str, Result], name: str
+) -> None:
+    result, case = four_process_results[name], CASES[name]
+    assert result.world_size == 4 and result.data_parallel == case.dp
+    assert_parity(result, reference(name))
+    _assert_engaged(case, result)
