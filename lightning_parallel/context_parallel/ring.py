@@ -131,9 +131,14 @@ class RingAttention(torch.autograd.Function):
                 out, lse = _merge(out, lse, block_out, block_lse)
             if pending is not None:
                 visiting = pending.wait()
-        ctx.save_for_backward(q, k, v, out, lse)
+        # Laid out (B, T, H, D) as flash kernels return it: the model's ``transpose(1, 2).reshape(B, T, -1)``
+        # is then a view, and the output projection saves this storage rather than a copy of it.
+        b, h, t, d = out.shape
+        result = torch.empty((b, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+        result.copy_(out)
+        ctx.save_for_backward(q, k, v, result, lse)
         ctx.mask, ctx.scale, ctx.group = mask, scale, group
-        return out.to(q.dtype)
+        return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
@@ -142,7 +147,7 @@ class RingAttention(torch.autograd.Function):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         groups = q.shape[1] // k.shape[1]
         qf, grad_out = q.float(), grad_out.float()
-        delta = (grad_out * out).sum(-1, keepdim=True)
+        delta = (grad_out * out.float()).sum(-1, keepdim=True)
         dq = torch.zeros_like(qf)
         visiting = (k, v)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)

@@ -51,7 +51,8 @@ def to_sequence(x: torch.Tensor, split: SequenceSplit, group: dist.ProcessGroup)
         2, 0, 1, 3, 4
     )  # (C, B, H/C, T/C, D): rank s's tokens
     received = _exchange(rows.contiguous(), group)  # (C, B, H/C, T/C, D): head group j, my tokens
-    return received.permute(1, 0, 2, 3, 4).reshape(b, c * hc, length // c, d)
+    # Laid out (B, T/C, H, D) as flash kernels return it (see ``ring.py``), seen as (B, H, T/C, D).
+    return received.permute(1, 3, 0, 2, 4).reshape(b, length // c, c * hc, d).transpose(1, 2)
 
 
 def heads_check(heads: int, degree: int) -> None:

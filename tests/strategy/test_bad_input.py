@@ -111,6 +111,29 @@ def test_bad_expert_arguments_are_refused_at_construction(kwargs: dict, fragment
     assert fragment in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        (dict(context_parallel=0), "`context_parallel=0` must be a positive integer (1: off)"),
+        (dict(context_parallel="2"), "`context_parallel='2'` must be a positive integer"),
+        (dict(context_parallel=2, context_parallel_mode="flash"), "`context_parallel_mode='flash'` must be one of"),
+        (dict(context_parallel=2, moe_aux_loss_coef=0.01),
+         "`context_parallel=2` with `moe_aux_loss_coef=0.01` is not supported yet"),
+        (dict(context_parallel=2, compile=True), "`compile=True` with `context_parallel=2` is not supported yet"),
+    ],
+)  # fmt: skip
+def test_bad_context_arguments_are_refused_at_construction(kwargs: dict, fragment: str) -> None:
+    with pytest.raises(ValueError) as info:
+        HybridParallelStrategy(**kwargs)
+    assert fragment in str(info.value)
+
+
+def test_context_degree_that_does_not_divide_data_parallel_fails_in_the_trainer_constructor() -> None:
+    with pytest.raises(ValueError, match=r"`context_parallel=2` must divide the data-parallel size 1 .*among \[1\]"):
+        L.Trainer(accelerator="cpu", devices=2, logger=False,
+                  strategy=HybridParallelStrategy(tensor_parallel=2, context_parallel=2))  # fmt: skip
+
+
 def test_expert_degree_that_does_not_divide_data_parallel_fails_in_the_trainer_constructor() -> None:
     with pytest.raises(ValueError, match=r"`expert_parallel=4` must divide the data-parallel size 2"):
         L.Trainer(
@@ -128,6 +151,11 @@ def test_pipeline_degree_that_does_not_fit_the_devices_fails_in_the_trainer_cons
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
 REFUSED_AT_CONSTRUCTION = [
+    refusal(
+        ("cp", "ep"),
+        dict(context_parallel=2, expert_parallel=2),
+        "`context_parallel=2` with `expert_parallel=2` is not supported yet",
+    ),
     *[
         refusal(
             ("zero1", f"pp={schedule}"),
@@ -295,6 +323,24 @@ BOUND_S = 60
             ["ValueError: ExpertParallel:", "has 3 experts, which expert_parallel=2 does not divide",
              "Choose expert_parallel among [1, 3]"],
             id="ep-does-not-divide-experts",
+        ),
+        pytest.param(
+            "cp-length-not-divisible",
+            ["ValueError: `context_parallel=2` needs a sequence length divisible by 4", "sequences of 14 tokens",
+             "Pad or crop the sequences to a multiple of 4"],
+            id="cp-length-not-divisible-by-2C",
+        ),
+        pytest.param(
+            "cp-ulysses-heads",
+            ["ValueError: `context_parallel_mode='ulysses'` with `context_parallel=2` needs the attention heads",
+             "an attention has 3 heads", "Use `context_parallel_mode='ring'`"],
+            id="cp-ulysses-heads-not-divisible",
+        ),
+        pytest.param(
+            "cp-eager-attention",
+            ["ValueError: Context parallelism does not reproduce block `model.transformer.h.0` (GPT2Block)",
+             "No `F.scaled_dot_product_attention` call was seen in it", 'attn_implementation="sdpa"'],
+            id="cp-attention-that-cannot-be-split",
         ),
         pytest.param(
             "pp-step-calls-model-twice",

@@ -6,6 +6,9 @@
     python tests/strategy/scripts/bad_plan.py pp-batch-not-divisible       # batch 4, micro_batches=3
     python tests/strategy/scripts/bad_plan.py pp-step-calls-model-twice    # training_step runs the model twice
     python tests/strategy/scripts/bad_plan.py ep-experts-not-divisible     # 3 experts, expert_parallel=2
+    python tests/strategy/scripts/bad_plan.py cp-length-not-divisible      # context_parallel=2, 14 tokens
+    python tests/strategy/scripts/bad_plan.py cp-ulysses-heads              # Ulysses on 2 ranks, 3 heads
+    python tests/strategy/scripts/bad_plan.py cp-eager-attention           # HF GPT-2 with eager attention
 
 Run by ``tests/strategy/test_bad_input.py`` with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set.
 """
@@ -32,6 +35,7 @@ class TwiceGPT(GPTLightningModule):
 def main(case: str) -> None:
     torch.set_num_threads(1)
     L.seed_everything(0)
+    length = 16
     if case == "heads":
         model = GPTLightningModule(vocab_size=128, block_size=16, n_layer=1, n_head=3, n_embd=48)
         strategy = HybridParallelStrategy(tensor_parallel=2, timeout=30)
@@ -57,9 +61,21 @@ def main(case: str) -> None:
     elif case == "pp-step-calls-model-twice":
         model = TwiceGPT(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32)
         strategy = HybridParallelStrategy(pipeline_parallel=2, timeout=30)
+    elif case == "cp-length-not-divisible":
+        model = GPTLightningModule(vocab_size=128, block_size=16, n_layer=1, n_head=4, n_embd=32)
+        strategy = HybridParallelStrategy(context_parallel=2, timeout=30)
+        length = 14
+    elif case == "cp-ulysses-heads":
+        model = GPTLightningModule(vocab_size=128, block_size=16, n_layer=1, n_head=3, n_embd=48)
+        strategy = HybridParallelStrategy(context_parallel=2, context_parallel_mode="ulysses", timeout=30)
+    elif case == "cp-eager-attention":
+        from tests.models.hf import HFGPT2Module
+
+        model = HFGPT2Module(vocab_size=128, block_size=16, n_layer=1, attn_implementation="eager")
+        strategy = HybridParallelStrategy(context_parallel=2, timeout=30)
     else:
         raise SystemExit(f"unknown case {case!r}")
-    tokens = torch.randint(128, (8, 17))
+    tokens = torch.randint(128, (8, length + 1))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
