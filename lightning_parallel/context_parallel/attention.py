@@ -8,7 +8,7 @@ recomputation in backward is routed the same way.
 
 Masks the model computed for the whole sequence reach attention whole (``split.sequence_dim``
 leaves tensors with two sequence-long dims alone): the ring reads the rows of this rank's queries
-and the columns of each visiting chunk (:class:`KeyMask`), the all-to-all sees the whole sequence
+and the columns of each visiting chunk (``blocks.py``), the all-to-all sees the whole sequence
 and uses the mask as it is.
 """
 
@@ -25,58 +25,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_parallel.context_parallel.blocks import ChunkPairs
 from lightning_parallel.context_parallel.ring import ring_attention
 from lightning_parallel.context_parallel.split import SequenceSplit
 from lightning_parallel.context_parallel.ulysses import ulysses_attention
 
 Mode = Literal["ring", "ulysses"]
 MODES: tuple[str, ...] = ("ring", "ulysses")
-SKIPPED = object()
-
-
-def _rows_and_columns(
-    mask: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, length: int
-) -> torch.Tensor:
-    if mask.shape[-2] == length:
-        mask = mask.index_select(-2, rows)
-    if mask.shape[-1] == length:
-        mask = mask.index_select(-1, columns)
-    return mask
-
-
-@dataclass
-class KeyMask:
-    """Which of this rank's queries may attend to which keys of another rank's chunk (for the ring)."""
-
-    split: SequenceSplit
-    length: int
-    is_causal: bool
-    attn_mask: torch.Tensor | None
-    skipped: object = SKIPPED
-
-    def bias(self, source: int, device: torch.device) -> torch.Tensor | None | object:
-        """Additive fp32 bias ``(..., T/C, T/C)``; None: nothing masked; ``skipped``: everything masked."""
-        rows = self.split.positions(self.length, device)
-        columns = self.split.positions(self.length, device, rank=source)
-        allowed = None
-        if self.is_causal:
-            allowed = rows.unsqueeze(1) >= columns.unsqueeze(0)
-            if not bool(allowed.any()):
-                return SKIPPED
-            if bool(allowed.all()):
-                allowed = None
-        bias = None
-        if self.attn_mask is not None:
-            mask = _rows_and_columns(self.attn_mask, rows, columns, self.length)
-            if mask.dtype == torch.bool:
-                allowed = mask if allowed is None else mask & allowed
-            else:
-                bias = mask.float()
-        if allowed is not None:
-            blocked = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
-            blocked = blocked.masked_fill(~allowed, float("-inf"))
-            bias = blocked if bias is None else bias + blocked
-        return bias
 
 
 @dataclass
@@ -128,8 +83,8 @@ def attend(
             query, key, value, attn_mask, is_causal, scale, enable_gqa, state.split, state.group
         )
     scale = scale if scale is not None else query.shape[-1] ** -0.5
-    mask = KeyMask(state.split, length, is_causal, attn_mask)
-    return ring_attention(query, key, value, mask, scale, state.group)
+    pairs = ChunkPairs(state.split, length, is_causal, attn_mask)
+    return ring_attention(query, key, value, pairs, scale, state.group)
 
 
 class _RouteAttention(TorchFunctionMode):

@@ -2,36 +2,32 @@
 
 With ``C`` ranks, the keys and values of this rank's tokens travel ``C - 1`` hops (one chunk per
 hop, sent while the previous one is being used); at each hop the local queries attend to the
-visiting chunk, and the partial results are merged by their log-sum-exp (the online softmax of
+visiting chunk, block by block (``blocks.py``: masked-out blocks are skipped, so every rank does
+the same work), and the partial results are merged by their log-sum-exp (the online softmax of
 flash attention, across ranks). Nothing of size ``T x T`` (or of the whole sequence) is ever held:
 the saved tensors are this rank's queries, keys, values, output and log-sum-exp.
 
 Backward rotates the keys and values again, with their gradients travelling beside them: each
 rank adds what its queries contribute to the visiting chunk's gradient and passes it on; after
-``C`` hops every chunk's gradient is back with its owner. Attention is computed in fp32 whatever
-the input dtype (as flash kernels accumulate), and cast back.
+``C`` hops every chunk's gradient is back with its owner. Each block's backward is given the
+final output and log-sum-exp, which is what makes the sum of the blocks' gradients exact.
 
-Which pairs may attend (causal positions, the model's own mask) comes from a
-:class:`~lightning_parallel.context_parallel.attention.KeyMask`: a hop whose pairs are all masked
-is skipped, so the load-balanced split gives every rank the same work.
+Each block runs torch's fused flash kernel for the CPU (``aten._scaled_dot_product_flash_attention_for_cpu``
+and its backward: the kernel ``F.scaled_dot_product_attention`` itself runs on the CPU, which
+returns the log-sum-exp the merge needs); on other devices, the same math written out in fp32.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lightning_parallel.context_parallel.blocks import Block, ChunkPairs
 from lightning_parallel.context_parallel.traffic import TRAFFIC
 
-
-class HopMask(Protocol):
-    """What ring attention asks of the mask: the additive bias between this rank's queries and ``source``'s keys."""
-
-    skipped: object
-
-    def bias(self, source: int, device: torch.device) -> torch.Tensor | None | object: ...
+Partial = tuple[torch.Tensor, torch.Tensor]  # (output, log-sum-exp) of some keys
 
 
 class _Exchange:
@@ -64,9 +60,14 @@ class _Exchange:
         return tuple(out)
 
 
+def fused(device: torch.device) -> bool:
+    """Whether blocks run torch's fused CPU kernel (the math fallback elsewhere; tests switch it off to check both)."""
+    return device.type == "cpu"
+
+
 def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
     """Grouped-query attention: each key/value head serves ``groups`` consecutive query heads."""
-    return kv.float() if groups == 1 else kv.float().repeat_interleave(groups, dim=1)
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
 
 
 def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
@@ -77,9 +78,13 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.view(b, h // groups, groups, t, d).sum(2)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, bias: Any) -> torch.Tensor:
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    return scores if bias is None else scores + bias
+def _math_bias(block: Block, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    bias = None if block.bias is None else block.bias.float()
+    if block.causal:
+        future = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+        causal = torch.zeros(future.shape, device=q.device).masked_fill(future, float("-inf"))
+        bias = causal if bias is None else bias + causal
+    return bias
 
 
 def _probabilities(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -87,81 +92,118 @@ def _probabilities(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(lse).unsqueeze(-1), p, torch.zeros_like(p))  # rows with no key: 0
 
 
-def _merge(
-    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _scores(q: torch.Tensor, k: torch.Tensor, block: Block, scale: float) -> torch.Tensor:
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    bias = _math_bias(block, q, k)
+    return scores if bias is None else scores + bias
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block, scale: float) -> Partial:
+    """One block's attention: output (fp32) and log-sum-exp (minus infinity for rows with no key)."""
+    if fused(q.device):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, block.causal, attn_mask=block.bias, scale=scale
+        )
+        out = out.float()
+    else:
+        scores = _scores(q, k, block, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.matmul(_probabilities(scores, lse), v.float())
+    if block.has_key is not None:
+        lse = torch.where(block.has_key, lse, torch.full_like(lse, float("-inf")))
+        out = torch.where(block.has_key.unsqueeze(-1), out, torch.zeros_like(out))
+    return out, lse
+
+
+def _attend_backward(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    block: Block, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """This block's part of dq, dk, dv, given the FINAL output and log-sum-exp of the queries."""
+    if fused(q.device):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, block.causal, attn_mask=block.bias, scale=scale
+        )
+    grad, qf, kf, vf = grad.float(), q.float(), k.float(), v.float()
+    p = _probabilities(_scores(q, k, block, scale), lse)
+    delta = (grad * out.float()).sum(-1, keepdim=True)
+    ds = p * (torch.matmul(grad, vf.transpose(-1, -2)) - delta)
+    return (
+        torch.matmul(ds, kf) * scale,
+        torch.matmul(ds.transpose(-1, -2), qf) * scale,
+        torch.matmul(p.transpose(-1, -2), grad),
+    )
+
+
+def _merge(total: Partial, part: Partial) -> Partial:
     """Two partial softmax-weighted sums over disjoint keys, combined by their log-sum-exp."""
+    (out, lse), (block_out, block_lse) = total, part
     top = torch.maximum(lse, block_lse)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     a, b = torch.exp(lse - top), torch.exp(block_lse - top)
-    total = a + b
+    weight = a + b
     merged = (out * a.unsqueeze(-1) + block_out * b.unsqueeze(-1)) / torch.where(
-        total > 0, total, torch.ones_like(total)
+        weight > 0, weight, torch.ones_like(weight)
     ).unsqueeze(-1)
-    return merged, top + torch.log(total)
+    return merged, top + torch.log(weight)
 
 
 class RingAttention(torch.autograd.Function):
-    """``softmax(q k^T * scale + mask) v`` over the whole sequence, from this rank's chunk of q, k and v."""
+    """``softmax(q k^T * scale + mask) v`` over the whole sequence, from this rank's chunks of q, k and v."""
 
     @staticmethod
     def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: HopMask,
-        scale: float,
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pairs: ChunkPairs, scale: float,
         group: dist.ProcessGroup,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # fmt: skip
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        groups = q.shape[1] // k.shape[1]
-        qf = q.float()
-        out = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(qf.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        groups, chunk = q.shape[1] // k.shape[1], pairs.chunk_size
+        b, h, t, d = q.shape
+        parts = [
+            (torch.zeros((b, h, chunk, d), device=q.device), torch.full((b, h, chunk), float("-inf"), device=q.device))
+            for _ in range(t // chunk)
+        ]  # fmt: skip
         visiting = (k, v)
         for hop in range(size):
             pending = _Exchange(visiting, group) if hop < size - 1 else None
-            bias = mask.bias((rank - hop) % size, q.device)
-            if bias is not mask.skipped:
-                kf, vf = _expand(visiting[0], groups), _expand(visiting[1], groups)
-                scores = _scores(qf, kf, scale, bias)
-                block_lse = torch.logsumexp(scores, dim=-1)
-                block_out = torch.matmul(_probabilities(scores, block_lse), vf)
-                out, lse = _merge(out, lse, block_out, block_lse)
+            kx, vx = _expand(visiting[0], groups), _expand(visiting[1], groups)
+            for block in pairs.blocks((rank - hop) % size, q.dtype, q.device):
+                qs, ks = slice(block.q_index * chunk, (block.q_index + 1) * chunk), slice(block.k_index * chunk, (block.k_index + 1) * chunk)  # fmt: skip
+                part = _attend(q[:, :, qs], kx[:, :, ks], vx[:, :, ks], block, scale)
+                parts[block.q_index] = _merge(parts[block.q_index], part)
             if pending is not None:
                 visiting = pending.wait()
         # Laid out (B, T, H, D) as flash kernels return it: the model's ``transpose(1, 2).reshape(B, T, -1)``
         # is then a view, and the output projection saves this storage rather than a copy of it.
-        b, h, t, d = out.shape
         result = torch.empty((b, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
-        result.copy_(out)
+        result.copy_(torch.cat([out for out, _ in parts], dim=2))
+        lse = torch.cat([lse for _, lse in parts], dim=2)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.mask, ctx.scale, ctx.group = mask, scale, group
+        ctx.pairs, ctx.scale, ctx.group = pairs, scale, group
         return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
         q, k, v, out, lse = ctx.saved_tensors
-        mask, scale, group = ctx.mask, ctx.scale, ctx.group
+        pairs, scale, group = ctx.pairs, ctx.scale, ctx.group
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        groups = q.shape[1] // k.shape[1]
-        qf, grad_out = q.float(), grad_out.float()
-        delta = (grad_out * out.float()).sum(-1, keepdim=True)
-        dq = torch.zeros_like(qf)
+        groups, chunk = q.shape[1] // k.shape[1], pairs.chunk_size
+        grad_out = grad_out.to(q.dtype).contiguous()
+        dq = torch.zeros(q.shape, device=q.device)
         visiting = (k, v)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros_like(dk)
+        dk, dv = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
         for hop in range(size):
             pending = _Exchange(visiting, group) if hop < size - 1 else None
-            bias = mask.bias((rank - hop) % size, q.device)
-            if bias is not mask.skipped:
-                kf, vf = _expand(visiting[0], groups), _expand(visiting[1], groups)
-                p = _probabilities(_scores(qf, kf, scale, bias), lse)
-                dv = dv + _fold(torch.matmul(p.transpose(-1, -2), grad_out), groups)
-                ds = p * (torch.matmul(grad_out, vf.transpose(-1, -2)) - delta)
-                dq = dq + torch.matmul(ds, kf) * scale
-                dk = dk + _fold(torch.matmul(ds.transpose(-1, -2), qf) * scale, groups)
+            kx, vx = _expand(visiting[0], groups), _expand(visiting[1], groups)
+            for block in pairs.blocks((rank - hop) % size, q.dtype, q.device):
+                qs, ks = slice(block.q_index * chunk, (block.q_index + 1) * chunk), slice(block.k_index * chunk, (block.k_index + 1) * chunk)  # fmt: skip
+                dq_part, dk_part, dv_part = _attend_backward(
+                    grad_out[:, :, qs], q[:, :, qs], kx[:, :, ks], vx[:, :, ks], out[:, :, qs], lse[:, :, qs],
+                    block, scale,
+                )  # fmt: skip
+                dq[:, :, qs] += dq_part.float()
+                dk[:, :, ks] += _fold(dk_part.float(), groups)
+                dv[:, :, ks] += _fold(dv_part.float(), groups)
             gradients = _Exchange((dk, dv), group)  # the chunk's gradient follows it (home after `size` hops)
             if pending is not None:
                 visiting = pending.wait()
@@ -170,7 +212,12 @@ class RingAttention(torch.autograd.Function):
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: HopMask, scale: float, group: dist.ProcessGroup
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pairs: ChunkPairs,
+    scale: float,
+    group: dist.ProcessGroup,
 ) -> torch.Tensor:
     """This rank's attention output ``(B, H, T / C, D)``; ``k``/``v`` may have fewer heads (grouped queries)."""
-    return RingAttention.apply(q, k, v, mask, scale, group)
+    return RingAttention.apply(q, k, v, pairs, scale, group)

@@ -45,8 +45,15 @@ def _attention(mode: str, split: SequenceSplit, q, k, v, mask, causal: bool, loc
 
 
 def compare(rank: int, world_size: int, mode: str, kv_heads: int, causal: bool, masked: bool,
-            load_balanced: bool, local_only: bool = False) -> dict[str, float]:  # fmt: skip
-    """Largest absolute error of the output and of each gradient against one process; the bytes sent."""
+            load_balanced: bool, local_only: bool = False, fused: bool = True) -> dict[str, float]:  # fmt: skip
+    """Largest absolute error of the output and of each gradient against one process; the bytes sent.
+
+    ``fused=False``: the ring's blocks run the written-out math (what devices without the fused CPU
+    kernel run) instead of torch's kernel.
+    """
+    from lightning_parallel.context_parallel import ring
+
+    ring.fused = (lambda device: device.type == "cpu") if fused else (lambda device: False)
     q, k, v, cotangent, mask = _inputs(kv_heads, masked)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     expected = F.scaled_dot_product_attention(*leaves, attn_mask=mask, is_causal=causal,

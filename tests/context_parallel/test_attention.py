@@ -23,6 +23,8 @@ SETTINGS = [  # (mode, kv_heads, causal, masked, load_balanced)
     ("ring", 2, True, False, True),
     ("ring", 4, False, True, True),
     ("ring", 2, True, False, False),
+    ("ring", 2, True, False, True, False, False),  # the math blocks other devices run
+    ("ring", 4, False, True, True, False, False),
     ("ulysses", 4, True, False, True),
     ("ulysses", 2, True, False, True),
     ("ulysses", 4, False, True, False),
