@@ -31,6 +31,7 @@ LAYERS: list[set[str]] = [
         "optim",
         "precision",
         "experts",
+        "context_parallel",
         "launch",
         "zero",
         "data_parallel",

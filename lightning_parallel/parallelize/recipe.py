@@ -10,10 +10,12 @@ Order, and why:
 2. every rank starts from rank 0's weights (as DDP does);
 3. one run of the user's step on a real batch, watched by the pipeline discovery and the plan
    verification's capture of each block's inputs (both need the whole, unsharded model);
-4. the plan verified on one block of each class (refused before anything is changed);
+4. the plan verified on one block of each class (refused before anything is changed), and the
+   context split likewise;
 5. the pipeline cut (before sharding: other stages' blocks are freed, not sharded);
-6. experts sharded over ``ep``;
-7. tensor/sequence parallelism on what this rank keeps;
+6. experts sharded over ``ep``; the context split's entering hooks (after the pipeline's
+   injection of received activations, before sequence parallelism's own split);
+7. tensor/sequence parallelism on what this rank keeps; the context split's gather after it;
 8. ZeRO on FSDP2 (``zero/engine.py``): ``fully_shard`` over ``dp``, before the stages capture the
    parameters; then the pipeline's stages and schedule (on the sharded modules);
 9. activation checkpointing and the saved-tensor saver (on the sharded, cut modules);

@@ -29,12 +29,19 @@ def _inputs(kv_heads: int, masked: bool) -> tuple[torch.Tensor, ...]:
     return q, k, v, cotangent, (mask if masked else None)
 
 
-def _attention(mode: str, split: SequenceSplit, q, k, v, mask, causal: bool, local_only: bool) -> torch.Tensor:
+def _attention(
+    mode: str, split: SequenceSplit, q, k, v, mask, causal: bool, local_only: bool
+) -> torch.Tensor:
     group = dist.group.WORLD
     lq, lk, lv = (scatter(t, split, 2) for t in (q, k, v))
     if local_only:  # the negative control: attention over this rank's tokens alone
-        local_mask = None if mask is None else mask.index_select(-2, split.positions(q.shape[2])).index_select(
-            -1, split.positions(q.shape[2]))
+        local_mask = (
+            None
+            if mask is None
+            else mask.index_select(-2, split.positions(q.shape[2])).index_select(
+                -1, split.positions(q.shape[2])
+            )
+        )
         out = F.scaled_dot_product_attention(lq, lk, lv, attn_mask=local_mask, is_causal=causal,
                                              enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
     else:
@@ -69,9 +76,16 @@ def compare(rank: int, world_size: int, mode: str, kv_heads: int, causal: bool, 
         dist.all_reduce(grad)
         grad.div_(world_size)
     got = [out.detach(), *grads]
-    errors = {name: (a - b).abs().max().item() for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True)}
+    errors = {
+        name: (a - b).abs().max().item()
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True)
+    }
     close = all(torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in zip(got, want, strict=True))
-    return {**errors, "close": float(close), **{f"{k}_bytes": float(n) for k, n in TRAFFIC.snapshot().items()}}
+    return {
+        **errors,
+        "close": float(close),
+        **{f"{k}_bytes": float(n) for k, n in TRAFFIC.snapshot().items()},
+    }
 
 
 def compare_all(rank: int, world_size: int, settings: list[tuple]) -> list[dict[str, float]]:

@@ -20,7 +20,6 @@ The block bound is also the negative control: a layout that did not split the se
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -33,7 +32,9 @@ B, T, E, F32, INT64 = 2, 64, 32, 4, 8
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("context_memory")
-    launch("context_memory.py", [str(out)], out, world_size=4, timeout_s=500, grace_s=30).assert_all_succeeded()
+    launch(
+        "context_memory.py", [str(out)], out, world_size=4, timeout_s=500, grace_s=30
+    ).assert_all_succeeded()
     return [json.loads((out / f"context_memory.rank{r}.json").read_text()) for r in range(4)]
 
 

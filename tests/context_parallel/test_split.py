@@ -39,7 +39,9 @@ def test_causal_attention_work_is_equal_on_every_rank_only_with_load_balancing(d
 
 
 def test_a_length_the_split_cannot_cut_evenly_is_a_value_error() -> None:
-    with pytest.raises(ValueError, match=r"`context_parallel=2` needs a sequence length divisible by 4 .* 30 tokens"):
+    with pytest.raises(
+        ValueError, match=r"`context_parallel=2` needs a sequence length divisible by 4 .* 30 tokens"
+    ):
         SequenceSplit(2, 0).positions(30)
     with pytest.raises(ValueError, match=r"divisible by 3 \(context_parallel\)"):
         SequenceSplit(3, 0, load_balanced=False).check(10)

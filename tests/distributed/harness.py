@@ -78,7 +78,9 @@ class Result:
     startup_s: float  # seconds from spawning rank 0 to its first case (imports, process group)
     rank_losses: list[list[float | None]] = field(default_factory=list)  # per rank, before averaging
     replica_mismatches: dict[str, str] = field(default_factory=dict)  # copies on ranks that disagree
-    facts: dict[str, int] = field(default_factory=dict)  # what the strategy did, for "it really engaged" asserts
+    facts: dict[str, int] = field(
+        default_factory=dict
+    )  # what the strategy did, for "it really engaged" asserts
 
 
 def mean_over_ranks(rank_losses: list[list[float | None]]) -> list[float]:

@@ -5,8 +5,8 @@ recipe GPT (fused q/k/v, learned positions, tied head), Hugging Face Llama (rota
 position ids computed at model level and handed to every block, grouped KV heads: ``enable_gqa``
 in the ring, repeated heads in Ulysses when the KV heads do not divide C) and Hugging Face GPT-2
 with SDPA attention. 2 ranks: cp=2 alone and with activation checkpointing (full, selective),
-accumulation and clipping, ZeRO-1/2/3 and CPU offload, bf16. 4 ranks: cp=2 x tp=2 (with and
-without sequence parallelism), cp=2 x dp=2, cp=2 x pp=2, cp=4.
+accumulation and clipping, ZeRO-1/2/3 and CPU offload, bf16 and fp16 (true). 4 ranks: cp=2 x tp=2
+(with and without sequence parallelism), cp=2 x dp=2, cp=2 x pp=2 under every schedule, cp=4.
 
 Each case also asserts that the split engaged: the model's attention calls were routed (one per
 block per step) and the collectives of its mode carried bytes. The negative controls of the
@@ -61,6 +61,8 @@ BF16 = [
           fields={"trainer_kwargs": {"precision": "bf16-mixed"}}),
     _case("cp2_ulysses_bf16true_hf_llama", "hf_llama", 2, context_parallel=2, context_parallel_mode="ulysses",
           fields={"trainer_kwargs": {"precision": "bf16-true"}}),
+    _case("cp2_ring_fp16true_recipe_gpt", "recipe_gpt", 2, context_parallel=2,
+          fields={"trainer_kwargs": {"precision": "16-true"}}),
 ]  # fmt: skip
 PP = {"batch_size": 4}
 FOUR = [
@@ -75,6 +77,10 @@ FOUR = [
     _case("cp2_ring_pp2_recipe_gpt", "recipe_gpt", 4, context_parallel=2, pipeline_parallel=2, fields=PP),
     _case("cp2_ulysses_pp2_hf_llama", "hf_llama", 4, context_parallel=2, pipeline_parallel=2,
           context_parallel_mode="ulysses", fields=PP),
+    # Every other schedule of torch.distributed.pipelining (4 blocks: 2 virtual stages per rank where interleaved).
+    *[_case(f"cp2_ring_pp2_{schedule}_recipe_gpt", "recipe_gpt", 4, context_parallel=2, pipeline_parallel=2,
+            pipeline_schedule=schedule, micro_batches=4, fields={**PP, "model_kwargs": {"n_layer": 4}})
+      for schedule in ("gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")],
     _case("cp4_ring_hf_llama", "hf_llama", 4, context_parallel=4),
     _case("cp4_ulysses_recipe_gpt", "recipe_gpt", 4, context_parallel=4, context_parallel_mode="ulysses"),
 ]  # fmt: skip
@@ -94,7 +100,9 @@ def _assert_engaged(case: Case, result: Result) -> None:
     """The model's attention went through the split: one routed call per block per step, bytes in the mode's collective."""
     kwargs = case.strategy.kwargs  # type: ignore[union-attr]
     calls = result.facts.get("context_calls", 0)
-    per_step = LAYERS if kwargs.get("pipeline_parallel", 1) == 1 else LAYERS // 2  # rank 0 holds the first stage
+    per_step = (
+        LAYERS if kwargs.get("pipeline_parallel", 1) == 1 else LAYERS // 2
+    )  # rank 0 holds the first stage
     accumulation = int(case.trainer_kwargs.get("accumulate_grad_batches", 1))
     micro_batches = 2 if kwargs.get("pipeline_parallel", 1) > 1 else 1
     assert calls >= per_step * STEPS * accumulation * micro_batches, f"{case.name}: {result.facts}"

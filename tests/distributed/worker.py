@@ -136,7 +136,10 @@ def strategy_facts(strategy: Any) -> dict[str, int]:
     context = getattr(parallelized, "context", None)
     if context is None:
         return {}
-    return {"context_calls": context.calls, **{f"context_{k}_bytes": v for k, v in TRAFFIC.snapshot().items()}}
+    return {
+        "context_calls": context.calls,
+        **{f"context_{k}_bytes": v for k, v in TRAFFIC.snapshot().items()},
+    }
 
 
 def gathered_zero_parameters(strategy: Any, module: torch.nn.Module) -> Any:

@@ -129,7 +129,9 @@ def test_bad_context_arguments_are_refused_at_construction(kwargs: dict, fragmen
 
 
 def test_context_degree_that_does_not_divide_data_parallel_fails_in_the_trainer_constructor() -> None:
-    with pytest.raises(ValueError, match=r"`context_parallel=2` must divide the data-parallel size 1 .*among \[1\]"):
+    with pytest.raises(
+        ValueError, match=r"`context_parallel=2` must divide the data-parallel size 1 .*among \[1\]"
+    ):
         L.Trainer(accelerator="cpu", devices=2, logger=False,
                   strategy=HybridParallelStrategy(tensor_parallel=2, context_parallel=2))  # fmt: skip
 

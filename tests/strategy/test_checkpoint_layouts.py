@@ -3,7 +3,7 @@
 Three launches of ``scripts/checkpoint_layouts.py`` (2, 4, then 2 ranks; see its docstring) run
 every layout from the same weights ``W`` (a single safetensors / ``torch.save`` file loaded with
 ``init_weights``), save mid-epoch, and resume each other's checkpoints: tp 2 <-> 1, pp 2 <-> 4,
-ep 2 <-> 1, dp 4 <-> 2. The last launch ends with the one-process runs from ``W``, which every
+ep 2 <-> 1, dp 4 <-> 2, cp 2 <-> dp 2, cp 2 <-> 4. The last launch ends with the one-process runs from ``W``, which every
 run must follow within the parity tolerance (RTOL per step): the runs that imported ``W`` from
 the start, and the readers after resharding. The checkpoints taken before the first step export
 (without processes) to exactly ``W``.
@@ -26,7 +26,7 @@ RTOL = 1e-5
 
 
 def _read(out: Path, run: str) -> list[dict]:
-    world_size = 4 if run.endswith(("pp4", "dp4")) else 2
+    world_size = 4 if run.endswith(("pp4", "dp4", "cp4")) else 2
     return [json.loads((out / f"{run}.rank{rank}.json").read_text()) for rank in range(world_size)]
 
 

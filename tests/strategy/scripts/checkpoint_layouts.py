@@ -1,7 +1,7 @@
 """Checkpoints across layouts: resharding on load, weights in from one file, weights out to one file.
 
-    python tests/strategy/scripts/checkpoint_layouts.py write2 OUT_DIR  # 2 ranks: tp2, dp2, pp2, ep2, ep1, zero3_ep2
-    python tests/strategy/scripts/checkpoint_layouts.py world4 OUT_DIR  # 4 ranks: pp4, dp4; read pp2, dp2
+    python tests/strategy/scripts/checkpoint_layouts.py write2 OUT_DIR  # 2 ranks: tp2, dp2, pp2, ep2, ep1, zero3_ep2, cp2
+    python tests/strategy/scripts/checkpoint_layouts.py world4 OUT_DIR  # 4 ranks: pp4, dp4, cp4; read pp2, dp2, cp2
     python tests/strategy/scripts/checkpoint_layouts.py read2  OUT_DIR  # 2 ranks: read the others; references
 
 Every run trains a test family (``recipe_gpt`` with 4 blocks, or ``recipe_moe``; SGD) for 6 steps
@@ -52,12 +52,16 @@ LAYOUTS: dict[str, tuple[str, int, dict[str, Any], str]] = {
     "zero3_ep2": ("recipe_moe", 2, dict(zero_stage=3, expert_parallel=2), "recipe_moe.safetensors"),
     "pp4": ("recipe_gpt", 4, dict(pipeline_parallel=4, micro_batches=4), "recipe_gpt.safetensors"),
     "dp4": ("recipe_gpt", 4, {}, "recipe_gpt.safetensors"),
+    # Context parallelism: the parameters replicated over cp, so any cp degree reads any other's checkpoint.
+    "cp2": ("recipe_gpt", 2, dict(context_parallel=2), "recipe_gpt.safetensors"),
+    "cp4": ("recipe_gpt", 4, dict(context_parallel=4), "recipe_gpt.safetensors"),
 }
 # (writer, reader): each resharding pair of issue 6, both directions.
 PAIRS = [
     ("tp2", "dp2"), ("dp2", "tp2"), ("pp2", "pp4"), ("pp4", "pp2"),
     ("ep2", "ep1"), ("ep1", "ep2"), ("dp4", "dp2"), ("dp2", "dp4"),
     ("tp2", "pp2"), ("pp2", "tp2"),  # fused q|k|v row shards read by stages, and back
+    ("cp2", "dp2"), ("dp2", "cp2"), ("cp2", "cp4"), ("cp4", "cp2"),
 ]  # fmt: skip
 
 
@@ -102,8 +106,11 @@ def write_weights(out: Path) -> None:
 def fit(out: Path, run: str, layout: str, resume_from: str | None = None) -> None:
     family, world_size, strategy_kwargs, weights = LAYOUTS[layout]
     L.seed_everything(0)
-    data_parallel = (
-        world_size // strategy_kwargs.get("tensor_parallel", 1) // strategy_kwargs.get("pipeline_parallel", 1)
+    data_parallel = (  # the batches that differ: context ranks share theirs
+        world_size
+        // strategy_kwargs.get("tensor_parallel", 1)
+        // strategy_kwargs.get("pipeline_parallel", 1)
+        // strategy_kwargs.get("context_parallel", 1)
     )
     writer = resume_from is None
     record = Record(
@@ -153,10 +160,10 @@ def main(mode: str, out: Path) -> None:
     world_size = int(os.environ["WORLD_SIZE"])
     if mode == "write2":
         write_weights(out)
-        for layout in ("tp2", "dp2", "pp2", "ep2", "ep1", "zero3_ep2"):
+        for layout in ("tp2", "dp2", "pp2", "ep2", "ep1", "zero3_ep2", "cp2"):
             fit(out, layout, layout)
     elif mode == "world4":
-        for layout in ("pp4", "dp4"):
+        for layout in ("pp4", "dp4", "cp4"):
             fit(out, layout, layout)
         for writer, reader in PAIRS:
             if LAYOUTS[reader][1] == world_size and LAYOUTS[writer][1] == 2:
