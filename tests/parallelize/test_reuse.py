@@ -18,7 +18,7 @@ def test_expert_parallel_changes_the_layout_though_not_the_degrees() -> None:
     dense, experts = ParallelDims(world_size=2), ParallelDims(world_size=2, expert_parallel=2)
     assert dense.degrees == experts.degrees == {"pp": 1, "dp": 2, "tp": 1}  # the two are mistaken by degrees
     assert dense.layout != experts.layout
-    assert experts.layout == {"pp": 1, "dp": 2, "ep": 2, "tp": 1}
+    assert experts.layout == {"pp": 1, "dp": 2, "ep": 2, "cp": 1, "tp": 1}
 
 
 def test_a_module_parallelized_with_ep2_is_refused_under_ep1() -> None:

@@ -72,7 +72,7 @@ def _observe(holder: bool, pipelined: bool = True) -> tuple[Any, Any, dict[str, 
         tensor_parallel=2, sequence_parallel=False, block_names=[f"blocks.{i}" for i in range(4)]
     )
     layout, captured = observe_one_step(
-        model, strategy.config, plan, make, training=True, pipelined=pipelined
+        model, strategy.config, plan, plan.block_names, make, training=True, pipelined=pipelined, split=False
     )
     return layout, captured, counts
 
