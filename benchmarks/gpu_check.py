@@ -14,10 +14,12 @@ a phase that would not fit is skipped, one that overruns is stopped, and what wa
 3. ``step``: GPT-1.3B, bf16: plain PyTorch eager vs Lightning vs the strategy (``benchmarks/gpu_step.py``).
 4. ``precisions``: 32-true, bf16-mixed and 16-mixed with loss scaling through the Trainer on an
    nccl process group (tensor_parallel=1, dp=1) against plain PyTorch (``benchmarks/gpu_paths.py``).
-5. ``memory``: the memory savers on GPT-1.3B (``benchmarks/memory_savers.py``).
-6. ``compile``: ``torch.compile`` of the same step.
-7. ``fp8``: a few steps with ``Float8Precision`` against bf16-mixed (where the GPU has fp8).
-8. ``zero_offload``: ZeRO-2 + CPU offload against on-GPU, if deepspeed was carried there.
+5. ``long_context``: the longest sequence a 1.3B model trains on the one device with full
+   checkpointing (``benchmarks/long_context.py``: the cp=1 baseline of context parallelism).
+6. ``memory``: the memory savers on GPT-1.3B (``benchmarks/memory_savers.py``).
+7. ``compile``: ``torch.compile`` of the same step.
+8. ``fp8``: a few steps with ``Float8Precision`` against bf16-mixed (where the GPU has fp8).
+9. ``zero_offload``: ZeRO-2 + CPU offload against on-GPU, if deepspeed was carried there.
 
 Writes ``gpu_check.json`` (every phase's status, seconds, results and each figure against its
 target or reference figure: ``benchmarks/README.md``, ``docs/``, the reference measurements of
@@ -107,6 +109,11 @@ def phases(dry_run: bool) -> list[Phase]:
             Figure(f"{p} loss parity with plain PyTorch", lambda r, p=p: r["results"][p]["parity"], "==", True,
                    "benchmarks/gpu_paths.py tolerances") for p in ("32-true", "bf16-mixed", "16-mixed")
         ]),
+        Phase("long_context", ["benchmarks.long_context", *(["--tiny", "--cpu"] if dry_run else ["--budget-s", "75"]),
+                               "--json", "{json}"], 100, [
+            Figure("longest sequence trained (1.3B, full checkpointing, cp=1)", lambda r: r["longest"], ">=", 8192,
+                   "docs/context_parallel.md: the one-device baseline of context parallelism"),
+        ] if not dry_run else [Figure("longest tiny sequence", lambda r: r["longest"], "==", 256, "runs")]),
         Phase("memory", ["benchmarks.memory_savers", *(["--tiny", "--cpu"] if dry_run else ["--large", "--rounds", "3"]),
                          "--json", "{json}"], 150, [
             Figure("full checkpointing step time / none", lambda r: r["results"]["full"]["time_ratio"], "~", 1.22, anchors, 0.10),
