@@ -75,7 +75,7 @@ def strategy_config(**a: Any) -> ParallelConfig:
             " step), or `zero_stage=1` with '1f1b', 'interleaved_1f1b', 'looped_bfs' or 'gpipe'."
         )
     context = arguments.context_parallel(a["context_parallel"], a["context_parallel_mode"])
-    _check_context(context, experts, a["compile"])
+    _check_context(context, experts, zero.stage, a["compile"])
     styles = (
         {k: v for k, v in plan.items() if k != PIPELINE_BOUNDARIES_KEY} if isinstance(plan, dict) else plan
     )
@@ -83,27 +83,18 @@ def strategy_config(**a: Any) -> ParallelConfig:
     return ParallelConfig(tensor, pipeline, experts, zero, memory, a["compile"], weights, context)
 
 
-def _check_context(context: ContextParallelConfig, experts: ExpertConfig, compile: bool) -> None:
+def _check_context(
+    context: ContextParallelConfig, experts: ExpertConfig, zero_stage: int, compile: bool
+) -> None:
     """What context parallelism does not compose with yet (docs/context_parallel.md, "Layouts")."""
     if not context.enabled:
         return
-    clashes = [
-        (name, value)
-        for name, value, clash in (
-            ("expert_parallel", experts.expert_parallel, experts.expert_parallel > 1),
-            ("moe_aux_loss_coef", experts.aux_loss_coef, experts.aux_loss_coef is not None),
-            ("moe_z_loss_coef", experts.z_loss_coef, bool(experts.z_loss_coef)),
-        )
-        if clash
-    ]
-    if clashes:
-        name, value = clashes[0]
+    if experts.expert_parallel > 1 and zero_stage:
         raise ValueError(
-            f"`context_parallel={context.degree}` with `{name}={value!r}` is not supported yet: each context rank"
-            " holds other tokens of the sequence, so its MoE blocks would route (and measure the load of) only those"
-            " tokens, and the mesh does not factor context and expert ranks together. Nearest supported layouts:"
-            f" `context_parallel={context.degree}` without expert parallelism or strategy-added MoE losses, or"
-            f" `{name}` with `context_parallel=1`."
+            f"`context_parallel={context.degree}` with `expert_parallel={experts.expert_parallel}` and"
+            f" `zero_stage={zero_stage}` is not supported yet: ZeRO's expert sharding (FSDP2) and DeepSpeed's groups"
+            " are built on a mesh where `ep` is an axis of its own, while with both context and expert ranks it is"
+            " flattened from two. Nearest supported layouts: `zero_stage=0` with both, or ZeRO with one of them."
         )
     if compile:
         raise ValueError(

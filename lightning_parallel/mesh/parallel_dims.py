@@ -9,7 +9,8 @@ Mesh axes, outermost first (DESIGN.md section 2):
   When sequences are split for context parallelism it is the product ``dp_batch x cp``: the
   ``cp`` ranks of one ``dp_batch`` index read the same batch and hold different tokens of each
   sequence; parameters are replicated over ``cp`` and their gradients averaged with the rest of
-  ``dp`` (``context_parallel/split.py`` says why that average is exact).
+  ``dp`` (``context_parallel/split.py`` says why that average is exact). With both, ``dp`` is
+  factored both ways (one of ``ep``, ``cp`` divides the other).
 - ``tp``: tensor-parallel shards. Innermost, so that the ranks of one tensor-parallel group
   are adjacent global ranks: with ranks placed node by node they share a node (fast links),
   which matters because TP communicates inside every layer.
@@ -30,6 +31,8 @@ AXIS_NAMES: tuple[str, ...] = ("pp", "dp", "tp")
 EXPERT_AXIS_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "ep", "tp")
 # With context parallelism: dp is split into dp_batch x cp (the sampler's replicas are dp_batch).
 CONTEXT_AXIS_NAMES: tuple[str, ...] = ("pp", "dp_batch", "cp", "tp")
+# With both, the smaller of ep and cp is the inner axis and the larger is it times a middle one
+# (``_build_context_and_expert_mesh``); the names used elsewhere are flattened from those.
 
 
 @dataclass
@@ -90,13 +93,12 @@ class ParallelDims:
                 f"{self.pipeline_parallel})): context ranks are carved out of the data-parallel ranks. Choose"
                 f" context_parallel among {[d for d in range(1, self.data_parallel + 1) if self.data_parallel % d == 0]}."
             )
-        if self.context_parallel > 1 and self.expert_parallel > 1:
+        ep, cp = self.expert_parallel, self.context_parallel
+        if ep > 1 and cp > 1 and ep % cp and cp % ep:
             raise ValueError(
-                f"`context_parallel={self.context_parallel}` with `expert_parallel={self.expert_parallel}` is not"
-                " supported yet: both axes are carved out of the data-parallel ranks and the mesh does not factor"
-                " them together, and each context rank would route only its tokens (expert capacity and the"
-                " load-balancing loss would differ from one process). Nearest supported layouts:"
-                " `context_parallel` with `expert_parallel=1` (experts replicated), or `expert_parallel` alone."
+                f"`context_parallel={cp}` with `expert_parallel={ep}`: one must divide the other. Both are carved out"
+                " of the data-parallel ranks, and the mesh factors them only when the smaller group lies inside the"
+                f" larger. Choose `expert_parallel` a multiple or a divisor of {cp}."
             )
 
     @property
@@ -147,7 +149,9 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         if self._mesh is None:
-            if self.ep_enabled:
+            if self.ep_enabled and self.cp_enabled:
+                self._mesh = self._build_context_and_expert_mesh(device_type)
+            elif self.ep_enabled:
                 # dp = dp_replicate x ep: experts are sharded over "ep" and replicated over
                 # "dp_replicate"; everything else is averaged over the flattened "dp".
                 shape = (
@@ -172,6 +176,30 @@ class ParallelDims:
                 shape = tuple(self.degrees[name] for name in AXIS_NAMES)
                 self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXIS_NAMES)
         return self._mesh
+
+    def _build_context_and_expert_mesh(self, device_type: str) -> DeviceMesh:
+        """Both axes carved out of dp: the smaller group lies inside the larger (``__post_init__`` checked).
+
+        ``ep >= cp``: ``pp x dp_replicate x ep_mid x cp x tp`` with ``ep = ep_mid x cp``,
+        ``dp_batch = dp_replicate x ep_mid``. ``cp > ep``: ``pp x dp_batch x cp_mid x ep x tp`` with
+        ``cp = cp_mid x ep``, ``dp_replicate = dp_batch x cp_mid``. ``dp`` is the three middle axes.
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        ep, cp = self.expert_parallel, self.context_parallel
+        if ep >= cp:
+            names = ("pp", "dp_replicate", "ep_mid", "cp", "tp")
+            shape = (self.pipeline_parallel, self.data_parallel // ep, ep // cp, cp, self.tensor_parallel)
+            flattened = {"ep": ("ep_mid", "cp"), "dp_batch": ("dp_replicate", "ep_mid")}
+        else:
+            names = ("pp", "dp_batch", "cp_mid", "ep", "tp")
+            shape = (self.pipeline_parallel, self.data_parallel // cp, cp // ep, ep, self.tensor_parallel)
+            flattened = {"cp": ("cp_mid", "ep"), "dp_replicate": ("dp_batch", "cp_mid")}
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        for name, axes in flattened.items():
+            mesh[axes]._flatten(name)
+        mesh[names[1:4]]._flatten("dp")
+        return mesh
 
     @property
     def mesh(self) -> DeviceMesh:

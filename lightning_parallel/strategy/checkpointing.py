@@ -190,9 +190,9 @@ class CheckpointingStrategy(MeshParallelStrategy):
 
     def _expert_replicas_mesh(self) -> Any:
         """``(dp_replicate, ep)``: where ZeRO's FSDP2 shards of expert slices live (checkpoint/layouts.py)."""
-        return (
-            self.device_mesh["dp_replicate", "ep"] if self.dims is not None and self.dims.ep_enabled else None
-        )
+        if self.dims is None or not self.dims.ep_enabled or self.dims.cp_enabled:
+            return None  # ZeRO (the one user) is refused with context and expert ranks together
+        return self.device_mesh["dp_replicate", "ep"]
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

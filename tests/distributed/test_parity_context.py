@@ -7,6 +7,8 @@ in the ring, repeated heads in Ulysses when the KV heads do not divide C) and Hu
 with SDPA attention. 2 ranks: cp=2 alone and with activation checkpointing (full, selective),
 accumulation and clipping, ZeRO-1/2/3 and CPU offload, bf16 and fp16 (true). 4 ranks: cp=2 x tp=2
 (with and without sequence parallelism), cp=2 x dp=2, cp=2 x pp=2 under every schedule, cp=4.
+With expert parallelism (Mixtral, dropless recipe MoE, the strategy-added load-balancing loss):
+cp=2 x ep=2 on 2 ranks; on 4 ranks with dp, ep=4 x cp=2, cp=4 x ep=2, with tp, with pp.
 
 Each case also asserts that the split engaged: the model's attention calls were routed (one per
 block per step) and the collectives of its mode carried bytes. The negative controls of the
@@ -22,6 +24,7 @@ import pytest
 from tests.compat import case_features
 from tests.distributed.cases import CASES, Case, hybrid
 from tests.distributed.harness import Result, assert_parity, reference, run_cases
+from tests.models.hf import HFMixtralAuxModule
 
 pytestmark = [pytest.mark.distributed]
 
@@ -35,7 +38,7 @@ BF16_LOSS_RTOL = 2e-2  # the project's low-precision rule (tests/distributed/tes
 def _case(name: str, family: str, world_size: int, fields: dict | None = None, **kwargs: object) -> Case:
     if name in CASES:
         return CASES[name]
-    fields = {**FAMILIES[family], **(fields or {})}
+    fields = {**FAMILIES.get(family, {}), **(fields or {})}
     return hybrid(name, family, world_size=world_size, timeout=60, case_fields=fields, **kwargs)
 
 
@@ -55,6 +58,14 @@ TWO = [
     _case("cp2_ulysses_zero3_recipe_gpt", "recipe_gpt", 2, context_parallel=2, context_parallel_mode="ulysses",
           zero_stage=3),
     _case("cp2_ring_zero2_cpu_hf_llama", "hf_llama", 2, context_parallel=2, zero_stage=2, offload="cpu"),
+    # With expert parallelism (ep and cp carved out of the same data-parallel ranks; here the same pair).
+    _case("cp2_ring_ep2_hf_mixtral", "hf_mixtral", 2, context_parallel=2, expert_parallel=2),
+    _case("cp2_ulysses_ep2_hf_mixtral", "hf_mixtral", 2, context_parallel=2, expert_parallel=2,
+          context_parallel_mode="ulysses"),
+    _case("cp2_ring_ep2_aux_hf_mixtral", "hf_mixtral_aux", 2, context_parallel=2, expert_parallel=2,
+          moe_aux_loss_coef=HFMixtralAuxModule.AUX_COEF),
+    _case("cp2_ring_ep2_dropless_recipe_moe", "recipe_moe", 2, context_parallel=2, expert_parallel=2,
+          fields={"model_kwargs": {"capacity_factor": None}}),
 ]  # fmt: skip
 BF16 = [
     _case("cp2_ring_bf16_recipe_gpt", "recipe_gpt", 2, context_parallel=2,
@@ -82,6 +93,14 @@ FOUR = [
             pipeline_schedule=schedule, micro_batches=4, fields={**PP, "model_kwargs": {"n_layer": 4}})
       for schedule in ("gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")],
     _case("cp4_ring_hf_llama", "hf_llama", 4, context_parallel=4),
+    # ep x cp on 4 ranks: ep = cp (with dp), ep a multiple of cp, cp a multiple of ep; with tp, with pp.
+    _case("cp2_ring_ep2_dp2_hf_mixtral", "hf_mixtral", 4, context_parallel=2, expert_parallel=2),
+    _case("cp2_ring_ep4_hf_mixtral", "hf_mixtral", 4, context_parallel=2, expert_parallel=4),
+    _case("cp4_ulysses_ep2_hf_mixtral", "hf_mixtral", 4, context_parallel=4, expert_parallel=2,
+          context_parallel_mode="ulysses"),
+    _case("cp2_ring_ep2_tp2_hf_mixtral", "hf_mixtral", 4, context_parallel=2, expert_parallel=2, tensor_parallel=2),
+    _case("cp2_ring_ep2_pp2_hf_mixtral", "hf_mixtral", 4, context_parallel=2, expert_parallel=2, pipeline_parallel=2,
+          fields=PP),
     _case("cp4_ulysses_recipe_gpt", "recipe_gpt", 4, context_parallel=4, context_parallel_mode="ulysses"),
 ]  # fmt: skip
 

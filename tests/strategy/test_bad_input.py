@@ -117,8 +117,8 @@ def test_bad_expert_arguments_are_refused_at_construction(kwargs: dict, fragment
         (dict(context_parallel=0), "`context_parallel=0` must be a positive integer (1: off)"),
         (dict(context_parallel="2"), "`context_parallel='2'` must be a positive integer"),
         (dict(context_parallel=2, context_parallel_mode="flash"), "`context_parallel_mode='flash'` must be one of"),
-        (dict(context_parallel=2, moe_aux_loss_coef=0.01),
-         "`context_parallel=2` with `moe_aux_loss_coef=0.01` is not supported yet"),
+        (dict(context_parallel=2, expert_parallel=2, zero_stage=1),
+         "`context_parallel=2` with `expert_parallel=2` and `zero_stage=1` is not supported yet"),
         (dict(context_parallel=2, compile=True), "`compile=True` with `context_parallel=2` is not supported yet"),
     ],
 )  # fmt: skip
@@ -134,6 +134,14 @@ def test_context_degree_that_does_not_divide_data_parallel_fails_in_the_trainer_
     ):
         L.Trainer(accelerator="cpu", devices=2, logger=False,
                   strategy=HybridParallelStrategy(tensor_parallel=2, context_parallel=2))  # fmt: skip
+
+
+def test_context_and_expert_degrees_that_do_not_nest_fail_in_the_trainer_constructor() -> None:
+    with pytest.raises(
+        ValueError, match=r"`context_parallel=2` with `expert_parallel=3`: one must divide the other"
+    ):
+        L.Trainer(accelerator="cpu", devices=6, logger=False,
+                  strategy=HybridParallelStrategy(context_parallel=2, expert_parallel=3))  # fmt: skip
 
 
 def test_expert_degree_that_does_not_divide_data_parallel_fails_in_the_trainer_constructor() -> None:
@@ -153,11 +161,6 @@ def test_pipeline_degree_that_does_not_fit_the_devices_fails_in_the_trainer_cons
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
 REFUSED_AT_CONSTRUCTION = [
-    refusal(
-        ("cp", "ep"),
-        dict(context_parallel=2, expert_parallel=2),
-        "`context_parallel=2` with `expert_parallel=2` is not supported yet",
-    ),
     *[
         refusal(
             ("zero1", f"pp={schedule}"),
@@ -343,6 +346,12 @@ BOUND_S = 60
             ["ValueError: Context parallelism does not reproduce block `model.transformer.h.0` (GPT2Block)",
              "No `F.scaled_dot_product_attention` call was seen in it", 'attn_implementation="sdpa"'],
             id="cp-attention-that-cannot-be-split",
+        ),
+        pytest.param(
+            "cp-moe-capacity",
+            ["ValueError: Context parallelism does not reproduce block `model.transformer.h.0` (MoEBlock)",
+             "output differs", "Use `context_parallel=1` for this model"],
+            id="cp-moe-with-capacity-drops",
         ),
         pytest.param(
             "pp-step-calls-model-twice",

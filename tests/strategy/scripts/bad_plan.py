@@ -9,6 +9,7 @@
     python tests/strategy/scripts/bad_plan.py cp-length-not-divisible      # context_parallel=2, 14 tokens
     python tests/strategy/scripts/bad_plan.py cp-ulysses-heads              # Ulysses on 2 ranks, 3 heads
     python tests/strategy/scripts/bad_plan.py cp-eager-attention           # HF GPT-2 with eager attention
+    python tests/strategy/scripts/bad_plan.py cp-moe-capacity              # MoE dropping tokens, context_parallel=2
 
 Run by ``tests/strategy/test_bad_input.py`` with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set.
 """
@@ -72,6 +73,12 @@ def main(case: str) -> None:
         from tests.models.hf import HFGPT2Module
 
         model = HFGPT2Module(vocab_size=128, block_size=16, n_layer=1, attn_implementation="eager")
+        strategy = HybridParallelStrategy(context_parallel=2, timeout=30)
+    elif case == "cp-moe-capacity":  # which tokens an expert drops depends on which tokens a rank routes
+        from recipes.moe.module import MoEGPTLightningModule
+
+        model = MoEGPTLightningModule(vocab_size=128, block_size=16, n_layer=1, n_head=4, n_embd=32, num_experts=4,
+                                      capacity_factor=1.0)  # fmt: skip
         strategy = HybridParallelStrategy(context_parallel=2, timeout=30)
     else:
         raise SystemExit(f"unknown case {case!r}")
