@@ -67,3 +67,22 @@ def test_scatter_gradient_puts_each_token_back_at_its_position() -> None:
     x = torch.arange(8.0).view(1, 8).requires_grad_(True)
     scatter(x, SequenceSplit(2, 0), dim=1).sum().backward()
     assert x.grad.tolist() == [[1, 1, 0, 0, 0, 0, 1, 1]]
+
+
+def _ring_work(degree: int, rank: int, load_balanced: bool) -> int:
+    """(query, key) pairs the ring computes for ``rank`` over all hops: the blocks it runs, by their area."""
+    from lightning_parallel.context_parallel.blocks import ChunkPairs
+
+    split = SequenceSplit(degree, rank, load_balanced)
+    pairs = ChunkPairs(split, 64 * split.num_chunks, is_causal=True, attn_mask=None)
+    blocks = [b for source in range(degree) for b in pairs.blocks(source, torch.float32, torch.device("cpu"))]
+    size = pairs.chunk_size
+    return sum(size * (size + 1) // 2 if b.causal else size * size for b in blocks)
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_the_ring_runs_the_same_causal_work_on_every_rank_only_with_load_balancing(degree: int) -> None:
+    balanced = [_ring_work(degree, r, True) for r in range(degree)]
+    assert len(set(balanced)) == 1
+    contiguous = [_ring_work(degree, r, False) for r in range(degree)]  # the negative control
+    assert contiguous == sorted(contiguous) and contiguous[-1] > 2 * contiguous[0]
