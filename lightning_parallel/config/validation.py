@@ -26,7 +26,6 @@ from lightning_parallel.config import arguments
 from lightning_parallel.config.parallel_config import (
     PIPELINE_BOUNDARIES_KEY,
     ContextParallelConfig,
-    ExpertConfig,
     MemorySaverConfig,
     ParallelConfig,
     TensorParallelConfig,
@@ -75,7 +74,7 @@ def strategy_config(**a: Any) -> ParallelConfig:
             " step), or `zero_stage=1` with '1f1b', 'interleaved_1f1b', 'looped_bfs' or 'gpipe'."
         )
     context = arguments.context_parallel(a["context_parallel"], a["context_parallel_mode"])
-    _check_context(context, experts, zero.stage, a["compile"])
+    _check_context(context, a["compile"])
     styles = (
         {k: v for k, v in plan.items() if k != PIPELINE_BOUNDARIES_KEY} if isinstance(plan, dict) else plan
     )
@@ -83,19 +82,10 @@ def strategy_config(**a: Any) -> ParallelConfig:
     return ParallelConfig(tensor, pipeline, experts, zero, memory, a["compile"], weights, context)
 
 
-def _check_context(
-    context: ContextParallelConfig, experts: ExpertConfig, zero_stage: int, compile: bool
-) -> None:
+def _check_context(context: ContextParallelConfig, compile: bool) -> None:
     """What context parallelism does not compose with yet (docs/context_parallel.md, "Layouts")."""
     if not context.enabled:
         return
-    if experts.expert_parallel > 1 and zero_stage:
-        raise ValueError(
-            f"`context_parallel={context.degree}` with `expert_parallel={experts.expert_parallel}` and"
-            f" `zero_stage={zero_stage}` is not supported yet: ZeRO's expert sharding (FSDP2) and DeepSpeed's groups"
-            " are built on a mesh where `ep` is an axis of its own, while with both context and expert ranks it is"
-            " flattened from two. Nearest supported layouts: `zero_stage=0` with both, or ZeRO with one of them."
-        )
     if compile:
         raise ValueError(
             f"`compile=True` with `context_parallel={context.degree}` is not supported yet: the blocks' attention"

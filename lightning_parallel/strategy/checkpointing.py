@@ -190,8 +190,8 @@ class CheckpointingStrategy(MeshParallelStrategy):
 
     def _expert_replicas_mesh(self) -> Any:
         """``(dp_replicate, ep)``: where ZeRO's FSDP2 shards of expert slices live (checkpoint/layouts.py)."""
-        if self.dims is None or not self.dims.ep_enabled or self.dims.cp_enabled:
-            return None  # ZeRO (the one user) is refused with context and expert ranks together
+        if self.dims is None or not self.dims.ep_enabled:
+            return None
         return self.device_mesh["dp_replicate", "ep"]
 
     @override

@@ -28,7 +28,7 @@ class MeshParallelUnit:
         self._pp = mesh["pp"]
         # Every rank takes part in creating the flattened groups (a collective), also when a
         # group has one member.
-        if "ep" in (mesh.mesh_dim_names or ()):
+        if _has_axis(mesh, "ep"):
             self._dp = mesh["dp_replicate"]
             self._tp = _flat(mesh, ("ep", "tp"))
             self._mp = _flat(mesh, ("pp", "ep", "tp"))
@@ -86,6 +86,15 @@ class MeshParallelUnit:
     get_pipe_parallel_group = get_pipeline_model_parallel_group
     get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size
     get_pipe_parallel_rank = get_pipeline_model_parallel_rank
+
+
+def _has_axis(mesh: DeviceMesh, name: str) -> bool:
+    """Whether ``mesh`` names ``name``: an axis of its own, or one flattened from others (``ep`` beside ``cp``)."""
+    try:
+        mesh[name]
+    except KeyError:
+        return False
+    return True
 
 
 def _flat(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:

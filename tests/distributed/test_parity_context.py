@@ -8,7 +8,8 @@ with SDPA attention. 2 ranks: cp=2 alone and with activation checkpointing (full
 accumulation and clipping, ZeRO-1/2/3 and CPU offload, bf16 and fp16 (true). 4 ranks: cp=2 x tp=2
 (with and without sequence parallelism), cp=2 x dp=2, cp=2 x pp=2 under every schedule, cp=4.
 With expert parallelism (Mixtral, dropless recipe MoE, the strategy-added load-balancing loss):
-cp=2 x ep=2 on 2 ranks; on 4 ranks with dp, ep=4 x cp=2, cp=4 x ep=2, with tp, with pp.
+cp=2 x ep=2 on 2 ranks (also under ZeRO-1/2/3); on 4 ranks with dp, ep=4 x cp=2, cp=4 x ep=2, with tp,
+with pp, and ZeRO over each of those meshes.
 
 Each case also asserts that the split engaged: the model's attention calls were routed (one per
 block per step) and the collectives of its mode carried bytes. The negative controls of the
@@ -66,6 +67,8 @@ TWO = [
           moe_aux_loss_coef=HFMixtralAuxModule.AUX_COEF),
     _case("cp2_ring_ep2_dropless_recipe_moe", "recipe_moe", 2, context_parallel=2, expert_parallel=2,
           fields={"model_kwargs": {"capacity_factor": None}}),
+    *[_case(f"cp2_ring_ep2_zero{stage}_hf_mixtral", "hf_mixtral", 2, context_parallel=2, expert_parallel=2,
+            zero_stage=stage) for stage in (1, 2, 3)],
 ]  # fmt: skip
 BF16 = [
     _case("cp2_ring_bf16_recipe_gpt", "recipe_gpt", 2, context_parallel=2,
@@ -101,6 +104,10 @@ FOUR = [
     _case("cp2_ring_ep2_tp2_hf_mixtral", "hf_mixtral", 4, context_parallel=2, expert_parallel=2, tensor_parallel=2),
     _case("cp2_ring_ep2_pp2_hf_mixtral", "hf_mixtral", 4, context_parallel=2, expert_parallel=2, pipeline_parallel=2,
           fields=PP),
+    # ZeRO over those meshes: DeepSpeed's groups (stage 1) and FSDP2's expert units (2, 3) with ep flattened.
+    _case("cp2_ring_ep2_dp2_zero3_hf_mixtral", "hf_mixtral", 4, context_parallel=2, expert_parallel=2, zero_stage=3),
+    _case("cp4_ring_ep2_zero2_hf_mixtral", "hf_mixtral", 4, context_parallel=4, expert_parallel=2, zero_stage=2),
+    _case("cp2_ring_ep4_zero1_hf_mixtral", "hf_mixtral", 4, context_parallel=2, expert_parallel=4, zero_stage=1),
     _case("cp4_ulysses_recipe_gpt", "recipe_gpt", 4, context_parallel=4, context_parallel_mode="ulysses"),
 ]  # fmt: skip
 

@@ -117,8 +117,6 @@ def test_bad_expert_arguments_are_refused_at_construction(kwargs: dict, fragment
         (dict(context_parallel=0), "`context_parallel=0` must be a positive integer (1: off)"),
         (dict(context_parallel="2"), "`context_parallel='2'` must be a positive integer"),
         (dict(context_parallel=2, context_parallel_mode="flash"), "`context_parallel_mode='flash'` must be one of"),
-        (dict(context_parallel=2, expert_parallel=2, zero_stage=1),
-         "`context_parallel=2` with `expert_parallel=2` and `zero_stage=1` is not supported yet"),
         (dict(context_parallel=2, compile=True), "`compile=True` with `context_parallel=2` is not supported yet"),
     ],
 )  # fmt: skip
