@@ -223,8 +223,9 @@ def four_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", list(LAYOUTS_FOUR))
 def test_replica_sharded_experts_resume_reshard_and_consolidate(four_rank_runs: Path, layout: str) -> None:
-    """ZeRO-3 x ep2 x dp_replicate=2: the same run continues, ZeRO-1 resumes it, and the consolidated
-    file is the single process's module (each rank's quarter of an expert tensor in its place)."""
+    """ZeRO-3 x ep2 x dp_replicate=2 (also with cp=2, ep then flattened from two mesh axes): the same run
+    continues, ZeRO-1 resumes it, and the consolidated file is the single process's module (each rank's
+    quarter of an expert tensor in its place)."""
     from lightning_parallel import consolidate_checkpoint
     from tests.distributed.harness import mismatch
 

@@ -56,6 +56,8 @@ PRECISION = {"zero2_bf16": "bf16-mixed"}  # the others "32-true"
 # 2 replicas (ep=2 x dp_replicate=2), each rank's piece one box of the stacked tensor in the files.
 LAYOUTS_FOUR: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
     "zero3_ep2_dp2": (dict(zero_stage=3, expert_parallel=2), "hf_mixtral", ADAM),
+    # The same with the sequences split over cp=2 (dp = dp_batch 2 x cp 2 = dp_replicate 2 x ep 2): ep flattened.
+    "zero3_cp2_ep2_dp2": (dict(zero_stage=3, expert_parallel=2, context_parallel=2), "hf_mixtral", ADAM),
 }
 
 
@@ -83,6 +85,10 @@ RESHARDS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 RESHARDS_FOUR: dict[str, tuple[str, dict[str, Any]]] = {
     "zero3_ep2_dp2_to_zero1_ep2_dp2": ("zero3_ep2_dp2", dict(zero_stage=1, expert_parallel=2)),
+    "zero3_cp2_ep2_dp2_to_zero1_cp2_ep2_dp2": (
+        "zero3_cp2_ep2_dp2",
+        dict(zero_stage=1, expert_parallel=2, context_parallel=2),
+    ),  # FSDP2's expert shards into DeepSpeed's groups, both on the factored mesh
 }
 # Resumed into tensor parallelism: its sharded matmuls sum in another order, so even the first resumed
 # loss agrees within fp32 parity, not bit for bit.
@@ -95,9 +101,11 @@ RESHARDS_INTO_TENSOR_PARALLEL: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def data_parallel(layout: str, world_size: int = 2) -> int:
-    """Ranks that read different batches (experts are carved out of them; tensor and pipeline ranks are not)."""
+    """Ranks that read different batches (experts are carved out of them; tensor, pipeline and context ranks
+    are not: context ranks share their batch)."""
     strategy = {**LAYOUTS, **LAYOUTS_FOUR}[layout][0]
-    return world_size // (strategy.get("tensor_parallel", 1) * strategy.get("pipeline_parallel", 1))
+    model_parallel = strategy.get("tensor_parallel", 1) * strategy.get("pipeline_parallel", 1)
+    return world_size // (model_parallel * strategy.get("context_parallel", 1))
 
 
 def samples(world_size: int) -> int:
