@@ -44,7 +44,9 @@ def _module(shape: dict[str, Any], length: int) -> Any:
             super().__init__()
             config = LlamaConfig(**shape, max_position_embeddings=length, use_cache=False,
                                  attn_implementation="sdpa")  # fmt: skip
-            with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # a 1.3B init on the CPU takes seconds
+            with torch.device(
+                "cuda" if torch.cuda.is_available() else "cpu"
+            ):  # a 1.3B init on the CPU takes seconds
                 self.model = LlamaForCausalLM(config)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
