@@ -52,6 +52,8 @@ TWO = [
     _case("cp2_ring_ac_full_recipe_gpt", "recipe_gpt", 2, context_parallel=2, activation_checkpointing="full"),
     _case("cp2_ulysses_ac_selective_hf_llama", "hf_llama", 2, context_parallel=2, context_parallel_mode="ulysses",
           activation_checkpointing="selective"),
+    _case("cp2_ring_ac_selective_hf_llama", "hf_llama", 2, context_parallel=2, activation_checkpointing="selective"),
+    _case("cp2_ring_activation_offload_recipe_gpt", "recipe_gpt", 2, context_parallel=2, activation_offload=True),
     _case("cp2_ring_accum_clip_hf_llama", "hf_llama", 2, context_parallel=2,
           fields={"trainer_kwargs": {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}}),
     _case("cp2_ring_zero1_recipe_gpt", "recipe_gpt", 2, context_parallel=2, zero_stage=1),
