@@ -19,11 +19,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from lightning_parallel.comm.agreement import all_agree
 from lightning_parallel.context_parallel.attention import ContextState, route_attention
 from lightning_parallel.context_parallel.hooks import split_block_inputs
 from lightning_parallel.context_parallel.split import gather
 from lightning_parallel.context_parallel.ulysses import heads_check
 from lightning_parallel.tensor_parallel.regions import find_hidden, replace_hidden
+from lightning_parallel.tensor_parallel.verify import exact_fp32
 
 TOLERANCE = 1e-5
 Captured = tuple[tuple[Any, ...], dict[str, Any]]
@@ -81,12 +83,6 @@ def _compare(block: nn.Module, captured: Captured, state: ContextState, seen: Co
     return "; ".join(problems) or None
 
 
-def _agree(ok: bool) -> bool:
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 def verify_blocks(
     model: nn.Module, captured: dict[str, Captured], state: ContextState, tensor_parallel: int
 ) -> list[str]:
@@ -98,12 +94,13 @@ def verify_blocks(
         state.split.check(length)  # the same batch on every rank: every rank raises alike
         seen = ContextState(state.split, state.group, state.mode)  # what the routed calls saw
         try:
-            problem = _compare(block, inputs, state, seen)
+            with exact_fp32():
+                problem = _compare(block, inputs, state, seen)
         except ValueError:
             raise
         except Exception as error:  # noqa: BLE001 - any failure means the split cannot run this block
             problem = f"{type(error).__name__}: {error}"
-        if not _agree(problem is None):
+        if not all_agree(problem is None):
             calls = "" if seen.calls else (
                 " No `F.scaled_dot_product_attention` call was seen in it: its attention is computed by other ops"
                 " (for a Hugging Face model, pass `attn_implementation=\"sdpa\"`), which the split cannot route."

@@ -10,24 +10,40 @@ reads the model width from its input, as nanoGPT does).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils._pytree import tree_map
 
+from lightning_parallel.comm.agreement import all_agree
 from lightning_parallel.tensor_parallel.apply import install_container, scale_attributes
 from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
 from lightning_parallel.tensor_parallel.regions import find_hidden, install_sequence_region
 
 TOLERANCE = 1e-5
+
+
+@contextlib.contextmanager
+def exact_fp32() -> Iterator[None]:
+    """IEEE fp32 matmuls for a verification: with TF32 (on GPUs, where benchmarks turn it on) a right plan
+    would differ from the unsharded block by more than the 1e-5 the check allows."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    precision = torch.get_float32_matmul_precision()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+        torch.set_float32_matmul_precision(precision)
 
 
 class _CaptureDone(Exception):
@@ -187,15 +203,6 @@ def _compare_once(block: nn.Module, inputs: Captured, plan: ParallelPlan, mesh: 
     return "; ".join(problems) or None
 
 
-def _agree(ok: bool) -> bool:
-    """All ranks take the same decision, so none goes on alone into a collective."""
-    if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 def verify_and_choose_modes(
     model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh, captured: dict[str, Captured]
 ) -> list[str]:
@@ -216,10 +223,11 @@ def verify_and_choose_modes(
             if mode == "width-sliced" and not attention:
                 continue
             try:
-                problem = _compare_once(block, inputs, _relative_plan(plan, block_name, narrowed), mesh)
+                with exact_fp32():
+                    problem = _compare_once(block, inputs, _relative_plan(plan, block_name, narrowed), mesh)
             except Exception as error:  # noqa: BLE001 - any failure of a mode means "try the next one"
                 problem = f"{type(error).__name__}: {error}"
-            if _agree(problem is None):
+            if all_agree(problem is None):
                 narrowed_suffixes = {name[len(block_name) + 1 :] for name in narrowed}
                 for container in plan.containers:
                     owner = next((b for b in plan.block_names if container.name.startswith(b + ".")), None)
