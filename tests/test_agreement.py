@@ -16,7 +16,9 @@ from lightning_parallel.tensor_parallel.verify import exact_fp32
 @pytest.fixture
 def one_rank_group():
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rdv')}", rank=0, world_size=1)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.path.join(tmp, 'rdv')}", rank=0, world_size=1
+        )
         try:
             yield dist.group.WORLD
         finally:

@@ -32,14 +32,19 @@ def _exchange(rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return all_to_all(rows.reshape(size, -1), ones, ones, group).view(rows.shape)
 
 
-def to_heads(x: torch.Tensor, split: SequenceSplit, group: dist.ProcessGroup) -> torch.Tensor:
-    """``(B, H, T / C, D)`` of this rank's tokens -> ``(B, H / C, T, D)`` of every token, in sequence order."""
+def to_heads(
+    x: torch.Tensor, split: SequenceSplit, group: dist.ProcessGroup, order: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(B, H, T / C, D)`` of this rank's tokens -> ``(B, H / C, T, D)`` of every token, in sequence order.
+
+    ``order``: ``split.natural_order`` of the whole sequence, when the caller shares one among q, k, v
+    (each ``index_select`` keeps its index for backward: one tensor is kept once)."""
     c = split.degree
     b, h, t, d = x.shape
     rows = x.reshape(b, c, h // c, t, d).transpose(0, 1)  # (C, B, H/C, T/C, D): head group j -> rank j
     received = _exchange(rows.contiguous(), group)  # (C, B, H/C, T/C, D): rank s's tokens
     whole = received.permute(1, 2, 0, 3, 4).reshape(b, h // c, c * t, d)  # rank order
-    return whole.index_select(2, split.natural_order(c * t, x.device))
+    return whole.index_select(2, split.natural_order(c * t, x.device) if order is None else order)
 
 
 def to_sequence(x: torch.Tensor, split: SequenceSplit, group: dist.ProcessGroup) -> torch.Tensor:
@@ -85,8 +90,9 @@ def ulysses_attention(
     if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[1] == heads:
         rank = dist.get_rank(group)
         attn_mask = attn_mask[:, rank * heads // c : (rank + 1) * heads // c]
+    order = split.natural_order(q.shape[2] * c, q.device)
     out = F.scaled_dot_product_attention(
-        to_heads(q, split, group), to_heads(k, split, group), to_heads(v, split, group),
+        to_heads(q, split, group, order), to_heads(k, split, group, order), to_heads(v, split, group, order),
         attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
     )  # fmt: skip
     return to_sequence(out, split, group)

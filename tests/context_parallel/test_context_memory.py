@@ -7,8 +7,8 @@ recipe GPT (width E=32, 4 heads) on B=2 sequences of T=64 tokens per data replic
 - one block (the difference of the two depths, halved): ring attention holds exactly ``1/C`` of
   the one-process block (its queries, keys, values, output and log-sum-exp, like the flash
   kernel it replaces, for this rank's tokens); Ulysses holds ``1/C`` plus its output in sequence
-  layout beside the kernel's in head layout (``B x T/C x E`` fp32) plus its four int64 orders of
-  the whole sequence (``8T`` bytes each);
+  layout beside the kernel's in head layout (``B x T/C x E`` fp32) plus its two int64 orders of
+  the whole sequence (``8T`` bytes each: into sequence order, shared by q, k and v, and back);
 - outside the stack (the rest): the same as one process, replicated on every rank (embedding
   output, final norm, head and loss on the whole sequence), plus this rank's positions entering
   the split (``8T/C`` bytes).
@@ -57,7 +57,7 @@ def test_block_activations_fall_as_one_over_c_and_the_replicated_parts_stay(
         block, outside = _parts(run, f"cp{degree}_{mode}")
         expected = block_1 // degree
         if mode == "ulysses":
-            expected += B * (T // degree) * E * F32 + 4 * INT64 * T
+            expected += B * (T // degree) * E * F32 + 2 * INT64 * T
         print(f"rank {rank} cp{degree} {mode}: block {block} (cp1 {block_1}, {block / block_1:.3f}),"
               f" outside {outside} (cp1 {outside_1})")  # fmt: skip
         assert block == expected, f"rank {rank}: one block holds {block} bytes, expected {expected}"
