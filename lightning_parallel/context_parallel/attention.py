@@ -70,6 +70,16 @@ def attend(
             f" of shape (B, H, T / C, D) with as many keys as queries; got {tuple(query.shape)} and"
             f" {tuple(key.shape)}. Cross-attention or cached decoding cannot run under `context_parallel`."
         )
+    if attn_mask is not None and is_causal:
+        raise ValueError(
+            "scaled_dot_product_attention was called with both `attn_mask` and `is_causal=True`, which torch"
+            " itself refuses; fold the causal mask into `attn_mask`."
+        )
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(
+            f"{query.shape[1]} query heads cannot share {key.shape[1]} key/value heads: grouped-query attention"
+            " needs the key/value heads to divide the query heads."
+        )
     if key.shape[1] != query.shape[1] and not enable_gqa:
         raise ValueError(
             f"{query.shape[1]} query heads and {key.shape[1]} key heads without `enable_gqa=True`:"

@@ -12,7 +12,7 @@ reported, because the kernel gives them a log-sum-exp of 0 rather than minus inf
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,12 +49,20 @@ class ChunkPairs:
     length: int
     is_causal: bool
     attn_mask: torch.Tensor | None
+    _made: dict[tuple[int, torch.dtype], list[Block]] = field(default_factory=dict, repr=False)
+    """Blocks by source: forward and backward of one call cut the mask (and sync on it) once."""
 
     @property
     def chunk_size(self) -> int:
         return self.length // self.split.num_chunks
 
     def blocks(self, source: int, dtype: torch.dtype, device: torch.device) -> list[Block]:
+        key = (source, dtype)
+        if key not in self._made:
+            self._made[key] = self._blocks(source, dtype, device)
+        return self._made[key]
+
+    def _blocks(self, source: int, dtype: torch.dtype, device: torch.device) -> list[Block]:
         size = self.chunk_size
         mine, theirs = self.split.chunk_ids(self.split.rank), self.split.chunk_ids(source)
         blocks = []

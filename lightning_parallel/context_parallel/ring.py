@@ -4,8 +4,10 @@ With ``C`` ranks, the keys and values of this rank's tokens travel ``C - 1`` hop
 hop, sent while the previous one is being used); at each hop the local queries attend to the
 visiting chunk, block by block (``blocks.py``: masked-out blocks are skipped, so every rank does
 the same work), and the partial results are merged by their log-sum-exp (the online softmax of
-flash attention, across ranks). Nothing of size ``T x T`` (or of the whole sequence) is ever held:
-the saved tensors are this rank's queries, keys, values, output and log-sum-exp.
+flash attention, across ranks). What is saved for backward is this rank's queries, keys, values,
+output and log-sum-exp; nothing of the whole sequence is computed at once (a mask the model made
+for the whole sequence is kept as it is and cut per block, and the math path of other devices
+holds one block's scores, ``B x H x (T/2C)^2``, at a time).
 
 Backward rotates the keys and values again, with their gradients travelling beside them: each
 rank adds what its queries contribute to the visiting chunk's gradient and passes it on; after
@@ -121,6 +123,9 @@ def _attend_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """This block's part of dq, dk, dv, given the FINAL output and log-sum-exp of the queries."""
     if fused(q.device):
+        # Rows with no key anywhere have lse = -inf (output 0); the kernel would make exp(-inf + inf) = NaN of
+        # them, and NaN reaches dk, dv through p^T grad. Its own forward keeps 0 for such rows: so do we here.
+        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, block.causal, attn_mask=block.bias, scale=scale
         )
@@ -156,6 +161,14 @@ class RingAttention(torch.autograd.Function):
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pairs: ChunkPairs, scale: float,
         group: dist.ProcessGroup,
     ) -> torch.Tensor:  # fmt: skip
+        with torch.autocast(q.device.type, enabled=False):  # the fp32 math must stay fp32, as in backward
+            return RingAttention._forward(ctx, q, k, v, pairs, scale, group)
+
+    @staticmethod
+    def _forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pairs: ChunkPairs, scale: float,
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:  # fmt: skip
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         groups, chunk = q.shape[1] // k.shape[1], pairs.chunk_size
         b, h, t, d = q.shape
@@ -184,6 +197,11 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return RingAttention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
         q, k, v, out, lse = ctx.saved_tensors
         pairs, scale, group = ctx.pairs, ctx.scale, ctx.group
         size, rank = dist.get_world_size(group), dist.get_rank(group)

@@ -4,7 +4,7 @@ Entering attention, one all-to-all turns each rank's ``(B, H, T / C, D)`` querie
 into ``(B, H / C, T, D)``: every token, for ``H / C`` heads. Attention then runs as in one process
 (torch's own ``scaled_dot_product_attention``, with the model's mask and flags unchanged, since the
 sequence is whole and in order), and a second all-to-all gives each rank its tokens back, for
-every head. Cheaper than the ring when the heads divide ``C`` (each rank sends ``3 / C`` of its
+every head. Cheaper than the ring when ``C`` divides the heads (each rank sends ``3 / C`` of its
 q, k, v and ``1 / C`` of its output instead of ``C - 1`` key/value chunks), but it needs them to.
 
 Tokens arrive in rank order (with the load-balanced split, rank ``r``'s head and tail chunks

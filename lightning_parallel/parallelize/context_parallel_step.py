@@ -40,6 +40,21 @@ def context_state(config: ContextParallelConfig, mesh: DeviceMesh, sequence_para
     return ContextState(split, cp.get_group(), cast(Mode, config.mode), between_blocks=between)
 
 
+def refuse_dropping_experts(module: nn.Module, degree: int) -> None:
+    """An MoE with a capacity drops assignments by their place in the batch's queues: split over context
+    ranks, which tokens a rank routes together changes, and so do the drops (whatever the data)."""
+    from lightning_parallel.experts.layer import MoE
+
+    for name, layer in module.named_modules():
+        if isinstance(layer, MoE) and layer.capacity_factor is not None:
+            raise ValueError(
+                f"`context_parallel={degree}` with the MoE layer `{name}` (capacity_factor={layer.capacity_factor}) is"
+                " not supported: the assignments an expert drops depend on which tokens are routed together, which"
+                " splitting the sequence changes. Use `capacity_factor=None` (dropless) for context parallelism, or"
+                " `context_parallel=1`."
+            )
+
+
 def verify(
     module: nn.Module,
     state: ContextState,
@@ -50,6 +65,7 @@ def verify(
     """Refuse, before anything is changed, a model the split would silently change."""
     if not blocks:
         raise ValueError(NO_BLOCKS.format(degree=state.split.degree))
+    refuse_dropping_experts(module, state.split.degree)
     if captured is None:
         rank_zero_warn("No batch available before training: the context-parallel split was not verified.")
         return

@@ -18,7 +18,7 @@ RTOL, ATOL = 1e-5, 1e-6
 SHAPES = {"batch": 2, "heads": 4, "length": 32, "dim": 8}
 
 
-def _inputs(kv_heads: int, masked: bool) -> tuple[torch.Tensor, ...]:
+def _inputs(kv_heads: int, masked: bool | str) -> tuple[torch.Tensor, ...]:
     generator = torch.Generator().manual_seed(0)
     b, h, t, d = SHAPES["batch"], SHAPES["heads"], SHAPES["length"], SHAPES["dim"]
     q = torch.randn(b, h, t, d, generator=generator)
@@ -26,6 +26,12 @@ def _inputs(kv_heads: int, masked: bool) -> tuple[torch.Tensor, ...]:
     v = torch.randn(b, kv_heads, t, d, generator=generator)
     cotangent = torch.randn(b, h, t, d, generator=generator)
     mask = (torch.rand(b, 1, t, t, generator=generator) > 0.3) | torch.eye(t, dtype=torch.bool)
+    if (
+        masked == "empty_row"
+    ):  # a query that may attend to nothing (a padded position): output 0, finite gradients
+        mask[:, :, 5] = False
+    if masked == "additive":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
     return q, k, v, cotangent, (mask if masked else None)
 
 
@@ -51,7 +57,7 @@ def _attention(
     return gather(out, split, group, dim=2)
 
 
-def compare(rank: int, world_size: int, mode: str, kv_heads: int, causal: bool, masked: bool,
+def compare(rank: int, world_size: int, mode: str, kv_heads: int, causal: bool, masked: bool | str,
             load_balanced: bool, local_only: bool = False, fused: bool = True) -> dict[str, float]:  # fmt: skip
     """Largest absolute error of the output and of each gradient against one process; the bytes sent.
 
@@ -81,6 +87,7 @@ def compare(rank: int, world_size: int, mode: str, kv_heads: int, causal: bool, 
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True)
     }
     close = all(torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in zip(got, want, strict=True))
+    close = close and all(bool(torch.isfinite(g).all()) for g in got)
     return {
         **errors,
         "close": float(close),

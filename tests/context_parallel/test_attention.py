@@ -1,8 +1,9 @@
 """Ring and all-to-all attention equal torch's attention over the whole sequence, outputs and gradients.
 
 On 2 and 4 gloo ranks: causal and not, grouped KV heads (``enable_gqa``; in Ulysses repeated when the
-KV heads do not divide the ranks), a boolean padding-style mask computed for the whole sequence,
-load-balanced and contiguous splits. The bytes each mode sends are held against their theory
+KV heads do not divide the ranks), boolean and additive masks computed for the whole sequence (also
+with grouped heads, and with a query row that may attend to nothing), load-balanced and contiguous
+splits, torch's fused CPU kernel and the math blocks. The bytes each mode sends are held against their theory
 (the ring: ``C - 1`` hops of this rank's keys and values forward, ``C - 1`` of keys and values
 and ``C`` of their fp32 gradients backward; the all-to-all: ``(C - 1) / C`` of q, k, v and the
 output, in each direction). Negative control: attention over each rank's own tokens, what the
@@ -23,6 +24,12 @@ SETTINGS = [  # (mode, kv_heads, causal, masked, load_balanced)
     ("ring", 2, True, False, True),
     ("ring", 4, False, True, True),
     ("ring", 2, True, False, False),
+    ("ring", 2, False, True, True),  # grouped KV heads with a mask
+    ("ring", 4, False, "additive", True),  # an additive (float) mask
+    ("ring", 4, False, "empty_row", True),  # a query row with no key: output 0, finite gradients (as torch)
+    ("ulysses", 2, False, "additive", True),
+    ("ulysses", 4, False, "empty_row", True),
+    ("ring", 4, False, "empty_row", True, False, False),
     ("ring", 2, True, False, True, False, False),  # the math blocks other devices run
     ("ring", 4, False, True, True, False, False),
     ("ulysses", 4, True, False, True),

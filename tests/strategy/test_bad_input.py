@@ -347,8 +347,8 @@ BOUND_S = 60
         ),
         pytest.param(
             "cp-moe-capacity",
-            ["ValueError: Context parallelism does not reproduce block `model.transformer.h.0` (MoEBlock)",
-             "output differs", "Use `context_parallel=1` for this model"],
+            ["ValueError: `context_parallel=2` with the MoE layer `model.transformer.h.0.mlp` (capacity_factor=1.0)",
+             "Use `capacity_factor=None` (dropless)"],
             id="cp-moe-with-capacity-drops",
         ),
         pytest.param(
