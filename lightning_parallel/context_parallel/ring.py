@@ -209,10 +209,11 @@ class RingAttention(torch.autograd.Function):
         grad_out = grad_out.to(q.dtype).contiguous()
         dq = torch.zeros(q.shape, device=q.device)
         visiting = (k, v)
-        dk, dv = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
+        incoming: _Exchange | None = None  # the visiting chunk's gradient so far, from the previous rank
         for hop in range(size):
             pending = _Exchange(visiting, group) if hop < size - 1 else None
             kx, vx = _expand(visiting[0], groups), _expand(visiting[1], groups)
+            dk, dv = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
             for block in pairs.blocks((rank - hop) % size, q.dtype, q.device):
                 qs, ks = slice(block.q_index * chunk, (block.q_index + 1) * chunk), slice(block.k_index * chunk, (block.k_index + 1) * chunk)  # fmt: skip
                 dq_part, dk_part, dv_part = _attend_backward(
@@ -222,10 +223,14 @@ class RingAttention(torch.autograd.Function):
                 dq[:, :, qs] += dq_part.float()
                 dk[:, :, ks] += _fold(dk_part.float(), groups)
                 dv[:, :, ks] += _fold(dv_part.float(), groups)
-            gradients = _Exchange((dk, dv), group)  # the chunk's gradient follows it (home after `size` hops)
+            if incoming is not None:  # received while this hop computed: added only now
+                before_k, before_v = incoming.wait()
+                dk, dv = dk + before_k, dv + before_v
+            incoming = _Exchange((dk, dv), group)  # the chunk's gradient follows it (home after `size` hops)
             if pending is not None:
                 visiting = pending.wait()
-            dk, dv = gradients.wait()
+        assert incoming is not None
+        dk, dv = incoming.wait()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
