@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
 
 from lightning_parallel.context_parallel.traffic import TRAFFIC
 
@@ -142,14 +143,10 @@ def sequence_dim(tensor: torch.Tensor, length: int) -> int | None:
 
 
 def scatter_side_inputs(value: Any, split: SequenceSplit, length: int) -> Any:
-    """Every tensor of a block's other arguments (tuples, lists, dicts too) cut to this rank's tokens."""
-    if isinstance(value, torch.Tensor):
-        dim = sequence_dim(value, length)
-        return value if dim is None else scatter(value, split, dim)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
-        return type(value)(*(scatter_side_inputs(v, split, length) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(scatter_side_inputs(v, split, length) for v in value)
-    if isinstance(value, dict):
-        return {k: scatter_side_inputs(v, split, length) for k, v in value.items()}
-    return value
+    """Every tensor of a block's other arguments (inside tuples, lists, dicts too) cut to this rank's tokens."""
+
+    def cut(tensor: torch.Tensor) -> torch.Tensor:
+        dim = sequence_dim(tensor, length)
+        return tensor if dim is None else scatter(tensor, split, dim)
+
+    return tree_map_only(torch.Tensor, cut, value)

@@ -12,73 +12,56 @@ context ranks, as training does) must agree to 1e-5, or setup fails naming the b
 from __future__ import annotations
 
 import copy
-from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from lightning_parallel.comm.agreement import all_agree
 from lightning_parallel.context_parallel.attention import ContextState, route_attention
 from lightning_parallel.context_parallel.hooks import split_block_inputs
 from lightning_parallel.context_parallel.split import gather
 from lightning_parallel.context_parallel.ulysses import heads_check
-from lightning_parallel.tensor_parallel.regions import find_hidden, replace_hidden
-from lightning_parallel.tensor_parallel.verify import exact_fp32
-
-TOLERANCE = 1e-5
-Captured = tuple[tuple[Any, ...], dict[str, Any]]
-
-
-def _fp32(value: Any) -> Any:
-    return value.float() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
-
-
-def _first(output: Any) -> torch.Tensor:
-    return output if isinstance(output, torch.Tensor) else output[0]
-
-
-def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    if actual.shape != expected.shape:
-        return float("inf")
-    return ((actual - expected).norm() / expected.norm().clamp_min(1e-12)).item()
-
-
-def _inputs(captured: Captured) -> tuple[tuple[Any, ...], dict[str, Any], torch.Tensor]:
-    args, kwargs = tree_map(_fp32, copy.deepcopy(captured))
-    where, hidden = find_hidden(args, kwargs)
-    hidden = hidden.detach().float().requires_grad_(True)
-    args, kwargs = replace_hidden(args, kwargs, where, hidden)
-    return args, kwargs, hidden
+from lightning_parallel.tensor_parallel.regions import find_hidden
+from lightning_parallel.tensor_parallel.verify import (
+    TOLERANCE,
+    Captured,
+    block_inputs,
+    cotangent_like,
+    exact_fp32,
+    first_tensor,
+    relative_error,
+)
 
 
 def _compare(block: nn.Module, captured: Captured, state: ContextState, seen: ContextState) -> str | None:
     group, degree = state.group, state.split.degree
     whole, split = copy.deepcopy(block).float().eval(), copy.deepcopy(block).float().eval()
-    args, kwargs, hidden = _inputs(captured)
-    expected = _first(whole(*args, **kwargs))
-    generator = torch.Generator(device="cpu").manual_seed(1234)
-    cotangent = torch.randn(expected.shape, generator=generator).to(expected.device)
+    args, kwargs, hidden = block_inputs(captured)
+    expected = first_tensor(whole(*args, **kwargs))
+    cotangent = cotangent_like(expected)
     (expected * cotangent).sum().backward()
 
     route_attention(split, seen)
-    args, kwargs, split_hidden = _inputs(captured)
+    args, kwargs, split_hidden = block_inputs(captured)
     args, kwargs = split_block_inputs(args, kwargs, seen, first=True)
-    output = gather(_first(split(*args, **kwargs)), state.split, group)
+    output = gather(first_tensor(split(*args, **kwargs)), state.split, group)
     (output * cotangent).sum().backward()
     problems = []
-    if (err := _relative(output.detach(), expected.detach())) > TOLERANCE:
+    if (err := relative_error(output.detach(), expected.detach())) > TOLERANCE:
         problems.append(f"output differs (relative error {err:.2e})")
     grads = [split_hidden.grad] + [p.grad for p in split.parameters() if p.grad is not None]
     for grad in grads:
         dist.all_reduce(grad, group=group)
         grad.div_(degree)
-    if (err := _relative(split_hidden.grad, hidden.grad)) > TOLERANCE:
+    if (err := relative_error(split_hidden.grad, hidden.grad)) > TOLERANCE:
         problems.append(f"input gradient differs (relative error {err:.2e})")
     for name, param in whole.named_parameters():
         mine = split.get_parameter(name).grad
-        if param.grad is not None and mine is not None and (err := _relative(mine, param.grad)) > TOLERANCE:
+        if (
+            param.grad is not None
+            and mine is not None
+            and (err := relative_error(mine, param.grad)) > TOLERANCE
+        ):
             problems.append(f"gradient of `{name}` differs (relative error {err:.2e})")
     return "; ".join(problems) or None
 

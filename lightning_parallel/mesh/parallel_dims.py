@@ -35,6 +35,11 @@ CONTEXT_AXIS_NAMES: tuple[str, ...] = ("pp", "dp_batch", "cp", "tp")
 # (``_build_context_and_expert_mesh``); the names used elsewhere are flattened from those.
 
 
+def _divisors(n: int) -> list[int]:
+    """The degrees an axis carved out of ``n`` ranks may take (named in the refusal)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 @dataclass
 class ParallelDims:
     """Degrees of parallelism for one job; ``data_parallel=-1`` means "whatever is left".
@@ -83,7 +88,7 @@ class ParallelDims:
             raise ValueError(
                 f"`expert_parallel={self.expert_parallel}` must divide the data-parallel size"
                 f" {self.data_parallel}: expert ranks are carved out of the data-parallel ranks. Choose"
-                f" expert_parallel among {[d for d in range(1, self.data_parallel + 1) if self.data_parallel % d == 0]}."
+                f" expert_parallel among {_divisors(self.data_parallel)}."
             )
 
         if self.data_parallel % self.context_parallel != 0:
@@ -91,7 +96,7 @@ class ParallelDims:
                 f"`context_parallel={self.context_parallel}` must divide the data-parallel size {self.data_parallel}"
                 f" ({self.world_size} ranks / (tensor_parallel={self.tensor_parallel} x pipeline_parallel="
                 f"{self.pipeline_parallel})): context ranks are carved out of the data-parallel ranks. Choose"
-                f" context_parallel among {[d for d in range(1, self.data_parallel + 1) if self.data_parallel % d == 0]}."
+                f" context_parallel among {_divisors(self.data_parallel)}."
             )
         ep, cp = self.expert_parallel, self.context_parallel
         if ep > 1 and cp > 1 and ep % cp and cp % ep:

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_map
 from lightning_parallel.comm.agreement import all_agree
 from lightning_parallel.tensor_parallel.apply import install_container, scale_attributes
 from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
-from lightning_parallel.tensor_parallel.regions import find_hidden, install_sequence_region
+from lightning_parallel.tensor_parallel.regions import find_hidden, install_sequence_region, replace_hidden
 
 TOLERANCE = 1e-5
 
@@ -143,11 +143,13 @@ def _relative_plan(plan: ParallelPlan, prefix: str, narrow: set[str]) -> Paralle
     return dataclasses.replace(plan, styles=styles, containers=containers, block_names=[], norms=[])
 
 
-def _first_tensor(output: Any) -> torch.Tensor:
+def first_tensor(output: Any) -> torch.Tensor:
+    """A block's hidden-state output (the block may return a tuple)."""
     return output if isinstance(output, torch.Tensor) else output[0]
 
 
-def _rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``|actual - expected| / |expected|`` in fp32 (infinite for another shape); the verifications' measure."""
     if isinstance(actual, DTensor):
         actual = actual.full_tensor()
     if actual.shape != expected.shape:
@@ -160,18 +162,25 @@ def _to_fp32(value: Any) -> Any:
     return value.float() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
 
 
-def _run(block: nn.Module, inputs: Captured) -> tuple[torch.Tensor, torch.Tensor]:
+def block_inputs(inputs: Captured) -> tuple[tuple[Any, ...], dict[str, Any], torch.Tensor]:
+    """A fresh fp32 copy of a block's captured arguments, with the hidden state a leaf that takes a gradient."""
     args, kwargs = tree_map(_to_fp32, copy.deepcopy(inputs))
     where, hidden = find_hidden(args, kwargs)
     hidden = hidden.detach().float().requires_grad_(True)
-    if isinstance(where, int):
-        args = (hidden, *args[1:])
-    else:
-        kwargs[where] = hidden
-    out = _first_tensor(block(*args, **kwargs))
+    args, kwargs = replace_hidden(args, kwargs, where, hidden)
+    return args, kwargs, hidden
+
+
+def cotangent_like(out: torch.Tensor) -> torch.Tensor:
+    """The same seeded random output gradient for every run compared (the same on every rank)."""
     generator = torch.Generator(device="cpu").manual_seed(1234)
-    cotangent = torch.randn(out.shape, generator=generator).to(out.device, out.dtype)
-    (out * cotangent).sum().backward()
+    return torch.randn(out.shape, generator=generator).to(out.device, out.dtype)
+
+
+def _run(block: nn.Module, inputs: Captured) -> tuple[torch.Tensor, torch.Tensor]:
+    args, kwargs, hidden = block_inputs(inputs)
+    out = first_tensor(block(*args, **kwargs))
+    (out * cotangent_like(out)).sum().backward()
     return out.detach(), hidden.grad
 
 
@@ -188,17 +197,17 @@ def _compare_once(block: nn.Module, inputs: Captured, plan: ParallelPlan, mesh: 
     ref_out, ref_grad = _run(reference, inputs)
     out, grad = _run(sharded, inputs)
     problems = []
-    if (err := _rel_error(out, ref_out)) > TOLERANCE:
+    if (err := relative_error(out, ref_out)) > TOLERANCE:
         problems.append(
             f"output differs (relative error {err:.2e}, shapes {tuple(out.shape)} vs {tuple(ref_out.shape)})"
         )
-    if (err := _rel_error(grad, ref_grad)) > TOLERANCE:
+    if (err := relative_error(grad, ref_grad)) > TOLERANCE:
         problems.append(f"input gradient differs (relative error {err:.2e})")
     for name, ref_param in reference.named_parameters():
         param = sharded.get_parameter(name)
         if ref_param.grad is None or param.grad is None:
             continue
-        if (err := _rel_error(param.grad, ref_param.grad)) > TOLERANCE:
+        if (err := relative_error(param.grad, ref_param.grad)) > TOLERANCE:
             problems.append(f"gradient of `{name}` differs (relative error {err:.2e})")
     return "; ".join(problems) or None
 
