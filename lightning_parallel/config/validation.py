@@ -41,7 +41,6 @@ def strategy_config(**a: Any) -> ParallelConfig:
     weights = arguments.init_weights(a["init_weights"])
     zero = arguments.zero(a["zero_stage"], a["offload"], a["offload_path"], a["deepspeed_config"])
     tp, pp, plan = a["tensor_parallel"], a["pipeline_parallel"], a["plan"]
-    _check_zero_layout(zero, tp, pp, a["expert_parallel"])
     if not a["save_distributed_checkpoint"]:
         refusal = consolidated_refusal(pp, a["expert_parallel"], zero.stage)
         if refusal is not None:
@@ -139,31 +138,6 @@ def _check_memory_savers(
 
 
 # ---- pairs ------------------------------------------------------------------------------------
-
-
-def _check_zero_layout(
-    zero: ZeroArguments,
-    tensor_parallel: Any,
-    pipeline_parallel: Any,
-    expert_parallel: Any,
-) -> None:
-    """The layouts ZeRO cannot run correctly (docs/zero.md, "Layouts")."""
-    if not zero.enabled:
-        return
-    if zero.offload == "nvme" and (tensor_parallel != 1 or pipeline_parallel > 1 or expert_parallel > 1):
-        name, value = next(
-            (n, v)
-            for n, v in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel),
-                         ("expert_parallel", expert_parallel))
-            if v != 1
-        )  # fmt: skip
-        raise ValueError(
-            f"`offload='nvme'` with `zero_stage=3` and `{name}={value}` is not supported yet: ZeRO-3 with tensor,"
-            " pipeline or expert parallelism runs on torch's FSDP2, which offloads to the CPU only, and DeepSpeed's"
-            " NVMe swapping lives in its own ZeRO-3 engine, whose hooks do not know tensor-parallel (DTensor)"
-            " shards, pipeline micro-batches or expert slices. Nearest supported layouts: `offload='cpu'` with that"
-            " layout, or `offload='nvme'` with data parallelism only."
-        )
 
 
 def consolidated_refusal(pipeline_parallel: int, expert_parallel: int, zero_stage: int) -> str | None:

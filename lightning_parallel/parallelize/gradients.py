@@ -230,7 +230,7 @@ def shard_for_zero(
     # Experts over their replicas (dp_replicate), everything else over the whole dp (zero/fsdp.py).
     experts = ExpertSharding(mesh["dp_replicate"], dims.data_parallel) if dims.ep_enabled else None
     return fully_shard_modules(
-        module, mesh["dp"], kept, offload=config.zero.offload == "cpu", reshard_after_forward=reshard,
+        module, mesh["dp"], kept, offload=config.zero.offload is not None, reshard_after_forward=reshard,
         experts=experts,
     )  # fmt: skip
 

@@ -260,9 +260,13 @@ class HybridParallelStrategy(CheckpointingStrategy):
             self.setup_optimizers(trainer)
             if self.deepspeed_zero:
                 self._initialize_zero(trainer, parallelized)
-            elif self.config.zero.offload == "cpu":  # FSDP2's shards on the CPU: DeepSpeed's CPU Adam
+            elif self.config.zero.offload is not None:  # FSDP2's shards on the CPU: DeepSpeed's CPU Adam
                 self.optimizers = offload_sharded_optimizers(
-                    self.optimizers, self.lr_scheduler_configs, self.config.zero, self.root_device.type
+                    self.optimizers,
+                    self.lr_scheduler_configs,
+                    self.config.zero,
+                    self.root_device.type,
+                    self.global_rank,
                 )
         self.setup_precision_plugin()
 

@@ -58,13 +58,15 @@ def engine_for(
     why its own pipeline engine refuses them), and ZeRO-2/3 with expert parallelism (dense gradients
     must be averaged over the expert ranks before DeepSpeed's reduction over their replicas, which
     its per-backward hooks at stages 2/3 leave no room for; FSDP2 shards experts over their replicas
-    in their own units). Every other stage and layout is DeepSpeed's engine
-    (NVMe offload always: FSDP2 offloads to the CPU only).
+    in their own units). Every other stage and layout is DeepSpeed's engine (NVMe offload with data
+    parallelism only too: DeepSpeed swaps parameters and optimizer states; on FSDP2 the optimizer
+    states go to NVMe and the sharded parameters stay in host memory, ``zero/sharded_nvme_adam.py``).
     """
     if not zero.enabled:
         return None
     if zero.offload == "nvme":
-        return "deepspeed"
+        model_parallel = tensor_parallel > 1 or pipeline_parallel > 1 or expert_parallel > 1
+        return "fsdp2" if model_parallel else "deepspeed"
     if zero.stage == 3 and tensor_parallel > 1:
         return "fsdp2"
     if zero.stage > 1 and (pipeline_parallel > 1 or expert_parallel > 1):
@@ -145,13 +147,15 @@ def initialize_engine(
 
 
 def offload_sharded_optimizers(
-    optimizers: list[Any], scheduler_configs: list[Any], zero: ZeroArguments, device_type: str
+    optimizers: list[Any], scheduler_configs: list[Any], zero: ZeroArguments, device_type: str, rank: int
 ) -> list[Any]:
-    """FSDP2 with ``offload="cpu"``: Adam/AdamW become DeepSpeed's CPU Adam on the CPU shards (the LR schedulers
-    of Lightning's ``scheduler_configs`` re-pointed); the others stay."""
+    """FSDP2 with ``offload``: Adam/AdamW become DeepSpeed's CPU Adam on the CPU shards (the LR schedulers
+    of Lightning's ``scheduler_configs`` re-pointed), their states in files of ``offload_path`` with
+    ``"nvme"``; other optimizers stay (refused with ``"nvme"``)."""
     schedulers = [config.scheduler for config in scheduler_configs]
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
     if (line := announce_compilation(zero, device_type)) is not None:
         rank_zero_info(line)
-    return [offload_optimizer(o, schedulers, sharded=True) for o in optimizers]
+    nvme = (zero.offload_path, rank) if zero.offload == "nvme" and zero.offload_path is not None else None
+    return [offload_optimizer(o, schedulers, sharded=True, nvme=nvme) for o in optimizers]

@@ -30,14 +30,24 @@ def _adam_mode(optimizer: torch.optim.Optimizer) -> bool | None:
 
 
 def offload_optimizer(
-    optimizer: torch.optim.Optimizer, schedulers: Iterable[Any] = (), sharded: bool = False
+    optimizer: torch.optim.Optimizer,
+    schedulers: Iterable[Any] = (),
+    sharded: bool = False,
+    nvme: tuple[str, int] | None = None,
 ) -> torch.optim.Optimizer:
     """Return DeepSpeed's CPU Adam for a torch Adam/AdamW (same groups and hyper-parameters), else ``optimizer``.
 
     ``sharded``: the parameters are FSDP2's DTensor shards on the CPU (``zero/sharded_cpu_adam.py``);
-    otherwise DeepSpeed's engine hands the kernel its own flat fp32 partitions.
+    otherwise DeepSpeed's engine hands the kernel its own flat fp32 partitions. ``nvme``: (folder, rank)
+    for the states of sharded parameters in files (``zero/sharded_nvme_adam.py``).
     """
     adamw_mode = _adam_mode(optimizer)
+    if adamw_mode is None and nvme is not None:
+        raise ValueError(
+            f"`offload='nvme'` with {type(optimizer).__name__}: on this layout the optimizer states swapped to"
+            " NVMe are Adam's (DeepSpeed's CPU Adam on FSDP2's CPU shards), and another optimizer's states have"
+            " no swapper. Return torch.optim.Adam or AdamW from `configure_optimizers`, or use `offload='cpu'`."
+        )
     if adamw_mode is None:
         return optimizer
     for option in ("amsgrad", "maximize"):
@@ -46,7 +56,12 @@ def offload_optimizer(
                 f"`{type(optimizer).__name__}({option}=True)` with `offload='cpu'`: DeepSpeed's CPU Adam has no"
                 f" {option}. Drop {option}, or turn offloading off."
             )
-    if sharded:
+    extra: dict[str, Any] = {}
+    if sharded and nvme is not None:
+        from lightning_parallel.zero.sharded_nvme_adam import ShardedNVMeAdam as CPUAdam
+
+        extra = {"nvme_path": nvme[0], "rank": nvme[1]}
+    elif sharded:
         from lightning_parallel.zero.sharded_cpu_adam import ShardedCPUAdam as CPUAdam
     else:
         from deepspeed.ops.adam import DeepSpeedCPUAdam as CPUAdam
@@ -64,6 +79,7 @@ def offload_optimizer(
         eps=defaults["eps"],
         weight_decay=defaults["weight_decay"],
         adamw_mode=adamw_mode,
+        **extra,
     )
     for scheduler in schedulers:
         _repoint(scheduler, optimizer, replacement)

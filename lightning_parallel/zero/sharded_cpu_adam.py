@@ -33,32 +33,42 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             on_device = []
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                state = self._state_of(param)
                 if param.device.type != "cpu":
                     on_device.append(param)
                     continue
+                state = self._state_of(param)
                 state["step"] += 1
-                tensors = [_local(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])]
-                updated = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-                self.ds_opt_adam.adam_update(
-                    self.opt_id, int(state["step"]), group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                    group["bias_correction"], *updated,
-                )  # fmt: skip
-                for original, copy in zip(tensors, updated, strict=True):
-                    if copy is not original:
-                        original.copy_(copy)
+                self._kernel_update(group, param, state["step"], state["exp_avg"], state["exp_avg_sq"])
             self._step_on_device(group, on_device)
         return loss
+
+    def _kernel_update(
+        self, group: dict[str, Any], param: torch.Tensor, step: torch.Tensor, exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """DeepSpeed's vectorised Adam on the local shards of ``param``, its gradient and its states, in place."""
+        beta1, beta2 = group["betas"]
+        tensors = [_local(t) for t in (param, param.grad, exp_avg, exp_avg_sq)]
+        updated = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        self.ds_opt_adam.adam_update(
+            self.opt_id, int(step), group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+            group["bias_correction"], *updated,
+        )  # fmt: skip
+        for original, copy in zip(tensors, updated, strict=True):
+            if copy is not original:
+                original.copy_(copy)
+
+    def _state_dtype(self, param: torch.Tensor) -> torch.dtype:
+        return torch.float if self.fp32_optimizer_states else param.dtype
 
     def _state_of(self, param: torch.Tensor) -> dict[str, Any]:
         state = self.state[param]
         if not state:
-            dtype = torch.float if self.fp32_optimizer_states else param.dtype
+            dtype = self._state_dtype(param)
             state["step"] = torch.tensor(0.0)  # as torch's Adam: checkpoints interchangeable with it
             state["exp_avg"] = torch.zeros_like(param, dtype=dtype)
             state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype)

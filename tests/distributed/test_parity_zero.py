@@ -55,6 +55,8 @@ TWO = [
       for s in (1, 2, 3) for family in ("nanogpt", "recipe_gpt")],
     _case("zero3_nvme_acsel_dp2_nanogpt", "nanogpt", fields={"model_kwargs": ADAM}, zero_stage=3, offload="nvme",
           offload_path=NVME_PATH, activation_checkpointing="selective"),
+    _case("zero3_nvme_acfull_dp2_nanogpt", "nanogpt", fields={"model_kwargs": ADAM}, zero_stage=3, offload="nvme",
+          offload_path=NVME_PATH, activation_checkpointing="full"),
     # ZeRO-2/3 with expert parallelism (FSDP2: expert slices their own units over their replicas, here one).
     _case("zero3_ep2_hf_mixtral", "hf_mixtral", zero_stage=3, expert_parallel=2),
     _case("zero3_ep2_hf_gpt_oss", "hf_gpt_oss", zero_stage=3, expert_parallel=2),  # per-expert biases too
@@ -67,9 +69,10 @@ TWO = [
 
 def _low(stage: int, precision: str, **kwargs: object) -> Case:
     short = {"bf16-mixed": "bf16", "bf16-true": "bf16true"}[precision]
-    extra = "_cpu" if kwargs.get("offload") else ""
+    extra = f"_{kwargs['offload']}" if kwargs.get("offload") else ""
+    adam = {"model_kwargs": ADAM} if kwargs.get("offload") == "nvme" else {}
     return _case(f"zero{stage}{extra}_{short}_dp2_nanogpt", "nanogpt", zero_stage=stage,
-                 fields={"trainer_kwargs": {"precision": precision}}, **kwargs)  # fmt: skip
+                 fields={"trainer_kwargs": {"precision": precision}, **adam}, **kwargs)  # fmt: skip
 
 
 # DeepSpeed's bf16 (fp32 master weights): losses within 2e-2. Not fp16: on the CPU Lightning turns
@@ -77,6 +80,10 @@ def _low(stage: int, precision: str, **kwargs: object) -> Case:
 LOW_PRECISION = [
     *[_low(stage, precision) for stage in (1, 2, 3) for precision in ("bf16-mixed", "bf16-true")],
     _low(2, "bf16-mixed", offload="cpu"),
+    *[
+        _low(3, precision, offload="nvme", offload_path=NVME_PATH)
+        for precision in ("bf16-mixed", "bf16-true")
+    ],
 ]
 FOUR = [
     _case("zero1_tp2_dp2_nanogpt", "nanogpt", 4, zero_stage=1, tensor_parallel=2),
@@ -101,6 +108,14 @@ FOUR = [
     _case("zero2_ep2_dp2_clip_accum_recipe_moe", "recipe_moe", 4, zero_stage=2, expert_parallel=2,
           fields={"trainer_kwargs": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}}),
     _case("zero3_ep2_tp2_hf_mixtral", "hf_mixtral", 4, zero_stage=3, expert_parallel=2, tensor_parallel=2),
+    # NVMe on FSDP2 (zero/sharded_nvme_adam.py): Adam's states of the CPU shards in files between steps.
+    _case("zero3_nvme_tp2_dp2_nanogpt", "nanogpt", 4, fields={"model_kwargs": ADAM}, zero_stage=3, offload="nvme",
+          offload_path=NVME_PATH, tensor_parallel=2),
+    _case("zero3_nvme_tp2_sp_dp2_clip_recipe_gpt", "recipe_gpt", 4, zero_stage=3, offload="nvme",
+          offload_path=NVME_PATH, tensor_parallel=2, sequence_parallel=True,
+          fields={"model_kwargs": {"optimizer": "adamw", "warmup_steps": 2}, "trainer_kwargs": {"gradient_clip_val": 0.05}}),
+    _case("zero3_nvme_ep2_dp2_hf_mixtral", "hf_mixtral", 4, fields={"model_kwargs": ADAM}, zero_stage=3,
+          offload="nvme", offload_path=NVME_PATH, expert_parallel=2),
 ]  # fmt: skip
 
 
@@ -108,18 +123,20 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zer
 DEEP = {"model_kwargs": {"n_layer": 4}, "batch_size": 4}  # 4 blocks: two stages per rank for the V schedules
 
 
-def _pipelined(stage: int, index: int, schedule: str) -> Case:
+def _pipelined(stage: int, index: int, schedule: str, nvme: bool = False) -> Case:
     """ZeRO-2/3 under two pipeline stages (FSDP2 per stage, one reduce-scatter per step); every schedule once with
-    CPU offload (AdamW on the CPU), alternately at stage 2 and 3."""
-    offload = (index + stage) % 2 == 0
+    CPU offload (AdamW on the CPU), alternately at stage 2 and 3; ``nvme``: ZeRO-3 with the states in files."""
+    offload = "nvme" if nvme else "cpu" if (index + stage) % 2 == 0 else None
     fields = {**DEEP, "model_kwargs": {**DEEP["model_kwargs"], **(ADAM if offload else {})}}
-    return _case(f"zero{stage}{'_cpu' if offload else ''}_pp2_{schedule}_dp2_nanogpt", "nanogpt", 4, fields=fields,
-                 zero_stage=stage, pipeline_parallel=2, pipeline_schedule=schedule,
-                 micro_batches=4 if schedule == "dualpipev" else 2, **({"offload": "cpu"} if offload else {}))  # fmt: skip
+    where = {"offload": offload, **({"offload_path": NVME_PATH} if nvme else {})} if offload else {}
+    return _case(f"zero{stage}{f'_{offload}' if offload else ''}_pp2_{schedule}_dp2_nanogpt", "nanogpt", 4,
+                 fields=fields, zero_stage=stage, pipeline_parallel=2, pipeline_schedule=schedule,
+                 micro_batches=4 if schedule == "dualpipev" else 2, **where)  # fmt: skip
 
 
 PIPELINED = [
     *[_pipelined(stage, i, schedule) for stage in (2, 3) for i, schedule in enumerate(SCHEDULES)],
+    *[_pipelined(3, i, schedule, nvme=True) for i, schedule in enumerate(SCHEDULES)],
     # ZeRO-1 (DeepSpeed) under the schedules the FOUR cases leave out.
     *[_case(f"zero1_pp2_{schedule}_dp2_nanogpt", "nanogpt", 4, fields=DEEP, zero_stage=1, pipeline_parallel=2,
             pipeline_schedule=schedule, micro_batches=4 if schedule == "dualpipev" else 2)

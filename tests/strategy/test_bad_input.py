@@ -167,37 +167,6 @@ REFUSED_AT_CONSTRUCTION = [
         )
         for schedule in ("interleaved_zero_bubble", "zbv", "dualpipev")
     ],
-    # NVMe offload exists only at stage 3, so it inherits stage 3's refusals.
-    *[
-        refusal(
-            ("offload=nvme", row),
-            dict(zero_stage=3, offload="nvme", offload_path="/tmp/nvme", **layout),
-            message,
-        )
-        for row, layout, message in [
-            *[
-                (
-                    f"pp={schedule}",
-                    dict(pipeline_parallel=2, pipeline_schedule=schedule),
-                    "`offload='nvme'` with `zero_stage=3` and `pipeline_parallel=2` is not supported yet",
-                )
-                for schedule in SCHEDULES
-            ],
-            (
-                "ep",
-                dict(expert_parallel=2),
-                "`offload='nvme'` with `zero_stage=3` and `expert_parallel=2` is not supported yet",
-            ),
-            *[
-                (
-                    row,
-                    dict(tensor_parallel=2, sequence_parallel=row == "sp"),
-                    "`offload='nvme'` with `zero_stage=3` and `tensor_parallel=2` is not supported yet",
-                )
-                for row in ("tp", "sp")
-            ],
-        ]
-    ],
     *[
         refusal(
             (f"zero{stage}", "offload=nvme"),

@@ -62,3 +62,78 @@ def test_the_offloaded_optimizer_is_freed_without_the_cycle_collector() -> None:
         assert dead() is None
     finally:
         gc.enable()
+
+
+def _nvme_run(folder: str, steps: int, resume_from: dict | None = None) -> tuple[list[torch.Tensor], object]:
+    from lightning_parallel.zero.sharded_nvme_adam import ShardedNVMeAdam
+
+    params = _params()
+    big = torch.nn.Parameter(torch.randn(40, 70))  # larger than the first buffers: they grow
+    params.append(big)
+    optimizer = ShardedNVMeAdam(params, nvme_path=folder, rank=0, adamw_mode=True, **HYPER)
+    if resume_from is not None:
+        for p, value in zip(params, resume_from["params"], strict=True):
+            p.data.copy_(value)
+        optimizer.load_state_dict(resume_from["optimizer"])
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator)
+        optimizer.step()
+    return params, optimizer
+
+
+def test_states_on_nvme_give_the_kernel_update_and_leave_host_memory(tmp_path) -> None:
+    """offload='nvme' on FSDP2's shards: the same update as the states kept in memory, the states in files
+    between steps (none in the optimizer's dict), and a state dict that resumes exactly."""
+    pytest.importorskip("deepspeed")
+    from lightning_parallel.zero.sharded_cpu_adam import ShardedCPUAdam
+
+    params, optimizer = _nvme_run(str(tmp_path), 3)
+    reference = _params() + [torch.nn.Parameter(torch.randn(40, 70))]
+    torch.manual_seed(0)
+    reference = _params()
+    reference.append(torch.nn.Parameter(torch.randn(40, 70)))
+    in_memory = ShardedCPUAdam(reference, adamw_mode=True, **HYPER)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for p in reference:
+            p.grad = torch.randn(p.shape, generator=generator)
+        in_memory.step()
+    for got, want in zip(params, reference, strict=True):
+        assert torch.equal(got, want)  # the same kernel on the same states, read back bit for bit
+    assert all(set(optimizer.state[p]) == {"step"} for p in params)  # nothing of Adam's states in memory
+    numel = sum(p.numel() for p in params)
+    assert optimizer.files.bytes_written >= 3 * 2 * 4 * numel  # each step wrote both states of every shard
+    assert optimizer.files.bytes_read >= 2 * 2 * 4 * numel  # and read them back from the second step on
+    assert optimizer.files.disk_bytes() >= 2 * 4 * numel
+    # The checkpoint's view: tensors equal to the kernel's states in memory, dropped again afterwards.
+    saved = optimizer.state_dict()
+    for i, p in enumerate(reference):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved["state"][i][key], in_memory.state[p][key])
+    assert all(set(optimizer.state[p]) == {"step"} for p in params)
+    # Resume: two more steps from the saved state equal five uninterrupted steps.
+    snapshot = {"params": [p.detach().clone() for p in params], "optimizer": saved}
+    uninterrupted, _ = _nvme_run(str(tmp_path / "b"), 5)
+    resumed, again = _nvme_run(str(tmp_path / "c"), 0, resume_from=snapshot)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):  # the generator's state after three steps' gradients
+        for p in resumed:
+            torch.randn(p.shape, generator=generator)
+    for _ in range(2):
+        for p in resumed:
+            p.grad = torch.randn(p.shape, generator=generator)
+        again.step()
+    for got, want in zip(resumed, uninterrupted, strict=True):
+        assert torch.equal(got, want)
+    # Negative control: states that were not read back (zeros at every step) are another update.
+    lost, forgetful = _nvme_run(str(tmp_path / "d"), 0)
+    forgetful._on_disk.clear()
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for p in lost:
+            p.grad = torch.randn(p.shape, generator=generator)
+        forgetful.step()
+        forgetful._on_disk.clear()
+    assert any(not torch.equal(a, b) for a, b in zip(lost, reference, strict=True))

@@ -17,7 +17,9 @@ ZeRO-3 with tensor parallelism (4 ranks: tp=2 x dp=2, torch's FSDP2 over dp): ea
 of what tensor parallelism alone would leave it, of parameters (the fp32 masters themselves),
 gradients and the optimizer states; sharding over dp that did not engage would show twice that.
 The same with ``offload="cpu"`` (the shards on the CPU, stepped by DeepSpeed's CPU Adam, whose
-states are DTensors like them; on this CPU-only machine both sides are host memory).
+states are DTensors like them; on this CPU-only machine both sides are host memory), and with
+``offload="nvme"`` (no optimizer state in memory: 8 bytes per element of the shard in files, padded
+to whole 1 KiB blocks per file).
 
 Measured on each rank through the real Trainer (tests/strategy/scripts/zero_memory.py). The 5%
 leaves room for DeepSpeed's alignment padding of each partition, nothing else.
@@ -71,16 +73,29 @@ def test_bytes_per_rank_follow_the_zero_theory(tmp_path: Path, world_size: int) 
             # Offloaded: DeepSpeed's CPU Adam steps FSDP2's CPU shards, its states DTensors like them.
             assert measured["zero3_cpu_tp2"]["optimizer"] == "ShardedCPUAdam"
             assert measured["zero3_cpu_tp2"]["sharded_states"]
+            # NVMe: the same kernel, Adam's states in files between steps (none in host memory), each file
+            # the shard's states padded to whole 1 KiB blocks; every step wrote them all.
+            nvme = measured["zero3_nvme_tp2"]
+            assert nvme["optimizer"] == "ShardedNVMeAdam"
+            assert nvme["optimizer_states"] == 0
+            theory = 8 * nvme["tensor_parallel_numel"] / 2
+            assert nvme["nvme_disk_bytes"] == nvme["nvme_padded_bytes"] >= theory
+            assert nvme["nvme_written_bytes"] == nvme["nvme_padded_bytes"]  # one step, each state once
         runs = [
             (rank, name, measured[name])
             for rank, measured in enumerate(ranks)
-            for name in ("zero3_tp2", "zero3_cpu_tp2")
+            for name in ("zero3_tp2", "zero3_cpu_tp2", "zero3_nvme_tp2")
         ]
         for rank, name, run in runs:
             per_rank = run["tensor_parallel_numel"] / 2  # what tp alone leaves a rank, over dp=2
             # Tensor parallelism engaged (the ratio is 1.0 if not).
             assert run["tensor_parallel_numel"] < 0.75 * run["parameters"]
-            for kind, per_param in (("module_parameters", 4), ("gradients", 4), ("optimizer_states", 8)):
+            kinds = (
+                ("module_parameters", 4),
+                ("gradients", 4),
+                ("optimizer_states", 0 if "nvme" in name else 8),
+            )
+            for kind, per_param in kinds:
                 expected = per_param * per_rank
                 if abs(run[kind] - expected) > 0.05 * expected:
                     problems.append(f"rank {rank} {name} {kind}: {run[kind]} bytes, theory {expected:.0f}")

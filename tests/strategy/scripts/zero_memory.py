@@ -139,6 +139,15 @@ class FsdpBytes(L.Callback):
             optimizer_states=_local_bytes(states), tensor_parallel_numel=_tensor_parallel_numel(pl_module),
             optimizer=type(optimizer).__name__, sharded_states=all(isinstance(v, DTensor) for v in states),
         )  # fmt: skip
+        files = getattr(optimizer, "files", None)  # offload="nvme": the states in files between steps
+        if files is not None:
+            from lightning_parallel.zero.nvme_states import padded
+
+            shards = [p.to_local() if isinstance(p, DTensor) else p for p in pl_module.parameters()]
+            self.measured.update(
+                nvme_disk_bytes=files.disk_bytes(), nvme_written_bytes=files.bytes_written,
+                nvme_padded_bytes=sum(2 * 4 * padded(t.numel()) for t in shards),
+            )  # fmt: skip
 
 
 class PipelinedFsdpBytes(L.Callback):
@@ -199,11 +208,13 @@ def main(out_dir: Path) -> None:
         (out_dir / f"zero_memory.rank{torch.distributed.get_rank()}.json").write_text(json.dumps(results))
         return
     # ZeRO-3 with tensor parallelism (FSDP2 over dp=2 of tp=2 shards), on the device and offloaded.
-    for offload in (None, "cpu"):
+    for offload in (None, "cpu", "nvme"):
         probe = FsdpBytes()
-        strategy = HybridParallelStrategy(zero_stage=3, tensor_parallel=2, offload=offload, timeout=60)
+        path = str(out_dir / "nvme") if offload == "nvme" else None
+        strategy = HybridParallelStrategy(zero_stage=3, tensor_parallel=2, offload=offload, offload_path=path,
+                                          timeout=60)  # fmt: skip
         _, trainer, numel = _train("nanogpt", strategy, probe, devices, 2)
-        name = "zero3_cpu_tp2" if offload else "zero3_tp2"
+        name = f"zero3_{offload}_tp2" if offload else "zero3_tp2"
         results[name] = {"parameters": numel, "world_size": trainer.world_size, **probe.measured}
     for stage in (2, 3):  # ZeRO-2/3 on FSDP2 under two pipeline stages (dp=2)
         probe = PipelinedFsdpBytes()
