@@ -96,10 +96,11 @@ def zero(
             " `zero_stage=1`, 2 or 3 (3 also offloads the parameters)."
         )
     if offload == "nvme":
-        if stage != 3:
+        if stage == 1:
             raise ValueError(
-                f"`offload='nvme'` with `zero_stage={stage}`: DeepSpeed offloads to NVMe only at stage 3"
-                " (ZeRO-Infinity). Set `zero_stage=3`, or use `offload='cpu'` with stage 1 or 2."
+                "`offload='nvme'` with `zero_stage=1`: ZeRO-1 runs on DeepSpeed's stage-1 optimizer, which swaps"
+                " nothing to NVMe (its offload is to the CPU only), and the FSDP2 engine that swaps Adam's states"
+                " to NVMe shards gradients too, which is stage 2. Set `zero_stage=2` or 3, or use `offload='cpu'`."
             )
         if offload_path is None:
             raise ValueError(

@@ -58,15 +58,16 @@ def engine_for(
     why its own pipeline engine refuses them), and ZeRO-2/3 with expert parallelism (dense gradients
     must be averaged over the expert ranks before DeepSpeed's reduction over their replicas, which
     its per-backward hooks at stages 2/3 leave no room for; FSDP2 shards experts over their replicas
-    in their own units). Every other stage and layout is DeepSpeed's engine (NVMe offload with data
-    parallelism only too: DeepSpeed swaps parameters and optimizer states; on FSDP2 the optimizer
-    states go to NVMe and the sharded parameters stay in host memory, ``zero/sharded_nvme_adam.py``).
+    in their own units). Every other stage and layout is DeepSpeed's engine, NVMe offload at stage 3
+    with data parallelism only included (DeepSpeed swaps parameters and optimizer states); other NVMe
+    layouts (stage 2, or any model parallelism) are FSDP2's, whose optimizer states go to NVMe while
+    the sharded parameters stay in host memory (``zero/sharded_nvme_adam.py``).
     """
     if not zero.enabled:
         return None
     if zero.offload == "nvme":
         model_parallel = tensor_parallel > 1 or pipeline_parallel > 1 or expert_parallel > 1
-        return "fsdp2" if model_parallel else "deepspeed"
+        return "fsdp2" if model_parallel or zero.stage == 2 else "deepspeed"
     if zero.stage == 3 and tensor_parallel > 1:
         return "fsdp2"
     if zero.stage > 1 and (pipeline_parallel > 1 or expert_parallel > 1):

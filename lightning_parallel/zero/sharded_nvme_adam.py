@@ -1,6 +1,7 @@
 """DeepSpeed's CPU Adam on FSDP2's CPU shards with the optimizer states on NVMe (``offload="nvme"`` on FSDP2).
 
-Between steps a rank holds its shards' Adam states only in files (``zero/nvme_states.py``); the
+Between steps a rank holds its shards' Adam states only in files (``zero/nvme_states.py``; the
+optimizer's dict keeps their names, as empty scalars); the
 step reads them back one parameter ahead of the kernel and writes each back as soon as it is
 updated. Checkpoints see an ordinary optimizer: ``state_dict`` reads every state back into
 tensors shaped like the parameters' shards (DTensors as they are, so torch's distributed
@@ -22,6 +23,7 @@ from lightning_parallel.zero.nvme_states import StateFiles
 from lightning_parallel.zero.sharded_cpu_adam import ShardedCPUAdam, _local
 
 _KEYS = StateFiles.KEYS
+_SCALAR = torch.zeros(())
 
 
 class ShardedNVMeAdam(ShardedCPUAdam):
@@ -62,6 +64,7 @@ class ShardedNVMeAdam(ShardedCPUAdam):
             self._kernel_update(group, param, state["step"], exp_avg, exp_avg_sq)
             self.files.write(self._index[id(param)], i % 2, local.numel(), self._state_dtype(param))
             self._on_disk.add(self._index[id(param)])
+            _mark_swapped(state)
         self.files.wait()
         for group, params in on_device:
             self._step_on_device(group, params)
@@ -95,8 +98,7 @@ class ShardedNVMeAdam(ShardedCPUAdam):
             return saved
         finally:
             for param in loaded:
-                for key in _KEYS:
-                    self.state[param].pop(key, None)
+                _mark_swapped(self.state[param])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -118,7 +120,7 @@ class ShardedNVMeAdam(ShardedCPUAdam):
         return params
 
     def _write_all(self) -> None:
-        params = [p for p in self._swappable() if _KEYS[0] in self.state.get(p, {})]
+        params = [p for p in self._swappable() if self.state.get(p, {}).get(_KEYS[0], _SCALAR).dim() > 0]
         if params:
             self._reserve(params)
         for param in params:
@@ -128,6 +130,17 @@ class ShardedNVMeAdam(ShardedCPUAdam):
             self.files.write(self._index[id(param)], 0, local.numel(), dtype)
             self.files.wait()
             self._on_disk.add(self._index[id(param)])
+            _mark_swapped(self.state[param])
+
+
+def _mark_swapped(state: dict[str, Any]) -> None:
+    """Adam's state names kept in the optimizer's dict, each as an empty scalar (its value is in a file).
+
+    torch's distributed checkpoint takes the names of the states to load from the optimizer's own dict
+    (``_unflatten_optim_state_dict``): without them a resume would load the step only.
+    """
+    for key in _KEYS:
+        state[key] = torch.zeros(())
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,14 @@ TWO = [
       for s in (1, 2, 3) for family in ("nanogpt", "recipe_gpt")],
     _case("zero3_nvme_acsel_dp2_nanogpt", "nanogpt", fields={"model_kwargs": ADAM}, zero_stage=3, offload="nvme",
           offload_path=NVME_PATH, activation_checkpointing="selective"),
+    # ZeRO-2 with NVMe: FSDP2 (gradients sharded, whole parameters kept between steps), Adam's states in files.
+    _case("zero2_nvme_dp2_nanogpt", "nanogpt", fields={"model_kwargs": ADAM}, zero_stage=2, offload="nvme",
+          offload_path=NVME_PATH),
+    # CPU offload with checkpointing (DeepSpeed's engine).
+    _case("zero2_cpu_acfull_dp2_nanogpt", "nanogpt", fields={"model_kwargs": ADAM}, zero_stage=2, offload="cpu",
+          activation_checkpointing="full"),
+    _case("zero3_cpu_acsel_dp2_nanogpt", "nanogpt", fields={"model_kwargs": ADAM}, zero_stage=3, offload="cpu",
+          activation_checkpointing="selective"),
     _case("zero3_nvme_acfull_dp2_nanogpt", "nanogpt", fields={"model_kwargs": ADAM}, zero_stage=3, offload="nvme",
           offload_path=NVME_PATH, activation_checkpointing="full"),
     # ZeRO-2/3 with expert parallelism (FSDP2: expert slices their own units over their replicas, here one).
@@ -114,6 +122,10 @@ FOUR = [
     _case("zero3_nvme_tp2_sp_dp2_clip_recipe_gpt", "recipe_gpt", 4, zero_stage=3, offload="nvme",
           offload_path=NVME_PATH, tensor_parallel=2, sequence_parallel=True,
           fields={"model_kwargs": {"optimizer": "adamw", "warmup_steps": 2}, "trainer_kwargs": {"gradient_clip_val": 0.05}}),
+    _case("zero3_cpu_tp2_sp_dp2_recipe_gpt", "recipe_gpt", 4, fields={"model_kwargs": {"optimizer": "adamw"}},
+          zero_stage=3, offload="cpu", tensor_parallel=2, sequence_parallel=True),
+    _case("zero2_nvme_tp2_dp2_nanogpt", "nanogpt", 4, fields={"model_kwargs": ADAM}, zero_stage=2, offload="nvme",
+          offload_path=NVME_PATH, tensor_parallel=2),
     _case("zero3_nvme_ep2_dp2_hf_mixtral", "hf_mixtral", 4, fields={"model_kwargs": ADAM}, zero_stage=3,
           offload="nvme", offload_path=NVME_PATH, expert_parallel=2),
 ]  # fmt: skip

@@ -167,14 +167,11 @@ REFUSED_AT_CONSTRUCTION = [
         )
         for schedule in ("interleaved_zero_bubble", "zbv", "dualpipev")
     ],
-    *[
-        refusal(
-            (f"zero{stage}", "offload=nvme"),
-            dict(zero_stage=stage, offload="nvme", offload_path="/tmp/nvme"),
-            f"`offload='nvme'` with `zero_stage={stage}`: DeepSpeed offloads to NVMe only at stage 3",
-        )
-        for stage in (1, 2)
-    ],
+    refusal(
+        ("zero1", "offload=nvme"),
+        dict(zero_stage=1, offload="nvme", offload_path="/tmp/nvme"),
+        "`offload='nvme'` with `zero_stage=1`: ZeRO-1 runs on DeepSpeed's stage-1 optimizer, which swaps nothing",
+    ),
     *[
         refusal(
             (f"pp={schedule}", "ac=selective"),

@@ -7,7 +7,8 @@ DeepSpeed's CPU Adam), ZeRO-2 with tensor parallelism (tp=2, AdamW), ZeRO-1 with
 stages and with expert parallelism (ep=2, Mixtral), ZeRO-2 in bf16-mixed. The resumed steps must equal the
 uninterrupted run's; two checkpoints are also resumed in another layout (ZeRO-1 without ZeRO,
 ZeRO-3 with CPU Adam as ZeRO-2 with torch's AdamW, ZeRO-3 with tensor parallelism (FSDP2) as ZeRO-1 with
-two pipeline stages (DeepSpeed) and back). The saved checkpoint, consolidated without processes
+two pipeline stages (DeepSpeed) and back, ZeRO-3 x tp2 with Adam's states on NVMe as the same with them in
+memory). The saved checkpoint, consolidated without processes
 (``consolidate_checkpoint`` and ``python -m lightning_parallel export``), must load strictly into
 the unparallelised module and equal the weights of the same 2 steps trained in one process
 (the parity harness's rule, ``tests/distributed/harness.py:mismatch``). ZeRO-3 with ep=2 runs on

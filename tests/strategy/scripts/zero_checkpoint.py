@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,9 @@ from tests.models.families import build, make_dataloader
 BATCH_SIZE, STEPS, FIRST_HALF, SEED = 2, 4, 2, 0
 SAMPLES = 16  # 4 batches per rank and epoch on 2 data-parallel ranks: the save is mid-epoch
 ADAM = {"optimizer": "adamw"}
+NVME_PATH = str(
+    Path(tempfile.gettempdir()) / "lp-zero-checkpoint-nvme"
+)  # each rank wipes its own folder first
 PIPELINE = dict(pipeline_parallel=2, micro_batches=2, pipeline_schedule="1f1b")
 
 # name -> (HybridParallelStrategy kwargs, model family, model overrides); 2 ranks each.
@@ -50,6 +54,12 @@ LAYOUTS: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
     # FSDP2's CPU shards stepped by DeepSpeed's CPU Adam (zero/sharded_cpu_adam.py).
     "zero3_cpu_tp2": (dict(zero_stage=3, tensor_parallel=2, offload="cpu"), "nanogpt", ADAM),
     "zero3_ep2": (dict(zero_stage=3, expert_parallel=2), "hf_mixtral", ADAM),  # FSDP2 shards of expert slices
+    # The same with Adam's states in files between steps (zero/sharded_nvme_adam.py).
+    "zero3_nvme_tp2": (
+        dict(zero_stage=3, tensor_parallel=2, offload="nvme", offload_path=NVME_PATH),
+        "nanogpt",
+        ADAM,
+    ),
 }
 PRECISION = {"zero2_bf16": "bf16-mixed"}  # the others "32-true"
 # On 4 ranks (``python ... first OUT_DIR LAYOUTS`` with WORLD_SIZE=4): expert slices sharded again over their
@@ -82,6 +92,10 @@ RESHARDS: dict[str, tuple[str, dict[str, Any]]] = {
         "zero3_cpu_tp2",
         dict(zero_stage=3, tensor_parallel=2),
     ),  # CPU Adam's DTensor states into torch's AdamW, both on FSDP2
+    "zero3_nvme_tp2_to_zero3_cpu_tp2": (
+        "zero3_nvme_tp2",
+        dict(zero_stage=3, tensor_parallel=2, offload="cpu"),
+    ),  # the states read back from their files into the in-memory CPU Adam
 }
 RESHARDS_FOUR: dict[str, tuple[str, dict[str, Any]]] = {
     "zero3_ep2_dp2_to_zero1_ep2_dp2": ("zero3_ep2_dp2", dict(zero_stage=1, expert_parallel=2)),
