@@ -81,7 +81,11 @@ def init_weights(init_weights: Any) -> Path | None:
 
 
 def zero(
-    stage: Any, offload: Any, offload_path: Any, deepspeed_config: Mapping[str, Any] | None
+    stage: Any,
+    offload: Any,
+    offload_path: Any,
+    deepspeed_config: Mapping[str, Any] | None,
+    offload_ratio: Any = 1.0,
 ) -> ZeroArguments:
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ValueError(
@@ -112,6 +116,7 @@ def zero(
             f"`offload_path={str(offload_path)!r}` is only used with `offload='nvme'`; remove it or set"
             " `offload='nvme'`."
         )
+    _check_offload_ratio(offload_ratio, offload, stage)
     raw = dict(deepspeed_config or {})
     if raw and stage == 0:
         raise ValueError("`deepspeed_config=` is only used with ZeRO: set `zero_stage=1`, 2 or 3.")
@@ -127,7 +132,29 @@ def zero(
             f"`deepspeed_config['zero_optimization']['stage']={stage_in_raw}` contradicts"
             f" `zero_stage={stage}`; set the stage with `zero_stage` only."
         )
-    return ZeroArguments(stage, offload, None if offload_path is None else str(offload_path), raw)
+    path = None if offload_path is None else str(offload_path)
+    return ZeroArguments(stage, offload, path, raw, float(offload_ratio))
+
+
+def _check_offload_ratio(ratio: Any, offload: Any, stage: int) -> None:
+    """``offload_ratio``: the fraction of the optimizer offloaded (DeepSpeed's Twin-Flow ``ratio``)."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise ValueError(
+            f"`offload_ratio={ratio!r}` must be a number in (0, 1]: the fraction of the parameters whose optimizer"
+            " states and step are offloaded (1: all, the default). For none, leave `offload=None`."
+        )
+    if ratio == 1:
+        return
+    if offload is None:
+        raise ValueError(
+            f"`offload_ratio={ratio}` needs `offload='cpu'` or 'nvme': it says how much to offload."
+        )
+    if stage == 1:
+        raise ValueError(
+            f"`offload_ratio={ratio}` with `zero_stage=1`: partial offload runs on the FSDP2 engine, one offload"
+            " policy per FSDP2 unit, and FSDP2 shards gradients too (stage 2); DeepSpeed's stage-1 optimizer"
+            " offloads all or nothing. Set `zero_stage=2` or 3, or `offload_ratio=1`."
+        )
 
 
 def resolve_schedule(name: str | None) -> ScheduleSpec:

@@ -39,7 +39,9 @@ def strategy_config(**a: Any) -> ParallelConfig:
     """``HybridParallelStrategy``'s keyword arguments (its signature), checked and resolved."""
     experts = arguments.experts(a["expert_parallel"], a["moe_aux_loss_coef"], a["moe_z_loss_coef"])
     weights = arguments.init_weights(a["init_weights"])
-    zero = arguments.zero(a["zero_stage"], a["offload"], a["offload_path"], a["deepspeed_config"])
+    zero = arguments.zero(
+        a["zero_stage"], a["offload"], a["offload_path"], a["deepspeed_config"], a["offload_ratio"]
+    )
     tp, pp, plan = a["tensor_parallel"], a["pipeline_parallel"], a["plan"]
     if not a["save_distributed_checkpoint"]:
         refusal = consolidated_refusal(pp, a["expert_parallel"], zero.stage)

@@ -231,7 +231,7 @@ def shard_for_zero(
     experts = ExpertSharding(mesh["dp_replicate"], dims.data_parallel) if dims.ep_enabled else None
     return fully_shard_modules(
         module, mesh["dp"], kept, offload=config.zero.offload is not None, reshard_after_forward=reshard,
-        experts=experts,
+        experts=experts, offload_ratio=config.zero.offload_ratio,
     )  # fmt: skip
 
 

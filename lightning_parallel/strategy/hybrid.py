@@ -32,10 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_parallel.config import PathLike, PlanArg
-from lightning_parallel.config.validation import (
-    check_zero_optimizers,
-    strategy_config,
-)
+from lightning_parallel.config.validation import check_zero_optimizers, strategy_config
 from lightning_parallel.memory.counting import SavedTensorCounter
 from lightning_parallel.memory.saved_tensors import saved_tensors_context
 from lightning_parallel.parallelize import Parallelized, parallelize, recall
@@ -87,7 +84,8 @@ class HybridParallelStrategy(CheckpointingStrategy):
         zero_stage: DeepSpeed ZeRO over the data-parallel ranks: 1 shards the optimizer states, 2 also
             the gradients, 3 also the parameters (docs/zero.md; which layouts compose: docs/compatibility.md).
         offload: ``"cpu"`` (optimizer states and their update on the CPU; at stage 3 the parameters
-            too; Adam/AdamW become DeepSpeed's CPU Adam) or ``"nvme"`` (stage 3, to ``offload_path``).
+            too; Adam/AdamW become DeepSpeed's CPU Adam) or ``"nvme"`` (stage 2/3, to ``offload_path``);
+            ``offload_ratio``: the fraction offloaded, by FSDP2 unit (DeepSpeed's Twin-Flow ``ratio``).
         deepspeed_config: extra raw DeepSpeed keys, merged last (not those Lightning owns: precision,
             clipping, accumulation, optimizer).
         activation_checkpointing: ``"full"`` (recompute every block from its input) or ``"selective"``
@@ -140,6 +138,7 @@ class HybridParallelStrategy(CheckpointingStrategy):
         zero_stage: int = 0,
         offload: Literal["cpu", "nvme"] | None = None,
         offload_path: str | None = None,
+        offload_ratio: float = 1.0,
         deepspeed_config: dict[str, Any] | None = None,
         activation_checkpointing: Literal["full", "selective"] | None = None,
         activation_checkpointing_policy: Literal["ops"] | int | list[str] | None = None,
@@ -162,7 +161,7 @@ class HybridParallelStrategy(CheckpointingStrategy):
             moe_aux_loss_coef=moe_aux_loss_coef, moe_z_loss_coef=moe_z_loss_coef, sequence_parallel=sequence_parallel,
             micro_batches=micro_batches, pipeline_schedule=pipeline_schedule,
             pipeline_virtual_stages=pipeline_virtual_stages, zero_stage=zero_stage, offload=offload,
-            offload_path=offload_path, deepspeed_config=deepspeed_config,
+            offload_path=offload_path, deepspeed_config=deepspeed_config, offload_ratio=offload_ratio,
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_policy=activation_checkpointing_policy, activation_offload=activation_offload,
             activation_compression=activation_compression, gradient_compression=gradient_compression, plan=plan,

@@ -47,6 +47,8 @@ class ZeroArguments:
     """``offload_path=``: the folder for ``offload="nvme"``."""
     raw_config: Mapping[str, Any] = field(default_factory=dict)
     """``deepspeed_config=``: raw DeepSpeed keys merged last (not those Lightning owns)."""
+    offload_ratio: float = 1.0
+    """``offload_ratio=``: the fraction of the parameters offloaded (by FSDP2 unit; below 1 on FSDP2 only)."""
 
     @property
     def enabled(self) -> bool:

@@ -61,10 +61,14 @@ def engine_for(
     in their own units). Every other stage and layout is DeepSpeed's engine, NVMe offload at stage 3
     with data parallelism only included (DeepSpeed swaps parameters and optimizer states); other NVMe
     layouts (stage 2, or any model parallelism) are FSDP2's, whose optimizer states go to NVMe while
-    the sharded parameters stay in host memory (``zero/sharded_nvme_adam.py``).
+    the sharded parameters stay in host memory (``zero/sharded_nvme_adam.py``). Partial offload
+    (``offload_ratio`` < 1) is FSDP2's in every layout: DeepSpeed's Twin-Flow steps the part kept on
+    the accelerator with its fused GPU Adam, which has no CPU build to test here.
     """
     if not zero.enabled:
         return None
+    if zero.offload_ratio < 1:  # partial offload: one offload policy per FSDP2 unit (zero/fsdp.py)
+        return "fsdp2"
     if zero.offload == "nvme":
         model_parallel = tensor_parallel > 1 or pipeline_parallel > 1 or expert_parallel > 1
         return "fsdp2" if model_parallel or zero.stage == 2 else "deepspeed"
@@ -159,4 +163,20 @@ def offload_sharded_optimizers(
     if (line := announce_compilation(zero, device_type)) is not None:
         rank_zero_info(line)
     nvme = (zero.offload_path, rank) if zero.offload == "nvme" and zero.offload_path is not None else None
+    if zero.offload_ratio < 1:
+        rank_zero_info(partial_offload_line(optimizers, zero))
     return [offload_optimizer(o, schedulers, sharded=True, nvme=nvme) for o in optimizers]
+
+
+def partial_offload_line(optimizers: list[Any], zero: ZeroArguments) -> str:
+    """What ``offload_ratio`` chose on this rank: the fraction of the optimizer's elements offloaded."""
+    from lightning_parallel.zero.fsdp import KEPT_ON_DEVICE
+
+    params = [p for o in optimizers for group in o.param_groups for p in group["params"]]
+    kept = sum(p.numel() for p in params if getattr(p, KEPT_ON_DEVICE, False))
+    total = sum(p.numel() for p in params) or 1
+    return (
+        f"ZeRO partial offload (`offload_ratio={zero.offload_ratio}`): {1 - kept / total:.0%} of the parameters"
+        f" have their optimizer states and step offloaded to {zero.offload} (whole FSDP2 units, the nearest to the"
+        " ratio), the rest stay on the device with torch's Adam."
+    )

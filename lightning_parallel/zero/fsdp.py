@@ -30,6 +30,7 @@ optimizer (state and step) live on the CPU, copied to the device for each all-ga
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -125,6 +126,9 @@ class Sharded:
     whole: list[nn.Parameter]
 
 
+KEPT_ON_DEVICE = "_lp_kept_on_device"  # set on the sharded parameters of units partial offload leaves alone
+
+
 def fully_shard_modules(
     root: nn.Module,
     dp_mesh: DeviceMesh,
@@ -132,31 +136,85 @@ def fully_shard_modules(
     offload: bool,
     reshard_after_forward: bool = True,
     experts: ExpertSharding | None = None,
+    offload_ratio: float = 1.0,
 ) -> Sharded:
     """``fully_shard`` the expert weights (``experts``), every block, then every other parameter-holding
-    child of ``root``."""
+    child of ``root``; with ``offload``, the units :func:`offloaded_units` picks for ``offload_ratio``."""
     import torch
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     whole = unsharded_parameters(root)  # before sharding: afterwards every parameter is a DTensor over dp
-    kwargs = {
-        "reshard_after_forward": reshard_after_forward,
-        "mesh": dp_mesh,
-        "shard_placement_fn": shard_placement,
-        "offload_policy": policy,
-        "ignored_params": set(whole),
-    }
-    units = _shard_experts(root, experts, kwargs) if experts is not None else []
-    units += [fully_shard(block, **kwargs) for block in blocks if any(True for _ in block.parameters())]
-    units += [fully_shard(holder, **kwargs) for holder in _holders(root, {id(u) for u in units})]
+    expert_owners = [owner for owner, _ in _expert_owners(root)] if experts is not None else []
+    kept_blocks = [block for block in blocks if any(True for _ in block.parameters())]
+    holders = _holders(root, {id(m) for m in expert_owners + kept_blocks})
+    offloaded = (
+        offloaded_units(expert_owners + kept_blocks + holders, set(whole), offload_ratio)
+        if offload
+        else set()
+    )
+
+    def options(module: nn.Module) -> tuple[dict, bool]:
+        """``fully_shard``'s arguments for ``module``, and whether partial offload keeps it on the device."""
+        cpu = id(module) in offloaded
+        return {
+            "reshard_after_forward": reshard_after_forward,
+            "mesh": dp_mesh,
+            "shard_placement_fn": shard_placement,
+            "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+            if cpu
+            else OffloadPolicy(),
+            "ignored_params": set(whole),
+        }, offload and not cpu
+
+    units = _shard_experts(root, experts, options) if experts is not None else []
+    units += [_shard(module, *options(module)) for module in kept_blocks + holders]
     return Sharded(units, whole)
 
 
-def _shard_experts(root: nn.Module, experts: ExpertSharding, kwargs: dict) -> list[nn.Module]:
+def offloaded_units(modules: list[nn.Module], whole: set[nn.Parameter], ratio: float) -> set[int]:
+    """Ids of the units to offload so that their parameters come nearest to ``ratio`` of all (in order, each
+    unit taken while it brings the offloaded fraction no further past the ratio than short of it).
+
+    A unit's parameters are those it holds that no earlier unit does (units nest: experts in blocks,
+    blocks in the top-level holders), as FSDP2 assigns them.
+    """
+    claimed: set[int] = {id(p) for p in whole}
+    sizes = []
+    for module in modules:
+        own = [p for p in module.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in own)
+        sizes.append(sum(p.numel() for p in own))
+    target, taken, chosen = ratio * sum(sizes), 0, set()
+    for module, size in zip(modules, sizes, strict=True):
+        if ratio >= 1 or taken + size / 2 <= target:
+            chosen.add(id(module))
+            taken += size
+    return chosen
+
+
+def _shard(module: nn.Module, kwargs: dict, kept: bool) -> nn.Module:
+    """``fully_shard(module)``; ``kept``: mark its sharded parameters as left on the device by partial offload
+    (the offloaded optimizer steps those with torch's Adam there: ``zero/sharded_cpu_adam.py``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    unit = fully_shard(module, **kwargs)
+    if kept:
+        for param in unit_parameters(unit):
+            setattr(param, KEPT_ON_DEVICE, True)
+    return unit
+
+
+def unit_parameters(unit: FSDPModule) -> list[nn.Parameter]:
+    """The sharded parameters an FSDP2 unit manages (not those of units nested in it)."""
+    groups = unit._get_fsdp_state()._fsdp_param_groups
+    return [fsdp_param.sharded_param for group in groups for fsdp_param in group.fsdp_params]
+
+
+def _shard_experts(
+    root: nn.Module, experts: ExpertSharding, options: Callable[[nn.Module], tuple[dict, bool]]
+) -> list[nn.Module]:
     """One unit per module holding expert weights, over their replicas; the ``ExpertShard`` marks carried
     over to FSDP2's new (DTensor) parameters, which checkpoints, clipping and the norms read."""
-    from torch.distributed.fsdp import fully_shard
 
     from lightning_parallel.experts.foreign import SHARD_ATTR
 
@@ -174,8 +232,9 @@ def _shard_experts(root: nn.Module, experts: ExpertSharding, kwargs: dict) -> li
         placements = {
             id(owner.get_parameter(n)): expert_placement(owner.get_parameter(n), replicas) for n in marks
         }
-        unit = fully_shard(owner, **{**kwargs, "mesh": experts.mesh,
-                                     "shard_placement_fn": lambda p, placements=placements: placements[id(p)]})  # fmt: skip
+        kwargs, kept = options(owner)
+        unit = _shard(owner, {**kwargs, "mesh": experts.mesh,
+                              "shard_placement_fn": lambda p, placements=placements: placements[id(p)]}, kept)  # fmt: skip
         unit.set_gradient_divide_factor(float(experts.data_parallel))
         # gloo has no pre-multiplied sum: sum, then divide. Not on one replica, where torch 2.13 skips the
         # collective and divides once itself, and the forced sum would divide a second time (measured).

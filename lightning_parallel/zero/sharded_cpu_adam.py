@@ -23,6 +23,14 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def offloaded(param: torch.Tensor) -> bool:
+    """Whether the kernel steps ``param``: a shard on the CPU that partial offload did not keep on the device
+    (``zero/fsdp.py``: ``KEPT_ON_DEVICE``; on a CPU-only machine those are on the CPU too)."""
+    from lightning_parallel.zero.fsdp import KEPT_ON_DEVICE
+
+    return param.device.type == "cpu" and not getattr(param, KEPT_ON_DEVICE, False)
+
+
 class ShardedCPUAdam(DeepSpeedCPUAdam):
     """``DeepSpeedCPUAdam`` whose parameters may be DTensors on the CPU: the kernel runs on their local shards."""
 
@@ -37,7 +45,7 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                if param.device.type != "cpu":
+                if not offloaded(param):
                     on_device.append(param)
                     continue
                 state = self._state_of(param)
@@ -75,9 +83,9 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
         return state
 
     def _step_on_device(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        """Torch's Adam for the few parameters FSDP2 does not offload (the vectors tensor parallelism cuts,
-        which it leaves whole over ``dp``; parameters of the LightningModule itself): same update, same
-        state keys, on their device."""
+        """Torch's Adam for the parameters FSDP2 does not offload (the vectors tensor parallelism cuts,
+        which it leaves whole over ``dp``; parameters of the LightningModule itself; the units partial
+        offload keeps on the device): same update, same state keys, on their device."""
         if not params:
             return
         if not group["bias_correction"]:

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.zero.nvme_states import StateFiles
-from lightning_parallel.zero.sharded_cpu_adam import ShardedCPUAdam, _local
+from lightning_parallel.zero.sharded_cpu_adam import ShardedCPUAdam, _local, offloaded
 
 _KEYS = StateFiles.KEYS
 _SCALAR = torch.zeros(())
@@ -48,8 +48,8 @@ class ShardedNVMeAdam(ShardedCPUAdam):
         on_device: list[tuple[dict[str, Any], list[torch.Tensor]]] = []
         for group in self.param_groups:
             with_grad = [p for p in group["params"] if p.grad is not None]
-            work += [(group, p) for p in with_grad if p.device.type == "cpu"]
-            on_device.append((group, [p for p in with_grad if p.device.type != "cpu"]))
+            work += [(group, p) for p in with_grad if offloaded(p)]
+            on_device.append((group, [p for p in with_grad if not offloaded(p)]))
         self._reserve([p for _, p in work])
         self._fetch(work, 0)
         for i, (group, param) in enumerate(work):
@@ -105,7 +105,7 @@ class ShardedNVMeAdam(ShardedCPUAdam):
         self._write_all()
 
     def _swappable(self) -> list[torch.Tensor]:
-        return [p for group in self.param_groups for p in group["params"] if p.device.type == "cpu"]
+        return [p for group in self.param_groups for p in group["params"] if offloaded(p)]
 
     def _read_all(self) -> list[torch.Tensor]:
         params = [p for p in self._swappable() if self._index[id(p)] in self._on_disk]

@@ -7,7 +7,8 @@ recipe's LR schedule (warm-up then cosine); each stage with full and with select
 checkpointing. Four ranks: ZeRO-1/2 with tensor (and sequence) parallelism, ZeRO-1 with pipeline
 and expert parallelism, and on FSDP2 ZeRO-3 with tensor parallelism (CPU offload, clipping and
 accumulation too) and ZeRO-2/3 under every pipeline schedule (each once with CPU offload). Eight
-ranks: ZeRO-1 and ZeRO-3 x tp2 x pp2. Offloading runs Adam/AdamW, as DeepSpeed's CPU Adam on both
+ranks: ZeRO-1 and ZeRO-3 x tp2 x pp2. NVMe offload on FSDP2 (Adam's states in files) with tp, sp, ep,
+every pipeline schedule and ZeRO-2; partial offload (``offload_ratio``). Offloading runs Adam/AdamW, as DeepSpeed's CPU Adam on both
 engines (tests/zero/test_zero_memory.py asserts which optimizer stepped), the rest SGD. bf16-mixed
 and bf16-true within the low-precision tolerance (2e-2 per step).
 """
@@ -126,6 +127,11 @@ FOUR = [
           zero_stage=3, offload="cpu", tensor_parallel=2, sequence_parallel=True),
     _case("zero2_nvme_tp2_dp2_nanogpt", "nanogpt", 4, fields={"model_kwargs": ADAM}, zero_stage=2, offload="nvme",
           offload_path=NVME_PATH, tensor_parallel=2),
+    # Partial offload (offload_ratio: whole FSDP2 units offloaded, the rest stepped by torch's Adam on the device).
+    _case("zero3_cpu_half_tp2_dp2_nanogpt", "nanogpt", 4, fields={"model_kwargs": ADAM}, zero_stage=3, offload="cpu",
+          offload_ratio=0.5, tensor_parallel=2),
+    _case("zero3_cpu_half_ep2_dp2_hf_mixtral", "hf_mixtral", 4, fields={"model_kwargs": ADAM}, zero_stage=3,
+          offload="cpu", offload_ratio=0.3, expert_parallel=2),
     _case("zero3_nvme_ep2_dp2_hf_mixtral", "hf_mixtral", 4, fields={"model_kwargs": ADAM}, zero_stage=3,
           offload="nvme", offload_path=NVME_PATH, expert_parallel=2),
 ]  # fmt: skip
@@ -149,6 +155,9 @@ def _pipelined(stage: int, index: int, schedule: str, nvme: bool = False) -> Cas
 PIPELINED = [
     *[_pipelined(stage, i, schedule) for stage in (2, 3) for i, schedule in enumerate(SCHEDULES)],
     *[_pipelined(3, i, schedule, nvme=True) for i, schedule in enumerate(SCHEDULES)],
+    _case("zero2_nvme_half_pp2_1f1b_dp2_nanogpt", "nanogpt", 4, fields={**DEEP, "model_kwargs": {"n_layer": 4, **ADAM}},
+          zero_stage=2, offload="nvme", offload_path=NVME_PATH, offload_ratio=0.5, pipeline_parallel=2,
+          micro_batches=2),
     # ZeRO-1 (DeepSpeed) under the schedules the FOUR cases leave out.
     *[_case(f"zero1_pp2_{schedule}_dp2_nanogpt", "nanogpt", 4, fields=DEEP, zero_stage=1, pipeline_parallel=2,
             pipeline_schedule=schedule, micro_batches=4 if schedule == "dualpipev" else 2)

@@ -67,6 +67,11 @@ def test_raw_deepspeed_keys_are_merged_last() -> None:
         ({"zero_stage": 2, "deepspeed_config": {"optimizer": {}}}, "use LightningModule.configure_optimizers instead"),
         ({"zero_stage": 2, "deepspeed_config": {"zero_optimization": {"stage": 3}}}, "contradicts `zero_stage=2`"),
         ({"zero_stage": 1, "gradient_compression": "bf16"}, "`gradient_compression='bf16'` with `zero_stage=1` is not supported"),
+        ({"zero_stage": 3, "offload": "cpu", "offload_ratio": 0}, "`offload_ratio=0` must be a number in (0, 1]"),
+        ({"zero_stage": 3, "offload": "cpu", "offload_ratio": 1.5}, "`offload_ratio=1.5` must be a number in (0, 1]"),
+        ({"zero_stage": 3, "offload": "cpu", "offload_ratio": True}, "`offload_ratio=True` must be a number"),
+        ({"zero_stage": 3, "offload_ratio": 0.5}, "`offload_ratio=0.5` needs `offload='cpu'` or 'nvme'"),
+        ({"zero_stage": 1, "offload": "cpu", "offload_ratio": 0.5}, "`offload_ratio=0.5` with `zero_stage=1`"),
     ],
 )  # fmt: skip
 def test_bad_zero_arguments_are_refused_at_construction(kwargs: dict, message: str) -> None:

@@ -19,7 +19,8 @@ gradients and the optimizer states; sharding over dp that did not engage would s
 The same with ``offload="cpu"`` (the shards on the CPU, stepped by DeepSpeed's CPU Adam, whose
 states are DTensors like them; on this CPU-only machine both sides are host memory), and with
 ``offload="nvme"`` (no optimizer state in memory: 8 bytes per element of the shard in files, padded
-to whole 1 KiB blocks per file).
+to whole 1 KiB blocks per file), and with ``offload_ratio=0.5`` (whole units offloaded, the nearest to
+half of the elements, the rest stepped by torch's Adam on the device).
 
 Measured on each rank through the real Trainer (tests/strategy/scripts/zero_memory.py). The 5%
 leaves room for DeepSpeed's alignment padding of each partition, nothing else.
@@ -81,10 +82,17 @@ def test_bytes_per_rank_follow_the_zero_theory(tmp_path: Path, world_size: int) 
             theory = 8 * nvme["tensor_parallel_numel"] / 2
             assert nvme["nvme_disk_bytes"] == nvme["nvme_padded_bytes"] >= theory
             assert nvme["nvme_written_bytes"] == nvme["nvme_padded_bytes"]  # one step, each state once
+            # Partial offload (offload_ratio=0.5): whole units offloaded, their elements the nearest to half
+            # (within half the largest unit), each unit's FSDP2 policy agreeing with how its parameters step;
+            # with the whole optimizer offloaded (ratio 1) nothing is kept on the device.
+            half, full = measured["zero3_cpu_tp2_half"], measured["zero3_cpu_tp2"]
+            assert half["units"] > 2 and half["policies_agree"] and full["policies_agree"]
+            assert 0 < half["kept_fraction"] < 1 and full["kept_fraction"] == 0
+            assert abs((1 - half["kept_fraction"]) - 0.5) <= half["largest_unit_fraction"] / 2 + 1e-9
         runs = [
             (rank, name, measured[name])
             for rank, measured in enumerate(ranks)
-            for name in ("zero3_tp2", "zero3_cpu_tp2", "zero3_nvme_tp2")
+            for name in ("zero3_tp2", "zero3_cpu_tp2", "zero3_nvme_tp2", "zero3_cpu_tp2_half")
         ]
         for rank, name, run in runs:
             per_rank = run["tensor_parallel_numel"] / 2  # what tp alone leaves a rank, over dp=2

@@ -139,6 +139,7 @@ class FsdpBytes(L.Callback):
             optimizer_states=_local_bytes(states), tensor_parallel_numel=_tensor_parallel_numel(pl_module),
             optimizer=type(optimizer).__name__, sharded_states=all(isinstance(v, DTensor) for v in states),
         )  # fmt: skip
+        self.measured.update(_partial_offload(trainer, optimizer))
         files = getattr(optimizer, "files", None)  # offload="nvme": the states in files between steps
         if files is not None:
             from lightning_parallel.zero.nvme_states import padded
@@ -148,6 +149,26 @@ class FsdpBytes(L.Callback):
                 nvme_disk_bytes=files.disk_bytes(), nvme_written_bytes=files.bytes_written,
                 nvme_padded_bytes=sum(2 * 4 * padded(t.numel()) for t in shards),
             )  # fmt: skip
+
+
+def _partial_offload(trainer: L.Trainer, optimizer: Any) -> dict[str, Any]:
+    """Which elements partial offload kept on the device, and whether each FSDP2 unit's offload policy agrees
+    with the marks the optimizer steps by (CPU Adam for the offloaded ones, torch's Adam for the rest)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from lightning_parallel.zero.fsdp import KEPT_ON_DEVICE, unit_parameters
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    kept = sum(p.numel() for p in params if getattr(p, KEPT_ON_DEVICE, False))
+    units = [m for m in trainer.lightning_module.modules() if hasattr(m, "_get_fsdp_state")]
+    agree, unit_fractions = True, []
+    for unit in units:
+        owned = unit_parameters(unit)
+        offloaded = isinstance(unit._get_fsdp_state()._fsdp_param_groups[0].offload_policy, CPUOffloadPolicy)
+        agree &= all(getattr(p, KEPT_ON_DEVICE, False) != offloaded for p in owned)
+        unit_fractions.append(sum(p.numel() for p in owned) / max(1, sum(p.numel() for p in params)))
+    return {"kept_fraction": kept / max(1, sum(p.numel() for p in params)), "policies_agree": agree,
+            "largest_unit_fraction": max(unit_fractions, default=0.0), "units": len(units)}  # fmt: skip
 
 
 class PipelinedFsdpBytes(L.Callback):
@@ -208,13 +229,13 @@ def main(out_dir: Path) -> None:
         (out_dir / f"zero_memory.rank{torch.distributed.get_rank()}.json").write_text(json.dumps(results))
         return
     # ZeRO-3 with tensor parallelism (FSDP2 over dp=2 of tp=2 shards), on the device and offloaded.
-    for offload in (None, "cpu", "nvme"):
+    for offload, ratio in ((None, 1.0), ("cpu", 1.0), ("nvme", 1.0), ("cpu", 0.5)):
         probe = FsdpBytes()
         path = str(out_dir / "nvme") if offload == "nvme" else None
         strategy = HybridParallelStrategy(zero_stage=3, tensor_parallel=2, offload=offload, offload_path=path,
-                                          timeout=60)  # fmt: skip
+                                          offload_ratio=ratio, timeout=60)  # fmt: skip
         _, trainer, numel = _train("nanogpt", strategy, probe, devices, 2)
-        name = f"zero3_{offload}_tp2" if offload else "zero3_tp2"
+        name = (f"zero3_{offload}_tp2" if offload else "zero3_tp2") + ("_half" if ratio < 1 else "")
         results[name] = {"parameters": numel, "world_size": trainer.world_size, **probe.measured}
     for stage in (2, 3):  # ZeRO-2/3 on FSDP2 under two pipeline stages (dp=2)
         probe = PipelinedFsdpBytes()
