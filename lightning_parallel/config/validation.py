@@ -66,14 +66,6 @@ def strategy_config(**a: Any) -> ParallelConfig:
         a["activation_compression"], a["gradient_compression"],
     )  # fmt: skip
     _check_memory_savers(memory, a["gradient_compression"], tp, pipeline, zero)
-    if zero.stage == 1 and pipeline is not None and pipeline.spec.bubble_free_backward:
-        raise ValueError(
-            f"`zero_stage=1` with `pipeline_schedule={pipeline.spec.name!r}` is not supported: that schedule computes"
-            " the weight gradients in a second backward of its own (input gradients first), which DeepSpeed's ZeRO-1"
-            " gradient hooks do not follow (measured: its gradient buckets overflow). Nearest supported layouts:"
-            f" `zero_stage=2` or 3 with `pipeline_schedule={pipeline.spec.name!r}` (FSDP2, one reduce-scatter per"
-            " step), or `zero_stage=1` with '1f1b', 'interleaved_1f1b', 'looped_bfs' or 'gpipe'."
-        )
     context = arguments.context_parallel(a["context_parallel"], a["context_parallel_mode"])
     _check_context(context, a["compile"])
     styles = (

@@ -36,4 +36,21 @@ class ZeroPrecision(DeepSpeedPrecision):
                 "`training_step` returned None (skip this batch) under ZeRO: every rank must take part in the"
                 " gradient reduction. Return a loss (multiply it by 0 to skip its effect)."
             )
-        return self._engine(model).step(**kwargs)
+        engine = self._engine(model)
+        prepare_reduction(engine.optimizer)
+        return engine.step(**kwargs)
+
+
+def prepare_reduction(optimizer: Any) -> None:
+    """What DeepSpeed's per-parameter gradient hooks do before its stage-1 reduction, when none of them ran.
+
+    Its ZeRO-1 optimizer allocates its reduction buckets (and, accumulating in another dtype, moves each
+    gradient into ``grad_accum``) in post-accumulate-grad hooks. The zero-bubble schedules compute the
+    weight gradients with ``torch.autograd.grad`` and assign them (torch's ``stage_backward_weight``), so
+    those hooks never fire: without this the step's reduction indexed an empty bucket list (measured).
+    """
+    if getattr(optimizer, "ready_for_gradients", True) or getattr(optimizer, "partition_gradients", True):
+        return  # a hook ran this step (or stage 2: gradients already reduced in backward)
+    optimizer.setup_buckets()
+    if optimizer.use_grad_accum_attribute:
+        optimizer.fill_grad_accum_attribute()

@@ -159,14 +159,6 @@ def test_pipeline_degree_that_does_not_fit_the_devices_fails_in_the_trainer_cons
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
 REFUSED_AT_CONSTRUCTION = [
-    *[
-        refusal(
-            ("zero1", f"pp={schedule}"),
-            dict(zero_stage=1, pipeline_parallel=2, pipeline_schedule=schedule),
-            f"`zero_stage=1` with `pipeline_schedule={schedule!r}` is not supported",
-        )
-        for schedule in ("interleaved_zero_bubble", "zbv", "dualpipev")
-    ],
     refusal(
         ("zero1", "offload=nvme"),
         dict(zero_stage=1, offload="nvme", offload_path="/tmp/nvme"),
