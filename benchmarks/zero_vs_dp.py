@@ -3,6 +3,7 @@
     python -m benchmarks.zero_vs_dp                       # 2 CPU processes over gloo, the "small" shape
     python -m benchmarks.zero_vs_dp --shape tiny --rounds 2 --steps 10
     python -m benchmarks.zero_vs_dp --pipeline            # 4 processes: zero2/3 x pp2 (FSDP2) against pp2
+    python -m benchmarks.zero_vs_dp --offload             # 2 processes: ZeRO-2 offload to CPU / NVMe / half of it
 
 The recipe GPT, same initial weights and batches, AdamW, fp32. In each rank every configuration
 trains ``--steps`` timed steps (after ``--warmup``) in turn, in a different order each round
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,15 @@ SHAPES = {
 }
 DATA_PARALLEL = {"dp": {}, "zero1": {"zero_stage": 1}, "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3}}
 PIPELINED = {"pp2": {}, "zero2_pp2": {"zero_stage": 2}, "zero3_pp2": {"zero_stage": 3}}
+# ZeRO-2 offloaded: DeepSpeed's CPU offload, the FSDP2 engine's NVMe (Adam's states in files of a temporary
+# folder, on whatever disk holds it) and partial offload (half the units' optimizers kept on the device).
+NVME = str(Path(tempfile.gettempdir()) / "lp-bench-nvme")
+OFFLOADED = {
+    "zero2": {"zero_stage": 2}, "zero2_cpu": {"zero_stage": 2, "offload": "cpu"},
+    "zero2_cpu_half": {"zero_stage": 2, "offload": "cpu", "offload_ratio": 0.5},
+    "zero2_nvme": {"zero_stage": 2, "offload": "nvme", "offload_path": NVME},
+    "zero2_nvme_half": {"zero_stage": 2, "offload": "nvme", "offload_path": NVME, "offload_ratio": 0.5},
+}  # fmt: skip
 
 
 def _fit(
@@ -77,7 +88,7 @@ def worker(args: argparse.Namespace) -> None:
     shape = SHAPES[args.shape]
     data = recipe_data(shape["block_size"], shape["batch_size"])
     data.setup("fit")
-    configs = PIPELINED if args.pipeline else DATA_PARALLEL
+    configs = PIPELINED if args.pipeline else OFFLOADED if args.offload else DATA_PARALLEL
     rounds: list[dict[str, list[float]]] = []
     for index in range(args.rounds):
         order = list(configs) if index % 2 == 0 else list(configs)[::-1]
@@ -98,6 +109,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--pipeline", action="store_true", help="4 ranks: ZeRO-2/3 x pp2 against pp2")
+    parser.add_argument("--offload", action="store_true", help="2 ranks: ZeRO-2 offload to CPU, NVMe, half")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--nprocs", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -106,12 +118,24 @@ def main() -> None:
         worker(args)
         return
     nprocs = 4 if args.pipeline else 2
-    forwarded = ["--worker", "--shape", args.shape, "--rounds", str(args.rounds), "--steps", str(args.steps),
-                 "--warmup", str(args.warmup), "--nprocs", str(nprocs)] + (["--pipeline"] if args.pipeline else [])  # fmt: skip
+    forwarded = [
+        "--worker",
+        "--shape",
+        args.shape,
+        "--rounds",
+        str(args.rounds),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--nprocs",
+        str(nprocs),
+    ] + (["--pipeline"] if args.pipeline else [])
+    forwarded += ["--offload"] if args.offload else []  # fmt: skip
     start = time.perf_counter()
     out = launch("benchmarks.zero_vs_dp", forwarded, nprocs=nprocs, timeout_s=3600)
     rounds = json.loads((out / "zero_vs_dp.json").read_text())
-    reference = "pp2" if args.pipeline else "dp"
+    reference = "pp2" if args.pipeline else "zero2" if args.offload else "dp"
     medians = {name: statistics.median([t for r in rounds for t in r[name]]) for name in rounds[0]}
     rows = []
     for name, median in medians.items():
@@ -121,7 +145,7 @@ def main() -> None:
     print(f"# {machine()}; recipe GPT {SHAPES[args.shape]}; {nprocs} CPU ranks, {len(rounds)} rounds,"
           f" {time.perf_counter() - start:.0f} s")  # fmt: skip
     print(table(["configuration", "median step", f"vs {reference}", "per round"], rows))
-    if not args.pipeline:
+    if not (args.pipeline or args.offload):
         print("Lightning's FSDPStrategy and DeepSpeedStrategy: not run, both refuse the CPU accelerator")
 
 

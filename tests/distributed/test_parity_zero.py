@@ -93,6 +93,7 @@ LOW_PRECISION = [
         _low(3, precision, offload="nvme", offload_path=NVME_PATH)
         for precision in ("bf16-mixed", "bf16-true")
     ],
+    _low(3, "bf16-true", offload="cpu"),
 ]
 FOUR = [
     _case("zero1_tp2_dp2_nanogpt", "nanogpt", 4, zero_stage=1, tensor_parallel=2),
