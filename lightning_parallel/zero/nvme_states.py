@@ -1,6 +1,6 @@
 """Adam's two state tensors of each CPU shard in files on a fast disk, through DeepSpeed's async I/O.
 
-``offload="nvme"`` on the FSDP2 engine (ZeRO-3 with tensor, pipeline or expert parallelism):
+``offload="nvme"`` on the FSDP2 engine (ZeRO-2, and ZeRO-3 with tensor, pipeline or expert parallelism):
 FSDP2 offloads to host memory only, so the sharded parameters and their gradients live there
 (``CPUOffloadPolicy``) and the optimizer states, half of Adam's model-state bytes in fp32, go to
 ``offload_path``. They come back two at a time for the step: while DeepSpeed's CPU Adam updates one
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -66,22 +67,22 @@ class StateFiles:
         numel = shape.numel()
         return tuple(self._buffers[(slot, key, dtype)][:numel].view(shape) for key in self.KEYS)
 
-    def _whole(self, slot: int, numel: int, dtype: torch.dtype, key: str) -> torch.Tensor:
-        return self._buffers[(slot, key, dtype)][: padded(numel, dtype.itemsize)]
-
     def read(self, index: int, slot: int, numel: int, dtype: torch.dtype) -> None:
-        for key in self.KEYS:
-            buffer = self._whole(slot, numel, dtype, key)
-            assert self.handle.async_pread(buffer, self.path(index, key), 0) == 0
-            self.bytes_read += buffer.numel() * buffer.element_size()
-            self.pending += 1
+        self.bytes_read += self._submit(self.handle.async_pread, index, slot, numel, dtype)
 
     def write(self, index: int, slot: int, numel: int, dtype: torch.dtype) -> None:
+        self.bytes_written += self._submit(self.handle.async_pwrite, index, slot, numel, dtype)
+
+    def _submit(self, operation: Any, index: int, slot: int, numel: int, dtype: torch.dtype) -> int:
+        """Start ``operation`` (the handle's async read or write) on both states; the bytes it moves."""
+        moved = 0
         for key in self.KEYS:
-            buffer = self._whole(slot, numel, dtype, key)
-            assert self.handle.async_pwrite(buffer, self.path(index, key), 0) == 0
-            self.bytes_written += buffer.numel() * buffer.element_size()
+            buffer = self._buffers[(slot, key, dtype)][: padded(numel, dtype.itemsize)]
+            if operation(buffer, self.path(index, key), 0) != 0:
+                raise OSError(f"offload='nvme': DeepSpeed's async I/O refused {self.path(index, key)}")
+            moved += buffer.numel() * buffer.element_size()
             self.pending += 1
+        return moved
 
     def wait(self) -> None:
         """Complete every read and write in flight (DeepSpeed's handle waits for all of them at once)."""

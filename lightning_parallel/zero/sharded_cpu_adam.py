@@ -17,6 +17,8 @@ import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from torch.distributed.tensor import DTensor
 
+from lightning_parallel.zero.fsdp import KEPT_ON_DEVICE
+
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard (a view of the DTensor's storage under ``no_grad``)."""
@@ -26,9 +28,13 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def offloaded(param: torch.Tensor) -> bool:
     """Whether the kernel steps ``param``: a shard on the CPU that partial offload did not keep on the device
     (``zero/fsdp.py``: ``KEPT_ON_DEVICE``; on a CPU-only machine those are on the CPU too)."""
-    from lightning_parallel.zero.fsdp import KEPT_ON_DEVICE
-
     return param.device.type == "cpu" and not getattr(param, KEPT_ON_DEVICE, False)
+
+
+def split_by_offload(group: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The parameters of ``group`` with a gradient: (offloaded ones the kernel steps, the ones on the device)."""
+    with_grad = [p for p in group["params"] if p.grad is not None]
+    return [p for p in with_grad if offloaded(p)], [p for p in with_grad if not offloaded(p)]
 
 
 class ShardedCPUAdam(DeepSpeedCPUAdam):
@@ -40,19 +46,18 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._step_parameters()
+        return loss
+
+    def _step_parameters(self) -> None:
+        """The update of every parameter with a gradient: the kernel for the offloaded, torch's Adam for the rest."""
         for group in self.param_groups:
-            on_device = []
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if not offloaded(param):
-                    on_device.append(param)
-                    continue
+            kernel, on_device = split_by_offload(group)
+            for param in kernel:
                 state = self._state_of(param)
                 state["step"] += 1
                 self._kernel_update(group, param, state["step"], state["exp_avg"], state["exp_avg_sq"])
             self._step_on_device(group, on_device)
-        return loss
 
     def _kernel_update(
         self, group: dict[str, Any], param: torch.Tensor, step: torch.Tensor, exp_avg: torch.Tensor,

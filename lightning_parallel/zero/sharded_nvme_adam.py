@@ -12,7 +12,6 @@ memory while it writes them, as DeepSpeed's NVMe checkpoints do.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +19,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.zero.nvme_states import StateFiles
-from lightning_parallel.zero.sharded_cpu_adam import ShardedCPUAdam, _local, offloaded
+from lightning_parallel.zero.sharded_cpu_adam import ShardedCPUAdam, _local, offloaded, split_by_offload
 
 _KEYS = StateFiles.KEYS
-_SCALAR = torch.zeros(())
 
 
 class ShardedNVMeAdam(ShardedCPUAdam):
@@ -38,18 +36,14 @@ class ShardedNVMeAdam(ShardedCPUAdam):
 
     # ---- the step ---------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _step_parameters(self) -> None:
+        """The kernel over every offloaded parameter in turn, its states read one parameter ahead; then the rest."""
         work: list[tuple[dict[str, Any], torch.Tensor]] = []
         on_device: list[tuple[dict[str, Any], list[torch.Tensor]]] = []
         for group in self.param_groups:
-            with_grad = [p for p in group["params"] if p.grad is not None]
-            work += [(group, p) for p in with_grad if offloaded(p)]
-            on_device.append((group, [p for p in with_grad if not offloaded(p)]))
+            kernel, kept = split_by_offload(group)
+            work += [(group, p) for p in kernel]
+            on_device.append((group, kept))
         self._reserve([p for _, p in work])
         self._fetch(work, 0)
         for i, (group, param) in enumerate(work):
@@ -68,7 +62,6 @@ class ShardedNVMeAdam(ShardedCPUAdam):
         self.files.wait()
         for group, params in on_device:
             self._step_on_device(group, params)
-        return loss
 
     def _reserve(self, params: list[torch.Tensor]) -> None:
         for dtype in {self._state_dtype(p) for p in params}:
@@ -120,7 +113,7 @@ class ShardedNVMeAdam(ShardedCPUAdam):
         return params
 
     def _write_all(self) -> None:
-        params = [p for p in self._swappable() if self.state.get(p, {}).get(_KEYS[0], _SCALAR).dim() > 0]
+        params = [p for p in self._swappable() if _held(self.state.get(p, {}))]
         if params:
             self._reserve(params)
         for param in params:
@@ -131,6 +124,11 @@ class ShardedNVMeAdam(ShardedCPUAdam):
             self.files.wait()
             self._on_disk.add(self._index[id(param)])
             _mark_swapped(self.state[param])
+
+
+def _held(state: dict[str, Any]) -> bool:
+    """Whether ``state`` holds Adam's states as tensors (just loaded), not the names of swapped ones."""
+    return all(isinstance(state.get(key), torch.Tensor) and state[key].dim() > 0 for key in _KEYS)
 
 
 def _mark_swapped(state: dict[str, Any]) -> None:

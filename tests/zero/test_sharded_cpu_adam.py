@@ -64,23 +64,32 @@ def test_the_offloaded_optimizer_is_freed_without_the_cycle_collector() -> None:
         gc.enable()
 
 
-def _nvme_run(folder: str, steps: int, resume_from: dict | None = None) -> tuple[list[torch.Tensor], object]:
+def _nvme_params() -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    return [*_params(), torch.nn.Parameter(torch.randn(40, 70))]  # larger than the first buffers: they grow
+
+
+def _train_steps(
+    params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, steps: range, forget: bool = False
+) -> None:
+    """Steps ``steps`` of a fixed gradient sequence (step k always gets the k-th gradients); ``forget``: the
+    optimizer loses track of its files after each step (the negative control)."""
+    generator = torch.Generator().manual_seed(1)
+    for k in range(steps.stop):
+        grads = [torch.randn(p.shape, generator=generator) for p in params]
+        if k not in steps:
+            continue
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+        if forget:
+            optimizer._on_disk.clear()
+        optimizer.step()
+
+
+def _nvme_optimizer(folder: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     from lightning_parallel.zero.sharded_nvme_adam import ShardedNVMeAdam
 
-    params = _params()
-    big = torch.nn.Parameter(torch.randn(40, 70))  # larger than the first buffers: they grow
-    params.append(big)
-    optimizer = ShardedNVMeAdam(params, nvme_path=folder, rank=0, adamw_mode=True, **HYPER)
-    if resume_from is not None:
-        for p, value in zip(params, resume_from["params"], strict=True):
-            p.data.copy_(value)
-        optimizer.load_state_dict(resume_from["optimizer"])
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=generator)
-        optimizer.step()
-    return params, optimizer
+    return ShardedNVMeAdam(params, nvme_path=folder, rank=0, adamw_mode=True, **HYPER)
 
 
 def _in_memory(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> int:
@@ -96,16 +105,12 @@ def test_states_on_nvme_give_the_kernel_update_and_leave_host_memory(tmp_path) -
     pytest.importorskip("deepspeed")
     from lightning_parallel.zero.sharded_cpu_adam import ShardedCPUAdam
 
-    params, optimizer = _nvme_run(str(tmp_path), 3)
-    torch.manual_seed(0)
-    reference = _params()
-    reference.append(torch.nn.Parameter(torch.randn(40, 70)))
+    params = _nvme_params()
+    optimizer = _nvme_optimizer(str(tmp_path), params)
+    _train_steps(params, optimizer, range(3))
+    reference = _nvme_params()
     in_memory = ShardedCPUAdam(reference, adamw_mode=True, **HYPER)
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        for p in reference:
-            p.grad = torch.randn(p.shape, generator=generator)
-        in_memory.step()
+    _train_steps(reference, in_memory, range(3))
     for got, want in zip(params, reference, strict=True):
         assert torch.equal(got, want)  # the same kernel on the same states, read back bit for bit
     assert all(_in_memory(optimizer, p) == 0 for p in params)  # nothing of Adam's states in memory
@@ -119,27 +124,16 @@ def test_states_on_nvme_give_the_kernel_update_and_leave_host_memory(tmp_path) -
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(saved["state"][i][key], in_memory.state[p][key])
     assert all(_in_memory(optimizer, p) == 0 for p in params)
-    # Resume: two more steps from the saved state equal five uninterrupted steps.
-    snapshot = {"params": [p.detach().clone() for p in params], "optimizer": saved}
-    uninterrupted, _ = _nvme_run(str(tmp_path / "b"), 5)
-    resumed, again = _nvme_run(str(tmp_path / "c"), 0, resume_from=snapshot)
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(3):  # the generator's state after three steps' gradients
-        for p in resumed:
-            torch.randn(p.shape, generator=generator)
-    for _ in range(2):
-        for p in resumed:
-            p.grad = torch.randn(p.shape, generator=generator)
-        again.step()
+    # Resume: steps 3-4 from the saved state equal five uninterrupted steps.
+    uninterrupted = _nvme_params()
+    _train_steps(uninterrupted, _nvme_optimizer(str(tmp_path / "b"), uninterrupted), range(5))
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    again = _nvme_optimizer(str(tmp_path / "c"), resumed)
+    again.load_state_dict(saved)
+    _train_steps(resumed, again, range(3, 5))
     for got, want in zip(resumed, uninterrupted, strict=True):
         assert torch.equal(got, want)
     # Negative control: states that were not read back (zeros at every step) are another update.
-    lost, forgetful = _nvme_run(str(tmp_path / "d"), 0)
-    forgetful._on_disk.clear()
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        for p in lost:
-            p.grad = torch.randn(p.shape, generator=generator)
-        forgetful.step()
-        forgetful._on_disk.clear()
+    lost = _nvme_params()
+    _train_steps(lost, _nvme_optimizer(str(tmp_path / "d"), lost), range(3), forget=True)
     assert any(not torch.equal(a, b) for a, b in zip(lost, reference, strict=True))
