@@ -149,7 +149,7 @@ class MeshParallelStrategy(ParallelStrategy):
             check_zero_precision(self.config.zero, self.precision_plugin)
         if self.deepspeed_zero:
             if not isinstance(self.precision_plugin, ZeroPrecision):
-                self.precision_plugin = ZeroPrecision(self.precision_plugin.precision)
+                self.precision_plugin = ZeroPrecision(self.precision_plugin.precision, self.root_device.type)
         else:
             pp_group = self._device_mesh["pp"].get_group() if self.dims.pp_enabled else None
             self.precision_plugin = convert_precision_plugin(self.precision_plugin, pipeline_group=pp_group)

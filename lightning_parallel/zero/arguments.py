@@ -25,11 +25,12 @@ OWNED_KEYS = {
 }
 
 # Precision names -> the DeepSpeed section that implements them (fp32 master weights in the
-# ZeRO optimizer, parameters in low precision on the device).
+# ZeRO optimizer, parameters in low precision on the device). "bf16-mixed" has none: an fp32
+# engine, the forward autocast by ZeroPrecision (zero/precision.py says why).
 ZERO_PRECISIONS: dict[str, str | None] = {
     "32-true": None,
     "32": None,
-    "bf16-mixed": "bf16",
+    "bf16-mixed": None,
     "bf16-true": "bf16",
     "16-mixed": "fp16",
 }

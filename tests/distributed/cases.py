@@ -18,7 +18,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["ATOL", "CASES", "RTOL", "Case", "Fault", "StrategySpec", "ddp", "hybrid", "register"]
+__all__ = [
+    "ATOL",
+    "CASES",
+    "RTOL",
+    "Case",
+    "Fault",
+    "GradientFault",
+    "StrategySpec",
+    "ddp",
+    "hybrid",
+    "register",
+]
 
 # Project rules for fp32 parity (docs/testing.md): never widen these to make a test pass.
 RTOL = 1e-5
@@ -55,6 +66,19 @@ class Fault:
 
 
 @dataclass(frozen=True)
+class GradientFault:
+    """Test-only: multiply the gradients of the parameters whose name contains ``name`` by ``factor``.
+
+    Applied in the distributed run just before each optimizer step (``0.0``: the layer's
+    gradient dropped; ``2.0``: doubled), never in the reference: the negative control of a
+    parity test, which must then fail.
+    """
+
+    name: str
+    factor: float
+
+
+@dataclass(frozen=True)
 class Case:
     """One training run: a model family trained ``steps`` optimizer steps under ``strategy``.
 
@@ -71,7 +95,12 @@ class Case:
             ``gradient_clip_val``; applied to the reference too.
         model_kwargs: Overrides for the family's constructor (``learning_rate``, ...).
         seed: ``seed_everything`` seed; the initial weights come from the family's own seed.
+        data: ``"random"`` tokens or a ``"learnable"`` sequence (``tests.models.families.TokenWindows``):
+            low-precision cases train on the learnable one, where the loss moves.
+        reversed_batches: Reference only: each global batch in the reverse order, the run whose
+            spread from the natural order derives the low-precision tolerance.
         fault: Test-only fault injection; ``None`` in real cases.
+        gradient_fault: Test-only wrong gradient (a negative control); ``None`` in real cases.
     """
 
     name: str
@@ -84,7 +113,10 @@ class Case:
     trainer_kwargs: Mapping[str, Any] = field(default_factory=dict)
     model_kwargs: Mapping[str, Any] = field(default_factory=dict)
     seed: int = 0
+    data: str = "random"
+    reversed_batches: bool = False
     fault: Fault | None = None
+    gradient_fault: GradientFault | None = None
 
     @property
     def dp(self) -> int:
@@ -110,6 +142,8 @@ class Case:
             tuple(sorted((k, repr(v)) for k, v in self.trainer_kwargs.items())),
             tuple(sorted((k, repr(v)) for k, v in self.model_kwargs.items())),
             self.seed,
+            self.data,
+            self.reversed_batches,
         )
 
     def replace(self, **changes: Any) -> Case:

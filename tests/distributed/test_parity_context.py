@@ -25,6 +25,7 @@ import pytest
 from tests.compat import case_features
 from tests.distributed.cases import CASES, Case, hybrid
 from tests.distributed.harness import Result, assert_parity, reference, run_cases
+from tests.distributed.tolerance import check_low_precision, with_split_references
 from tests.models.hf import HFMixtralAuxModule
 
 pytestmark = [pytest.mark.distributed]
@@ -33,7 +34,6 @@ SDPA_GPT2 = {"model_kwargs": {"attn_implementation": "sdpa"}}
 FAMILIES = {"recipe_gpt": {}, "hf_llama": {}, "hf_gpt2": SDPA_GPT2}
 LAYERS = 2
 STEPS = 4
-BF16_LOSS_RTOL = 2e-2  # the project's low-precision rule (tests/distributed/test_parity_hybrid.py)
 
 
 def _case(name: str, family: str, world_size: int, fields: dict | None = None, **kwargs: object) -> Case:
@@ -74,11 +74,11 @@ TWO = [
 ]  # fmt: skip
 BF16 = [
     _case("cp2_ring_bf16_recipe_gpt", "recipe_gpt", 2, context_parallel=2,
-          fields={"trainer_kwargs": {"precision": "bf16-mixed"}}),
+          fields={"trainer_kwargs": {"precision": "bf16-mixed"}, "data": "learnable"}),
     _case("cp2_ulysses_bf16true_hf_llama", "hf_llama", 2, context_parallel=2, context_parallel_mode="ulysses",
-          fields={"trainer_kwargs": {"precision": "bf16-true"}}),
+          fields={"trainer_kwargs": {"precision": "bf16-true"}, "data": "learnable"}),
     _case("cp2_ring_fp16true_recipe_gpt", "recipe_gpt", 2, context_parallel=2,
-          fields={"trainer_kwargs": {"precision": "16-true"}}),
+          fields={"trainer_kwargs": {"precision": "16-true"}, "data": "learnable"}),
 ]  # fmt: skip
 PP = {"batch_size": 4}
 FOUR = [
@@ -116,7 +116,9 @@ FOUR = [
 
 @pytest.fixture(scope="module")
 def two_process_results() -> dict[str, Result]:
-    return run_cases(TWO + BF16, world_size=2, timeout_s=900, references_for=TWO + BF16 + FOUR)
+    return run_cases(
+        TWO + BF16, world_size=2, timeout_s=900, references_for=with_split_references(TWO + BF16 + FOUR)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -158,11 +160,8 @@ def test_context_parallel_on_two_ranks_matches_single_process(
 def test_context_parallel_low_precision_losses_match_single_process(
     two_process_results: dict[str, Result], name: str
 ) -> None:
-    result, ref = two_process_results[name], reference(name)
-    assert len(result.losses) == len(ref.losses) > 0
-    for step, (got, want) in enumerate(zip(result.losses, ref.losses, strict=True)):
-        assert abs(got - want) / abs(want) < BF16_LOSS_RTOL, f"step {step}: {got} vs {want}"
-    _assert_engaged(CASES[name], result)
+    check_low_precision(two_process_results[name], CASES[name])
+    _assert_engaged(CASES[name], two_process_results[name])
 
 
 @pytest.mark.compat

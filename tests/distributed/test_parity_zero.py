@@ -23,6 +23,7 @@ import pytest
 
 from tests.distributed.cases import CASES, Case, hybrid
 from tests.distributed.harness import Result, assert_parity, reference, run_cases
+from tests.distributed.tolerance import check_low_precision, with_split_references
 
 pytestmark = [pytest.mark.distributed]
 
@@ -79,9 +80,11 @@ TWO = [
 def _low(stage: int, precision: str, **kwargs: object) -> Case:
     short = {"bf16-mixed": "bf16", "bf16-true": "bf16true"}[precision]
     extra = f"_{kwargs['offload']}" if kwargs.get("offload") else ""
-    adam = {"model_kwargs": ADAM} if kwargs.get("offload") == "nvme" else {}
+    # Adam (the NVMe states), eight steps: at its rate the loss needs them to move by ten tolerances
+    # (tests/distributed/tolerance.py); a larger rate amplifies the rounding as much as the movement.
+    adam = {"model_kwargs": ADAM, "steps": 8} if kwargs.get("offload") == "nvme" else {}
     return _case(f"zero{stage}{extra}_{short}_dp2_nanogpt", "nanogpt", zero_stage=stage,
-                 fields={"trainer_kwargs": {"precision": precision}, **adam}, **kwargs)  # fmt: skip
+                 fields={"trainer_kwargs": {"precision": precision}, "data": "learnable", **adam}, **kwargs)  # fmt: skip
 
 
 # DeepSpeed's bf16 (fp32 master weights): losses within 2e-2. Not fp16: on the CPU Lightning turns
@@ -196,7 +199,9 @@ EIGHT = [
 
 @pytest.fixture(scope="module")
 def two_process() -> dict[str, Result]:
-    return run_cases(TWO + LOW_PRECISION, 2, timeout_s=600, references_for=TWO + LOW_PRECISION)
+    return run_cases(
+        TWO + LOW_PRECISION, 2, timeout_s=600, references_for=with_split_references(TWO + LOW_PRECISION)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -215,10 +220,8 @@ def test_zero_two_processes(two_process: dict[str, Result], case: Case) -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", LOW_PRECISION, ids=lambda c: c.name)
 def test_zero_low_precision_within_its_tolerance(two_process: dict[str, Result], case: Case) -> None:
-    result, ref = two_process[case.name], reference(case)
-    assert len(result.losses) == len(ref.losses) > 0
-    for step, (got, want) in enumerate(zip(result.losses, ref.losses, strict=True)):
-        assert abs(got - want) <= 2e-2 * abs(want), f"step {step}: {got} vs {want}"
+    """Losses and every parameter within the tolerance measured on the one-process run (tests/distributed/tolerance.py)."""
+    check_low_precision(two_process[case.name], case)
 
 
 @pytest.mark.compat

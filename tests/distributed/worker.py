@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from tests.distributed.cases import Case, Fault
+from tests.distributed.cases import Case, Fault, GradientFault
 from tests.distributed.harness import mean_over_ranks, merge_replicas
 from tests.environment import LAUNCHER_VARIABLES
 from tests.models.families import build, make_dataloader, reference_dataloader
@@ -181,6 +181,20 @@ class FaultInjector(Callback):
         time.sleep(3600)
 
 
+class GradientFaultInjector(Callback):
+    """Test-only: scales one layer's gradients before each optimizer step (a parity test's negative control)."""
+
+    def __init__(self, fault: GradientFault) -> None:
+        self.fault = fault
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        for name, param in pl_module.named_parameters():
+            if self.fault.name in name and param.grad is not None:
+                param.grad.mul_(self.fault.factor)
+
+
 def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], startup_s: float) -> None:
     case_start = time.perf_counter()
     for key in _DIST_ENV:  # LightningEnvironment.teardown() deletes WORLD_SIZE after each fit
@@ -193,14 +207,19 @@ def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], 
     model = build(case.family, **case.model_kwargs)
     if reference:
         devices, strategy = 1, "auto"
-        loader = reference_dataloader(case.batch_size, case.dp, case.num_samples, sampler_seed=case.seed)
+        loader = reference_dataloader(
+            case.batch_size, case.dp, case.num_samples, sampler_seed=case.seed, data=case.data,
+            reverse_within_batch=case.reversed_batches,
+        )  # fmt: skip
     else:
-        devices, loader = case.world_size, make_dataloader(case.batch_size, case.num_samples)
+        devices, loader = case.world_size, make_dataloader(case.batch_size, case.num_samples, data=case.data)
         strategy = case.strategy if isinstance(case.strategy, str) else case.strategy.build()
     recorder = ParityRecorder()
     callbacks: list[Callback] = [recorder]
     if case.fault is not None and not reference:
         callbacks.append(FaultInjector(case.fault))
+    if case.gradient_fault is not None and not reference:
+        callbacks.append(GradientFaultInjector(case.gradient_fault))
     trainer_kwargs = dict(
         accelerator="cpu", devices=devices, num_nodes=1, strategy=strategy, max_steps=case.steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -137,18 +137,48 @@ def build(family: str, seed: int = MODEL_SEED, **overrides: Any) -> L.LightningM
         return FAMILIES[family](**overrides)
 
 
+DATA = ("random", "learnable")
+
+
 class TokenWindows(Dataset):
-    """``num_samples`` windows ``(x, y)`` of ``seq_len`` tokens cut from one seeded random stream.
+    """``num_samples`` windows ``(x, y)`` of ``seq_len`` tokens cut from one seeded stream.
 
     ``y`` is ``x`` shifted by one token. Sample ``i`` is the same in every process.
+
+    ``data="random"``: uniform tokens, nothing to learn: the loss stays near ``ln(vocab_size)``
+    and a few steps move it by hundredths, which is enough for fp32 parity (every parameter is
+    compared at 1e-5) but hides a wrong gradient behind a low-precision tolerance.
+    ``data="learnable"``: after token ``t`` comes ``successor[t]`` (a seeded permutation of the
+    vocabulary), except that one token in ``1 / RESTART`` jumps to a random token; the model
+    learns the table within a few steps, so the loss falls by far more than the low-precision
+    tolerance (docs/testing.md, "Low precision").
     """
 
+    ALPHABET = 16
+    RESTART = 16
+
     def __init__(
-        self, num_samples: int, seq_len: int = SEQ_LEN, vocab_size: int = VOCAB_SIZE, seed: int = 0
+        self,
+        num_samples: int,
+        seq_len: int = SEQ_LEN,
+        vocab_size: int = VOCAB_SIZE,
+        seed: int = 0,
+        data: str = "random",
     ) -> None:
+        if data not in DATA:
+            raise ValueError(f"data must be one of {DATA}, got {data!r}")
         generator = torch.Generator().manual_seed(seed)
         stream_len = 4 * num_samples * seq_len + 1
         self.stream = torch.randint(vocab_size, (stream_len,), generator=generator)
+        if data == "learnable":
+            alphabet = torch.randperm(vocab_size, generator=generator)[: self.ALPHABET]
+            successor = torch.full((vocab_size,), -1, dtype=torch.long)
+            successor[alphabet] = alphabet[torch.randperm(self.ALPHABET, generator=generator)]
+            jump = torch.randint(self.RESTART, (stream_len,), generator=generator) == 0
+            self.stream = alphabet[torch.randint(self.ALPHABET, (stream_len,), generator=generator)]
+            for i in range(1, stream_len):
+                if not jump[i]:
+                    self.stream[i] = successor[self.stream[i - 1]]
         self.starts = torch.randint(stream_len - seq_len, (num_samples,), generator=generator)
         self.seq_len = seq_len
 
@@ -166,7 +196,7 @@ def global_batch(per_rank_batch_size: int, data_parallel: int) -> int:
     return per_rank_batch_size * data_parallel
 
 
-def make_dataloader(batch_size: int, num_samples: int, seed: int = 0) -> DataLoader:
+def make_dataloader(batch_size: int, num_samples: int, seed: int = 0, data: str = "random") -> DataLoader:
     """Batches of ``batch_size`` :class:`TokenWindows` in order, for a distributed run.
 
     Under ``use_distributed_sampler=True`` Lightning replaces the sampler with a
@@ -176,12 +206,18 @@ def make_dataloader(batch_size: int, num_samples: int, seed: int = 0) -> DataLoa
     the samples ``perm[i*b*R : (i+1)*b*R]``. :func:`reference_dataloader` loads those batches.
     """
     return DataLoader(
-        TokenWindows(num_samples, seed=seed), batch_size=batch_size, shuffle=False, num_workers=0
+        TokenWindows(num_samples, seed=seed, data=data), batch_size=batch_size, shuffle=False, num_workers=0
     )
 
 
 def reference_dataloader(
-    batch_size: int, data_parallel: int, num_samples: int, sampler_seed: int, seed: int = 0
+    batch_size: int,
+    data_parallel: int,
+    num_samples: int,
+    sampler_seed: int,
+    seed: int = 0,
+    data: str = "random",
+    reverse_within_batch: bool = False,
 ) -> DataLoader:
     """One process's loader whose batch ``i`` holds the samples of batch ``i`` of all replicas.
 
@@ -189,9 +225,24 @@ def reference_dataloader(
     in the order of ``DistributedSampler(num_replicas=1, shuffle=True, seed=sampler_seed)``:
     the same permutation the replicas' samplers split (``sampler_seed`` is the run's
     ``seed_everything`` seed; ``set_epoch`` is called on it by Lightning as on theirs).
+
+    ``reverse_within_batch``: each batch holds the same samples in the reverse order, which
+    changes nothing but the order of the reductions over the batch: the spread this gives a
+    low-precision run is what its tolerance is derived from (tests/distributed/tolerance.py).
     """
-    dataset = TokenWindows(num_samples, seed=seed)
+    dataset = TokenWindows(num_samples, seed=seed, data=data)
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=sampler_seed)
+    collate = _reversed_collate if reverse_within_batch else None
     return DataLoader(
-        dataset, batch_size=global_batch(batch_size, data_parallel), sampler=sampler, num_workers=0
+        dataset,
+        batch_size=global_batch(batch_size, data_parallel),
+        sampler=sampler,
+        num_workers=0,
+        collate_fn=collate,
     )
+
+
+def _reversed_collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    from torch.utils.data import default_collate
+
+    return default_collate(samples[::-1])
