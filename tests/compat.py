@@ -127,9 +127,23 @@ def _canonical_schedule(name: str) -> str:
     return resolve_schedule(name).name
 
 
+LOW_PRECISIONS = frozenset({"bf16-mixed", "bf16-true", "16-true", "16-mixed", "fp8"})
+
+
 def case_features(case: Case) -> frozenset[str]:
-    """The rows of a harness case (Lightning's own strategies: data parallel only)."""
+    """The rows of a harness case (Lightning's own strategies: data parallel only).
+
+    A low-precision case must train on the learnable sequence (``data="learnable"``): only the
+    measured-tolerance check (tests/distributed/tolerance.py, which refuses other data) may mark
+    a low-precision cell tested.
+    """
     precision = _precision(case.trainer_kwargs)
+    if precision in LOW_PRECISIONS and case.data != "learnable":
+        raise ValueError(
+            f"{case.name}: a {precision} case counts in the compatibility matrix only when compared by"
+            " tests/distributed/tolerance.py (data='learnable', losses and parameters within the measured"
+            " tolerance)"
+        )
     spec = case.strategy
     if isinstance(spec, StrategySpec) and spec.target == _HYBRID:
         return features_of(spec.kwargs, case.world_size, precision)
@@ -143,8 +157,9 @@ def pairs_of(features: Iterable[str]) -> set[frozenset[str]]:
     """The pairs a parity run with these rows covers.
 
     A pair of two non-precision rows counts only from an fp32 run, whose parity check is strict
-    (losses within 1e-5 per step and every final parameter); a low-precision run (losses within
-    2e-2) covers only the pairs with its precision.
+    (losses within 1e-5 per step and every final parameter); a low-precision run (losses and
+    parameters within the tolerance measured on the one-process run, tests/distributed/tolerance.py)
+    covers only the pairs with its precision.
     """
     rows = set(features)
     fp32 = "32-true" in rows

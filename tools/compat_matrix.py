@@ -196,7 +196,8 @@ def render(matrix: Matrix) -> str:
         "",
         "- **✓ tested**: a test asserts parity with the single-process run for a layout holding both",
         "  rows. Two layout rows count only from an fp32 run (losses within 1e-5 per step, every final",
-        "  parameter); a pair with a low precision from a run in that precision (losses within 2e-2).",
+        "  parameter); a pair with a low precision from a run in that precision on a learnable sequence (losses and"
+        ' every parameter within the tolerance measured on the one-process run: docs/testing.md, "Low precision").',
         "- **✗ refused**: the strategy refuses the pair at setup with a `ValueError`, and a test asserts it.",
         "  **✓\\*** : tested, and refused in some settings (see the refused list).",
         "- **?** **gap**: neither tested nor refused: untested, use at your own risk.",

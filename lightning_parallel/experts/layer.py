@@ -28,7 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_parallel.experts.dispatch import ProcessGroup, dispatch, gather_counts, group_rank, group_size
+from lightning_parallel.experts.dispatch import (
+    ProcessGroup,
+    dispatch,
+    gather_counts,
+    group_rank,
+    group_size,
+    sum_over_group,
+)
 from lightning_parallel.experts.experts import Activation, GroupedExperts
 from lightning_parallel.experts.router import (
     Router,
@@ -258,8 +265,19 @@ def moe_layers(module: nn.Module) -> list[MoE]:
 
 
 def moe_aux_loss(module: nn.Module) -> torch.Tensor:
-    """Sum of :meth:`MoE.take_aux_loss` over every MoE layer in ``module``: add it to the loss."""
+    """Sum of :meth:`MoE.take_aux_loss` over every MoE layer in ``module``: add it to the loss.
+
+    Over a token group each rank's loss is its share (its tokens' probabilities against the global
+    counts; the shares' mean is the global loss). The value returned is the group's mean, the
+    gradient the share's: ranks holding one batch (context parallel) then report one loss, and
+    every rank still back-propagates exactly its part.
+    """
     layers = moe_layers(module)
     if not layers:
         raise ValueError(f"moe_aux_loss: {type(module).__name__} contains no lightning_parallel MoE layer.")
-    return torch.stack([layer.take_aux_loss() for layer in layers]).sum()
+    share = torch.stack([layer.take_aux_loss() for layer in layers]).sum()
+    group = layers[0].token_group
+    if group_size(group) == 1:
+        return share
+    mean = sum_over_group(share.float(), group) / group_size(group)
+    return share + (mean.to(share.dtype) - share).detach()

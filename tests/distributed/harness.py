@@ -46,6 +46,7 @@ __all__ = [
     "reference",
     "references",
     "run_cases",
+    "shared_loss_problems",
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,6 +82,37 @@ class Result:
     facts: dict[str, int] = field(
         default_factory=dict
     )  # what the strategy did, for "it really engaged" asserts
+    rank_coordinates: list[dict[str, int]] = field(default_factory=list)  # per rank, on the mesh's axes
+
+
+# Axes whose ranks share one batch and must report one loss: tensor and context parallel.
+SHARED_LOSS_AXES = ("tp", "cp")
+
+
+def shared_loss_problems(result: Result) -> list[str]:
+    """Ranks of one tensor- (or context-) parallel group that reported different losses.
+
+    Shard-local losses could average over the group to the right value; the group's ranks hold
+    the same batch and the same reduced logits, so each must return the loss itself.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for rank, coords in enumerate(result.rank_coordinates):
+        key = tuple(sorted((k, v) for k, v in coords.items() if k not in SHARED_LOSS_AXES))
+        groups.setdefault(key, []).append(rank)
+    problems = []
+    for ranks in groups.values():
+        if len(ranks) < 2:
+            continue
+        for step in range(len(result.rank_losses[ranks[0]])):
+            values = {rank: result.rank_losses[rank][step] for rank in ranks}
+            present = [v for v in values.values() if v is not None]
+            if present and (
+                len(present) != len(values) or max(present) - min(present) > RTOL * abs(present[0])
+            ):
+                problems.append(
+                    f"batch {step}: ranks {ranks} of one tensor/context-parallel group reported {values}"
+                )
+    return problems
 
 
 def mean_over_ranks(rank_losses: list[list[float | None]]) -> list[float]:
@@ -388,6 +420,7 @@ def assert_parity(result: Result, ref: Result, rtol: float = RTOL, atol: float =
             problems.append(f"parameter {name}: {problem}")
     for name, message in result.replica_mismatches.items():
         problems.append(f"replicas out of sync for {name}: {message}")
+    problems += shared_loss_problems(result)
     if problems:
         raise AssertionError(f"Case {result.name!r} does not match its single-process reference:\n- "
                              + "\n- ".join(problems))  # fmt: skip

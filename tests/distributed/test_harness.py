@@ -200,3 +200,20 @@ def test_check_parity_asserts_every_case(monkeypatch: pytest.MonkeyPatch) -> Non
     assert launched == {"cases": ["fake_0", "fake_1", "fake_2"], "refs": ["fake_0", "fake_1", "fake_2"]}
     assert "'fake_1'" in str(info.value) and "'fake_0'" not in str(info.value)
     assert harness.check_parity([cases[0], cases[2]]).keys() == {"fake_0", "fake_2"}
+
+
+def test_ranks_of_one_tensor_parallel_group_must_report_one_loss() -> None:
+    """Shard-local losses whose mean is right still fail: each rank of a tp/cp group must return the loss."""
+    from tests.distributed.harness import shared_loss_problems
+
+    coords = [{"dp": 0, "tp": 0}, {"dp": 0, "tp": 1}, {"dp": 1, "tp": 0}, {"dp": 1, "tp": 1}]
+
+    def result(rank_losses: list[list[float | None]]) -> Result:
+        return Result(
+            "synthetic", [], {}, 1, 4, 2, 0.0, 0.0, 0.0, rank_losses=rank_losses, rank_coordinates=coords
+        )
+
+    assert shared_loss_problems(result([[4.0], [4.0], [3.0], [3.0]])) == []  # replicas differ: fine
+    problems = shared_loss_problems(result([[3.9], [4.1], [3.0], [3.0]]))  # the group's mean is 4.0
+    assert len(problems) == 1 and "ranks [0, 1]" in problems[0]
+    assert shared_loss_problems(result([[4.0], [None], [3.0], [3.0]]))  # one rank without its loss

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from tests.distributed.cases import Case
-from tests.distributed.harness import Result, references
+from tests.distributed.harness import Result, references, shared_loss_problems
 
 __all__ = [
     "LOSS_SAFETY",
@@ -200,7 +200,7 @@ class LowPrecisionTolerance:
                 )
         for name, message in result.replica_mismatches.items():
             problems.append(f"replicas out of sync for {name}: {message}")
-        return problems
+        return problems + shared_loss_problems(result)
 
 
 def assert_low_precision_parity(

@@ -93,7 +93,7 @@ class ParityRecorder(Callback):
                 slices[name] = (shard.first_expert, tensor.cpu().clone())
             else:
                 params[name] = tensor.cpu().clone()
-        mine = (self.losses, params, slices)
+        mine = (self.losses, params, slices, _mesh_coordinates(trainer.strategy))
         if dist.is_available() and dist.is_initialized():
             gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
             dist.gather_object(mine, gathered, dst=0)
@@ -104,6 +104,8 @@ class ParityRecorder(Callback):
         # Expert-parallel stacked weights: each rank holds experts [first, first + n) of the same
         # name; the full tensor is their concatenation. Replicas of one slice must agree.
         by_name: dict[str, dict[int, list[torch.Tensor]]] = {}
+        coordinates = [coords for *_, coords in gathered]
+        gathered = [(losses, params, slices) for losses, params, slices, _ in gathered]
         for _, _, rank_slices in gathered:
             for name, (first, tensor) in rank_slices.items():
                 by_name.setdefault(name, {}).setdefault(first, []).append(tensor)
@@ -121,11 +123,20 @@ class ParityRecorder(Callback):
         self.payload = {
             "losses": mean_over_ranks([losses for losses, _ in gathered]),
             "rank_losses": [losses for losses, _ in gathered],
+            "rank_coordinates": coordinates,
             **_with_experts(merge_replicas([p for _, p in gathered]), experts_full),
             "global_step": trainer.global_step,
             "data_parallel": int(sampler_kwargs.get("num_replicas", 1)),
             "facts": strategy_facts(trainer.strategy),
         }
+
+
+def _mesh_coordinates(strategy: Any) -> dict[str, int]:
+    """This rank's coordinate on each named axis of the strategy's mesh (empty without one)."""
+    mesh = getattr(strategy, "_device_mesh", None)
+    if mesh is None or mesh.mesh_dim_names is None:
+        return {}
+    return dict(zip(mesh.mesh_dim_names, (int(c) for c in mesh.get_coordinate()), strict=True))
 
 
 def strategy_facts(strategy: Any) -> dict[str, int]:

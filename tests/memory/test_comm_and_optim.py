@@ -17,7 +17,6 @@ import torch
 
 from lightning_parallel import PowerSGD
 from lightning_parallel.comm import powersgd_payload_bytes
-from tests.compat import features_of
 from tests.strategy import launch
 
 pytestmark = [pytest.mark.distributed]
@@ -94,7 +93,8 @@ def test_adafactor_steps_tensor_parallel_parameters_like_one_process(measured: d
 FP8_LOSS_RTOL = 2e-2  # the project's low-precision rule (bf16: 2e-2 per step); fp8 is coarser than bf16
 
 
-@pytest.mark.compat(features=features_of({"tensor_parallel": 2}, world_size=2, precision="fp8"))
+# No compat marker: this compares losses only, at 2e-2, not by the measured low-precision rule
+# (tests/distributed/tolerance.py), so the fp8 cells of docs/compatibility.md stay gaps.
 @pytest.mark.timeout(600)
 def test_fp8_with_tensor_parallelism_matches_one_process(measured: dict) -> None:
     """fp8 (torchao's emulation) composes with tensor parallelism: tp=2 follows the one-process fp8 run."""
