@@ -36,7 +36,17 @@ def test_committed_page_is_what_the_tests_declare() -> None:
 
 def _hybrid_case(world_size: int, precision: str = "32-true", **kwargs: object) -> Case:
     spec = StrategySpec("lightning_parallel:HybridParallelStrategy", kwargs)
-    return Case("c", "nanogpt", spec, world_size=world_size, trainer_kwargs={"precision": precision})
+    data = "random" if precision == "32-true" else "learnable"  # low precision counts only on it
+    return Case(
+        "c", "nanogpt", spec, world_size=world_size, trainer_kwargs={"precision": precision}, data=data
+    )
+
+
+def test_a_low_precision_case_on_random_tokens_counts_nothing() -> None:
+    """Only the measured-tolerance rule (learnable data, losses and parameters) marks a low-precision cell."""
+    case = _hybrid_case(2, "bf16-true").replace(data="random")
+    with pytest.raises(ValueError, match="tolerance.py"):
+        case_features(case)
 
 
 def test_rows_are_derived_from_what_the_case_runs() -> None:
@@ -65,7 +75,9 @@ def test_rows_are_derived_from_what_the_case_runs() -> None:
         "offload=cpu",
         "32-true",
     }
-    ddp = Case("d", "nanogpt", "ddp", world_size=2, trainer_kwargs={"precision": "16-mixed"})
+    ddp = Case(
+        "d", "nanogpt", "ddp", world_size=2, trainer_kwargs={"precision": "16-mixed"}, data="learnable"
+    )
     assert case_features(ddp) == {"dp", "bf16-mixed"}  # Lightning runs fp16 AMP as bf16 on the CPU
     assert set(ROWS) >= {"dp", "tp", "sp", "ep", "zero1", "zero3", "offload=nvme", "pp=dualpipev", "fp8"}
 

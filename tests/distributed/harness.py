@@ -97,6 +97,8 @@ def shared_loss_problems(result: Result) -> list[str]:
     """
     groups: dict[tuple, list[int]] = {}
     for rank, coords in enumerate(result.rank_coordinates):
+        if not coords:  # no mesh (Lightning's own strategies): every rank is its own replica
+            continue
         key = tuple(sorted((k, v) for k, v in coords.items() if k not in SHARED_LOSS_AXES))
         groups.setdefault(key, []).append(rank)
     problems = []

@@ -217,3 +217,12 @@ def test_ranks_of_one_tensor_parallel_group_must_report_one_loss() -> None:
     problems = shared_loss_problems(result([[3.9], [4.1], [3.0], [3.0]]))  # the group's mean is 4.0
     assert len(problems) == 1 and "ranks [0, 1]" in problems[0]
     assert shared_loss_problems(result([[4.0], [None], [3.0], [3.0]]))  # one rank without its loss
+
+
+def test_ranks_without_a_mesh_are_replicas() -> None:
+    from tests.distributed.harness import shared_loss_problems
+
+    result = Result(
+        "ddp", [], {}, 1, 2, 2, 0.0, 0.0, 0.0, rank_losses=[[4.0], [3.0]], rank_coordinates=[{}, {}]
+    )
+    assert shared_loss_problems(result) == []

@@ -23,11 +23,14 @@ from tests.compat import refusal
 
 
 def test_config_follows_stage_offload_precision_and_clipping() -> None:
-    config = zero_arguments(3, "cpu", None, None).deepspeed_config("bf16-mixed", 0.5)
+    config = zero_arguments(3, "cpu", None, None).deepspeed_config("bf16-true", 0.5)
     zero = config["zero_optimization"]
     assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu"
     assert zero["offload_param"]["device"] == "cpu"
     assert config["bf16"] == {"enabled": True} and "fp16" not in config
+    # bf16-mixed: an fp32 engine, the forward autocast by ZeroPrecision (not DeepSpeed's bf16 section).
+    mixed = zero_arguments(3, "cpu", None, None).deepspeed_config("bf16-mixed", 0.5)
+    assert "bf16" not in mixed and "fp16" not in mixed
     assert config["gradient_clipping"] == 0.5
     # Lightning counts accumulated batches; DeepSpeed must not (unmanaged mode, gas 1).
     assert config["managed_gradient_accumulation"] is False and config["gradient_accumulation_steps"] == 1
