@@ -39,6 +39,7 @@ class BucketCall:
     index: int
     last: bool
     shapes: list[list[int]]
+    offsets: list[int]  # of each gradient in the bucket's buffer (DDP's layout is not always in order)
     before: torch.Tensor
     after: torch.Tensor | None = None
 
@@ -57,6 +58,7 @@ class HookRecorder:
             index=bucket.index(),
             last=bucket.is_last(),
             shapes=[list(g.shape) for g in bucket.gradients()],
+            offsets=[_offset_in(g, bucket.buffer()) for g in bucket.gradients()],
             before=bucket.buffer().detach().clone(),
         )
         self.calls.append(call)
@@ -82,17 +84,23 @@ class HookRecorder:
         return [vars(c) | {"before": c.before, "after": c.after} for c in self.calls]
 
 
+def _offset_in(view: torch.Tensor, buffer: torch.Tensor) -> int:
+    """Where ``view`` starts in ``buffer`` (elements); they must share storage."""
+    if view.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+        raise RuntimeError("a bucket gradient is not a view of the bucket's buffer: the layout cannot be recorded")
+    return view.storage_offset() - buffer.storage_offset()
+
+
 class _Bucket:
     """The part of ``dist.GradBucket`` the hook reads, over a recorded input."""
 
     def __init__(self, call: dict[str, Any]) -> None:
         self._flat = call["before"].clone()
         self._call = call
-        self._views, offset = [], 0
-        for shape in call["shapes"]:
-            numel = torch.Size(shape).numel()
-            self._views.append(self._flat[offset : offset + numel].view(shape))
-            offset += numel
+        self._views = [
+            self._flat[offset : offset + torch.Size(shape).numel()].view(shape)
+            for shape, offset in zip(call["shapes"], call["offsets"], strict=True)
+        ]
 
     def buffer(self) -> torch.Tensor:
         return self._flat

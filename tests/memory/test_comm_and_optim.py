@@ -10,13 +10,16 @@ compressed n x m matrix plus the uncompressed vectors and small matrices.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from lightning_parallel import PowerSGD
 from lightning_parallel.comm import powersgd_payload_bytes
+from tests.memory.powersgd_oracle import compression_problems, simulate
 from tests.strategy import launch
 
 pytestmark = [pytest.mark.distributed]
@@ -31,7 +34,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict:
     result = launch(str(SCRIPT), [str(out)], out, timeout_s=400, grace_s=30)
     result.assert_all_succeeded()
     print(f"launch: {result.wall_s:.1f} s")
-    return json.loads((out / "result.json").read_text())
+    return {**json.loads((out / "result.json").read_text()), "_dir": str(out)}
 
 
 @pytest.mark.timeout(600)
@@ -91,6 +94,61 @@ def test_adafactor_steps_tensor_parallel_parameters_like_one_process(measured: d
 
 
 FP8_LOSS_RTOL = 2e-2  # the project's low-precision rule (bf16: 2e-2 per step); fp8 is coarser than bf16
+
+
+def _calls(measured: dict) -> dict[str, list[list[dict]]]:
+    return torch.load(Path(measured["_dir"]) / "hook_calls.pt", weights_only=False)
+
+
+ORACLE_CONFIGS = {"bf16": torch.bfloat16, "powersgd": PowerSGD(rank=2, start_iter=2)}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("path", ["ddp", "pipeline"])
+@pytest.mark.parametrize("compression", sorted(ORACLE_CONFIGS))
+def test_compressed_all_reduce_equals_a_one_process_simulation(
+    measured: dict, path: str, compression: str
+) -> None:
+    """Every bucket each rank's hook returned, warm-up and compressed steps, equals torch's hook run for two
+    virtual ranks in one process on the same inputs (tests/memory/powersgd_oracle.py), within fp32 tolerance."""
+    ranks = _calls(measured)[f"{path}_{compression}"]
+    assert len(ranks) == 2 and ranks[0], "no hook call was recorded: the compression did not engage"
+    assert compression_problems(ORACLE_CONFIGS[compression], ranks) == []
+    # Engaged: after PowerSGD's warm-up the result is no longer the exact mean of the ranks' inputs.
+    exact = [(a["before"] + b["before"]) / 2 for a, b in zip(*ranks, strict=True)]
+    off = [float((c["after"] - e).norm() / e.norm()) for c, e in zip(ranks[0], exact, strict=True)]
+    if compression == "powersgd":
+        assert min(off) < 1e-6 and max(off) > 1e-2, off  # exact while warming up, then an approximation
+    else:
+        assert 0 < max(off) <= BF16_ALL_REDUCE_ERROR, off
+
+
+@dataclass(frozen=True)
+class _WithoutErrorFeedback(PowerSGD):
+    """PowerSGD that forgets what each approximation left out (a negative control)."""
+
+    def state(self, group: Any) -> Any:
+        state = super().state(group)
+        state.use_error_feedback = False
+        return state
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("corruption", ["zeros", "no_error_feedback", "halved"])
+def test_a_wrong_compressor_fails_the_simulation_check(measured: dict, corruption: str) -> None:
+    """Negative controls: a PowerSGD returning zeros, one that lost its error feedback, a wrong divisor."""
+    config = ORACLE_CONFIGS["powersgd"]
+    ranks = _calls(measured)["ddp_powersgd"]
+    if corruption == "no_error_feedback":  # what the run would have returned without the error memory
+        wrong = simulate(_WithoutErrorFeedback(rank=config.rank, start_iter=config.start_iter), ranks)
+        ranks = [
+            [{**c, "after": w} for c, w in zip(calls, out, strict=True)]
+            for calls, out in zip(ranks, wrong, strict=True)
+        ]
+    else:
+        factor = 0.0 if corruption == "zeros" else 0.5
+        ranks = [[{**c, "after": c["after"] * factor} for c in calls] for calls in ranks]
+    assert compression_problems(config, ranks)
 
 
 # No compat marker: this compares losses only, at 2e-2, not by the measured low-precision rule

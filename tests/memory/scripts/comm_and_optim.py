@@ -8,6 +8,8 @@
    C++, so its payload is the gradient bytes), and the parameters of both replicas compared.
 2. The pipeline path's bucketed all-reduce (``all_reduce_gradients`` with a ``BucketCompressor``),
    called directly on 2 ranks with different random gradients: bf16 and PowerSGD.
+   In 1. and 2. every call of torch's compression hooks is recorded (each rank's input bucket and
+   what came back: ``tests/memory/powersgd_oracle.py``) into ``OUT_DIR/hook_calls.pt``.
 3. ``tensor_parallel=2`` with ``torch.optim.Adafactor`` from ``configure_optimizers``: losses,
    then (rank 0) the same model, data order and optimizer in one process without a Trainer.
 4. ``Float8Precision`` (torchao's emulation) with ``tensor_parallel=2``: refused at setup (if
@@ -22,6 +24,8 @@ import json
 import logging
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,10 +37,33 @@ import torch.distributed as dist
 from lightning_parallel import HybridParallelStrategy, PowerSGD
 from lightning_parallel.comm import count_all_reduce_bytes, gradient_bytes
 from lightning_parallel.optim import Adafactor, optimizer_state_bytes
+from tests.memory.powersgd_oracle import HookRecorder
 from tests.models.families import build, make_dataloader, reference_dataloader
 from tests.optional_packages import use_optional_packages
 
 STEPS, BATCH = 5, 2
+HOOK_CALLS: dict[str, list[dict[str, Any]]] = {}  # this rank's recorded hook calls, by run
+
+
+@contextmanager
+def recorded_hooks(run: str) -> Iterator[None]:
+    """Record every call of torch's PowerSGD and cast hooks that lightning_parallel.comm makes."""
+    from lightning_parallel.comm import compression
+
+    original_powersgd, original_cast = compression.powerSGD_hook, compression.half_precision_hook
+    recorders = [HookRecorder(original_powersgd)]
+    compression.powerSGD_hook = recorders[0].as_hook()
+
+    def cast_hook(dtype: torch.dtype) -> Any:
+        recorders.append(HookRecorder(original_cast(dtype)))
+        return recorders[-1].as_hook()
+
+    compression.half_precision_hook = cast_hook
+    try:
+        yield
+    finally:
+        compression.powerSGD_hook, compression.half_precision_hook = original_powersgd, original_cast
+        HOOK_CALLS[run] = [call for recorder in recorders for call in recorder.records()]
 
 
 class StepBytes(L.Callback):
@@ -71,7 +98,7 @@ def gradient_compression() -> dict[str, Any]:
     for name, compression in (("none", None), ("bf16", "bf16"), ("powersgd", PowerSGD(rank=2, start_iter=2))):
         L.seed_everything(0, verbose=False)
         model = build("recipe_gpt")
-        with count_all_reduce_bytes() as log:
+        with count_all_reduce_bytes() as log, recorded_hooks(f"ddp_{name}"):
             record = StepBytes(log)
             trainer(HybridParallelStrategy(gradient_compression=compression, timeout=60), [record]).fit(
                 model, make_dataloader(BATCH, STEPS * BATCH * 2)
@@ -99,7 +126,7 @@ def pipeline_all_reduce() -> dict[str, Any]:
             for g in exact:
                 dist.all_reduce(g)
                 g.div_(2)
-            with count_all_reduce_bytes() as log:
+            with count_all_reduce_bytes() as log, recorded_hooks(f"pipeline_{name}_{step}"):
                 all_reduce_gradients(params, dist.group.WORLD, divisor=2, compressor=compressor)
             payloads.append(log.bytes)
             errors.append(
@@ -208,8 +235,15 @@ def main() -> None:
         "adafactor_tp2": adafactor_tensor_parallel(),
         "fp8_tp2": fp8_tensor_parallel(),
     }
+    for name in ("bf16", "powersgd"):  # the pipeline runs' calls, in step order, as one run each
+        HOOK_CALLS[f"pipeline_{name}"] = [
+            c for step in range(4) for c in HOOK_CALLS.pop(f"pipeline_{name}_{step}")
+        ]
+    calls = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(HOOK_CALLS, calls, dst=0)
     if dist.get_rank() == 0:
         (out_dir / "result.json").write_text(json.dumps(results, indent=1))
+        torch.save({run: [rank[run] for rank in calls] for run in HOOK_CALLS}, out_dir / "hook_calls.pt")
     dist.barrier()
     dist.destroy_process_group()
     print("done")
