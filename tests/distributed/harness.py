@@ -83,6 +83,8 @@ class Result:
         default_factory=dict
     )  # what the strategy did, for "it really engaged" asserts
     rank_coordinates: list[dict[str, int]] = field(default_factory=list)  # per rank, on the mesh's axes
+    engagement: dict = field(default_factory=dict)  # what ran (tests/distributed/engagement.py)
+    engagement_problems: list[str] = field(default_factory=list)  # rows of the case that did not engage
 
 
 # Axes whose ranks share one batch and must report one loss: tensor and context parallel.
@@ -423,6 +425,7 @@ def assert_parity(result: Result, ref: Result, rtol: float = RTOL, atol: float =
     for name, message in result.replica_mismatches.items():
         problems.append(f"replicas out of sync for {name}: {message}")
     problems += shared_loss_problems(result)
+    problems += [f"not engaged: {p}" for p in result.engagement_problems]
     if problems:
         raise AssertionError(f"Case {result.name!r} does not match its single-process reference:\n- "
                              + "\n- ".join(problems))  # fmt: skip

@@ -200,7 +200,11 @@ class LowPrecisionTolerance:
                 )
         for name, message in result.replica_mismatches.items():
             problems.append(f"replicas out of sync for {name}: {message}")
-        return problems + shared_loss_problems(result)
+        return (
+            problems
+            + shared_loss_problems(result)
+            + [f"not engaged: {p}" for p in result.engagement_problems]
+        )
 
 
 def assert_low_precision_parity(

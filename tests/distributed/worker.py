@@ -37,7 +37,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from tests.compat import case_features
 from tests.distributed.cases import Case, Fault, GradientFault
+from tests.distributed.engagement import ForwardProbe, engagement_problems, merge_records, rank_record
 from tests.distributed.harness import mean_over_ranks, merge_replicas
 from tests.environment import LAUNCHER_VARIABLES
 from tests.models.families import build, make_dataloader, reference_dataloader
@@ -60,9 +62,15 @@ class ParityRecorder(Callback):
     beyond the parity tolerance (replicas out of sync).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, case: Case | None = None) -> None:
         self.losses: list[float | None] = []
         self.payload: dict[str, Any] | None = None
+        self.case = case  # None for a reference: nothing to prove engaged
+        self.probe: ForwardProbe | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.case is not None:
+            self.probe = ForwardProbe(pl_module)  # after setup: behind the strategy's own hooks
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -93,7 +101,10 @@ class ParityRecorder(Callback):
                 slices[name] = (shard.first_expert, tensor.cpu().clone())
             else:
                 params[name] = tensor.cpu().clone()
-        mine = (self.losses, params, slices, _mesh_coordinates(trainer.strategy))
+        record = rank_record(trainer.strategy, pl_module, self.probe) if self.case is not None else {}
+        if self.probe is not None:
+            self.probe.remove()
+        mine = (self.losses, params, slices, (_mesh_coordinates(trainer.strategy), record))
         if dist.is_available() and dist.is_initialized():
             gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
             dist.gather_object(mine, gathered, dst=0)
@@ -104,7 +115,8 @@ class ParityRecorder(Callback):
         # Expert-parallel stacked weights: each rank holds experts [first, first + n) of the same
         # name; the full tensor is their concatenation. Replicas of one slice must agree.
         by_name: dict[str, dict[int, list[torch.Tensor]]] = {}
-        coordinates = [coords for *_, coords in gathered]
+        coordinates = [coords for *_, (coords, _) in gathered]
+        engagement = merge_records([record for *_, (_, record) in gathered])
         gathered = [(losses, params, slices) for losses, params, slices, _ in gathered]
         for _, _, rank_slices in gathered:
             for name, (first, tensor) in rank_slices.items():
@@ -128,7 +140,12 @@ class ParityRecorder(Callback):
             "global_step": trainer.global_step,
             "data_parallel": int(sampler_kwargs.get("num_replicas", 1)),
             "facts": strategy_facts(trainer.strategy),
+            "engagement": engagement,
         }
+        if self.case is not None:
+            facts = {**self.payload["facts"], "data_parallel": self.payload["data_parallel"]}
+            rows = case_features(self.case.replace(data="learnable"))  # the rows, whatever the data
+            self.payload["engagement_problems"] = engagement_problems(rows, engagement, facts)
 
 
 def _mesh_coordinates(strategy: Any) -> dict[str, int]:
@@ -225,7 +242,7 @@ def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], 
     else:
         devices, loader = case.world_size, make_dataloader(case.batch_size, case.num_samples, data=case.data)
         strategy = case.strategy if isinstance(case.strategy, str) else case.strategy.build()
-    recorder = ParityRecorder()
+    recorder = ParityRecorder(None if reference else case)
     callbacks: list[Callback] = [recorder]
     if case.fault is not None and not reference:
         callbacks.append(FaultInjector(case.fault))

@@ -87,7 +87,9 @@ class HookRecorder:
 def _offset_in(view: torch.Tensor, buffer: torch.Tensor) -> int:
     """Where ``view`` starts in ``buffer`` (elements); they must share storage."""
     if view.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
-        raise RuntimeError("a bucket gradient is not a view of the bucket's buffer: the layout cannot be recorded")
+        raise RuntimeError(
+            "a bucket gradient is not a view of the bucket's buffer: the layout cannot be recorded"
+        )
     return view.storage_offset() - buffer.storage_offset()
 
 

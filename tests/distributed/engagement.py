@@ -1,0 +1,225 @@
+"""Proof that each feature a parity case asks for really ran: a record taken from the trained module.
+
+Identical numbers prove nothing when a feature silently did nothing (checkpointing never
+recomputed, ZeRO never sharded, a schedule fell back to another): the run would match the
+single process all the same. So the worker takes, on every rank after training, what can only
+be there if the feature ran (:func:`rank_record`: the placements of the parameters, the ZeRO
+engine and its stage, the pipeline schedule's class, the recomputed modules, the optimizer that
+steps the offloaded states and the bytes its files moved, the dtypes and autocast state the
+forward saw); rank 0 merges them (:func:`merge_records`), and :func:`engagement_problems` checks
+every row of ``tests.compat.case_features(case)`` against the record. A row without a check is a
+problem too, so the compatibility matrix, which counts cells from the same rows, can only count
+a cell whose case showed both of its features engaged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["FORWARD_PROBES", "engagement_problems", "merge_records", "rank_record"]
+
+# What the schedule rows name, as torch's classes.
+SCHEDULE_CLASSES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+
+
+class ForwardProbe:
+    """Forward hooks on the model's norms and linears, counting what the forward really saw."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.counts = {"sequence_sharded_norm_inputs": 0, "autocast_linears": 0, "linears": 0}
+        self.handles = []
+        for sub in module.modules():
+            if "norm" in type(sub).__name__.lower():
+                self.handles.append(sub.register_forward_pre_hook(self._norm))
+            elif isinstance(sub, nn.Linear) or type(sub).__name__ == "Conv1D":
+                self.handles.append(sub.register_forward_pre_hook(self._linear))
+
+    def _norm(self, module: nn.Module, args: tuple) -> None:
+        from torch.distributed.tensor import DTensor, Shard
+
+        x = args[0] if args else None
+        if isinstance(x, DTensor) and any(isinstance(p, Shard) and p.dim == 1 for p in x.placements):
+            self.counts["sequence_sharded_norm_inputs"] += 1
+
+    def _linear(self, module: nn.Module, args: tuple) -> None:
+        self.counts["linears"] += 1
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type):
+            self.counts["autocast_linears"] += 1
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+FORWARD_PROBES = ForwardProbe
+
+
+def _placements(module: nn.Module) -> dict[str, int]:
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lightning_parallel.zero.tensor_parallel import user_named_parameters
+
+    counts = {"tp_sharded_parameters": 0, "dp_sharded_parameters": 0}
+    for _, param in user_named_parameters(module):
+        if not isinstance(param, DTensor):
+            continue
+        names = param.device_mesh.mesh_dim_names or ()
+        for name, placement in zip(names, param.placements, strict=True):
+            if isinstance(placement, Shard):
+                key = "tp_sharded_parameters" if name == "tp" else "dp_sharded_parameters"
+                counts[key] += 1
+    return counts
+
+
+def _zero(strategy: Any, module: nn.Module) -> dict[str, Any]:
+    record: dict[str, Any] = {"zero_stage": 0}
+    engine = getattr(strategy, "zero_engine", None)
+    if engine is not None:
+        record["zero_stage"] = int(engine.zero_optimization_stage())
+        record["zero_engine"] = "deepspeed"
+        if engine.zero_nvme_offload_optimizer():
+            record["offload"] = "nvme"
+        elif engine.zero_cpu_offload():
+            record["offload"] = "cpu"
+        return record
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        # FSDP2 (zero/fsdp.py): ZeRO-3 leaves the parameters sharded over dp between steps; ZeRO-2
+        # gathers them again after the optimizer step (whole between steps, docs/zero.md).
+        record["zero_engine"] = "fsdp2"
+        record["zero_stage"] = 3 if _placements(module)["dp_sharded_parameters"] else 2
+    for optimizer in getattr(strategy, "optimizers", []):
+        kind = type(optimizer).__name__
+        if kind == "ShardedNVMeAdam":
+            record["offload"] = "nvme"
+            record["nvme_bytes_written"] = int(optimizer.files.bytes_written)
+        elif kind == "ShardedCPUAdam":
+            record["offload"] = "cpu"
+    return record
+
+
+def rank_record(strategy: Any, module: nn.Module, probe: ForwardProbe | None) -> dict[str, Any]:
+    """This rank's evidence (see the module docstring)."""
+    from lightning_parallel.memory.checkpointing import is_checkpointed
+
+    parallelized = getattr(strategy, "parallelized", None)
+    pipeline = getattr(parallelized, "pipeline", None)
+    experts = getattr(parallelized, "experts", None)
+    floating = {str(p.dtype) for p in module.parameters() if p.is_floating_point()}
+    record: dict[str, Any] = {
+        **_placements(module),
+        **_zero(strategy, module),
+        "schedule": type(pipeline.schedule).__name__ if pipeline is not None else None,
+        "checkpointed_modules": sum(is_checkpointed(m) for m in module.modules()),
+        "expert_parameters": len(getattr(experts, "parameter_ids", ()) or ()),
+        "parameter_dtypes": sorted(floating),
+        **(probe.counts if probe is not None else {}),
+    }
+    return record
+
+
+COUNTS = {
+    "tp_sharded_parameters", "dp_sharded_parameters", "checkpointed_modules", "expert_parameters",
+    "sequence_sharded_norm_inputs", "autocast_linears", "linears", "nvme_bytes_written",
+}  # fmt: skip
+
+
+def merge_records(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record for the run: counts summed over the ranks, lists united, the rest from any rank that has it."""
+    merged: dict[str, Any] = {}
+    for record in records:
+        for key, value in record.items():
+            if key in COUNTS:
+                merged[key] = merged.get(key, 0) + value
+            elif isinstance(value, list):
+                merged[key] = sorted(set(merged.get(key, [])) | set(value))
+            else:
+                merged[key] = merged.get(key) or value
+    return merged
+
+
+def _check(condition: bool, message: str) -> str | None:
+    return None if condition else message
+
+
+def _schedule_check(cls: str) -> Callable[[dict[str, Any], dict[str, Any]], str | None]:
+    return lambda r, f: _check(r.get("schedule") == cls, f"schedule {r.get('schedule')} ran, not {cls}")
+
+
+def _schedule_check(cls: str) -> Callable[[dict[str, Any], dict[str, Any]], str | None]:
+    return lambda r, f: _check(r.get("schedule") == cls, f"schedule {r.get('schedule')} ran, not {cls}")
+
+
+CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any]], str | None]] = {
+    "dp": lambda r, f: _check(f.get("data_parallel", 0) > 1, "the sampler did not split the data"),
+    "tp": lambda r, f: _check(r.get("tp_sharded_parameters", 0) > 0, "no parameter is sharded over tp"),
+    "sp": lambda r, f: _check(
+        r.get("sequence_sharded_norm_inputs", 0) > 0, "no norm saw a sequence-sharded input"
+    ),
+    "ep": lambda r, f: _check(r.get("expert_parameters", 0) > 0, "no expert weight was sharded over ep"),
+    "cp": lambda r, f: _check(f.get("context_calls", 0) > 0, "no attention call went over the context split"),
+    "zero1": lambda r, f: _check(r.get("zero_stage") == 1, f"ZeRO stage {r.get('zero_stage')} ran, not 1"),
+    "zero2": lambda r, f: _check(r.get("zero_stage") == 2, f"ZeRO stage {r.get('zero_stage')} ran, not 2"),
+    "zero3": lambda r, f: _check(
+        r.get("zero_stage") == 3
+        and (r.get("zero_engine") == "deepspeed" or r.get("dp_sharded_parameters", 0) > 0),
+        f"ZeRO stage {r.get('zero_stage')} ran (engine {r.get('zero_engine')}), not 3 with sharded parameters",
+    ),
+    "offload=cpu": lambda r, f: _check(
+        r.get("offload") == "cpu", f"offload {r.get('offload')!r} ran, not 'cpu'"
+    ),
+    "offload=nvme": lambda r, f: _check(
+        r.get("offload") == "nvme"
+        and (r.get("zero_engine") == "deepspeed" or r.get("nvme_bytes_written", 0) > 0),
+        f"offload {r.get('offload')!r} ran ({r.get('nvme_bytes_written', 0)} bytes written), not 'nvme'",
+    ),
+    "ac=full": lambda r, f: _check(r.get("checkpointed_modules", 0) > 0, "no module recomputes its forward"),
+    "ac=selective": lambda r, f: _check(
+        r.get("checkpointed_modules", 0) > 0, "no module recomputes its forward"
+    ),
+    "32-true": lambda r, f: _check(
+        r.get("parameter_dtypes") == ["torch.float32"] and r.get("autocast_linears", 0) == 0,
+        f"parameters {r.get('parameter_dtypes')}, {r.get('autocast_linears', 0)} linears under autocast",
+    ),
+    "bf16-mixed": lambda r, f: _check(
+        r.get("autocast_linears", 0) > 0 and "torch.float32" in r.get("parameter_dtypes", []),
+        f"{r.get('autocast_linears', 0)} linears under autocast, parameters {r.get('parameter_dtypes')}",
+    ),
+    "bf16-true": lambda r, f: _check(
+        "torch.bfloat16" in r.get("parameter_dtypes", []), f"parameters {r.get('parameter_dtypes')}, no bf16"
+    ),
+    "16-true": lambda r, f: _check(
+        "torch.float16" in r.get("parameter_dtypes", []), f"parameters {r.get('parameter_dtypes')}, no fp16"
+    ),
+    **{f"pp={name}": _schedule_check(cls) for name, cls in SCHEDULE_CLASSES.items()},
+}
+
+
+def engagement_problems(rows: frozenset[str], record: dict[str, Any], facts: dict[str, Any]) -> list[str]:
+    """The rows a case asks for that its record does not show (a row without a check counts as one)."""
+    problems = []
+    for row in sorted(rows):
+        check = CHECKS.get(row)
+        if check is None:
+            problems.append(
+                f"{row}: no engagement check exists for this row (tests/distributed/engagement.py)"
+            )
+            continue
+        problem = check(record, facts)
+        if problem:
+            problems.append(f"{row}: {problem} (record {record})")
+    return problems
