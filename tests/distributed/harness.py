@@ -46,6 +46,7 @@ __all__ = [
     "reference",
     "references",
     "run_cases",
+    "run_problems",
     "shared_loss_problems",
 ]
 
@@ -390,6 +391,26 @@ def reference(case: Case | str, timeout_s: float = 300.0) -> Result:
     return references([resolved], timeout_s)[resolved.name]
 
 
+def run_problems(result: Result, ref: Result) -> list[str]:
+    """What fails a run whatever the tolerance: another shape of run (replicas, steps, batches,
+    parameter names), replicas out of sync, a tp/cp group without one loss, a feature not engaged."""
+    problems = []
+    if result.data_parallel != ref.data_parallel:
+        problems.append(f"data-parallel replicas: strategy's sampler has {result.data_parallel}, "
+                        f"case declares {ref.data_parallel} (set Case.data_parallel)")  # fmt: skip
+    if result.global_step != ref.global_step:
+        problems.append(f"optimizer steps: {result.global_step} vs reference {ref.global_step}")
+    if len(result.losses) != len(ref.losses):
+        problems.append(f"batches: {len(result.losses)} vs reference {len(ref.losses)}")
+    missing = sorted(set(ref.params) ^ set(result.params))
+    if missing:
+        problems.append(f"parameter names differ from the single-process module: {missing}")
+    for name, message in result.replica_mismatches.items():
+        problems.append(f"replicas out of sync for {name}: {message}")
+    problems += shared_loss_problems(result)
+    return problems + [f"not engaged: {p}" for p in result.engagement_problems]
+
+
 def assert_parity(result: Result, ref: Result, rtol: float = RTOL, atol: float = ATOL) -> None:
     """``result`` trained exactly as ``ref``: same steps, per-batch losses, final parameters.
 
@@ -401,31 +422,17 @@ def assert_parity(result: Result, ref: Result, rtol: float = RTOL, atol: float =
     rounding from a different reduction order (fp32: ~1e-7 of the gradient's scale) is large
     relative to the entry. Copies of a parameter on different ranks must agree too.
     """
-    problems = []
-    if result.data_parallel != ref.data_parallel:
-        problems.append(f"data-parallel replicas: strategy's sampler has {result.data_parallel}, "
-                        f"case declares {ref.data_parallel} (set Case.data_parallel)")  # fmt: skip
-    if result.global_step != ref.global_step:
-        problems.append(f"optimizer steps: {result.global_step} vs reference {ref.global_step}")
-    if len(result.losses) != len(ref.losses):
-        problems.append(f"batches: {len(result.losses)} vs reference {len(ref.losses)}")
+    problems = run_problems(result, ref)
     for i, (got, want) in enumerate(zip(result.losses, ref.losses, strict=False)):
         rel = abs(got - want) / abs(want) if want else abs(got)
         if not rel < rtol:  # also catches NaN
             problems.append(
                 f"loss of batch {i}: {got!r} vs reference {want!r} (relative difference {rel:.3g})"
             )
-    missing = sorted(set(ref.params) ^ set(result.params))
-    if missing:
-        problems.append(f"parameter names differ from the single-process module: {missing}")
     for name in sorted(set(ref.params) & set(result.params)):
         problem = mismatch(result.params[name], ref.params[name], rtol, atol)
         if problem:
             problems.append(f"parameter {name}: {problem}")
-    for name, message in result.replica_mismatches.items():
-        problems.append(f"replicas out of sync for {name}: {message}")
-    problems += shared_loss_problems(result)
-    problems += [f"not engaged: {p}" for p in result.engagement_problems]
     if problems:
         raise AssertionError(f"Case {result.name!r} does not match its single-process reference:\n- "
                              + "\n- ".join(problems))  # fmt: skip

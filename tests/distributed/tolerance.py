@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from tests.distributed.cases import Case
-from tests.distributed.harness import Result, references, shared_loss_problems
+from tests.distributed.harness import Result, references, run_problems
 
 __all__ = [
     "LOSS_SAFETY",
@@ -167,23 +167,12 @@ class LowPrecisionTolerance:
     def problems(self, result: Result, ref: Result) -> list[str]:
         """What in ``result`` lies outside the tolerance of ``ref`` (empty: parity)."""
         eps = UNIT_ROUNDOFF[self.precision]
-        problems = []
-        if result.global_step != ref.global_step:
-            problems.append(f"optimizer steps: {result.global_step} vs reference {ref.global_step}")
-        if result.data_parallel != ref.data_parallel:
-            problems.append(
-                f"data-parallel replicas: {result.data_parallel} vs reference {ref.data_parallel}"
-            )
-        if len(result.losses) != len(ref.losses):
-            problems.append(f"batches: {len(result.losses)} vs reference {len(ref.losses)}")
+        problems = run_problems(result, ref)
         for i, (got, want) in enumerate(zip(result.losses, ref.losses, strict=False)):
             if not abs(got - want) <= self.loss_abs:  # NaN fails
                 problems.append(
                     f"loss of batch {i}: {got!r} vs reference {want!r} (tolerance {self.loss_abs:.3g})"
                 )
-        names = sorted(set(ref.params) ^ set(result.params))
-        if names:
-            problems.append(f"parameter names differ from the single-process module: {names}")
         for name in sorted(set(ref.params) & set(result.params)):
             got, want = result.params[name], ref.params[name]
             if got.shape != want.shape:
@@ -198,13 +187,7 @@ class LowPrecisionTolerance:
                     f"parameter {name}: {bad} of {ratio.numel()} elements beyond {self.param_units:.3g} units"
                     f" (worst {worst:.3g} units of {eps:.3g} x max(|ref|, rms))"
                 )
-        for name, message in result.replica_mismatches.items():
-            problems.append(f"replicas out of sync for {name}: {message}")
-        return (
-            problems
-            + shared_loss_problems(result)
-            + [f"not engaged: {p}" for p in result.engagement_problems]
-        )
+        return problems
 
 
 def assert_low_precision_parity(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,24 +122,34 @@ class _Bucket:
 
 
 class _VirtualGroup:
-    """N ranks in one process: ``all_reduce`` from each rank's thread meets at a barrier."""
+    """N ranks in one process: ``all_reduce`` from each rank's thread meets at a barrier.
+
+    Only one rank's thread runs between all-reduces (``turn``): the hook seeds torch's global RNG
+    and draws its random factors, which ranks in threads would otherwise interleave (each process
+    of a real run has its own generator).
+    """
 
     def __init__(self, size: int) -> None:
         self._size = size
         self._barrier = threading.Barrier(size)
         self._slots: list[torch.Tensor | None] = [None] * size
         self.rank = threading.local()
+        self.turn = threading.Lock()
 
     def size(self) -> int:
         return self._size
 
     def all_reduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         self._slots[self.rank.value] = tensor
-        self._barrier.wait()
-        total = torch.stack([t for t in self._slots if t is not None]).sum(0)
-        self._barrier.wait()  # every rank has read every slot before any is written
-        tensor.copy_(total)
-        self._barrier.wait()
+        self.turn.release()
+        try:
+            self._barrier.wait()
+            total = torch.stack([t for t in self._slots if t is not None]).sum(0)
+            self._barrier.wait()  # every rank has read every slot before any is written
+            tensor.copy_(total)
+            self._barrier.wait()
+        finally:
+            self.turn.acquire()
         future: torch.futures.Future = torch.futures.Future()
         future.set_result([tensor])
         return _Done(future)
@@ -182,28 +193,24 @@ def simulate(config: PowerSGD | torch.dtype, ranks: list[list[dict[str, Any]]]) 
     size = len(ranks)
     group = _VirtualGroup(size)
     outputs: list[list[torch.Tensor]] = [[] for _ in range(size)]
-    errors: list[BaseException] = []
 
     def run(rank: int) -> None:
         group.rank.value = rank
         states: dict[int, Any] = {}
+        group.turn.acquire()
         try:
             for call in ranks[rank]:
                 state = states.setdefault(call["unit"], make_state(group))
                 result = hook(state, _Bucket(call)).wait()
                 outputs[rank].append((result[0] if isinstance(result, list) else result).clone())
-        except BaseException as error:  # noqa: BLE001 - reported to the caller
-            errors.append(error)
-            group._barrier.abort()
+        except BaseException:
+            group._barrier.abort()  # the other ranks' waits fail too, instead of hanging
+            raise
+        finally:
+            group.turn.release()
 
-    with _all_reduce_through(group):
-        threads = [threading.Thread(target=run, args=(rank,)) for rank in range(size)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    if errors:
-        raise errors[0]
+    with _all_reduce_through(group), ThreadPoolExecutor(size) as pool:
+        list(pool.map(run, range(size)))  # the first rank's exception, raised here
     return outputs
 
 
