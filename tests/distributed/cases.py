@@ -101,6 +101,9 @@ class Case:
             spread from the natural order derives the low-precision tolerance.
         fault: Test-only fault injection; ``None`` in real cases.
         gradient_fault: Test-only wrong gradient (a negative control); ``None`` in real cases.
+        switch_off: Test-only: ``"activation_checkpointing"`` undoes the strategy's recomputation
+            when training starts (same numbers, the feature silently off: a negative control of
+            the engagement record); ``None`` in real cases.
     """
 
     name: str
@@ -117,6 +120,7 @@ class Case:
     reversed_batches: bool = False
     fault: Fault | None = None
     gradient_fault: GradientFault | None = None
+    switch_off: str | None = None
 
     @property
     def dp(self) -> int:

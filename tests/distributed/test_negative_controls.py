@@ -4,7 +4,8 @@ A test that cannot fail proves nothing. Each case here is a passing parity case 
 one layer's gradient scaled before every optimizer step (``Case.gradient_fault``, applied in the
 distributed run only), and the check that guards the original case must reject it: the fp32 rule
 (:func:`assert_parity`) and the measured low-precision rule (:func:`check_low_precision`), under
-data, tensor + sequence and pipeline parallelism, in bf16 mixed and true and in fp16.
+data, tensor + sequence and pipeline parallelism, in bf16 mixed and true and in fp16. And a
+feature switched off behind the strategy's back (``Case.switch_off``) fails on its engagement.
 """
 
 from __future__ import annotations
@@ -39,9 +40,18 @@ def _faulty(case: Case, kind: str) -> Case:
     return case.replace(name=f"{case.name}~{kind}", gradient_fault=FAULTS[kind])
 
 
+SWITCHED_OFF = (
+    "hybrid_tp2_sp_16-true_ac_full_nanogpt"  # activation checkpointing undone behind the strategy's back
+)
+
+
+def _switched_off() -> Case:
+    return CASES[SWITCHED_OFF].replace(name=f"{SWITCHED_OFF}~ac-off", switch_off="activation_checkpointing")
+
+
 @pytest.fixture(scope="module")
 def faulty() -> dict[str, Result]:
-    cases = [_faulty(case, kind) for case in _guarded() for kind in FAULTS]
+    cases = [_faulty(case, kind) for case in _guarded() for kind in FAULTS] + [_switched_off()]
     return run_cases(cases, 2, timeout_s=600, references_for=with_split_references(_guarded()))
 
 
@@ -60,3 +70,13 @@ def test_a_wrong_layer_gradient_fails_the_parity_check(
         else:
             assert_parity(result, reference(case))
     assert "parameter model." in str(failure.value)  # caught on the parameters, not only the losses
+
+
+@pytest.mark.timeout(700)
+def test_a_feature_switched_off_behind_the_strategys_back_fails_on_its_engagement(
+    faulty: dict[str, Result],
+) -> None:
+    """Undoing the recomputation changes no number, so only the engagement record can tell."""
+    result = faulty[_switched_off().name]
+    with pytest.raises(AssertionError, match="not engaged: ac=full"):
+        check_low_precision(result, CASES[SWITCHED_OFF])

@@ -71,6 +71,9 @@ class ParityRecorder(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.case is not None:
             self.probe = ForwardProbe(pl_module)  # after setup: behind the strategy's own hooks
+            if self.case.switch_off == "activation_checkpointing":  # test-only negative control
+                for module in pl_module.modules():
+                    module.__dict__.pop("forward", None)  # the class's forward again: no recomputation
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
