@@ -131,19 +131,25 @@ LOW_PRECISIONS = frozenset({"bf16-mixed", "bf16-true", "16-true", "16-mixed", "f
 
 
 def case_features(case: Case) -> frozenset[str]:
-    """The rows of a harness case (Lightning's own strategies: data parallel only).
+    """The rows a harness case counts for in the matrix: :func:`case_rows`, and the data rule.
 
     A low-precision case must train on the learnable sequence (``data="learnable"``): only the
     measured-tolerance check (tests/distributed/tolerance.py, which refuses other data) may mark
     a low-precision cell tested.
     """
-    precision = _precision(case.trainer_kwargs)
-    if precision in LOW_PRECISIONS and case.data != "learnable":
+    rows = case_rows(case)
+    if rows & LOW_PRECISIONS and case.data != "learnable":
         raise ValueError(
-            f"{case.name}: a {precision} case counts in the compatibility matrix only when compared by"
-            " tests/distributed/tolerance.py (data='learnable', losses and parameters within the measured"
-            " tolerance)"
+            f"{case.name}: a {sorted(rows & LOW_PRECISIONS)[0]} case counts in the compatibility matrix only"
+            " when compared by tests/distributed/tolerance.py (data='learnable', losses and parameters within"
+            " the measured tolerance)"
         )
+    return rows
+
+
+def case_rows(case: Case) -> frozenset[str]:
+    """The rows a harness case runs (Lightning's own strategies: data parallel only)."""
+    precision = _precision(case.trainer_kwargs)
     spec = case.strategy
     if isinstance(spec, StrategySpec) and spec.target == _HYBRID:
         return features_of(spec.kwargs, case.world_size, precision)

@@ -44,7 +44,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_parallel.experts.dispatch import ProcessGroup, group_size, sum_over_group
+from lightning_parallel.experts.dispatch import ProcessGroup, group_size, report_group_mean, sum_over_group
 from lightning_parallel.experts.foreign import MoEBlockInfo, find_moe_blocks
 from lightning_parallel.experts.layer import MoE
 from lightning_parallel.experts.router import load_balancing_loss, route_topk, router_z_loss
@@ -183,17 +183,11 @@ class AuxLossCollector:
     def with_injected(self, output: Any) -> Any:
         """A step's output (a loss, or a dict with ``"loss"``) plus the losses injected into backward, as a
         constant: the reported loss is the one the optimiser minimises, the gradients are unchanged.
-
-        Each rank's injected loss is its share (its tokens' router probabilities against the global
-        counts; the shares' mean is the global loss), so the constant added is the mean over
-        ``token_group``: ranks that hold one batch (context parallel) then report one loss, the
-        global one, not shares that only average to it.
+        The constant is the injected losses' mean over ``token_group`` (``dispatch.report_group_mean``).
         """
         if not self.injected:
             return output
-        extra = torch.stack(self.injected).sum()
-        if self.token_group is not None:
-            extra = sum_over_group(extra.float(), self.token_group) / group_size(self.token_group)
+        extra = report_group_mean(torch.stack(self.injected).sum(), self.token_group)
         if isinstance(output, torch.Tensor):
             return output + extra.to(output.dtype).detach()
         if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):

@@ -92,6 +92,20 @@ def sum_over_group(value: torch.Tensor, group: ProcessGroup | None) -> torch.Ten
     return value
 
 
+def report_group_mean(share: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """``share`` with the value of its mean over ``group`` and its own gradient.
+
+    An auxiliary loss over a token group is a share on each rank (its tokens' router
+    probabilities against the global counts; the shares' mean is the global loss). Reported as
+    the mean, ranks that hold one batch (context parallel) report one loss, the global one,
+    while each still back-propagates exactly its part.
+    """
+    if group_size(group) == 1:
+        return share
+    mean = sum_over_group(share.float(), group) / group_size(group)
+    return share + (mean.to(share.dtype) - share).detach()
+
+
 def sum_in_place(tensors: list[torch.Tensor], group: ProcessGroup | None) -> None:
     """All-reduce sum of ``tensors`` over ``group``, coalesced into one collective, in place."""
     if group_size(group) == 1 or not tensors:

@@ -34,7 +34,7 @@ from lightning_parallel.experts.dispatch import (
     gather_counts,
     group_rank,
     group_size,
-    sum_over_group,
+    report_group_mean,
 )
 from lightning_parallel.experts.experts import Activation, GroupedExperts
 from lightning_parallel.experts.router import (
@@ -267,17 +267,11 @@ def moe_layers(module: nn.Module) -> list[MoE]:
 def moe_aux_loss(module: nn.Module) -> torch.Tensor:
     """Sum of :meth:`MoE.take_aux_loss` over every MoE layer in ``module``: add it to the loss.
 
-    Over a token group each rank's loss is its share (its tokens' probabilities against the global
-    counts; the shares' mean is the global loss). The value returned is the group's mean, the
-    gradient the share's: ranks holding one batch (context parallel) then report one loss, and
-    every rank still back-propagates exactly its part.
+    Its value is the mean over the layers' token group, its gradient this rank's share
+    (``dispatch.report_group_mean``).
     """
     layers = moe_layers(module)
     if not layers:
         raise ValueError(f"moe_aux_loss: {type(module).__name__} contains no lightning_parallel MoE layer.")
     share = torch.stack([layer.take_aux_loss() for layer in layers]).sum()
-    group = layers[0].token_group
-    if group_size(group) == 1:
-        return share
-    mean = sum_over_group(share.float(), group) / group_size(group)
-    return share + (mean.to(share.dtype) - share).detach()
+    return report_group_mean(share, layers[0].token_group)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FORWARD_PROBES", "engagement_problems", "merge_records", "rank_record"]
+__all__ = ["ForwardProbe", "engagement_problems", "merge_records", "rank_record"]
 
 # What the schedule rows name, as torch's classes.
 SCHEDULE_CLASSES = {
@@ -64,9 +64,6 @@ class ForwardProbe:
             handle.remove()
 
 
-FORWARD_PROBES = ForwardProbe
-
-
 def _placements(module: nn.Module) -> dict[str, int]:
     from torch.distributed.tensor import DTensor, Shard
 
@@ -84,7 +81,7 @@ def _placements(module: nn.Module) -> dict[str, int]:
     return counts
 
 
-def _zero(strategy: Any, module: nn.Module) -> dict[str, Any]:
+def _zero(strategy: Any, module: nn.Module, placements: dict[str, int]) -> dict[str, Any]:
     record: dict[str, Any] = {"zero_stage": 0}
     engine = getattr(strategy, "zero_engine", None)
     if engine is not None:
@@ -101,7 +98,7 @@ def _zero(strategy: Any, module: nn.Module) -> dict[str, Any]:
         # FSDP2 (zero/fsdp.py): ZeRO-3 leaves the parameters sharded over dp between steps; ZeRO-2
         # gathers them again after the optimizer step (whole between steps, docs/zero.md).
         record["zero_engine"] = "fsdp2"
-        record["zero_stage"] = 3 if _placements(module)["dp_sharded_parameters"] else 2
+        record["zero_stage"] = 3 if placements["dp_sharded_parameters"] else 2
     for optimizer in getattr(strategy, "optimizers", []):
         kind = type(optimizer).__name__
         if kind == "ShardedNVMeAdam":
@@ -120,9 +117,10 @@ def rank_record(strategy: Any, module: nn.Module, probe: ForwardProbe | None) ->
     pipeline = getattr(parallelized, "pipeline", None)
     experts = getattr(parallelized, "experts", None)
     floating = {str(p.dtype) for p in module.parameters() if p.is_floating_point()}
+    placements = _placements(module)
     record: dict[str, Any] = {
-        **_placements(module),
-        **_zero(strategy, module),
+        **placements,
+        **_zero(strategy, module, placements),
         "schedule": type(pipeline.schedule).__name__ if pipeline is not None else None,
         "checkpointed_modules": sum(is_checkpointed(m) for m in module.modules()),
         "expert_parameters": len(getattr(experts, "parameter_ids", ()) or ()),

@@ -37,7 +37,6 @@ __all__ = [
     "LowPrecisionTolerance",
     "assert_low_precision_parity",
     "check_low_precision",
-    "learnable",
     "measuring_runs",
     "split_parts",
     "split_reference",
@@ -73,11 +72,6 @@ def precision_of(case: Case) -> str:
     return precision
 
 
-def learnable(case: Case) -> Case:
-    """The case on the learnable sequence (every low-precision case trains on it)."""
-    return case.replace(data="learnable")
-
-
 def split_parts(case: Case) -> int:
     """Into how many parts the measuring run accumulates each global batch.
 
@@ -108,8 +102,6 @@ def split_reference(case: Case) -> Case:
         batch_size=case.batch_size * case.dp // parts,
         data_parallel=1,
         trainer_kwargs={**case.trainer_kwargs, "accumulate_grad_batches": parts * accumulation},
-        gradient_fault=None,
-        fault=None,
     )
 
 
@@ -199,7 +191,7 @@ def assert_low_precision_parity(
     could not tell a wrong gradient from noise). Returns the tolerance, for reports.
     """
     if case.data != "learnable":
-        raise AssertionError(f"{case.name}: low-precision cases train on data='learnable' (see learnable())")
+        raise AssertionError(f"{case.name}: low-precision cases train on data='learnable' (Case.data)")
     tolerance = LowPrecisionTolerance.measure(ref, runs, precision_of(case), split_parts(case))
     movement = max(ref.losses) - min(ref.losses)
     assert movement >= MOVEMENT * tolerance.loss_abs, (

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from tests.compat import case_features
+from tests.compat import case_rows
 from tests.distributed.cases import Case, Fault, GradientFault
 from tests.distributed.engagement import ForwardProbe, engagement_problems, merge_records, rank_record
 from tests.distributed.harness import mean_over_ranks, merge_replicas
@@ -147,8 +147,7 @@ class ParityRecorder(Callback):
         }
         if self.case is not None:
             facts = {**self.payload["facts"], "data_parallel": self.payload["data_parallel"]}
-            rows = case_features(self.case.replace(data="learnable"))  # the rows, whatever the data
-            self.payload["engagement_problems"] = engagement_problems(rows, engagement, facts)
+            self.payload["engagement_problems"] = engagement_problems(case_rows(self.case), engagement, facts)
 
 
 def _mesh_coordinates(strategy: Any) -> dict[str, int]:

@@ -82,7 +82,7 @@ class HookRecorder:
         return recorded
 
     def records(self) -> list[dict[str, Any]]:
-        return [vars(c) | {"before": c.before, "after": c.after} for c in self.calls]
+        return [dict(vars(c)) for c in self.calls]
 
 
 def _offset_in(view: torch.Tensor, buffer: torch.Tensor) -> int:

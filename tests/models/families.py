@@ -148,10 +148,10 @@ class TokenWindows(Dataset):
     ``data="random"``: uniform tokens, nothing to learn: the loss stays near ``ln(vocab_size)``
     and a few steps move it by hundredths, which is enough for fp32 parity (every parameter is
     compared at 1e-5) but hides a wrong gradient behind a low-precision tolerance.
-    ``data="learnable"``: after token ``t`` comes ``successor[t]`` (a seeded permutation of the
-    vocabulary), except that one token in ``1 / RESTART`` jumps to a random token; the model
-    learns the table within a few steps, so the loss falls by far more than the low-precision
-    tolerance (docs/testing.md, "Low precision").
+    ``data="learnable"``: tokens of a seeded ``ALPHABET`` of 16, each followed by a fixed
+    successor (a seeded permutation of the alphabet), except that one token in ``RESTART`` jumps
+    to a random letter; the model learns the alphabet, then the table, within a few steps, so the
+    loss falls by far more than the low-precision tolerance (docs/testing.md, "Low precision").
     """
 
     ALPHABET = 16
