@@ -16,7 +16,8 @@ Refused, with the reason, at construction: hardware without fp8 matmuls (any CPU
 before compute capability 8.9: fp8 tensor cores arrived with Ada and Hopper) and a missing
 torchao. With ``tensor_parallel > 1`` the ``Float8Linear`` layers are sharded by the ordinary
 plan (torchao's float8 works on DTensor weights; the collectives stay in high precision),
-checked in emulation against one process (``tests/memory/test_comm_and_optim.py``).
+checked in emulation against one process, under data and tensor + sequence parallelism, by the
+measured low-precision rule (``tests/distributed/test_parity_fp8.py``).
 """
 
 from __future__ import annotations

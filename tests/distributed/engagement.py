@@ -125,6 +125,7 @@ def rank_record(strategy: Any, module: nn.Module, probe: ForwardProbe | None) ->
         "checkpointed_modules": sum(is_checkpointed(m) for m in module.modules()),
         "expert_parameters": len(getattr(experts, "parameter_ids", ()) or ()),
         "parameter_dtypes": sorted(floating),
+        "float8_linears": sum(type(m).__name__ == "Float8Linear" for m in module.modules()),
         **(probe.counts if probe is not None else {}),
     }
     return record
@@ -132,7 +133,7 @@ def rank_record(strategy: Any, module: nn.Module, probe: ForwardProbe | None) ->
 
 COUNTS = {
     "tp_sharded_parameters", "dp_sharded_parameters", "checkpointed_modules", "expert_parameters",
-    "sequence_sharded_norm_inputs", "autocast_linears", "linears", "nvme_bytes_written",
+    "sequence_sharded_norm_inputs", "autocast_linears", "linears", "nvme_bytes_written", "float8_linears",
 }  # fmt: skip
 
 
@@ -152,10 +153,6 @@ def merge_records(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _check(condition: bool, message: str) -> str | None:
     return None if condition else message
-
-
-def _schedule_check(cls: str) -> Callable[[dict[str, Any], dict[str, Any]], str | None]:
-    return lambda r, f: _check(r.get("schedule") == cls, f"schedule {r.get('schedule')} ran, not {cls}")
 
 
 def _schedule_check(cls: str) -> Callable[[dict[str, Any], dict[str, Any]], str | None]:
@@ -202,6 +199,10 @@ CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any]], str | None]] = {
     ),
     "16-true": lambda r, f: _check(
         "torch.float16" in r.get("parameter_dtypes", []), f"parameters {r.get('parameter_dtypes')}, no fp16"
+    ),
+    "fp8": lambda r, f: _check(
+        r.get("float8_linears", 0) > 0 and r.get("autocast_linears", 0) > 0,
+        f"{r.get('float8_linears', 0)} float8 linears, {r.get('autocast_linears', 0)} linears under autocast",
     ),
     **{f"pp={name}": _schedule_check(cls) for name, cls in SCHEDULE_CLASSES.items()},
 }

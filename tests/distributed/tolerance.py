@@ -59,6 +59,9 @@ UNIT_ROUNDOFF = {
     "bf16-true": 2.0**-8,
     "16-mixed": 2.0**-8,
     "16-true": 2.0**-11,
+    # fp8 (worker: torchao's float8 linears, emulated) runs under bf16 autocast with fp32 parameters:
+    # the unit is bf16's, the autocast format, not e4m3's 2^-4 (the measured spread sets the bound).
+    "fp8": 2.0**-8,
 }
 _LOSS_DTYPE = {"bf16-true": torch.bfloat16, "16-true": torch.float16}  # the loss is computed in it
 

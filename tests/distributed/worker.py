@@ -225,6 +225,24 @@ class GradientFaultInjector(Callback):
                 param.grad.mul_(self.fault.factor)
 
 
+def _precision_kwargs(trainer_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The case's ``Trainer`` arguments; ``precision="fp8"`` (not a Lightning flag) becomes the plugin.
+
+    fp8 runs in torchao's emulation (fp8 rounding of the matmul inputs, the matmuls in higher
+    precision): the same numerics as fp8 hardware up to the matmul's accumulation, on a CPU.
+    """
+    kwargs = dict(trainer_kwargs)
+    if kwargs.get("precision") == "fp8":
+        from tests.optional_packages import use_optional_packages
+
+        use_optional_packages()  # torchao lives in .venv/extras
+        from lightning_parallel.precision.fp8 import Float8Precision
+
+        del kwargs["precision"]
+        kwargs["plugins"] = [Float8Precision(emulate=True)]
+    return kwargs
+
+
 def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], startup_s: float) -> None:
     case_start = time.perf_counter()
     for key in _DIST_ENV:  # LightningEnvironment.teardown() deletes WORLD_SIZE after each fit
@@ -255,7 +273,7 @@ def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], 
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=True, deterministic=True, num_sanity_val_steps=0, callbacks=callbacks,
     )  # fmt: skip
-    trainer = L.Trainer(**{**trainer_kwargs, **case.trainer_kwargs})
+    trainer = L.Trainer(**{**trainer_kwargs, **_precision_kwargs(case.trainer_kwargs)})
     if not reference and trainer.global_rank != int(env["RANK"]):
         raise RuntimeError(f"Trainer global_rank {trainer.global_rank} != RANK {env['RANK']}")
     group = dist.group.WORLD if dist.is_initialized() else None

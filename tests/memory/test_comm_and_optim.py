@@ -93,9 +93,6 @@ def test_adafactor_steps_tensor_parallel_parameters_like_one_process(measured: d
     )  # the factors of sharded weights are sharded
 
 
-FP8_LOSS_RTOL = 2e-2  # the project's low-precision rule (bf16: 2e-2 per step); fp8 is coarser than bf16
-
-
 def _calls(measured: dict) -> dict[str, list[list[dict]]]:
     return torch.load(Path(measured["_dir"]) / "hook_calls.pt", weights_only=False)
 
@@ -149,16 +146,3 @@ def test_a_wrong_compressor_fails_the_simulation_check(measured: dict, corruptio
         factor = 0.0 if corruption == "zeros" else 0.5
         ranks = [[{**c, "after": c["after"] * factor} for c in calls] for calls in ranks]
     assert compression_problems(config, ranks)
-
-
-# No compat marker: this compares losses only, at 2e-2, not by the measured low-precision rule
-# (tests/distributed/tolerance.py), so the fp8 cells of docs/compatibility.md stay gaps.
-@pytest.mark.timeout(600)
-def test_fp8_with_tensor_parallelism_matches_one_process(measured: dict) -> None:
-    """fp8 (torchao's emulation) composes with tensor parallelism: tp=2 follows the one-process fp8 run."""
-    losses = measured["fp8_tp2"]
-    assert losses is not None, "torchao is missing: scripts/setup_env.sh installs it in .venv/extras"
-    assert len(losses["tp2"]) == len(losses["single"]) > 0
-    worst = max(abs(a - b) / abs(b) for a, b in zip(losses["tp2"], losses["single"], strict=True))
-    print(f"\nfp8 tp=2 vs one process: worst relative loss difference {worst:.2e}")
-    assert worst < FP8_LOSS_RTOL, (losses["tp2"], losses["single"])

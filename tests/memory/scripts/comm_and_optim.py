@@ -12,8 +12,6 @@
    what came back: ``tests/memory/powersgd_oracle.py``) into ``OUT_DIR/hook_calls.pt``.
 3. ``tensor_parallel=2`` with ``torch.optim.Adafactor`` from ``configure_optimizers``: losses,
    then (rank 0) the same model, data order and optimizer in one process without a Trainer.
-4. ``Float8Precision`` (torchao's emulation) with ``tensor_parallel=2``: refused at setup (if
-   torchao is installed).
 
 Rank 0 writes ``OUT_DIR/result.json``. Run by ``tests/memory/test_comm_and_optim.py``.
 """
@@ -39,7 +37,6 @@ from lightning_parallel.comm import count_all_reduce_bytes, gradient_bytes
 from lightning_parallel.optim import Adafactor, optimizer_state_bytes
 from tests.memory.powersgd_oracle import HookRecorder
 from tests.models.families import build, make_dataloader, reference_dataloader
-from tests.optional_packages import use_optional_packages
 
 STEPS, BATCH = 5, 2
 HOOK_CALLS: dict[str, list[dict[str, Any]]] = {}  # this rank's recorded hook calls, by run
@@ -174,57 +171,7 @@ def adafactor_tensor_parallel() -> dict[str, Any]:
     return result
 
 
-def fp8_tensor_parallel() -> dict[str, Any] | None:
-    """``Float8Precision`` (torchao's emulation: runs on a CPU) at tp=2 and in one process: losses (None without torchao)."""
-    import importlib.util
-
-    if importlib.util.find_spec("torchao") is None:  # reported by the test, which fails on it
-        return None
-    from lightning_parallel.precision.fp8 import Float8Precision
-
-    losses: dict[str, list[float]] = {}
-
-    class Record(L.Callback):
-        def __init__(self, key: str) -> None:
-            self.key = key
-            losses[key] = []
-
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int) -> None:
-            losses[self.key].append(float(outputs["loss"]))
-
-    L.seed_everything(0)
-    fit = L.Trainer(accelerator="cpu", devices=2, strategy=HybridParallelStrategy(tensor_parallel=2, timeout=60),
-                    plugins=[Float8Precision(emulate=True)], max_steps=STEPS, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, callbacks=[Record("tp2")],
-                    use_distributed_sampler=False)  # fmt: skip
-    fit.fit(build("recipe_gpt"), make_dataloader(BATCH, STEPS * BATCH))
-    dist.barrier()
-    if dist.get_rank() == 0:  # the same model, data and fp8 recipe in one process
-        with torch.random.fork_rng():
-            L.seed_everything(0)
-            model = build("recipe_gpt")
-            plugin = Float8Precision(emulate=True)
-            plugin.convert_module(model)
-            optimizer = model.configure_optimizers()
-            single = []
-            for x, y in make_dataloader(BATCH, STEPS * BATCH):
-                with plugin.train_step_context():  # what the Trainer enters around training_step
-                    loss = _loss(model, x, y)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                single.append(loss.item())
-        losses["single"] = single
-    return losses
-
-
-def _loss(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model.model(x)
-    return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-
-
 def main() -> None:
-    use_optional_packages()  # torchao, for the fp8 case
     out_dir = Path(sys.argv[1])
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -234,7 +181,6 @@ def main() -> None:
         "gradient_compression": gradient_compression(),
         "pipeline_all_reduce": pipeline_all_reduce(),
         "adafactor_tp2": adafactor_tensor_parallel(),
-        "fp8_tp2": fp8_tensor_parallel(),
     }
     calls = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(HOOK_CALLS, calls, dst=0)
