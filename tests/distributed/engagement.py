@@ -14,13 +14,22 @@ a cell whose case showed both of its features engaged.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["ForwardProbe", "engagement_problems", "merge_records", "rank_record"]
+__all__ = [
+    "CollectiveCounter",
+    "ForwardProbe",
+    "engagement_problems",
+    "merge_records",
+    "mesh_axes",
+    "rank_record",
+]
 
 # What the schedule rows name, as torch's classes.
 SCHEDULE_CLASSES = {
@@ -62,6 +71,90 @@ class ForwardProbe:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+# The torch.ops namespaces of collectives: c10d (torch.distributed's calls, DDP's reducer, FSDP2,
+# DeepSpeed, the pipeline's send/recv) and the functional collectives (DTensor's redistributions).
+COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
+NOT_COLLECTIVES = frozenset({"wait_tensor", "barrier", "monitored_barrier_"})
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives a training step issues, by operation and by the ranks of their group.
+
+    A dispatch mode sees every operator call, and every collective is one (torch's ProcessGroup
+    methods go through the dispatcher, so DDP's C++ reducer is seen too). DTensor is let run first
+    (``NotImplemented``), so its redistributions come back here as the functional collectives
+    they issue. Only this thread: work chained on a collective's
+    future (PowerSGD's second all-reduce) runs on the backend's thread and is not counted.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[tuple[tuple[int, ...], str]] = Counter()
+        self._ranks: dict[object, tuple[int, ...]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        if func.namespace in COLLECTIVE_NAMESPACES:
+            name = func.__name__.split(".")[0]
+            if name not in NOT_COLLECTIVES:
+                self.counts[(self._group_ranks(func, args, kwargs or {}), name)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def _group_ranks(self, func: Any, args: tuple, kwargs: dict) -> tuple[int, ...]:
+        import torch.distributed as dist
+
+        for i, spec in enumerate(func._schema.arguments):
+            arg = args[i] if i < len(args) else kwargs.get(spec.name)
+            if spec.name == "group_name" and isinstance(arg, str):  # functional collectives
+                key: object = arg
+            elif isinstance(arg, torch.ScriptObject) and "ProcessGroup" in str(arg._type()):
+                key = arg
+            else:
+                continue
+            if key not in self._ranks:
+                group = (
+                    torch._C._distributed_c10d._resolve_process_group(arg)
+                    if isinstance(arg, str)
+                    else torch._C._distributed_c10d.ProcessGroup.unbox(arg)
+                )
+                self._ranks[key] = tuple(sorted(dist.get_process_group_ranks(group)))
+            return self._ranks[key]
+        return ()
+
+    def by_axis(self, axes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+        """``{"axis.op": count}``: each group named by every axis whose ranks it holds (else its ranks)."""
+        named: Counter[str] = Counter()
+        for (ranks, op), count in self.counts.items():
+            labels = [axis for axis, members in axes.items() if members == ranks] or [f"ranks{list(ranks)}"]
+            for label in labels:
+                named[f"{label}.{op}"] += count
+        return dict(named)
+
+
+def mesh_axes(strategy: Any) -> dict[str, tuple[int, ...]]:
+    """This rank's group on each parallel axis of more than one rank: the strategy's mesh, or the world (DDP)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return {}
+    mesh = getattr(strategy, "_device_mesh", None)
+    if mesh is None or getattr(strategy, "dims", None) is None:
+        world = tuple(range(dist.get_world_size()))
+        return {"dp": world} if len(world) > 1 else {}
+    axes = {}
+    for name in ("pp", "dp", "tp", "ep", "cp", "dp_replicate", "dp_batch"):
+        try:
+            sub = mesh[name]
+        except (KeyError, RuntimeError, ValueError):
+            continue
+        if sub.size() > 1:
+            axes[name] = tuple(sorted(dist.get_process_group_ranks(sub.get_group())))
+    return axes
 
 
 def _placements(module: nn.Module) -> dict[str, int]:
@@ -109,7 +202,13 @@ def _zero(strategy: Any, module: nn.Module, placements: dict[str, int]) -> dict[
     return record
 
 
-def rank_record(strategy: Any, module: nn.Module, probe: ForwardProbe | None) -> dict[str, Any]:
+def rank_record(
+    strategy: Any,
+    module: nn.Module,
+    probe: ForwardProbe | None,
+    collectives: CollectiveCounter | None = None,
+    optimizer_steps: int = 0,
+) -> dict[str, Any]:
     """This rank's evidence (see the module docstring)."""
     from lightning_parallel.memory.checkpointing import is_checkpointed
 
@@ -127,6 +226,8 @@ def rank_record(strategy: Any, module: nn.Module, probe: ForwardProbe | None) ->
         "parameter_dtypes": sorted(floating),
         "float8_linears": sum(type(m).__name__ == "Float8Linear" for m in module.modules()),
         **(probe.counts if probe is not None else {}),
+        "collectives": collectives.by_axis(mesh_axes(strategy)) if collectives is not None else {},
+        "optimizer_steps": optimizer_steps,
     }
     return record
 
@@ -144,6 +245,10 @@ def merge_records(records: list[dict[str, Any]]) -> dict[str, Any]:
         for key, value in record.items():
             if key in COUNTS:
                 merged[key] = merged.get(key, 0) + value
+            elif isinstance(value, dict):  # collectives per axis: the busiest rank's count
+                mine = merged.setdefault(key, {})
+                for name, count in value.items():
+                    mine[name] = max(mine.get(name, 0), count)
             elif isinstance(value, list):
                 merged[key] = sorted(set(merged.get(key, [])) | set(value))
             else:
@@ -208,6 +313,65 @@ CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any]], str | None]] = {
 }
 
 
+def _kind(op: str) -> str:
+    """The class of a collective operator's name (c10d's ``allreduce_``, functional ``all_reduce``, ...)."""
+    flat = op.replace("_", "")
+    if "allreduce" in flat or "reducescatter" in flat:
+        return "reduction"
+    if "allgather" in flat:
+        return "gather"
+    if "alltoall" in flat:
+        return "all_to_all"
+    if flat in {"send", "recv", "recvanysource"}:
+        return "p2p"
+    return "other"
+
+
+# Per matrix row: the axis whose group must carry collectives of this kind on every optimizer step.
+COLLECTIVES_PER_STEP: dict[str, tuple[str, str | None]] = {
+    "dp": ("dp", "reduction"),  # the gradient average (or reduce-scatter), or over its factors:
+    "tp": ("tp", None),  # any: the partial sums and gathers of sharded layers
+    "sp": ("tp", "gather"),  # the sequence-sharded activations gathered before the sharded matmuls
+    "cp": ("cp", None),  # ring passes or all-to-alls through attention
+    "ep": ("ep", "all_to_all"),  # the token dispatch
+    "zero3": ("dp", "gather"),  # parameters gathered from their shards
+    **{f"pp={name}": ("pp", "p2p") for name in SCHEDULE_CLASSES},  # activations between stages
+}
+
+
+def collectives_per_step(record: dict[str, Any], axis: str, kind: str | None) -> float:
+    """Collectives of ``kind`` (None: any) on ``axis``'s group per optimizer step, the busiest rank's."""
+    steps = record.get("optimizer_steps", 0)
+    if not steps:
+        return 0.0
+    total = sum(
+        count
+        for key, count in record.get("collectives", {}).items()
+        if key.split(".")[0] == axis and (kind is None or _kind(key.split(".", 1)[1]) == kind)
+    )
+    return total / steps
+
+
+# dp carved into dp_replicate x ep (or dp_batch x cp) may be reduced in two stages, one per factor.
+DP_FACTORS = (("dp_replicate", "ep"), ("dp_batch", "cp"))
+
+
+def _collective_problem(row: str, record: dict[str, Any]) -> str | None:
+    if row not in COLLECTIVES_PER_STEP:
+        return None
+    axis, kind = COLLECTIVES_PER_STEP[row]
+    per_step = collectives_per_step(record, axis, kind)
+    if row == "dp" and any(
+        all(collectives_per_step(record, factor, kind) >= 1 for factor in factors) for factors in DP_FACTORS
+    ):
+        return None
+    return _check(
+        per_step >= 1,
+        f"{per_step:.3g} {kind or 'collective'}(s) per optimizer step on the {axis} group, not at least one"
+        f" (issued: {record.get('collectives', {})}, {record.get('optimizer_steps', 0)} steps)",
+    )
+
+
 def engagement_problems(rows: frozenset[str], record: dict[str, Any], facts: dict[str, Any]) -> list[str]:
     """The rows a case asks for that its record does not show (a row without a check counts as one)."""
     problems = []
@@ -218,7 +382,7 @@ def engagement_problems(rows: frozenset[str], record: dict[str, Any], facts: dic
                 f"{row}: no engagement check exists for this row (tests/distributed/engagement.py)"
             )
             continue
-        problem = check(record, facts)
+        problem = check(record, facts) or _collective_problem(row, record)
         if problem:
             problems.append(f"{row}: {problem} (record {record})")
     return problems

@@ -22,11 +22,47 @@ def test_every_matrix_row_but_fp16_autocast_has_a_check() -> None:
 
 
 def test_a_record_showing_the_features_passes() -> None:
+    collectives = {
+        "dp.allreduce_": 4,
+        "dp.reduce_scatter_tensor": 4,
+        "dp.all_gather_into_tensor": 8,
+        "tp.all_reduce": 16,
+        "pp.send": 8,
+        "pp.recv_": 8,
+    }
     record = merge_records([
-        {**FP32_DDP, "tp_sharded_parameters": 3, "zero_stage": 3, "zero_engine": "fsdp2", "dp_sharded_parameters": 5},
-        {**FP32_DDP, "tp_sharded_parameters": 3, "schedule": "ScheduleZBVZeroBubble", "checkpointed_modules": 2},
+        {**FP32_DDP, "tp_sharded_parameters": 3, "zero_stage": 3, "zero_engine": "fsdp2", "dp_sharded_parameters": 5,
+         "collectives": collectives, "optimizer_steps": 4},
+        {**FP32_DDP, "tp_sharded_parameters": 3, "schedule": "ScheduleZBVZeroBubble", "checkpointed_modules": 2,
+         "collectives": {"tp.all_reduce": 20}, "optimizer_steps": 4},
     ])  # fmt: skip
     rows = frozenset({"dp", "tp", "zero3", "pp=zbv", "ac=full", "32-true"})
     assert engagement_problems(rows, record, {"data_parallel": 2}) == []
     assert record["zero_stage"] == 3 and record["tp_sharded_parameters"] == 6  # stages kept, counts summed
     assert engagement_problems(frozenset({"pp=gpipe"}), record, {})  # another schedule ran
+    assert record["collectives"]["tp.all_reduce"] == 20  # the busiest rank's count
+
+
+@pytest.mark.parametrize(
+    ("row", "missing"),
+    [("dp", "dp.allreduce_"), ("tp", "tp.all_reduce"), ("pp=1f1b", "pp.send"), ("ep", "ep.alltoall_base_"),
+     ("zero3", "dp.all_gather_into_tensor"), ("sp", "tp.all_gather_into_tensor"), ("cp", "cp.send")],
+)  # fmt: skip
+def test_a_feature_whose_collectives_never_ran_fails_its_row(row: str, missing: str) -> None:
+    """Negative control: the record shows the feature set up, but its group carried nothing per step."""
+    base = {**FP32_DDP, "tp_sharded_parameters": 2, "dp_sharded_parameters": 2, "zero_stage": 3,
+            "zero_engine": "fsdp2", "schedule": "Schedule1F1B", "expert_parameters": 2,
+            "sequence_sharded_norm_inputs": 2, "optimizer_steps": 4}  # fmt: skip
+    facts = {"data_parallel": 2, "context_calls": 4}
+    assert engagement_problems(frozenset({row}), {**base, "collectives": {missing: 4}}, facts) == []
+    problems = engagement_problems(frozenset({row}), {**base, "collectives": {missing: 3}}, facts)
+    assert problems and "per optimizer step" in problems[0]  # fewer than one per step
+    assert engagement_problems(frozenset({row}), {**base, "collectives": {}}, facts)
+
+
+def test_a_data_parallel_reduction_in_two_stages_over_the_factors_of_dp_counts() -> None:
+    """dp = dp_replicate x ep reduced over ep, then over dp_replicate (ZeRO under expert parallelism)."""
+    record = {"optimizer_steps": 4, "collectives": {"ep.allreduce_": 8, "dp_replicate.allreduce_": 4}}
+    assert engagement_problems(frozenset({"dp"}), record, {"data_parallel": 4}) == []
+    record["collectives"].pop("dp_replicate.allreduce_")  # one factor only: half of dp never averaged
+    assert engagement_problems(frozenset({"dp"}), record, {"data_parallel": 4})

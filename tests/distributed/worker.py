@@ -39,7 +39,13 @@ from lightning.pytorch.callbacks import Callback
 
 from tests.compat import case_rows
 from tests.distributed.cases import Case, Fault, GradientFault
-from tests.distributed.engagement import ForwardProbe, engagement_problems, merge_records, rank_record
+from tests.distributed.engagement import (
+    CollectiveCounter,
+    ForwardProbe,
+    engagement_problems,
+    merge_records,
+    rank_record,
+)
 from tests.distributed.harness import mean_over_ranks, merge_replicas
 from tests.environment import LAUNCHER_VARIABLES
 from tests.models.families import build, make_dataloader, reference_dataloader
@@ -67,6 +73,7 @@ class ParityRecorder(Callback):
         self.payload: dict[str, Any] | None = None
         self.case = case  # None for a reference: nothing to prove engaged
         self.probe: ForwardProbe | None = None
+        self.collectives: CollectiveCounter | None = None  # active from each batch's start to its end
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.case is not None:
@@ -75,9 +82,18 @@ class ParityRecorder(Callback):
                 for module in pl_module.modules():
                     module.__dict__.pop("forward", None)  # the class's forward again: no recomputation
 
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.case is not None:
+            self.collectives = self.collectives or CollectiveCounter()
+            self.collectives.__enter__()
+
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self.collectives is not None:
+            self.collectives.__exit__(None, None, None)
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         self.losses.append(
             None if loss is None else float(loss.detach().float()) * trainer.accumulate_grad_batches
@@ -104,7 +120,11 @@ class ParityRecorder(Callback):
                 slices[name] = (shard.first_expert, tensor.cpu().clone())
             else:
                 params[name] = tensor.cpu().clone()
-        record = rank_record(trainer.strategy, pl_module, self.probe) if self.case is not None else {}
+        record = (
+            rank_record(trainer.strategy, pl_module, self.probe, self.collectives, trainer.global_step)
+            if self.case is not None
+            else {}
+        )
         if self.probe is not None:
             self.probe.remove()
         mine = (self.losses, params, slices, (_mesh_coordinates(trainer.strategy), record))

@@ -4,7 +4,9 @@ The launch (``tests/memory/scripts/comm_and_optim.py``) trains through the real 
 writes what it measured; the assertions are here. Bytes are the payloads handed to each
 all-reduce (per process): the uncompressed DDP reducer sends every gradient once per step
 (``gradient_bytes``), bf16 half of that, PowerSGD at rank r ``(n + m) r`` numbers per
-compressed n x m matrix plus the uncompressed vectors and small matrices.
+compressed n x m matrix plus the uncompressed vectors and small matrices. Each compressed run
+stays within the bound its recorded compression error allows from the uncompressed run
+(tests/memory/compression_bound.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from lightning_parallel import PowerSGD
 from lightning_parallel.comm import powersgd_payload_bytes
+from tests.memory.compression_bound import SMOOTHNESS_SAFETY, deviation_bounds, loss_bounds, step_errors
 from tests.memory.powersgd_oracle import compression_problems, simulate
 from tests.strategy import launch
 
@@ -146,3 +149,67 @@ def test_a_wrong_compressor_fails_the_simulation_check(measured: dict, corruptio
         factor = 0.0 if corruption == "zeros" else 0.5
         ranks = [[{**c, "after": c["after"] * factor} for c in calls] for calls in ranks]
     assert compression_problems(config, ranks)
+
+
+LR, MOMENTUM = 0.1, 0.9  # the families' SGD (tests/models/optim.py)
+COMPRESSED_RUNS = {"powersgd": True, "bf16": False}  # run -> error feedback
+
+
+def _drift(measured: dict, run: str, feedback: bool) -> dict[str, Any]:
+    """The run's distance from the uncompressed run per step, and the bound its compression error allows."""
+    trajectories = torch.load(Path(measured["_dir"]) / "trajectories.pt", weights_only=False)
+    plain, compressed = trajectories["ddp_none"], trajectories[f"ddp_{run}"]
+    errors = step_errors(_calls(measured)[f"ddp_{run}"], feedback)
+    smoothness = SMOOTHNESS_SAFETY * max(compressed["curvatures"])
+    bounds = deviation_bounds(errors, smoothness, LR, MOMENTUM, feedback)
+    gradients = [float(g.norm()) for g in plain["grads"]]
+    return {
+        "errors": errors,
+        "bounds": bounds,
+        "distance": [float((x - u).norm()) for x, u in zip(compressed["params"], plain["params"], strict=True)],
+        "slack": [1e-6 * float(u.norm()) for u in plain["params"]],  # fp32: the runs' own rounding
+        "loss_gap": [abs(a - b) for a, b in zip(compressed["losses"], plain["losses"], strict=True)],
+        "loss_bounds": [b + 1e-5 * abs(loss) for b, loss in zip(loss_bounds(bounds, gradients, smoothness),
+                                                                  plain["losses"], strict=True)],
+        "movement": float((plain["params"][-1] - plain["params"][0]).norm()),
+        "smoothness": smoothness,
+    }  # fmt: skip
+
+
+def _drift_problems(drift: dict[str, Any]) -> list[str]:
+    problems = [
+        f"parameters before step {t}: {d:.3g} from the uncompressed run, bound {b:.3g}"
+        for t, (d, b, s) in enumerate(zip(drift["distance"], drift["bounds"], drift["slack"], strict=True))
+        if not d <= b + s
+    ]
+    return problems + [
+        f"loss of step {t}: {gap:.3g} from the uncompressed run, bound {b:.3g}"
+        for t, (gap, b) in enumerate(zip(drift["loss_gap"], drift["loss_bounds"], strict=True))
+        if not gap <= b
+    ]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("run", sorted(COMPRESSED_RUNS))
+def test_compressed_training_stays_within_the_bound_of_its_compression_error(
+    measured: dict, run: str
+) -> None:
+    """The compressed run's parameters and losses, every step, within what its recorded compression error and
+    the loss's measured smoothness allow from the uncompressed run (tests/memory/compression_bound.py)."""
+    drift = _drift(measured, run, COMPRESSED_RUNS[run])
+    print(
+        f"\n{run}: errors {[f'{e:.2g}' for e in drift['errors']]}; distance {[f'{d:.2g}' for d in drift['distance']]}"
+        f" <= bound {[f'{b:.2g}' for b in drift['bounds']]} (movement {drift['movement']:.3g}, L {drift['smoothness']:.3g});"
+        f" loss gap {[f'{g:.2g}' for g in drift['loss_gap']]} <= {[f'{b:.2g}' for b in drift['loss_bounds']]}"
+    )  # fmt: skip
+    assert max(drift["errors"]) > 0 and max(drift["distance"]) > 0, "the compression did not engage"
+    assert _drift_problems(drift) == []
+    # The bound says something: it is a fraction of how far the uncompressed run moved.
+    assert drift["bounds"][-1] < drift["movement"] / 2, (drift["bounds"], drift["movement"])
+
+
+@pytest.mark.timeout(600)
+def test_an_error_outside_the_compressor_breaks_the_drift_bound(measured: dict) -> None:
+    """Negative control: PowerSGD whose second MLP gradient is doubled after the reduction, from step 2 on."""
+    drift = _drift(measured, "powersgd_misapplied", True)
+    assert _drift_problems(drift)

@@ -6,6 +6,9 @@
    ``gradient_compression=None``, ``"bf16"`` and ``PowerSGD(rank=2, start_iter=2)``; the payload
    of every Python all-reduce is counted per optimizer step (the uncompressed reducer runs in
    C++, so its payload is the gradient bytes), and the parameters of both replicas compared.
+   Each step's parameters and applied gradient go to ``OUT_DIR/trajectories.pt`` (rank 0), with
+   the loss's curvature along each run's departure from the uncompressed one, and a PowerSGD run whose second MLP gradient is doubled
+   after the reduction (``powersgd_misapplied``: the negative control of the drift bound).
 2. The pipeline path's bucketed all-reduce (``all_reduce_gradients`` with a ``BucketCompressor``),
    called directly on 2 ranks with different random gradients: bf16 and PowerSGD.
    In 1. and 2. every call of torch's compression hooks is recorded (each rank's input bucket and
@@ -77,6 +80,82 @@ class StepBytes(L.Callback):
         self.seen = self.counts.bytes
 
 
+class Trajectory(L.Callback):
+    """Each optimizer step's parameters and the gradient it applies (after the all-reduce), flat; the final parameters."""
+
+    def __init__(self) -> None:
+        self.params: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+        self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []  # this rank's
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, i: int) -> None:
+        self.batches.append(tuple(t.clone() for t in batch))
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.params.append(torch.cat([p.detach().reshape(-1) for p in params]).clone())
+        self.grads.append(torch.cat([p.grad.reshape(-1) for p in params]).clone())
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.params.append(
+            torch.cat([p.detach().reshape(-1) for p in module.parameters() if p.requires_grad])
+        )
+
+
+def global_mean(values: list[float]) -> list[float]:
+    """Each rank's per-step values averaged over the ranks (a rank's loss is its half batch's)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return (tensor / dist.get_world_size()).tolist()
+
+
+def curvatures(plain: dict[str, Any], other: dict[str, Any]) -> list[float]:
+    """``|H(u_t) D_t| / |D_t|`` per step: the loss's curvature at the uncompressed run's parameters ``u_t``
+    along the compressed run's departure ``D_t = x_t - u_t`` (0 where they coincide).
+
+    The smoothness of the drift bound (tests/memory/compression_bound.py): how much the gradient
+    changes per unit of that departure. Both ranks take the Hessian-vector product on their own
+    half of each batch and average it (the global loss is their mean).
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = build("recipe_gpt")
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for u, x_t, (x, y) in zip(plain["params"], other["params"], plain["batches"], strict=False):
+        departure = (x_t - u).double()
+        if float(departure.norm()) == 0.0:
+            out.append(0.0)
+            continue
+        torch.nn.utils.vector_to_parameters(u, params)
+        with sdpa_kernel(SDPBackend.MATH):  # the only attention kernel with a second derivative
+            logits = model.model(x)
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        pieces = torch.split(departure.float(), [p.numel() for p in params])
+        hvp = torch.autograd.grad(grads, params, [v.view_as(p) for v, p in zip(pieces, params, strict=True)])
+        product = torch.cat([h.reshape(-1) for h in hvp]).double()
+        dist.all_reduce(product)
+        out.append(float(product.norm() / dist.get_world_size() / departure.norm()))
+    return out
+
+
+class ScaleAfterWarmUp(L.Callback):
+    """Test-only: one layer's reduced gradient scaled before the optimizer, from step ``start`` on."""
+
+    def __init__(self, name: str, factor: float, start: int) -> None:
+        self.name, self.factor, self.start = name, factor, start
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step >= self.start:
+            for name, param in module.named_parameters():
+                if self.name in name and param.grad is not None:
+                    param.grad.mul_(self.factor)
+
+
+TRAJECTORIES: dict[str, dict[str, Any]] = {}  # run -> parameters and applied gradients per step, losses
+
+
 def trainer(strategy: HybridParallelStrategy, callbacks: list[L.Callback]) -> L.Trainer:
     return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -92,17 +171,32 @@ def replicas_agree(module: torch.nn.Module) -> bool:
 
 def gradient_compression() -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name, compression in (("none", None), ("bf16", "bf16"), ("powersgd", PowerSGD(rank=2, start_iter=2))):
+    runs = (("none", None), ("bf16", "bf16"), ("powersgd", PowerSGD(rank=2, start_iter=2)),
+            ("powersgd_misapplied", PowerSGD(rank=2, start_iter=2)))  # fmt: skip
+    for name, compression in runs:
         L.seed_everything(0, verbose=False)
         model = build("recipe_gpt")
         with count_all_reduce_bytes() as log, recorded_hooks(f"ddp_{name}"):
-            record = StepBytes(log)
-            trainer(HybridParallelStrategy(gradient_compression=compression, timeout=60), [record]).fit(
+            record, trajectory = StepBytes(log), Trajectory()
+            callbacks: list[L.Callback] = [record, trajectory]
+            if name == "powersgd_misapplied":  # negative control: an error the compressor never saw
+                callbacks.insert(0, ScaleAfterWarmUp(".1.mlp.", 2.0, start=2))
+            trainer(HybridParallelStrategy(gradient_compression=compression, timeout=60), callbacks).fit(
                 model, make_dataloader(BATCH, STEPS * BATCH * 2)
             )
+        TRAJECTORIES[f"ddp_{name}"] = {
+            "params": trajectory.params,
+            "grads": trajectory.grads,
+            "losses": global_mean(record.losses),
+            "batches": trajectory.batches,  # this rank's
+        }
         out[name] = {"bytes": record.bytes, "losses": record.losses, "replicas_agree": replicas_agree(model)}
         out["gradient_bytes"] = gradient_bytes(model.parameters())
         out["gradient_shapes"] = [list(p.shape) for p in model.parameters() if p.requires_grad]
+    plain = TRAJECTORIES["ddp_none"]
+    for name, trajectory in TRAJECTORIES.items():
+        if name != "ddp_none":
+            trajectory["curvatures"] = curvatures(plain, trajectory)
     return out
 
 
@@ -187,6 +281,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         (out_dir / "result.json").write_text(json.dumps(results, indent=1))
         torch.save({run: [rank[run] for rank in calls] for run in HOOK_CALLS}, out_dir / "hook_calls.pt")
+        torch.save(TRAJECTORIES, out_dir / "trajectories.pt")
     dist.barrier()
     dist.destroy_process_group()
     print("done")
