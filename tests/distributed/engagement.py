@@ -174,12 +174,27 @@ def _placements(module: nn.Module) -> dict[str, int]:
     return counts
 
 
+def _local_numel(param: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    if hasattr(param, "ds_numel"):  # DeepSpeed ZeRO-3: the full size of a partitioned parameter
+        return int(param.ds_numel)
+    return int(param.to_local().numel() if isinstance(param, DTensor) else param.numel())
+
+
 def _zero(strategy: Any, module: nn.Module, placements: dict[str, int]) -> dict[str, Any]:
     record: dict[str, Any] = {"zero_stage": 0}
     engine = getattr(strategy, "zero_engine", None)
     if engine is not None:
         record["zero_stage"] = int(engine.zero_optimization_stage())
         record["zero_engine"] = "deepspeed"
+        # The fp32 partitions this rank's optimizer steps, against the parameters it would hold whole.
+        optimizer = engine.optimizer
+        parts = getattr(optimizer, "single_partition_of_fp32_groups", None) or getattr(
+            optimizer, "fp32_partitioned_groups_flat", None
+        )
+        record["zero_partition_numel"] = sum(int(p.numel()) for p in parts or [])
+        record["parameter_numel"] = sum(_local_numel(p) for p in module.parameters() if not p.is_meta)
         if engine.zero_nvme_offload_optimizer():
             record["offload"] = "nvme"
         elif engine.zero_cpu_offload():
@@ -264,6 +279,14 @@ def _schedule_check(cls: str) -> Callable[[dict[str, Any], dict[str, Any]], str 
     return lambda r, f: _check(r.get("schedule") == cls, f"schedule {r.get('schedule')} ran, not {cls}")
 
 
+def _partition_problem(record: dict[str, Any]) -> str | None:
+    """DeepSpeed's engine: this rank's optimizer steps a partition, not every parameter."""
+    if record.get("zero_engine") != "deepspeed":
+        return None
+    part, whole = record.get("zero_partition_numel", 0), record.get("parameter_numel", 0)
+    return _check(0 < part < whole, f"the rank's fp32 partition holds {part} of {whole} parameter elements")
+
+
 CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any]], str | None]] = {
     "dp": lambda r, f: _check(f.get("data_parallel", 0) > 1, "the sampler did not split the data"),
     "tp": lambda r, f: _check(r.get("tp_sharded_parameters", 0) > 0, "no parameter is sharded over tp"),
@@ -272,11 +295,18 @@ CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any]], str | None]] = {
     ),
     "ep": lambda r, f: _check(r.get("expert_parameters", 0) > 0, "no expert weight was sharded over ep"),
     "cp": lambda r, f: _check(f.get("context_calls", 0) > 0, "no attention call went over the context split"),
-    "zero1": lambda r, f: _check(r.get("zero_stage") == 1, f"ZeRO stage {r.get('zero_stage')} ran, not 1"),
-    "zero2": lambda r, f: _check(r.get("zero_stage") == 2, f"ZeRO stage {r.get('zero_stage')} ran, not 2"),
+    "zero1": lambda r, f: (
+        _check(r.get("zero_stage") == 1, f"ZeRO stage {r.get('zero_stage')} ran, not 1")
+        or _partition_problem(r)
+    ),
+    "zero2": lambda r, f: (
+        _check(r.get("zero_stage") == 2, f"ZeRO stage {r.get('zero_stage')} ran, not 2")
+        or _partition_problem(r)
+    ),
     "zero3": lambda r, f: _check(
         r.get("zero_stage") == 3
-        and (r.get("zero_engine") == "deepspeed" or r.get("dp_sharded_parameters", 0) > 0),
+        and (r.get("zero_engine") == "deepspeed" or r.get("dp_sharded_parameters", 0) > 0)
+        and _partition_problem(r) is None,
         f"ZeRO stage {r.get('zero_stage')} ran (engine {r.get('zero_engine')}), not 3 with sharded parameters",
     ),
     "offload=cpu": lambda r, f: _check(

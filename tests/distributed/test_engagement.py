@@ -66,3 +66,12 @@ def test_a_data_parallel_reduction_in_two_stages_over_the_factors_of_dp_counts()
     assert engagement_problems(frozenset({"dp"}), record, {"data_parallel": 4}) == []
     record["collectives"].pop("dp_replicate.allreduce_")  # one factor only: half of dp never averaged
     assert engagement_problems(frozenset({"dp"}), record, {"data_parallel": 4})
+
+
+@pytest.mark.parametrize("row", ["zero1", "zero2", "zero3"])
+def test_a_deepspeed_engine_that_partitioned_nothing_fails_its_zero_row(row: str) -> None:
+    """Negative control: the engine ran at the stage, but each rank's optimizer held every element."""
+    record = {"zero_engine": "deepspeed", "zero_stage": int(row[-1]), "parameter_numel": 1000,
+              "optimizer_steps": 4, "collectives": {"dp.allreduce_": 4, "dp._allgather_base_": 4}}  # fmt: skip
+    assert engagement_problems(frozenset({row}), {**record, "zero_partition_numel": 500}, {}) == []
+    assert engagement_problems(frozenset({row}), {**record, "zero_partition_numel": 1000}, {})
