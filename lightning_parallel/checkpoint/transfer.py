@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_parallel.checkpoint.safe_load import load_trusted_or_weights
+
 __all__ = ["consolidate_checkpoint", "export_checkpoint", "load_weights", "read_state_dict"]
 
 PathLike = str | os.PathLike
@@ -41,7 +43,7 @@ def read_state_dict(path: PathLike) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         return load_file(path)
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    state = load_trusted_or_weights(path, f"`init_weights={str(path)!r}`", map_location="cpu", mmap=True)
     if isinstance(state, Mapping) and isinstance(state.get("state_dict"), Mapping):
         state = state["state_dict"]
     if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -155,7 +157,7 @@ def _read_checkpoint_weights(checkpoint: Path) -> dict[str, Any]:
     from lightning.fabric.utilities.load import _METADATA_FILENAME
 
     if checkpoint.is_file():
-        return torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+        return load_trusted_or_weights(checkpoint, "export", map_location="cpu")["state_dict"]
     if not (checkpoint / ".metadata").is_file() or not (checkpoint / _METADATA_FILENAME).is_file():
         raise ValueError(
             f"`{checkpoint}` is not a checkpoint: expected a sharded checkpoint folder (with `.metadata` and"

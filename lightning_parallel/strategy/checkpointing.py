@@ -34,6 +34,8 @@ from lightning_parallel.checkpoint.layouts import (
     restore_strided,
     saved_keys,
 )
+from lightning_parallel.checkpoint.loop_state import reopen_cut_epoch
+from lightning_parallel.checkpoint.safe_load import UnsafeCheckpointError, load_trusted_or_weights
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.config.validation import consolidated_refusal
 from lightning_parallel.parallelize import Parallelized
@@ -42,6 +44,7 @@ from lightning_parallel.strategy.base import MeshParallelStrategy
 # The strategy's own part of a checkpoint's metadata (Lightning writes rank 0's dict only, so
 # per-rank values are gathered into lists indexed by global rank).
 STATE_KEY = "lightning_parallel"
+RESUME = "`Trainer.fit(ckpt_path=...)`"  # names the call in a refusal to unpickle
 
 
 def _fit_progress(trainer: Any) -> tuple[int, int]:
@@ -116,6 +119,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
         if not self._save_distributed_checkpoint:
             self._check_consolidated_supported()  # on every rank, before any collective
         path = Path(self.broadcast(str(filepath)))
+        reopen_cut_epoch(checkpoint)  # saved after max_steps cut an epoch short: resume inside it
         checkpoint[STATE_KEY] = {
             "rng_states": gather_objects(portable_rng_states(_collect_rng_states())),
             "layout": self.dims.layout if self.dims is not None else None,
@@ -242,6 +246,8 @@ class CheckpointingStrategy(MeshParallelStrategy):
 
         try:
             return self._read_sharded_checkpoint(path, weights_only)
+        except UnsafeCheckpointError:
+            raise  # intact, but refused: not "damaged"
         except (Exception, CheckpointException) as error:  # any read failure means the same to the user
             raise ValueError(
                 f"The checkpoint {str(path)!r} is damaged or incomplete (a shard file is truncated, missing or"
@@ -266,7 +272,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
             optimizer = self.optimizers[0] if self.zero_engine is not None else None  # none: validate/test
             load_zero_checkpoint(self.lightning_module, optimizer, self.zero_engine, path, self._ep_mesh(),
                                  strict=self.lightning_module.strict_loading)  # fmt: skip
-            return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+            return load_trusted_or_weights(path / _METADATA_FILENAME, RESUME, weights_only)
         layouts, ep_mesh, replicas = expert_layouts(self.model), self._ep_mesh(), self._expert_replicas_mesh()
         original = get_model_state_dict(self.model)
         model_state = experts_as_dtensors(original, layouts, ep_mesh, optimizer=False, replicas_mesh=replicas)
@@ -291,7 +297,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
                 like=original,
             )
             set_optimizer_state_dict(self.model, optimizer, restored, options=FLAT)
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        return load_trusted_or_weights(path / _METADATA_FILENAME, RESUME, weights_only)
 
     def _load_full_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         """One consolidated file. Lightning's loader cuts each rank's shard out of the full tensor as one
@@ -306,7 +312,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
 
         assert self.model is not None and self.lightning_module is not None
         self._check_consolidated_supported(zero_only=True)
-        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+        checkpoint = load_trusted_or_weights(path, RESUME, weights_only, mmap=True, map_location="cpu")
         options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
         set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
         for idx, optimizer in enumerate(self.optimizers):

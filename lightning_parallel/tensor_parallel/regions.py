@@ -111,8 +111,31 @@ def install_container_hooks(
     return handles
 
 
+def sequence_length_problem(hidden: torch.Tensor, tensor_parallel: int, where: str) -> str | None:
+    """Why ``hidden`` cannot be split along the sequence over ``tensor_parallel`` ranks (None: it can).
+
+    Checked before any collective: an uneven split gives the ranks differently sized shards, whose
+    collectives then disagree and fail inside torch.distributed (gloo: "connection reset by peer").
+    """
+    if hidden.dim() <= SEQUENCE_DIM:
+        return f"`sequence_parallel=True`: {where} receives a hidden state of shape {tuple(hidden.shape)}, with no sequence dimension {SEQUENCE_DIM}."
+    length = hidden.shape[SEQUENCE_DIM]
+    if length % tensor_parallel == 0:
+        return None
+    up = -(-length // tensor_parallel) * tensor_parallel
+    return (
+        f"`sequence_parallel=True` splits the sequence over the {tensor_parallel} tensor-parallel ranks, but"
+        f" {where} receives sequences of {length} tokens (hidden state {tuple(hidden.shape)}), which"
+        f" {tensor_parallel} does not divide. Pad or crop the sequences to a multiple of {tensor_parallel}"
+        f" (e.g. {up} or {up - tensor_parallel}), or set `sequence_parallel=False`."
+    )
+
+
 def scatter_sequence(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Replicated -> this rank's sequence slice (no communication; backward all-gathers)."""
+    problem = sequence_length_problem(tensor, mesh.size(), "the first block")
+    if problem:
+        raise ValueError(problem)
     dt = DTensor.from_local(tensor, mesh, [Replicate()], run_check=False)
     return _local(dt.redistribute(mesh, [Shard(SEQUENCE_DIM)]))
 

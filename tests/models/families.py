@@ -54,6 +54,12 @@ def _hf_llama(**overrides: Any) -> L.LightningModule:
     return HFLlamaModule(**{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
 
 
+def _hf_opt(**overrides: Any) -> L.LightningModule:
+    from tests.models.hf import HFOPTModule
+
+    return HFOPTModule(**{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
+
+
 def _hf_mixtral(**overrides: Any) -> L.LightningModule:
     from tests.models.hf import HFMixtralModule
 
@@ -121,6 +127,7 @@ FAMILIES: dict[str, Callable[..., L.LightningModule]] = {
     "nanogpt": _nanogpt,
     "hf_gpt2": _hf_gpt2,
     "hf_llama": _hf_llama,
+    "hf_opt": _hf_opt,
     "hf_mixtral": _hf_mixtral,
     "hf_gpt_oss": _hf_gpt_oss,
     "recipe_moe": _recipe_moe,

@@ -27,6 +27,8 @@ from transformers import (
     LlamaForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
 )
 
 from tests.models.optim import parity_optimizer
@@ -89,6 +91,30 @@ class HFLlamaModule(_CausalLMModule):
             use_cache=False, attn_implementation="sdpa",
         )  # fmt: skip
         self.model = LlamaForCausalLM(config)
+
+
+class HFOPTModule(_CausalLMModule):
+    """``OPTForCausalLM``: separate q/k/v with biases, learned positions. Its key-projection bias has a
+    gradient that is zero in exact arithmetic (softmax ignores a shift shared by every key): the
+    verification must not refuse tensor parallelism on that rounding noise."""
+
+    def __init__(
+        self,
+        vocab_size: int = 128,
+        block_size: int = 32,
+        learning_rate: float | None = None,
+        optimizer: str = "sgd",
+        n_layer: int = 2,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        config = OPTConfig(
+            vocab_size=vocab_size, max_position_embeddings=block_size, hidden_size=64, ffn_dim=128,
+            word_embed_proj_dim=64, num_hidden_layers=n_layer, num_attention_heads=4, dropout=0.0,
+            attention_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=0, use_cache=False,
+            attn_implementation="sdpa",
+        )  # fmt: skip
+        self.model = OPTForCausalLM(config)
 
 
 class HFMixtralModule(_CausalLMModule):

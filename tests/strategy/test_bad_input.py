@@ -291,6 +291,12 @@ BOUND_S = 60
              "Pad or crop the sequences to a multiple of 4"],
             id="cp-length-not-divisible-by-2C",
         ),
+        *[pytest.param(
+            case,
+            ["ValueError: `sequence_parallel=True` splits the sequence over the 2 tensor-parallel ranks",
+             "sequences of 15 tokens", "Pad or crop the sequences to a multiple of 2 (e.g. 16 or 14)"],
+            id=case,
+        ) for case in ("sp-length-not-divisible", "sp-length-not-divisible-unverified")],
         pytest.param(
             "cp-ulysses-heads",
             ["ValueError: `context_parallel_mode='ulysses'` with `context_parallel=2` needs the attention heads",

@@ -164,3 +164,14 @@ def test_fp16_resume_restores_the_loss_scaler(all_runs: Path) -> None:
         assert straight[rank]["scales"][-1] > 2.0**8, straight[rank]["scales"]
         assert resumed[rank]["scales"] == straight[rank]["scales"][3:], (resumed[rank], straight[rank])
         _assert_exact(resumed[rank], straight[rank], f"fp16, resumed, rank {rank}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_checkpoint_saved_after_fit_returned_continues_the_same_run(all_runs: Path, layout: str) -> None:
+    """``trainer.save_checkpoint(path)`` once ``fit`` stopped at ``max_steps`` mid-epoch, then ``fit(ckpt_path=path)``
+    with a larger ``max_steps``: the rest of the epoch, then the next, bit for bit (plain Lightning
+    restarts the epoch from its first batch: it counts the cut epoch as finished)."""
+    straight, resumed = _read(all_runs / layout, "straight"), _read(all_runs / layout, "resumed_after_fit")
+    for rank in range(2):
+        assert resumed[rank]["global_step"] == 6
+        _assert_exact(resumed[rank], straight[rank], f"{layout}, resumed from a save after fit, rank {rank}")

@@ -122,3 +122,43 @@ def test_tied_weights_saved_once_load_into_both_names(tmp_path: Path) -> None:
     target = Tied()
     load_weights(target, tmp_path / "tied.safetensors")
     assert torch.equal(target.head.weight, source.wte.weight) and target.head.weight is target.wte.weight
+
+
+class _Payload:
+    """What a hostile checkpoint carries: unpickling it calls ``os.mkdir(marker)``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        import os
+
+        return (os.mkdir, (str(self.marker),))
+
+
+def _hostile(path: Path, marker: Path, lightning: bool) -> Path:
+    weights = {**_weights(0), "model.extra": _Payload(marker)}
+    torch.save({"state_dict": weights, "epoch": 0} if lightning else weights, path)
+    return path
+
+
+@pytest.mark.parametrize("route", ["init_weights", "export", "resume"])
+def test_a_checkpoint_carrying_a_pickled_call_is_refused_not_run(route: str, tmp_path: Path) -> None:
+    """Every load of ours unpickles with ``weights_only=True``: the file's code never runs."""
+    from lightning_parallel.checkpoint.safe_load import UnsafeCheckpointError, load_trusted_or_weights
+    from lightning_parallel.checkpoint.transfer import read_state_dict
+
+    marker = tmp_path / "the_payload_ran"
+    path = _hostile(tmp_path / "hostile.ckpt", marker, lightning=route != "init_weights")
+    with pytest.raises(UnsafeCheckpointError, match="could run code from the file") as refusal:
+        if route == "init_weights":
+            read_state_dict(path)
+        elif route == "export":
+            export_checkpoint(path, tmp_path / "out.safetensors")
+        else:  # what the strategy's load_checkpoint calls with Lightning's weights_only=None
+            load_trusted_or_weights(path, "`Trainer.fit(ckpt_path=...)`", None, map_location="cpu")
+    assert "GLOBAL posix.mkdir" in str(refusal.value)  # names what it refused
+    assert not marker.exists()
+    # Negative control: the user's explicit weights_only=False is the one way to run it.
+    load_trusted_or_weights(path, "test", False, map_location="cpu")
+    assert marker.exists()

@@ -7,6 +7,7 @@
     python tests/strategy/scripts/bad_plan.py pp-step-calls-model-twice    # training_step runs the model twice
     python tests/strategy/scripts/bad_plan.py ep-experts-not-divisible     # 3 experts, expert_parallel=2
     python tests/strategy/scripts/bad_plan.py cp-length-not-divisible      # context_parallel=2, 14 tokens
+    python tests/strategy/scripts/bad_plan.py sp-length-not-divisible      # tp=2 + sp, 15 tokens (also -unverified)
     python tests/strategy/scripts/bad_plan.py cp-ulysses-heads              # Ulysses on 2 ranks, 3 heads
     python tests/strategy/scripts/bad_plan.py cp-eager-attention           # HF GPT-2 with eager attention
     python tests/strategy/scripts/bad_plan.py cp-moe-capacity              # MoE dropping tokens, context_parallel=2
@@ -66,6 +67,11 @@ def main(case: str) -> None:
         model = GPTLightningModule(vocab_size=128, block_size=16, n_layer=1, n_head=4, n_embd=32)
         strategy = HybridParallelStrategy(context_parallel=2, timeout=30)
         length = 14
+    elif case in ("sp-length-not-divisible", "sp-length-not-divisible-unverified"):
+        model = GPTLightningModule(vocab_size=128, block_size=16, n_layer=1, n_head=4, n_embd=32)
+        strategy = HybridParallelStrategy(tensor_parallel=2, sequence_parallel=True, timeout=30,
+                                          verify_plan=case.endswith("-unverified") is False)  # fmt: skip
+        length = 15
     elif case == "cp-ulysses-heads":
         model = GPTLightningModule(vocab_size=128, block_size=16, n_layer=1, n_head=3, n_embd=48)
         strategy = HybridParallelStrategy(context_parallel=2, context_parallel_mode="ulysses", timeout=30)

@@ -17,10 +17,10 @@ Run by ``tests/strategy/test_checkpoint_resume.py`` with RANK/WORLD_SIZE/LOCAL_R
 Writes ``OUT_DIR/<run>.rank<r>.json``: the per-step training losses of that rank, and (rank 0,
 ``straight`` run) the plan's parameter sizes after sharding, for the CLI's arithmetic.
 An epoch has 4 batches and the first half stops after step 3 (``max_steps=3``); the checkpoint is
-taken mid-epoch by ``ModelCheckpoint(every_n_train_steps=3)`` (a checkpoint saved by
-``trainer.save_checkpoint`` after ``fit`` returned is not a mid-epoch one: Lightning counts the
-epoch that ``max_steps`` cut short as finished), and the resumed run must continue with batch 4 of epoch 0, then epoch 1 in its
-own order. The loaders are plain, shuffled DataLoaders: ``RandomSampler`` drawing from the
+taken mid-epoch by ``ModelCheckpoint(every_n_train_steps=3)``, and again by
+``trainer.save_checkpoint`` after ``fit`` returned (``after_fit.ckpt``: Lightning counts the epoch
+that ``max_steps`` cut short as finished; the strategy reopens it, ``checkpoint/loop_state.py``).
+Each resumed run must continue with batch 4 of epoch 0, then epoch 1 in its own order. The loaders are plain, shuffled DataLoaders: ``RandomSampler`` drawing from the
 global random state (tp2, pp2: ``use_distributed_sampler=False``, every rank the same order) or
 Lightning's ``DistributedSampler`` (ep2: two data-parallel ranks). The model has dropout, so
 the random states must be restored too.
@@ -138,6 +138,8 @@ def fit(
         enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(model, loader(data_parallel), ckpt_path=ckpt_path)
+    if save_to is not None:  # the other save path: after fit returned (max_steps cut the epoch short)
+        trainer.save_checkpoint(save_to.with_name("after_fit.ckpt"))
     result: dict[str, Any] = {
         "losses": recorder.losses, "batches": recorder.batches, "scales": recorder.scales,
         "global_step": trainer.global_step,
@@ -162,6 +164,7 @@ def run_layout(mode: str, out: Path, layout: str) -> None:
         fit(out, "first_half", FIRST_HALF, save_to=checkpoint, layout=layout)
     elif mode == "resume":
         fit(out, "resumed", STEPS, ckpt_path=checkpoint, layout=layout)
+        fit(out, "resumed_after_fit", STEPS, ckpt_path=out / "after_fit.ckpt", layout=layout)
         if layout == "tp2":
             fit(out, "resumed_full", STEPS, ckpt_path=checkpoint.with_suffix(".full.ckpt"))
     else:

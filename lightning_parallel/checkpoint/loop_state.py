@@ -1,0 +1,38 @@
+"""A checkpoint of an epoch that ``max_steps`` (or ``should_stop``) cut short resumes inside that epoch.
+
+When ``fit`` stops at ``max_steps`` in the middle of an epoch, Lightning closes the epoch anyway:
+its fit loop counts the epoch as processed and completed. A checkpoint taken then
+(``trainer.save_checkpoint(path)`` after ``fit`` returned, or ``ModelCheckpoint`` at
+``on_train_epoch_end``/``on_train_end``) therefore tells the resumed run that the epoch is over,
+and it starts the next one from its first batch, skipping the rest of the data: a continued run
+(``fit(ckpt_path=path)`` with a larger ``max_steps``) no longer follows the uninterrupted one.
+A checkpoint taken at ``on_train_batch_end`` of the same step (``ModelCheckpoint``'s default)
+resumes exactly; :func:`reopen_cut_epoch` makes the other paths write what it writes: the epoch
+counted as started but not processed, so Lightning restarts mid-epoch after the last finished
+batch (and the resumable loader, ``checkpoint/dataloader.py``, continues with the next batch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["reopen_cut_epoch"]
+
+
+def reopen_cut_epoch(checkpoint: dict[str, Any]) -> bool:
+    """Mark an epoch that stopped before its last batch as still running, in place; whether it did."""
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop")
+    if not isinstance(fit_loop, dict):
+        return False
+    epochs = fit_loop.get("epoch_progress", {})
+    batches = fit_loop.get("epoch_loop.batch_progress", {})
+    current = epochs.get("current", {})
+    if not current or batches.get("is_last_batch", True):
+        return False  # the epoch ran to its last batch (or nothing is known): nothing to reopen
+    batch = batches.get("current", {})
+    if not batch.get("completed") or current.get("processed") != current.get("ready"):
+        return False  # saved inside the epoch (processed = ready - 1): already what resumes exactly
+    for counts in (epochs["current"], epochs["total"]):
+        counts["processed"] = counts["completed"] = counts["ready"] - 1
+    checkpoint["epoch"] = epochs["current"]["completed"]
+    return True

@@ -1,0 +1,46 @@
+"""The plan verification's gradient rule: a gradient that is zero in exact arithmetic is not a false refusal.
+
+OPT's key-projection bias is the example: softmax ignores a shift shared by every key, so that
+bias's gradient is rounding noise in both the sharded and the unsharded run, and their relative
+error is about 1 (a right layout was refused: ``tests/distributed/test_parity_hybrid.py`` now
+trains OPT under tp=2). Such a gradient is found by the block's float64 gradients and judged
+against the block's largest; every other gradient keeps the 1e-5 relative rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_parallel.tensor_parallel.verify import TOLERANCE, exact_gradient_norms, gradient_problem
+from tests.models.hf import HFOPTModule
+
+
+def _opt_layer_and_inputs() -> tuple[torch.nn.Module, tuple]:
+    torch.manual_seed(0)
+    model = HFOPTModule().model
+    layer = model.model.decoder.layers[0]
+    hidden = torch.randn(2, 16, 64)
+    mask = torch.full((16, 16), float("-inf")).triu(1)[None, None].expand(2, 1, 16, 16)
+    return layer, ((hidden,), {"attention_mask": mask})
+
+
+def test_only_the_key_bias_gradient_is_zero_in_exact_arithmetic() -> None:
+    layer, inputs = _opt_layer_and_inputs()
+    exact = exact_gradient_norms(layer, inputs)
+    largest = max(exact.values())
+    zero = sorted(name for name, norm in exact.items() if norm <= 1e-9 * largest)
+    assert zero == ["self_attn.k_proj.bias"], {n: exact[n] / largest for n in zero}
+    assert exact["self_attn.q_proj.bias"] > 1e-6 * largest  # a real gradient
+
+
+def test_the_rule_passes_noise_on_a_zero_gradient_and_fails_a_wrong_one() -> None:
+    exact = {"k.bias": 1e-20, "q.bias": 0.5, "w": 10.0}
+    noise = torch.full((4,), 1e-8)
+    # Noise on a zero gradient: relative error 1, passes (the false refusal, fixed).
+    assert gradient_problem("k.bias", noise, -noise, exact) is None
+    # Negative controls: a real difference on that gradient, and the 1e-5 relative rule elsewhere.
+    wrong = torch.full((4,), 1e-3)
+    assert "zero in exact arithmetic" in (gradient_problem("k.bias", wrong, noise, exact) or "")
+    want = torch.full((4,), 0.25)
+    assert gradient_problem("q.bias", want * (1 + 0.5 * TOLERANCE), want, exact) is None
+    assert "relative error" in (gradient_problem("q.bias", want * (1 + 4 * TOLERANCE), want, exact) or "")
