@@ -201,6 +201,23 @@ def check_launch(config: ParallelConfig, dims: ParallelDims, precision_plugin: A
         )
     if config.zero.enabled:  # also under FSDP2 (ZeRO-3 with tp): Lightning's plain plugins only, as tested
         check_zero_precision(config.zero, precision_plugin)
+        check_zero_shards_something(config, dims)
+
+
+def check_zero_shards_something(config: ParallelConfig, dims: ParallelDims) -> None:
+    """DeepSpeed's engine under expert parallelism shards over the experts' replicas only (``zero/groups.py``):
+    with as many expert ranks as data-parallel ranks it would shard nothing, silently."""
+    from lightning_parallel.zero.engine import config_engine
+
+    ep, dp = dims.expert_parallel, dims.data_parallel
+    if ep > 1 and dp // ep == 1 and config_engine(config, dims) == "deepspeed":
+        raise ValueError(
+            f"`zero_stage={config.zero.stage}` with `expert_parallel={ep}` on {dp} data-parallel ranks would shard"
+            " nothing: this layout runs ZeRO on DeepSpeed's engine, which shards over the replicas of each"
+            f" expert (data parallel / expert parallel = {dp // ep} rank). Use `zero_stage=2` or 3 (FSDP2 shards"
+            f" the dense weights over all {dp} data-parallel ranks and the experts over their replicas), or"
+            f" more data-parallel ranks than `expert_parallel` (e.g. {2 * dp} ranks)."
+        )
 
 
 def check_zero_precision(zero: ZeroArguments, plugin: Any) -> None:

@@ -334,3 +334,21 @@ def test_unusable_plan_fails_on_every_rank(case: str, fragments: list[str], tmp_
             assert fragment in rank.output, f"rank {rank.rank}: {fragment!r} missing:\n{result.summary()}"
         assert "fit finished" not in rank.output
     assert result.wall_s < BOUND_S, f"took {result.wall_s:.1f} s (bound {BOUND_S} s):\n{result.summary()}"
+
+
+# ZeRO on DeepSpeed's engine under expert parallelism shards over each expert's replicas only:
+# with as many expert ranks as data-parallel ranks it would shard nothing (found by the engagement
+# record: ZeRO-1 x cp x ep ran with every rank holding every fp32 element).
+REFUSED_SHARDING_NOTHING = [
+    refusal(("zero1", "ep"), dict(zero_stage=1, expert_parallel=2),
+            "`zero_stage=1` with `expert_parallel=2` on 2 data-parallel ranks would shard nothing", world_size=2),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kwargs", "message"), REFUSED_SHARDING_NOTHING)
+def test_zero_that_would_shard_nothing_fails_in_the_trainer_constructor(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        L.Trainer(accelerator="cpu", devices=2, strategy=HybridParallelStrategy(**kwargs), logger=False)
+    assert message in str(info.value) and "Use `zero_stage=2` or 3" in str(info.value)
+    # More data-parallel ranks than expert ranks: the experts' replicas exist, ZeRO-1 shards over them.
+    L.Trainer(accelerator="cpu", devices=4, strategy=HybridParallelStrategy(**kwargs), logger=False)

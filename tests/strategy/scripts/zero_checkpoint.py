@@ -48,7 +48,6 @@ LAYOUTS: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
     "zero3_cpu_adam": (dict(zero_stage=3, offload="cpu"), "nanogpt", ADAM),
     "zero2_tp2": (dict(zero_stage=2, tensor_parallel=2), "nanogpt", ADAM),
     "zero1_pp2": (dict(zero_stage=1, **PIPELINE), "nanogpt", {}),
-    "zero1_ep2": (dict(zero_stage=1, expert_parallel=2), "hf_mixtral", {}),
     "zero2_bf16": (dict(zero_stage=2), "nanogpt", {}),
     "zero3_tp2": (dict(zero_stage=3, tensor_parallel=2), "nanogpt", ADAM),  # FSDP2 (dp=1 here) of tp shards
     # FSDP2's CPU shards stepped by DeepSpeed's CPU Adam (zero/sharded_cpu_adam.py).
@@ -64,7 +63,10 @@ LAYOUTS: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
 PRECISION = {"zero2_bf16": "bf16-mixed"}  # the others "32-true"
 # On 4 ranks (``python ... first OUT_DIR LAYOUTS`` with WORLD_SIZE=4): expert slices sharded again over their
 # 2 replicas (ep=2 x dp_replicate=2), each rank's piece one box of the stacked tensor in the files.
+# ZeRO-1 with experts runs on DeepSpeed's engine, which shards over each expert's replicas: on 2 ranks
+# with ep=2 there are none (refused: it would shard nothing), so its layouts are here.
 LAYOUTS_FOUR: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
+    "zero1_ep2_dp2": (dict(zero_stage=1, expert_parallel=2), "hf_mixtral", {}),
     "zero3_ep2_dp2": (dict(zero_stage=3, expert_parallel=2), "hf_mixtral", ADAM),
     # The same with the sequences split over cp=2 (dp = dp_batch 2 x cp 2 = dp_replicate 2 x ep 2): ep flattened.
     "zero3_cp2_ep2_dp2": (dict(zero_stage=3, expert_parallel=2, context_parallel=2), "hf_mixtral", ADAM),
@@ -83,11 +85,6 @@ RESHARDS: dict[str, tuple[str, dict[str, Any]]] = {
         "zero3_tp2",
         dict(zero_stage=1, **PIPELINE),
     ),  # FSDP2's shards into DeepSpeed's
-    "zero3_ep2_to_zero1_ep2": (
-        "zero3_ep2",
-        dict(zero_stage=1, expert_parallel=2),
-    ),  # FSDP2's into DeepSpeed's
-    "zero1_ep2_to_zero2_ep2": ("zero1_ep2", dict(zero_stage=2, expert_parallel=2)),  # and back
     "zero3_cpu_tp2_to_zero3_tp2": (
         "zero3_cpu_tp2",
         dict(zero_stage=3, tensor_parallel=2),
@@ -98,7 +95,11 @@ RESHARDS: dict[str, tuple[str, dict[str, Any]]] = {
     ),  # the states read back from their files into the in-memory CPU Adam
 }
 RESHARDS_FOUR: dict[str, tuple[str, dict[str, Any]]] = {
-    "zero3_ep2_dp2_to_zero1_ep2_dp2": ("zero3_ep2_dp2", dict(zero_stage=1, expert_parallel=2)),
+    "zero3_ep2_dp2_to_zero1_ep2_dp2": (
+        "zero3_ep2_dp2",
+        dict(zero_stage=1, expert_parallel=2),
+    ),  # FSDP2's into DeepSpeed's
+    "zero1_ep2_dp2_to_zero2_ep2_dp2": ("zero1_ep2_dp2", dict(zero_stage=2, expert_parallel=2)),  # and back
     "zero3_cp2_ep2_dp2_to_zero1_cp2_ep2_dp2": (
         "zero3_cp2_ep2_dp2",
         dict(zero_stage=1, expert_parallel=2, context_parallel=2),
