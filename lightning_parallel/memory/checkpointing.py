@@ -33,7 +33,12 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 from lightning_parallel.memory.counting import active_counter
 
@@ -151,6 +156,11 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
 
 
 def _context_fn(ops: bool, capture: StateCapture | None) -> Callable[[], tuple[Any, Any]]:
+    if not ops and capture is None:
+        # torch's own no-op, by identity: under torch.compile any other context_fn must return
+        # dispatch modes (the selective ones are), so nullcontexts would fail compilation.
+        return noop_context_fn
+
     def make() -> tuple[Any, Any]:
         forward_ctx, recompute_ctx = (
             create_selective_checkpoint_contexts(_selective_policy) if ops else (nullcontext(), nullcontext())
@@ -197,6 +207,8 @@ def _recomputed(forward: Callable[..., Any], ops: bool, capture: StateCapture | 
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         _count_keyword_inputs(kwargs)
+        if context_fn is noop_context_fn:  # not passed at all: dynamo traces the plain checkpoint
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     _RECOMPUTED.add(run)
