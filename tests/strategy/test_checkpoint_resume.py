@@ -32,7 +32,7 @@ def _assert_exact(resumed: dict, straight: dict, what: str) -> None:
     assert resumed["losses"] == straight["losses"][3:], f"{what}: {resumed['losses']} vs {straight['losses']}"
 
 
-LAYOUTS = ("tp2", "pp2", "ep2", "tp2_fp16")
+LAYOUTS = ("tp2", "pp2", "ep2", "tp2_fp16", "tp2_sampler")
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +175,16 @@ def test_a_checkpoint_saved_after_fit_returned_continues_the_same_run(all_runs: 
     for rank in range(2):
         assert resumed[rank]["global_step"] == 6
         _assert_exact(resumed[rank], straight[rank], f"{layout}, resumed from a save after fit, rank {rank}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_checkpoint_saved_on_an_exception_continues_the_same_run(all_runs: Path, layout: str) -> None:
+    """An exception before step 4, ``OnExceptionCheckpoint`` saving, then ``fit(ckpt_path=...)``: bit for bit."""
+    straight, resumed = _read(all_runs / layout, "straight"), _read(all_runs / layout, "resumed_after_crash")
+    crashed = _read(all_runs / layout, "crashed")
+    for rank in range(2):
+        assert crashed[rank]["losses"] == straight[rank]["losses"][:3]  # it trained 3 steps, then raised
+        assert resumed[rank]["global_step"] == 6
+        _assert_exact(
+            resumed[rank], straight[rank], f"{layout}, resumed from the exception's checkpoint, rank {rank}"
+        )

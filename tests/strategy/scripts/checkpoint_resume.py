@@ -20,7 +20,9 @@ An epoch has 4 batches and the first half stops after step 3 (``max_steps=3``); 
 taken mid-epoch by ``ModelCheckpoint(every_n_train_steps=3)``, and again by
 ``trainer.save_checkpoint`` after ``fit`` returned (``after_fit.ckpt``: Lightning counts the epoch
 that ``max_steps`` cut short as finished; the strategy reopens it, ``checkpoint/loop_state.py``).
-Each resumed run must continue with batch 4 of epoch 0, then epoch 1 in its own order. The loaders are plain, shuffled DataLoaders: ``RandomSampler`` drawing from the
+A third run raises before step 4 and Lightning's ``OnExceptionCheckpoint`` saves
+(``on_exception.ckpt``). Each resumed run must continue with batch 4 of epoch 0, then epoch 1 in
+its own order. The loaders are plain, shuffled DataLoaders: ``RandomSampler`` drawing from the
 global random state (tp2, pp2: ``use_distributed_sampler=False``, every rank the same order) or
 Lightning's ``DistributedSampler`` (ep2: two data-parallel ranks). The model has dropout, so
 the random states must be restored too.
@@ -65,6 +67,17 @@ class RecordLosses(L.Callback):
             self.scales.append(float(scaler.get_scale()))
 
 
+class CrashAt(L.Callback):
+    """Raises on every rank when step ``step + 1`` is about to start (its batch fetched, nothing trained)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, i: int) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"injected crash before step {self.step + 1}")
+
+
 class SaveConsolidated(L.Callback):
     """The same state as ModelCheckpoint's sharded folder, as one file (``save_distributed_checkpoint=False``)."""
 
@@ -80,11 +93,21 @@ class SaveConsolidated(L.Callback):
             trainer.strategy._save_distributed_checkpoint = True
 
 
-def loader(data_parallel: int = 1) -> DataLoader:
-    """``BATCHES_PER_EPOCH`` shuffled batches per rank and epoch (``data_parallel`` ranks share the samples)."""
+def loader(data_parallel: int = 1, user_sampler: bool = False) -> DataLoader:
+    """``BATCHES_PER_EPOCH`` shuffled batches per rank and epoch (``data_parallel`` ranks share the samples).
+
+    ``user_sampler``: the user's own ``DistributedSampler`` (one replica: the tensor-parallel ranks
+    read the same batches), its order a function of its seed and epoch.
+    """
+    from torch.utils.data import DistributedSampler
+
     tokens = torch.randint(MODEL["vocab_size"], (BATCH_SIZE * BATCHES_PER_EPOCH * data_parallel, MODEL["block_size"] + 1),
                            generator=torch.Generator().manual_seed(7))  # fmt: skip
-    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=BATCH_SIZE, shuffle=True)
+    dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    if user_sampler:
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=3)
+        return DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler)
+    return DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True)
 
 
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -92,6 +115,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "pp2": dict(pipeline_parallel=2, micro_batches=2, pipeline_schedule="1f1b"),
     "ep2": dict(expert_parallel=2),
     "tp2_fp16": dict(tensor_parallel=2),  # with "16-mixed" and a loss scaler that changes every 2 steps
+    "tp2_sampler": dict(tensor_parallel=2),  # the user's own DistributedSampler in a plain DataLoader
 }
 
 
@@ -119,11 +143,19 @@ def fit(
     ckpt_path: Path | None = None,
     save_to: Path | None = None,
     layout: str = "tp2",
+    crash_into: Path | None = None,
 ) -> None:
     L.seed_everything(0)
     model = build_model(layout)
     recorder = RecordLosses()
     callbacks: list[L.Callback] = [recorder]
+    if crash_into is not None:  # an exception before step 4; Lightning's OnExceptionCheckpoint saves
+        from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+        callbacks += [
+            CrashAt(FIRST_HALF),
+            OnExceptionCheckpoint(dirpath=crash_into.parent, filename=crash_into.stem),
+        ]
     if save_to is not None:  # saved during step 3's on_train_batch_end, as ModelCheckpoint saves
         if layout == "tp2":
             callbacks.append(SaveConsolidated(save_to.with_suffix(".full.ckpt"), FIRST_HALF))
@@ -134,10 +166,14 @@ def fit(
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=HybridParallelStrategy(timeout=60, **LAYOUTS[layout]),
         **precision(layout), max_steps=max_steps, use_distributed_sampler=data_parallel > 1, callbacks=callbacks,
-        logger=False, enable_checkpointing=save_to is not None, enable_progress_bar=False,
+        logger=False, enable_checkpointing=save_to is not None or crash_into is not None, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
-    trainer.fit(model, loader(data_parallel), ckpt_path=ckpt_path)
+    try:
+        trainer.fit(model, loader(data_parallel, user_sampler=layout == "tp2_sampler"), ckpt_path=ckpt_path)
+    except RuntimeError as error:
+        if crash_into is None or "injected crash" not in str(error):
+            raise
     if save_to is not None:  # the other save path: after fit returned (max_steps cut the epoch short)
         trainer.save_checkpoint(save_to.with_name("after_fit.ckpt"))
     result: dict[str, Any] = {
@@ -162,9 +198,11 @@ def run_layout(mode: str, out: Path, layout: str) -> None:
     if mode == "first":
         fit(out, "straight", STEPS, layout=layout)
         fit(out, "first_half", FIRST_HALF, save_to=checkpoint, layout=layout)
+        fit(out, "crashed", STEPS, layout=layout, crash_into=out / "on_exception.ckpt")
     elif mode == "resume":
         fit(out, "resumed", STEPS, ckpt_path=checkpoint, layout=layout)
         fit(out, "resumed_after_fit", STEPS, ckpt_path=out / "after_fit.ckpt", layout=layout)
+        fit(out, "resumed_after_crash", STEPS, ckpt_path=out / "on_exception.ckpt", layout=layout)
         if layout == "tp2":
             fit(out, "resumed_full", STEPS, ckpt_path=checkpoint.with_suffix(".full.ckpt"))
     else:
