@@ -249,6 +249,12 @@ class CheckpointingStrategy(MeshParallelStrategy):
         except UnsafeCheckpointError:
             raise  # intact, but refused: not "damaged"
         except (Exception, CheckpointException) as error:  # any read failure means the same to the user
+            mismatch = _size_mismatch(error)
+            if mismatch:  # intact, but written for another model (or another configuration of it)
+                raise ValueError(
+                    f"The checkpoint {str(path)!r} does not fit this module: {mismatch}. It was saved from a model"
+                    " of other sizes (or another configuration of it): resume with the model it was saved from."
+                ) from error
             raise ValueError(
                 f"The checkpoint {str(path)!r} is damaged or incomplete (a shard file is truncated, missing or"
                 f" unreadable), so it was not loaded: {type(error).__name__}: {error}. Resume from an earlier"
@@ -321,3 +327,14 @@ class CheckpointingStrategy(MeshParallelStrategy):
             )
             set_optimizer_state_dict(self.model, optimizer, optimizer_state, options=options)
         return checkpoint
+
+
+def _size_mismatch(error: BaseException) -> str | None:
+    """torch.distributed.checkpoint's "Size mismatch ..." among a read failure's per-rank errors, if any."""
+    failures = getattr(error, "failures", None)
+    candidates = [*failures.values()] if isinstance(failures, dict) else [error]
+    for candidate in candidates:
+        text = str(candidate[0] if isinstance(candidate, tuple) else candidate)
+        if "Size mismatch" in text:
+            return text.strip().splitlines()[0]
+    return None

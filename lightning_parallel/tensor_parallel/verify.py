@@ -232,6 +232,24 @@ def _compare_once(block: nn.Module, inputs: Captured, plan: ParallelPlan, mesh: 
     return "; ".join(problems) or None
 
 
+def ranks_with_other_inputs(captured: dict[str, Captured], mesh: DeviceMesh) -> list[int]:
+    """The ranks of the tensor-parallel group whose first captured block input differs from the group's first rank's."""
+    import torch.distributed as dist
+
+    from lightning_parallel.comm.agreement import communication_device
+
+    if not captured or mesh.size() == 1:
+        return []
+    hidden = find_hidden(*next(iter(captured.values())))[1].detach().double()
+    group = mesh.get_group()
+    device = communication_device(group)
+    fingerprint = torch.stack([hidden.sum(), hidden.abs().sum(), (hidden * hidden).sum()]).to(device)
+    gathered = [torch.empty_like(fingerprint) for _ in range(mesh.size())]
+    dist.all_gather(gathered, fingerprint, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    return [rank for rank, other in zip(ranks, gathered, strict=True) if not torch.equal(other, gathered[0])]
+
+
 def gradient_problem(name: str, got: torch.Tensor, want: torch.Tensor, exact: dict[str, float]) -> str | None:
     """Whether the sharded gradient of ``name`` is wrong (None: right), given the block's float64 norms.
 
@@ -284,6 +302,15 @@ def verify_and_choose_modes(
             problem = sequence_length_problem(find_hidden(*inputs)[1], mesh.size(), f"block `{block_name}`")
             if problem:
                 raise ValueError(problem)
+    different = ranks_with_other_inputs(captured, mesh)
+    if different:
+        raise ValueError(
+            f"The tensor-parallel ranks {different} received different batches at setup (the first block's"
+            " input differs), but every rank of a tensor-parallel group must read the same batch: it computes"
+            " a shard of the same tokens. Make the dataset identical on every rank (seed its generation, or read"
+            " the same files) and let Lightning place the sampler (`use_distributed_sampler=True`), or give your"
+            " own sampler `**trainer.strategy.distributed_sampler_kwargs` (replicas = data-parallel ranks)."
+        )
     lines = []
     for block_name, inputs in captured.items():
         block = model.get_submodule(block_name)

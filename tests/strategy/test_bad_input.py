@@ -298,6 +298,17 @@ BOUND_S = 60
             id=case,
         ) for case in ("sp-length-not-divisible", "sp-length-not-divisible-unverified")],
         pytest.param(
+            "tp-ranks-read-different-data",
+            ["ValueError: The tensor-parallel ranks [1] received different batches at setup",
+             "Make the dataset identical on every rank"],
+            id="tp-ranks-read-different-data",
+        ),
+        pytest.param(
+            "resume-another-model",
+            ["ValueError: The checkpoint", "does not fit this module: Size mismatch", "resume with the model it was saved from"],
+            id="resume-a-checkpoint-of-another-model",
+        ),
+        pytest.param(
             "cp-ulysses-heads",
             ["ValueError: `context_parallel_mode='ulysses'` with `context_parallel=2` needs the attention heads",
              "an attention has 3 heads", "Use `context_parallel_mode='ring'`"],

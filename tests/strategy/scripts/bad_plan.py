@@ -8,6 +8,8 @@
     python tests/strategy/scripts/bad_plan.py ep-experts-not-divisible     # 3 experts, expert_parallel=2
     python tests/strategy/scripts/bad_plan.py cp-length-not-divisible      # context_parallel=2, 14 tokens
     python tests/strategy/scripts/bad_plan.py sp-length-not-divisible      # tp=2 + sp, 15 tokens (also -unverified)
+    python tests/strategy/scripts/bad_plan.py tp-ranks-read-different-data # tp=2, each rank its own random data
+    python tests/strategy/scripts/bad_plan.py resume-another-model         # a checkpoint of a narrower model
     python tests/strategy/scripts/bad_plan.py cp-ulysses-heads              # Ulysses on 2 ranks, 3 heads
     python tests/strategy/scripts/bad_plan.py cp-eager-attention           # HF GPT-2 with eager attention
     python tests/strategy/scripts/bad_plan.py cp-moe-capacity              # MoE dropping tokens, context_parallel=2
@@ -17,7 +19,10 @@ Run by ``tests/strategy/test_bad_input.py`` with RANK/WORLD_SIZE/LOCAL_RANK/MAST
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -86,15 +91,31 @@ def main(case: str) -> None:
         model = MoEGPTLightningModule(vocab_size=128, block_size=16, n_layer=1, n_head=4, n_embd=32, num_experts=4,
                                       capacity_factor=1.0)  # fmt: skip
         strategy = HybridParallelStrategy(context_parallel=2, timeout=30)
+    elif case == "tp-ranks-read-different-data":  # each rank draws its own (unseeded) dataset
+        model = GPTLightningModule(vocab_size=128, block_size=16, n_layer=1, n_head=4, n_embd=32)
+        strategy = HybridParallelStrategy(tensor_parallel=2, timeout=30)
+        torch.manual_seed(int(os.environ["RANK"]))
+    elif case == "resume-another-model":
+        model = GPTLightningModule(vocab_size=128, block_size=16, n_layer=1, n_head=4, n_embd=48)
+        strategy = HybridParallelStrategy(tensor_parallel=2, timeout=30)
     else:
         raise SystemExit(f"unknown case {case!r}")
     tokens = torch.randint(128, (8, length + 1))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-    trainer.fit(model, loader)
+
+    def trainer(strategy: HybridParallelStrategy) -> L.Trainer:
+        return L.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+
+    ckpt_path = None
+    if case == "resume-another-model":  # a checkpoint of a narrower model, then a resume into this one
+        first = trainer(HybridParallelStrategy(tensor_parallel=2, timeout=30))
+        first.fit(GPTLightningModule(vocab_size=128, block_size=16, n_layer=1, n_head=4, n_embd=32), loader)
+        ckpt_path = Path(tempfile.gettempdir()) / f"lp-bad-plan-{os.environ['MASTER_PORT']}.ckpt"
+        first.save_checkpoint(ckpt_path)
+    trainer(strategy).fit(model, loader, ckpt_path=ckpt_path)
     print("fit finished: the bad plan was NOT refused", flush=True)
 
 
