@@ -10,6 +10,7 @@ naming the module, the attribute and the degrees that would work.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
@@ -107,6 +108,7 @@ def plan_attention(
             )
         styles[join(full_name, name)] = ColwiseProjection(num_chunks=chunks, use_local_output=True)
     styles[join(full_name, cand.exit[0])] = exit_style(sp)
+    styles.update(per_head_norm_styles(module, full_name, head_dim))
     widths = {hidden, exit_in, kv_heads * head_dim, 3 * exit_in}
     scaled = scaled_attributes(module, tp, {"heads": heads, "kv_heads": kv_heads, "widths": widths})
     container = ShardedContainer(
@@ -118,6 +120,30 @@ def plan_attention(
         hidden_size=hidden,
     )
     return container, styles
+
+
+# Where a per-head norm's input is marked sharded: the heads' dimension of (batch, sequence, heads,
+# head_dim). Any dimension but the last gives the same local arithmetic (the norm reduces over the last).
+HEADS_DIM = -2
+
+
+def per_head_norm_styles(attention: nn.Module, full_name: str, head_dim: int) -> dict:
+    """Norms inside an attention over each head's ``head_dim`` features (Qwen3's, Gemma 3's q/k norms).
+
+    Each rank normalises its own heads with the one shared weight, so the weight's gradient is a
+    partial sum over the tensor-parallel ranks. Torch's ``SequenceParallel`` style over the heads'
+    dimension makes the weight a replicated DTensor and the input a head-sharded one, so that
+    gradient is summed over the ranks (as for sequence-parallel norms). A norm over the full
+    projection width (statistics across heads other ranks hold) is left alone: the verification
+    refuses it.
+    """
+    styles = {}
+    for name in norms_in(attention, set()):
+        norm = attention.get_submodule(name)
+        weight = getattr(norm, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.numel() == head_dim:
+            styles[join(full_name, name)] = SequenceParallel(sequence_dim=HEADS_DIM, use_local_output=True)
+    return styles
 
 
 def plan_mlp(full_name: str, cand: ContainerCandidate, tp: int, sp: bool) -> tuple[ShardedContainer, dict]:

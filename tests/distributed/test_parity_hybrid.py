@@ -61,6 +61,11 @@ EXTRA_TWO = [
 # under sequence parallelism: its layer flattens (batch, sequence) before the MLP's norm, which the
 # verification refuses.
 EXTRA_TWO.append(hybrid("hybrid_tp2_hf_opt", "hf_opt", world_size=2, timeout=60, tensor_parallel=2))
+# Qwen3: per-head q/k RMSNorms inside the attention, a shared weight whose gradient sums over the ranks.
+EXTRA_TWO += [
+    hybrid(f"hybrid_{layout}_hf_qwen3", "hf_qwen3", world_size=2, timeout=60, tensor_parallel=2, **kwargs)
+    for layout, kwargs in {"tp2": {}, "tp2_sp": {"sequence_parallel": True}}.items()
+]
 EXTRA_FOUR = [
     hybrid(
         "hybrid_dp2_tp2_sp_clip_hf_llama",

@@ -60,6 +60,12 @@ def _hf_opt(**overrides: Any) -> L.LightningModule:
     return HFOPTModule(**{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
 
 
+def _hf_qwen3(**overrides: Any) -> L.LightningModule:
+    from tests.models.hf import HFQwen3Module
+
+    return HFQwen3Module(**{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
+
+
 def _hf_mixtral(**overrides: Any) -> L.LightningModule:
     from tests.models.hf import HFMixtralModule
 
@@ -128,6 +134,7 @@ FAMILIES: dict[str, Callable[..., L.LightningModule]] = {
     "hf_gpt2": _hf_gpt2,
     "hf_llama": _hf_llama,
     "hf_opt": _hf_opt,
+    "hf_qwen3": _hf_qwen3,
     "hf_mixtral": _hf_mixtral,
     "hf_gpt_oss": _hf_gpt_oss,
     "recipe_moe": _recipe_moe,

@@ -29,6 +29,8 @@ from transformers import (
     MixtralForCausalLM,
     OPTConfig,
     OPTForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from tests.models.optim import parity_optimizer
@@ -115,6 +117,30 @@ class HFOPTModule(_CausalLMModule):
             attn_implementation="sdpa",
         )  # fmt: skip
         self.model = OPTForCausalLM(config)
+
+
+class HFQwen3Module(_CausalLMModule):
+    """``Qwen3ForCausalLM``: Llama-like with a per-head RMSNorm on queries and keys (``q_norm``, ``k_norm``
+    over ``head_dim``). Under tensor parallelism each rank normalises its own heads with the shared
+    weight, whose gradient is then a partial sum over the ranks."""
+
+    def __init__(
+        self,
+        vocab_size: int = 128,
+        block_size: int = 32,
+        learning_rate: float | None = None,
+        optimizer: str = "sgd",
+        n_layer: int = 2,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        config = Qwen3Config(
+            vocab_size=vocab_size, max_position_embeddings=block_size, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=n_layer, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            bos_token_id=0, eos_token_id=0, pad_token_id=None, use_cache=False, attn_implementation="sdpa",
+            tie_word_embeddings=False,
+        )  # fmt: skip
+        self.model = Qwen3ForCausalLM(config)
 
 
 class HFMixtralModule(_CausalLMModule):

@@ -224,6 +224,28 @@ def test_hf_llama(sequence_parallel: bool) -> None:
     assert "model.norm" not in plan.styles
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_per_head_query_and_key_norms_sum_their_weight_gradient_over_the_ranks(
+    sequence_parallel: bool,
+) -> None:
+    """Qwen3's q_norm/k_norm (over head_dim) get torch's SequenceParallel over the heads' dimension: the weight
+    becomes a replicated DTensor and its gradient is summed over the ranks (without it, the verification
+    refused every Qwen3 layer: each rank's gradient held only its own heads'). Llama has none."""
+    from tests.models.families import build
+
+    plan = auto_plan(build("hf_qwen3"), 2, sequence_parallel)
+    for block in plan.block_names:
+        styles = _styles_by_suffix(plan, block)
+        for name in ("self_attn.q_norm", "self_attn.k_norm"):
+            assert isinstance(styles[name], SequenceParallel) and styles[name].sequence_sharding == (
+                Shard(-2),
+            )
+    llama = auto_plan(hf_llama(), 2, sequence_parallel)
+    assert not any(
+        ".self_attn." in name and isinstance(s, SequenceParallel) for name, s in llama.styles.items()
+    )
+
+
 # ---- layouts that cannot be split evenly ------------------------------------------------------
 
 
