@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils._pytree import tree_map
 
-from lightning_parallel.comm.agreement import all_agree
+from lightning_parallel.comm.agreement import all_agree, communication_device
 from lightning_parallel.tensor_parallel.apply import install_container, scale_attributes
 from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
 from lightning_parallel.tensor_parallel.regions import (
@@ -155,12 +155,8 @@ def first_tensor(output: Any) -> torch.Tensor:
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``|actual - expected| / |expected|`` in fp32 (infinite for another shape); the verifications' measure."""
-    if isinstance(actual, DTensor):
-        actual = actual.full_tensor()
-    if actual.shape != expected.shape:
-        return float("inf")
-    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)).item()
+    """``|actual - expected| / |expected|`` in float64 (infinite for another shape); the verifications' measure."""
+    return _difference_norm(actual, expected) / max(float(expected.double().norm()), 1e-12)
 
 
 def block_inputs(
@@ -236,8 +232,6 @@ def ranks_with_other_inputs(captured: dict[str, Captured], mesh: DeviceMesh) -> 
     """The ranks of the tensor-parallel group whose first captured block input differs from the group's first rank's."""
     import torch.distributed as dist
 
-    from lightning_parallel.comm.agreement import communication_device
-
     if not captured or mesh.size() == 1:
         return []
     hidden = find_hidden(*next(iter(captured.values())))[1].detach().double()
@@ -282,6 +276,7 @@ def exact_gradient_norms(block: nn.Module, inputs: Captured) -> dict[str, float]
 
 
 def _difference_norm(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``|actual - expected|`` in float64, a DTensor gathered first (infinite for another shape)."""
     if isinstance(actual, DTensor):
         actual = actual.full_tensor()
     if actual.shape != expected.shape:
