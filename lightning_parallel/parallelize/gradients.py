@@ -7,10 +7,13 @@ this rank's module, and nothing edits them afterwards. Three moments exist:
 
 - inside backward: DDP's reducer or FSDP2's ``replicate`` over ``dp`` (data parallelism, with or
   without tensor parallelism), paused while gradients accumulate;
-- after the last backward of an optimizer step: explicit bucketed all-reduces
-  (``data_parallel/gradient_sync.py``) where hooks cannot express the reduction: pipeline
-  schedules (backward per micro-batch; tied weights summed across stages), sharded experts
-  (expert weights over their replicas only);
+- during the last backward of an optimizer step (under pipeline stages: each stage's last
+  micro-batch backward): explicit bucketed all-reduces (``data_parallel/gradient_sync.py``) where
+  DDP-style hooks cannot express the reduction: pipeline schedules (backward per micro-batch),
+  sharded experts (expert weights over their replicas only); each bucket is launched as soon as
+  its gradients are final, overlapping the backward still to run;
+- after the last backward: what needs the whole gradient first (tied weights summed across
+  stages, compressed means, scalings);
 - in the optimizer step: DeepSpeed's ZeRO engine over the (expert-)data-parallel ranks, after the
   explicit part that must come first (tied weights, the dense gradients' mean over ``ep``).
 
@@ -55,6 +58,7 @@ from lightning_parallel.zero.tensor_parallel import (
 )
 
 IN_BACKWARD, AFTER_BACKWARD, IN_STEP = "inside backward", "after backward", "in the optimizer step"
+IN_LAST_BACKWARD = "during the last backward"  # bucket by bucket, as the step's last backward finishes them
 AFTER_STEP = "after the optimizer step"
 
 
@@ -65,7 +69,7 @@ class Reduction:
     gradients: str  # "all", "dense" (not experts), "experts", "tied" (weights held by several stages), "dense but tied"
     how: str  # "mean", "sum", "sum / dp size", "divided by ep"
     axis: str  # a mesh axis; "pp" for a tied weight: the stages holding it
-    when: str  # IN_BACKWARD, AFTER_BACKWARD or IN_STEP
+    when: str  # IN_BACKWARD, IN_LAST_BACKWARD, AFTER_BACKWARD, IN_STEP or AFTER_STEP
     compression: GradientCompression | None = None
 
     def __str__(self) -> str:
@@ -74,8 +78,15 @@ class Reduction:
         return f"{self.when}: {self.gradients} gradients, {self.how}{over}{compressed}"
 
 
+MOMENTS = (IN_BACKWARD, IN_LAST_BACKWARD, AFTER_BACKWARD, IN_STEP, AFTER_STEP)
+
+
 def decide_gradient_reductions(config: ParallelConfig, dims: ParallelDims) -> list[Reduction]:
     """The reductions of a layout, in the order they run (identical on every rank)."""
+    return sorted(_decide(config, dims), key=lambda r: MOMENTS.index(r.when))  # stable: the order within a moment
+
+
+def _decide(config: ParallelConfig, dims: ParallelDims) -> list[Reduction]:
     engine = config_engine(config, dims)
     if engine == "fsdp2":
         return _fsdp_reductions(config, dims)
@@ -85,7 +96,7 @@ def decide_gradient_reductions(config: ParallelConfig, dims: ParallelDims) -> li
             # ZeRO shards over dp_replicate: its mean there then makes dense weights averaged over the
             # whole dp and experts summed over their replicas divided by dp, as without ZeRO.
             out += [
-                Reduction("dense", "mean", "ep", AFTER_BACKWARD),
+                Reduction("dense", "mean", "ep", IN_LAST_BACKWARD),
                 Reduction("experts", "divided by ep", "", AFTER_BACKWARD),
             ]
         return [*out, Reduction("all", "mean (ZeRO's)", "dp_replicate" if dims.ep_enabled else "dp", IN_STEP)]
@@ -98,27 +109,31 @@ def decide_gradient_reductions(config: ParallelConfig, dims: ParallelDims) -> li
         # casts round identical sums identically, so only PowerSGD leaves them out.
         out += [
             Reduction("dense but tied", "mean", "dp", AFTER_BACKWARD, compression),
-            Reduction("tied", "mean", "dp", AFTER_BACKWARD),
+            Reduction("tied", "mean", "dp", IN_LAST_BACKWARD),
         ]
-    else:
-        out.append(Reduction("dense", "mean", "dp", AFTER_BACKWARD, compression))
+    else:  # a compressor keeps state per bucket and step: compressed means run after backward
+        out.append(
+            Reduction("dense", "mean", "dp", AFTER_BACKWARD if compression else IN_LAST_BACKWARD, compression)
+        )
     if dims.ep_enabled:
         # An expert's gradient already holds its ep group's tokens (docs/experts.md).
-        out.append(Reduction("experts", "sum / dp size", "dp_replicate", AFTER_BACKWARD))
+        out.append(Reduction("experts", "sum / dp size", "dp_replicate", IN_LAST_BACKWARD))
     return out
 
 
 def _fsdp_reductions(config: ParallelConfig, dims: ParallelDims) -> list[Reduction]:
-    """ZeRO on FSDP2 (zero/fsdp.py): reduce-scatters inside backward; under pipeline stages once per step,
-    after the schedule. Experts (their own units over their replicas) are summed and divided by dp."""
-    when, after = (AFTER_BACKWARD, ", after the last micro-batch") if dims.pp_enabled else (IN_BACKWARD, "")
+    """ZeRO on FSDP2 (zero/fsdp.py): reduce-scatters inside backward; under pipeline stages once per batch,
+    during each stage's last backward. Experts (their own units over their replicas) are summed and divided by dp."""
+    when, after = (IN_LAST_BACKWARD, ", once per batch") if dims.pp_enabled else (IN_BACKWARD, "")
     shards = f"(reduce-scatter of ZeRO-{config.zero.stage}'s shards){after}"
     steps = [Reduction("dense" if dims.ep_enabled else "all", f"mean {shards}", "dp", when)]
     if dims.ep_enabled:
         steps.append(Reduction("experts", f"sum / dp size {shards}", "dp_replicate", when))
     if dims.pp_enabled:
         steps.append(Reduction("tied", "sum", "pp", AFTER_BACKWARD))
-    steps.append(Reduction("strided vector", "mean", "dp", AFTER_BACKWARD))  # fused biases FSDP2 keeps whole
+    steps.append(
+        Reduction("strided vector", "mean", "dp", IN_LAST_BACKWARD)
+    )  # fused biases FSDP2 keeps whole
     if config.zero.stage == 2:  # ZeRO-2 keeps whole parameters between steps: gather the updated shards
         steps.append(Reduction("all parameters'", "all-gather", "dp", AFTER_STEP))
     return steps
@@ -138,6 +153,11 @@ class GradientReductions:
     """Gradient hooks that average parameters registered directly on the LightningModule."""
     regather: list[nn.Module] = field(default_factory=list)
     """FSDP2 units whose updated shards are gathered after each optimizer step (ZeRO-2 under stages)."""
+
+    def begin_final_backward(self) -> None:
+        """The next backward is the last of an optimizer step: the overlapped reductions launch during it."""
+        if self.after_backward is not None:
+            self.after_backward.begin_final()
 
     def reduce(self) -> None:
         """Run the explicit reductions (after the last backward of an optimizer step)."""
@@ -185,8 +205,8 @@ def plan_gradient_reductions(
         groups: list[GradientGroup | GradientScale] = (
             list(runner.tied_gradient_groups()) if runner is not None else []
         )
-        groups += [_mean(whole, dp_mesh, None, "fused biases kept whole")] if whole else []
-        result.after_backward = GradientSync(groups) if groups else None
+        groups += [_mean(whole, dp_mesh, None, "fused biases kept whole", overlap=True)] if whole else []
+        result.after_backward = _sync(groups, runner)
         if any(r.when == AFTER_STEP for r in decided):
             result.regather = fsdp.units
         return result
@@ -200,10 +220,20 @@ def plan_gradient_reductions(
             decided[0].compression is not None
         ):  # tp without stages or experts was refused (config/validation.py)
             register_ddp_compression(result.in_backward, decided[0].compression, dp_mesh.get_group())
-    explicit = [r for r in decided if r.when == AFTER_BACKWARD]
+    explicit = [r for r in decided if r.when in (IN_LAST_BACKWARD, AFTER_BACKWARD)]
     if explicit:
-        result.after_backward = GradientSync(_explicit_groups(explicit, module, mesh, runner, expert_ids))
+        result.after_backward = _sync(_explicit_groups(explicit, module, mesh, runner, expert_ids), runner)
     return result
+
+
+def _sync(groups: list[GradientGroup | GradientScale], runner: PipelineRunner | None) -> GradientSync | None:
+    """The explicit reductions; under pipeline stages the runner opens each stage's last backward to them."""
+    if not groups:
+        return None
+    sync = GradientSync(groups, runner.last_backward.final_calls() if runner is not None else {})
+    if runner is not None:
+        runner.last_backward.sync = sync
+    return sync
 
 
 def shard_for_zero(
@@ -236,7 +266,12 @@ def shard_for_zero(
 
 
 def _parameters(module: nn.Module, runner: PipelineRunner | None) -> list[nn.Parameter]:
-    return list(runner.parameters) if runner is not None else list(module.parameters())
+    """This rank's parameters in the module's registration order: the reverse of it is about the order
+    backward finishes their gradients in, the order the overlapped reductions' buckets follow (as DDP's)."""
+    if runner is None:
+        return list(module.parameters())
+    held = {id(p) for p in runner.parameters}
+    return [p for p in module.parameters() if id(p) in held]
 
 
 def _explicit_groups(
@@ -256,17 +291,19 @@ def _explicit_groups(
     dp = mesh["dp"]
     groups: list[GradientGroup | GradientScale] = []
     for r in decided:
+        overlap = r.when == IN_LAST_BACKWARD
         if (r.gradients, r.axis) == ("tied", "pp"):
             assert runner is not None
             groups += runner.tied_gradient_groups()
         elif r.gradients == "dense" and r.axis == "ep":
+            ep = mesh["ep"]
             groups.append(
-                GradientGroup(dense, mesh["ep"].get_group(), mesh["ep"].size(), label="dense mean over ep")
+                GradientGroup(dense, ep.get_group(), ep.size(), label="dense mean over ep", overlap=overlap)
             )
         elif r.gradients == "experts" and r.how == "divided by ep":
             groups.append(GradientScale(experts, mesh["ep"].size(), label="experts"))
         elif r.gradients == "dense" or (r.gradients == "dense but tied" and not tied):
-            groups.append(_mean(dense, dp, compressor, "data-parallel mean"))
+            groups.append(_mean(dense, dp, compressor, "data-parallel mean", overlap))
         elif r.gradients == "dense but tied":
             groups.append(
                 _mean([p for p in dense if id(p) not in tied], dp, compressor, "data-parallel mean")
@@ -274,21 +311,29 @@ def _explicit_groups(
         elif (r.gradients, r.axis) == ("tied", "dp"):
             if tied:  # this rank holds a tied weight: its mean uncompressed (the split above)
                 groups.append(
-                    _mean([p for p in dense if id(p) in tied], dp, None, "tied weights, uncompressed")
+                    _mean(
+                        [p for p in dense if id(p) in tied], dp, None, "tied weights, uncompressed", overlap
+                    )
                 )
         elif r.gradients == "experts" and experts:
+            replicas = mesh["dp_replicate"].get_group()
             groups.append(
                 GradientGroup(
-                    experts, mesh["dp_replicate"].get_group(), dp.size(), label="experts over their replicas"
+                    experts, replicas, dp.size(), label="experts over their replicas", overlap=overlap
                 )
             )
     return groups
 
 
 def _mean(
-    params: list[nn.Parameter], dp: DeviceMesh, compressor: BucketCompressor | None, label: str
+    params: list[nn.Parameter],
+    dp: DeviceMesh,
+    compressor: BucketCompressor | None,
+    label: str,
+    overlap: bool = False,
 ) -> GradientGroup:
     group = GradientGroup(params, dp.get_group(), dp.size(), label=label)
     if compressor is not None and group.is_mean:  # never the sums of tied weights, nor expert reductions
         group.compressor = compressor
+    group.overlap = overlap and group.compressor is None
     return group

@@ -6,6 +6,9 @@ Training uses torch's schedules (``torch.distributed.pipelining``): each rank's 
 user's loss; the schedule's loss function only scales it (micro-batches, gradient
 accumulation, the fp16 loss scale), and runs backward.
 
+The data-parallel reduction overlaps each stage's last backward of the batch
+(``pipeline/last_backward.py``).
+
 Evaluation (validation, test, predict) is forward-only and needs no autograd, so it is a plain
 chain of point-to-point sends in stage order (shapes travel with the tensors: evaluation
 batches may differ in size from training ones).
@@ -21,12 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.data_parallel.gradient_sync import GradientGroup
 from lightning_parallel.pipeline.discover import PipelineSetupError, extract_loss
+from lightning_parallel.pipeline.last_backward import LastBackward, ReducingStage
 from lightning_parallel.pipeline.microbatch import (
     LogRecorder,
     batch_size_of,
@@ -83,7 +86,7 @@ class PipelineRunner:
         self.logs = LogRecorder()
         # An ``AuxLossCollector`` in backward mode (MoE models), or None.
         self.aux_collector = aux_collector
-        # ZeRO on FSDP2 (zero/fsdp.py): its units reduce once per step, after the schedule.
+        # ZeRO on FSDP2 (zero/fsdp.py): its units reduce once per batch, during their stages' last backward.
         self.fsdp_units = list(fsdp_units)
         self._held: list[torch.Tensor | None] = []
         self._ctx: _StepContext | None = None
@@ -92,11 +95,13 @@ class PipelineRunner:
             user_name(n): p for n, p in module.named_parameters()
         }  # a local-shard weight under its name
         self.parameters = [params[n] for n in sorted(owned_names) if n in params]
-        self.stage_modules = [
-            StageModule(s, module, self._stage_parameter_names(s, params), self) for s in my_stages
-        ]
+        names = {s: self._stage_parameter_names(s, params) for s in my_stages}
+        self.last_backward = LastBackward(
+            module, {s: [params[n] for n in names[s]] for s in names}, self.fsdp_units
+        )
+        self.stage_modules = [StageModule(s, module, names[s], self) for s in my_stages]
         self.stages = [
-            PipelineStage(sm, s, layout.num_stages, device, group=pp_group)
+            ReducingStage(sm, s, layout.num_stages, device, group=pp_group, last_backward=self.last_backward)
             for sm, s in zip(self.stage_modules, my_stages, strict=False)
         ]
         schedule_cls = get_schedule_class(spec.torch_name)
@@ -162,34 +167,42 @@ class PipelineRunner:
         batch: Any,
         step_args: Sequence[Any],
         loss_factor: Callable[[torch.Tensor], torch.Tensor],
+        final: bool = True,
+        first_of_window: bool = True,
     ) -> torch.Tensor:
         """One pipelined forward+backward; returns the batch loss (mean over micro-batches) on every stage.
+
+        ``final``: this batch ends an optimizer step (the explicit reductions run during the stages'
+        last backward). ``first_of_window``: Lightning zeroes the gradients after this step (the first
+        batch of an accumulation window), so the schedule starts from none; otherwise it adds to the
+        window's gradients, and what the reductions launch during backward is the window's whole sum.
 
         The gradients it produces are held aside until :meth:`add_held_gradients`: Lightning zeroes
         gradients *between* ``training_step`` and ``backward`` (first batch of an accumulation
         window), but the schedule has already run backward inside the step.
         """
         m = self.micro_batches
-        earlier = self.detach_gradients()
+        earlier = self.detach_gradients() if first_of_window else []
         self._ctx = _StepContext(step_fn, split_batch(batch, m), tuple(step_args))
         self._loss_factor = lambda loss: loss_factor(loss) / m
+        self.last_backward.start_batch(ends_step=final)
         self.logs.clear()
         index = torch.arange(m, device=self.device)
         target = torch.zeros(m, device=self.device)
         try:
             if self.fsdp_units:
-                from lightning_parallel.zero.fsdp import accumulate_without_reducing, reduce_accumulated
+                from lightning_parallel.zero.fsdp import accumulate_without_reducing
 
                 accumulate_without_reducing(self.fsdp_units)
             with self.logs.recording(self.module, lambda: self._ctx.current if self._ctx else 0):
                 self.schedule.step(mb_index=index, target=target, return_outputs=False)
-            if self.fsdp_units:
-                reduce_accumulated(self.fsdp_units)
+            self.last_backward.end_batch()
             loss = self._finish(self._ctx.losses) + self._aux_mean(self._ctx)
             self._held = self.detach_gradients()
         finally:
             self._ctx = None
-            self.attach_gradients(earlier, add=False)
+            if earlier:
+                self.attach_gradients(earlier, add=False)
         return loss
 
     def _aux_mean(self, ctx: _StepContext) -> torch.Tensor:

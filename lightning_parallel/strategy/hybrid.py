@@ -28,11 +28,10 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_parallel.config import PathLike, PlanArg
-from lightning_parallel.config.validation import check_zero_optimizers, strategy_config
+from lightning_parallel.config.validation import strategy_config
 from lightning_parallel.memory.counting import SavedTensorCounter
 from lightning_parallel.memory.saved_tensors import saved_tensors_context
 from lightning_parallel.parallelize import Parallelized, parallelize, recall
@@ -41,18 +40,14 @@ from lightning_parallel.strategy import pipelined
 from lightning_parallel.strategy.checkpointing import CheckpointingStrategy
 from lightning_parallel.strategy.presets import PRESETS
 from lightning_parallel.strategy.sampling import sample_step
+from lightning_parallel.strategy.zero_setup import initialize_zero
 from lightning_parallel.tensor_parallel import ParallelPlan
 from lightning_parallel.tensor_parallel.loss_parallel import (
     sharded_loss_backward,
     sharded_loss_step,
     to_plain,
 )
-from lightning_parallel.zero.engine import (
-    announce_compilation,
-    deepspeed_environment,
-    initialize_engine,
-    offload_sharded_optimizers,
-)
+from lightning_parallel.zero.engine import offload_sharded_optimizers
 
 
 class HybridParallelStrategy(CheckpointingStrategy):
@@ -178,6 +173,7 @@ class HybridParallelStrategy(CheckpointingStrategy):
         self.activation_counter: SavedTensorCounter | None = None
         """Set (e.g. by :class:`~lightning_parallel.memory.monitor.ActivationMemoryMonitor`) to count each step's activation bytes."""
         self._sync_blocked = False
+        self._batch_idx = 0  # Lightning's, for the first batch of an accumulation window
 
     # ---- what the user asked for, and what setup made of it ------------------------------
 
@@ -258,7 +254,7 @@ class HybridParallelStrategy(CheckpointingStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.deepspeed_zero:
-                self._initialize_zero(trainer, parallelized)
+                initialize_zero(self, trainer, pipelined=parallelized.pipeline is not None)
             elif self.config.zero.offload is not None:  # FSDP2's shards on the CPU: DeepSpeed's CPU Adam
                 self.optimizers = offload_sharded_optimizers(
                     self.optimizers,
@@ -269,37 +265,17 @@ class HybridParallelStrategy(CheckpointingStrategy):
                 )
         self.setup_precision_plugin()
 
-    def _initialize_zero(self, trainer: Trainer, parallelized: Parallelized) -> None:
-        """Hand the parallelized module and the user's optimizer to ``deepspeed.initialize``."""
-        zero = self.config.zero
-        check_zero_optimizers(zero, len(self.optimizers), len(self.lr_scheduler_configs), trainer)
-        env = self.cluster_environment
-        assert env is not None and self.lightning_module is not None
-        deepspeed_environment(
-            self.global_rank, self.world_size, self.local_rank, env.main_address, env.main_port
-        )
-        if (line := announce_compilation(zero, self.root_device.type)) is not None:
-            rank_zero_info(line)
-        engine, optimizer, mpu = initialize_engine(
-            self.lightning_module, self.optimizers[0], [c.scheduler for c in self.lr_scheduler_configs], zero,
-            self.device_mesh, self.precision_plugin.precision, trainer.gradient_clip_val,
-            self._process_group_backend, self._timeout,
-        )  # fmt: skip
-        self.zero_engine = engine
-        self.optimizers = [optimizer]
-        if parallelized.pipeline is None:
-            self.model = engine  # steps run through engine.forward
-        rank_zero_info(
-            f"{type(self).__name__}: ZeRO stage {zero.stage}" + (f", offload {zero.offload}" if zero.offload else "")
-            + f", sharded over {mpu.get_data_parallel_world_size()} data-parallel ranks"
-        )  # fmt: skip
-
     # ---- steps -----------------------------------------------------------------------------
 
     def _parallelized(self) -> Parallelized:
         if self.parallelized is None:
             raise RuntimeError(f"{type(self).__name__}: a step ran before `setup` parallelized the module.")
         return self.parallelized
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._batch_idx = batch_idx
+        super().on_train_batch_start(batch, batch_idx)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -312,7 +288,7 @@ class HybridParallelStrategy(CheckpointingStrategy):
                 assert self.lightning_module is not None
                 return pipelined.training_step(
                     p.pipeline, self.lightning_module, scaler, aux, self.precision_plugin.train_step_context,
-                    args, kwargs,
+                    args, kwargs, final=not self._sync_blocked, batch_idx=self._batch_idx,
                 )  # fmt: skip
             if aux is not None:
                 aux.start_step(pipelined.loss_scale(self.lightning_module, scaler, micro_batches=1))
@@ -338,6 +314,8 @@ class HybridParallelStrategy(CheckpointingStrategy):
             closure_loss = self.precision_plugin.post_backward(closure_loss, module)
             self.post_backward(closure_loss)
             return closure_loss
+        if not self._sync_blocked:
+            p.gradients.begin_final_backward()  # the explicit reductions launch their buckets during it
         if not p.loss_parallel:
             result = super().backward(closure_loss, optimizer, *args, **kwargs)
         else:

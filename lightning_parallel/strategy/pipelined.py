@@ -36,8 +36,15 @@ def training_step(
     context: Callable[[], AbstractContextManager[Any]],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    final: bool = True,
+    batch_idx: int = 0,
 ) -> torch.Tensor:
-    """Forward and backward of every micro-batch; the batch's gradients are held by the runner."""
+    """Forward and backward of every micro-batch; the batch's gradients are held by the runner.
+
+    ``final``: the batch ends an optimizer step (the data-parallel reduction runs during the stages'
+    last backward); ``batch_idx``: Lightning zeroes the gradients after the step of the first batch of
+    each accumulation window (``batch_idx % accumulate_grad_batches == 0``, as its loop decides).
+    """
     batch, rest = args[0], args[1:]
     check_divisible(batch, runner.micro_batches)
     accumulate = module.trainer.accumulate_grad_batches
@@ -49,8 +56,11 @@ def training_step(
     if aux_losses is not None:
         aux_losses.start_step(loss_scale(module, scaler, runner.micro_batches))
     step_fn = functools.partial(module.training_step, **kwargs) if kwargs else module.training_step
+    first_of_window = batch_idx % accumulate == 0
     with context():
-        return runner.train_step(step_fn, batch, rest, loss_factor)
+        return runner.train_step(
+            step_fn, batch, rest, loss_factor, final=final, first_of_window=first_of_window
+        )
 
 
 def eval_step(

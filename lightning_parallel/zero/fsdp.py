@@ -274,13 +274,24 @@ def accumulate_without_reducing(units: list[FSDPModule]) -> None:
         unit.set_is_last_backward(False)
 
 
+def reduce_in_backward(units: list[FSDPModule]) -> None:
+    """Before a pipeline stage's last backward of the batch: ``units`` (whose parameters no later backward of
+    the batch touches) reduce-scatter from their own post-backward hooks, as the backward leaves each one."""
+    for unit in units:
+        unit.set_requires_gradient_sync(True, recurse=False)
+        unit.set_reshard_after_backward(True, recurse=False)
+        unit.set_is_last_backward(True)
+
+
 def reduce_accumulated(units: list[FSDPModule]) -> None:
-    """After the schedule: one reduce-scatter per unit for the whole step, then reshard.
+    """After a stage's last backward: one reduce-scatter per unit for what its hooks did not reduce, then reshard.
 
     What torch's own ``PipelineStage`` does for an FSDP2 stage module (``_PipelineStageBase.
     _post_backward``, torch 2.13): the post-backward of every parameter group, then the root's final
     callback that waits for the reductions; our stages are not FSDP modules themselves (each runs
-    the user's whole step), so the runner calls it.
+    the user's whole step), so the runner calls it. A group its hooks already reduced holds no
+    gradient and issues nothing; the zero-bubble schedules' weight pass (outside autograd's hooks)
+    is reduced here.
     """
     roots = []
     for unit in units:

@@ -20,6 +20,10 @@ refused at setup, because the split would change it).
 
 from __future__ import annotations
 
+import tempfile
+import uuid
+from pathlib import Path
+
 import pytest
 
 from tests.compat import case_features
@@ -34,6 +38,7 @@ SDPA_GPT2 = {"model_kwargs": {"attn_implementation": "sdpa"}}
 FAMILIES = {"recipe_gpt": {}, "hf_llama": {}, "hf_gpt2": SDPA_GPT2}
 LAYERS = 2
 STEPS = 4
+NVME_PATH = str(Path(tempfile.gettempdir()) / f"lp-cp-nvme-{uuid.uuid4().hex[:8]}")
 
 
 def _case(name: str, family: str, world_size: int, fields: dict | None = None, **kwargs: object) -> Case:
@@ -61,6 +66,9 @@ TWO = [
     _case("cp2_ulysses_zero3_recipe_gpt", "recipe_gpt", 2, context_parallel=2, context_parallel_mode="ulysses",
           zero_stage=3),
     _case("cp2_ring_zero2_cpu_hf_llama", "hf_llama", 2, context_parallel=2, zero_stage=2, offload="cpu"),
+    # NVMe (FSDP2's CPU shards, Adam's states in files: zero/sharded_nvme_adam.py) over the context ranks.
+    _case("cp2_ring_zero2_nvme_hf_llama", "hf_llama", 2, fields={"model_kwargs": {"optimizer": "adamw"}},
+          context_parallel=2, zero_stage=2, offload="nvme", offload_path=NVME_PATH),
     # With expert parallelism (ep and cp carved out of the same data-parallel ranks; here the same pair).
     _case("cp2_ring_ep2_hf_mixtral", "hf_mixtral", 2, context_parallel=2, expert_parallel=2),
     _case("cp2_ulysses_ep2_hf_mixtral", "hf_mixtral", 2, context_parallel=2, expert_parallel=2,

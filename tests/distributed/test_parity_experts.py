@@ -43,6 +43,13 @@ TWO = [
     _case("ep2_aux_hf_mixtral", "hf_mixtral_aux", 2, **AUX),
     # Clipping by the global norm: each ep rank's experts count once (summed over ep; was per rank).
     _case("ep2_clip_hf_mixtral", "hf_mixtral", 2, fields={"trainer_kwargs": {"gradient_clip_val": 0.05}}),
+    # Accumulation: the overlapped reductions launch only during the window's last backward.
+    _case(
+        "ep2_accum_hf_mixtral",
+        "hf_mixtral",
+        2,
+        fields={"trainer_kwargs": {"accumulate_grad_batches": 2}, "steps": 3},
+    ),
     # GPT-OSS: per-expert biases (E, F) beside the stacked weights, sliced with them (were kept whole: each
     # ep rank read expert 0's bias rows; measured 2.5e-3 off at the first step).
     _case("ep2_hf_gpt_oss", "hf_gpt_oss", 2),

@@ -84,6 +84,11 @@ FOUR = [
         pipeline_schedule="interleaved_1f1b",
     ),
     *[_case(f"pp2_dp2_{f}", f, world_size=4) for f in ("recipe_gpt", "hf_llama") if f in FAMILIES],
+    # Accumulation with data parallelism: the data-parallel mean runs during the stages' last backward of
+    # the window's last batch, on the window's whole gradient (the schedule adds to the earlier batches'),
+    # the tied embedding/head summed across stages after it; clipping by the norm over both stages.
+    _case("pp2_dp2_accum_clip_recipe_gpt", "recipe_gpt", world_size=4,
+          fields={"trainer_kwargs": {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}, "steps": 3}),
     # Every other schedule with tensor + sequence parallelism and with data parallelism (the
     # compatibility matrix). Two steps and the fewest micro-batches each schedule takes: four
     # processes on two cores make each tensor-parallel collective slow.

@@ -112,6 +112,9 @@ FOUR = [
     _case("zero3_tp2_sp_dp2_recipe_gpt", "recipe_gpt", 4, zero_stage=3, tensor_parallel=2, sequence_parallel=True),
     _case("zero3_cpu_tp2_dp2_nanogpt", "nanogpt", 4, fields={"model_kwargs": ADAM}, zero_stage=3, offload="cpu",
           tensor_parallel=2),
+    # ZeRO-2 + CPU offload with tensor parallelism: DeepSpeed's engine on the local shards, its CPU Adam.
+    _case("zero2_cpu_tp2_dp2_nanogpt", "nanogpt", 4, fields={"model_kwargs": ADAM}, zero_stage=2, offload="cpu",
+          tensor_parallel=2),
     _case("zero3_tp2_dp2_clip_accum_hf_llama", "hf_llama", 4, zero_stage=3, tensor_parallel=2,
           fields={"trainer_kwargs": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}}),
     # Expert slices sharded again over their 2 replicas (dp_replicate=2), dense weights over all 4 ranks.

@@ -1,0 +1,123 @@
+"""What each pipeline stage's last backward of a batch reduces: the data-parallel reduction, overlapped.
+
+torch's schedules tell a stage which of its backward calls is the batch's last (``last_backward``:
+the full backward, or under the zero-bubble schedules the weight pass). :class:`ReducingStage`
+announces that call to :class:`LastBackward`, which
+
+- opens it to the explicit reductions' gradient hooks on the batch that ends an optimizer step
+  (``data_parallel/gradient_sync.py``): each bucket is all-reduced as soon as the call has made
+  its gradients final, while the call goes on through the blocks below;
+- under ZeRO on FSDP2, turns on the reduce-scatter of the units whose last stage this is, so FSDP2's
+  own post-backward hooks reduce each unit as the call leaves it; what those hooks cannot see (the
+  zero-bubble weight pass assigns gradients outside autograd's accumulation) is reduced right
+  after the call.
+
+A weight that two stages of this rank use (a tied embedding and head under the V schedules) is
+final after the later of their last backwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from lightning_parallel.data_parallel.gradient_sync import GradientSync
+from lightning_parallel.zero.tensor_parallel import user_name
+
+
+class ReducingStage(PipelineStage):
+    """torch's stage, with its last backward of each batch (as the schedule says) announced."""
+
+    def __init__(self, *args: Any, last_backward: Callable[[int], Any], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._last_backward = last_backward
+
+    def backward_one_chunk(
+        self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
+    ) -> None:
+        if not (last_backward and full_backward):
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        with self._last_backward(self.stage_index):
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        if not last_backward:
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        with self._last_backward(self.stage_index):
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+
+
+class LastBackward:
+    """The reductions each of this rank's stages runs during its last backward of a batch."""
+
+    def __init__(
+        self, module: nn.Module, stage_parameters: dict[int, list[nn.Parameter]], fsdp_units: list[nn.Module]
+    ) -> None:
+        self.stage_parameters = stage_parameters
+        self.fsdp_units = fsdp_units
+        self.sync: GradientSync | None = None  # the explicit reductions (parallelize/gradients.py sets it)
+        self.unit_stages = self._stages_of_units(module)
+        self._ends_step = False
+        self._units_left: dict[int, int] = {}  # per unit, this batch's last stage backwards still to come
+
+    def _stages_of_units(self, module: nn.Module) -> list[set[int]]:
+        """Per FSDP unit, this rank's stages whose parameters it holds."""
+        fqns = {id(m): n for n, m in module.named_modules()}
+        names_of = {id(p): user_name(n) for n, p in module.named_parameters()}
+        stage_names = {s: {names_of[id(p)] for p in params} for s, params in self.stage_parameters.items()}
+        out = []
+        for unit in self.fsdp_units:
+            prefix = fqns[id(unit)] + "." if fqns.get(id(unit)) else ""
+            held = {user_name(prefix + n) for n, _ in unit.named_parameters()}
+            out.append({s for s, names in stage_names.items() if held & names})
+        return out
+
+    def final_calls(self) -> dict[int, int]:
+        """Per parameter (by id): how many of this rank's stages use it, each ending with one last backward."""
+        counts: dict[int, int] = {}
+        for params in self.stage_parameters.values():
+            for param in params:
+                counts[id(param)] = counts.get(id(param), 0) + 1
+        return counts
+
+    def start_batch(self, ends_step: bool) -> None:
+        """A schedule starts; ``ends_step``: its batch is the last of an optimizer step."""
+        self._ends_step = ends_step
+        self._units_left = {i: len(stages) for i, stages in enumerate(self.unit_stages)}
+
+    def end_batch(self) -> None:
+        """The schedule is over: units no stage of this rank holds parameters of reduce now (none in practice)."""
+        from lightning_parallel.zero.fsdp import reduce_accumulated
+
+        reduce_accumulated([u for u, s in zip(self.fsdp_units, self.unit_stages, strict=True) if not s])
+        self._ends_step = False
+
+    @contextmanager
+    def __call__(self, stage: int) -> Iterator[None]:
+        """``stage``'s last backward of the batch: its gradients become final during it."""
+        units = []
+        for index, stages in enumerate(self.unit_stages):
+            if stage in stages:
+                self._units_left[index] -= 1
+                if self._units_left[index] == 0:
+                    units.append(self.fsdp_units[index])
+        sync = self.sync if self._ends_step else None
+        if units:  # every batch: ZeRO-2/3 keep gradients sharded between accumulation batches
+            from lightning_parallel.zero.fsdp import reduce_in_backward
+
+            reduce_in_backward(units)
+        if sync is not None:
+            sync.begin_final(self.stage_parameters[stage])
+        yield
+        if sync is not None:
+            sync.end_final()
+        if units:
+            from lightning_parallel.zero.fsdp import reduce_accumulated
+
+            reduce_accumulated(
+                units
+            )  # what the hooks did not see (weight passes outside autograd's accumulation)
