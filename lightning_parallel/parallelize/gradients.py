@@ -82,8 +82,8 @@ MOMENTS = (IN_BACKWARD, IN_LAST_BACKWARD, AFTER_BACKWARD, IN_STEP, AFTER_STEP)
 
 
 def decide_gradient_reductions(config: ParallelConfig, dims: ParallelDims) -> list[Reduction]:
-    """The reductions of a layout, in the order they run (identical on every rank)."""
-    return sorted(_decide(config, dims), key=lambda r: MOMENTS.index(r.when))  # stable: the order within a moment
+    """The reductions of a layout, in the order they run (identical on every rank; stable within a moment)."""
+    return sorted(_decide(config, dims), key=lambda r: MOMENTS.index(r.when))
 
 
 def _decide(config: ParallelConfig, dims: ParallelDims) -> list[Reduction]:
