@@ -128,6 +128,22 @@ def _recipe_gpt(optimizer: str = "sgd", **overrides: Any) -> L.LightningModule:
     return RecipeGPTWithSGD(**{**tiny, **overrides})
 
 
+def _zoo(name: str) -> Callable[..., L.LightningModule]:
+    def build_family(**overrides: Any) -> L.LightningModule:
+        from tests.models.hf import HFZooModule
+
+        return HFZooModule(name, **{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
+
+    return build_family
+
+
+def _zoo_families() -> dict[str, Callable[..., L.LightningModule]]:
+    """``zoo_<model_type>`` for every family of ``tests/models/zoo.py`` (its table imports nothing heavy)."""
+    from tests.models.zoo import ZOO
+
+    return {f"zoo_{name}": _zoo(name) for name in ZOO}
+
+
 FAMILIES: dict[str, Callable[..., L.LightningModule]] = {
     "recipe_gpt": _recipe_gpt,
     "nanogpt": _nanogpt,
@@ -139,6 +155,7 @@ FAMILIES: dict[str, Callable[..., L.LightningModule]] = {
     "hf_gpt_oss": _hf_gpt_oss,
     "recipe_moe": _recipe_moe,
     "hf_mixtral_aux": _hf_mixtral_aux,
+    **_zoo_families(),
 }
 
 

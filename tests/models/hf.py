@@ -19,6 +19,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from transformers import (
+    AutoModelForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     GptOssConfig,
@@ -216,3 +217,25 @@ class HFMixtralAuxModule(HFMixtralModule):
             return super().training_step(batch, batch_idx)
         collector.reset()
         return collector.add_to_loss(super().training_step(batch, batch_idx))
+
+
+class HFZooModule(_CausalLMModule):
+    """A family of the zoo (``tests/models/zoo.py``): ``AutoModelForCausalLM`` of its tiny config, unchanged."""
+
+    def __init__(
+        self,
+        family: str,
+        vocab_size: int = 128,
+        block_size: int = 32,
+        learning_rate: float | None = None,
+        optimizer: str = "sgd",
+        n_layer: int = 2,
+        **config_overrides: object,
+    ) -> None:
+        from tests.models.zoo import zoo_config
+
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = AutoModelForCausalLM.from_config(
+            zoo_config(family, vocab_size, block_size, n_layer, **config_overrides)
+        )
