@@ -47,7 +47,10 @@ def test_plan_of_the_recipe_gpt(capsys: pytest.CaptureFixture[str]) -> None:
     assert "model.transformer.h.1.attn.qkv   Colwise(out=S(-1), num_chunks=3)" in out
     assert "model.transformer.h.1.mlp.proj   Rowwise(in=S(-1), out=R)" in out
     assert "model.lm_head                    Colwise(out=R)" in out
-    assert "model.transformer.h.0.attn: attention, full-width input; n_head 4->2, n_embd 64->32" in out
+    assert (
+        "model.transformer.h.0.attn: attention, full-width input, fused entry q|k|v; n_head 4->2, n_embd 64->32"
+        in out
+    )
     assert "SequenceParallel" not in out
     # Defaults of GPTLightningModule: vocab 320, block 128, width 64; fp32.
     total, local = _expected_local_elements(n_layer=2, n_embd=64, vocab=320, block=128, tp=2)

@@ -106,6 +106,7 @@ def load_weights(
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     from lightning_parallel.checkpoint.layouts import expert_layouts
+    from lightning_parallel.checkpoint.row_layouts import registry
 
     full = read_state_dict(source) if isinstance(source, (str, os.PathLike)) else dict(source)
     what = f"`init_weights={str(source)!r}`" if isinstance(source, (str, os.PathLike)) else "the state dict"
@@ -116,6 +117,7 @@ def load_weights(
     full = {prefix + k: v for k, v in full.items()}
     _fill_tied(model, full)
     experts = expert_layouts(model)
+    rows = registry(model)  # weights stored in a row layout: the user's rows, in the stored order
     loaded: dict[str, Any] = {}
     for name, current in target.items():
         if name not in full:
@@ -124,6 +126,8 @@ def load_weights(
         shard = experts.get(name)
         if shard is not None:  # this rank's ep slice (under ZeRO on FSDP2, a DTensor over its replicas)
             expected = (shard.num_experts, *current.shape[1:])
+        elif name in rows:
+            expected = tuple(rows[name].user(torch.empty(current.shape, device="meta")).shape)
         else:
             expected = tuple(current.shape)
         if tuple(value.shape) != expected:
@@ -134,6 +138,8 @@ def load_weights(
         value = value.to(device=current.device, dtype=current.dtype)
         if shard is not None:
             value = value.narrow(0, shard.first_expert, shard.num_local).contiguous()
+        if name in rows:
+            value = rows[name].stored(value)
         if isinstance(current, DTensor):
             loaded[name] = distribute_tensor(
                 value, current.device_mesh, current.placements, src_data_rank=None

@@ -49,6 +49,7 @@ from lightning_parallel.data_parallel import (
 )
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.pipeline.runner import PipelineRunner
+from lightning_parallel.tensor_parallel.row_layout import RowCopies, stamp_row_layouts
 from lightning_parallel.zero.engine import config_engine
 from lightning_parallel.zero.fsdp import ExpertSharding, Sharded, fully_shard_modules, regather
 from lightning_parallel.zero.tensor_parallel import (
@@ -221,12 +222,25 @@ def plan_gradient_reductions(
         ):  # tp without stages or experts was refused (config/validation.py)
             register_ddp_compression(result.in_backward, decided[0].compression, dp_mesh.get_group())
     explicit = [r for r in decided if r.when in (IN_LAST_BACKWARD, AFTER_BACKWARD)]
-    if explicit:
-        result.after_backward = _sync(_explicit_groups(explicit, module, mesh, runner, expert_ids), runner)
+    groups = _explicit_groups(explicit, module, mesh, runner, expert_ids) if explicit else []
+    result.after_backward = _sync(groups + _row_copies(module, mesh, result), runner)
     return result
 
 
-def _sync(groups: list[GradientGroup | GradientScale], runner: PipelineRunner | None) -> GradientSync | None:
+def _row_copies(module: nn.Module, mesh: DeviceMesh, result: GradientReductions) -> list[RowCopies]:
+    """Rows tensor parallelism stores on several ranks (k/v heads fewer than ranks): their copies' gradients are
+    summed over ``tp`` after backward (``tensor_parallel/row_layout.py``). Found on the model, not decided from
+    the configuration: whether a model has such rows depends on its heads."""
+    duplicated = stamp_row_layouts(module)
+    if not duplicated:
+        return []
+    result.decided.append(
+        Reduction("k/v rows held on several ranks'", "sum of the copies", "tp", AFTER_BACKWARD)
+    )
+    return [RowCopies(duplicated, mesh["tp"].get_group())]
+
+
+def _sync(groups: list[Any], runner: PipelineRunner | None) -> GradientSync | None:
     """The explicit reductions; under pipeline stages the runner opens each stage's last backward to them."""
     if not groups:
         return None

@@ -47,6 +47,7 @@ from lightning_parallel.pipeline.stages import SkippedBlock, StageLayout
 from lightning_parallel.plans.detect import block_names
 from lightning_parallel.tensor_parallel import BlockInputCapture, ParallelPlan, capture_block_inputs
 from lightning_parallel.tensor_parallel.verify import Captured
+from lightning_parallel.zero.engine import config_engine
 
 
 def parallelize(
@@ -82,6 +83,8 @@ def parallelize(
     )
     if plan is not None and captured is not None and config.tensor.verify_plan:
         tensor_parallel_step.verify_plan(module, plan, mesh["tp"], captured)
+    if plan is not None:  # every rank alike, before anything is sharded
+        tensor_parallel_step.check_row_layouts(plan, config_engine(config, dims))
     if context is not None:
         context_parallel_step.verify(module, context, blocks, captured, dims.tensor_parallel)
     cut = pipeline_step.cut_pipeline(module, layout, config.pipeline, mesh) if layout is not None else None

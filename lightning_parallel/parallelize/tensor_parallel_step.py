@@ -51,6 +51,29 @@ def verify_plan(
         plan.notes.append(line)
 
 
+def check_row_layouts(plan: ParallelPlan, zero_engine: str | None) -> None:
+    """Refuse ZeRO where it cannot keep a weight stored in a row layout (``tensor_parallel/row_layout.py``).
+
+    DeepSpeed's engine flattens the local shards and writes its own checkpoints, which would hold the
+    stored rows; FSDP2 replaces the parameters whose copies' gradients must be summed over the ranks.
+    """
+    for name, style in plan.styles.items():
+        layout = getattr(style, "row_layout", None)
+        if layout is None or zero_engine is None:
+            continue
+        if zero_engine == "deepspeed" or layout.duplicated:
+            why = (
+                "k/v heads fewer than the tensor-parallel ranks, each stored on several of them"
+                if layout.duplicated
+                else "a fused q|k|v projection of unequal widths, stored in another row order"
+            )
+            raise ValueError(
+                f"`{name}` is {why}; ZeRO ({zero_engine}'s engine) cannot keep that layout. Use"
+                + (" a tensor_parallel that divides its k/v heads," if layout.duplicated else "")
+                + " zero_stage=0, or for the fused projection zero_stage=3 (torch's FSDP2)."
+            )
+
+
 def shard(
     module: nn.Module, plan: ParallelPlan, config: TensorParallelConfig, tp_mesh: DeviceMesh, pipelined: bool
 ) -> tuple[list[Any], bool, LossParallelState]:

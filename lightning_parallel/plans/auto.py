@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 
 from lightning_parallel.plans.detect import (
     HEAD_COUNT_ATTRS,
+    KV_GROUP_ATTRS,
     KV_HEAD_COUNT_ATTRS,
     WIDTH_ATTRS,
     ContainerCandidate,
@@ -30,7 +31,9 @@ from lightning_parallel.plans.detect import (
     kv_head_count,
     norms_in,
 )
+from lightning_parallel.tensor_parallel.norm_styles import GatheredNorm, HeadShardedNorm
 from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
+from lightning_parallel.tensor_parallel.row_layout import RowLayout
 from lightning_parallel.tensor_parallel.styles import ColwiseProjection, RowwiseProjection, projection_dims
 
 
@@ -54,19 +57,47 @@ def exit_style(sequence_parallel: bool) -> RowwiseProjection:
     )
 
 
-def scaled_attributes(module: nn.Module, tp: int, known: dict[str, int]) -> dict[str, tuple[int, int]]:
+def local_kv_heads(kv_heads: int, tp: int) -> int:
+    """K/V heads a rank holds: its share, or one when there are fewer than ranks (each shared by ``tp / kv_heads``)."""
+    return max(kv_heads // tp, 1)
+
+
+def scaled_attributes(module: nn.Module, tp: int, known: dict) -> dict[str, tuple[int, int]]:
     """Integer attributes the module's forward may read, scaled to the local shard."""
+    heads, kv_heads = known.get("heads"), known.get("kv_heads")
+    kv_local = local_kv_heads(kv_heads, tp) if kv_heads else None
     scaled: dict[str, tuple[int, int]] = {}
     for key, value in vars(module).items():
         if not isinstance(value, int) or isinstance(value, bool):
             continue
-        if HEAD_COUNT_ATTRS.match(key) and value == known.get("heads"):
+        if HEAD_COUNT_ATTRS.match(key) and value == heads:
             scaled[key] = (value, value // tp)
-        elif KV_HEAD_COUNT_ATTRS.match(key) and value == known.get("kv_heads"):
-            scaled[key] = (value, value // tp)
+        elif KV_HEAD_COUNT_ATTRS.match(key) and value == kv_heads:
+            scaled[key] = (value, kv_local)
+        elif KV_GROUP_ATTRS.match(key) and heads and kv_heads and value == heads // kv_heads:
+            scaled[key] = (value, heads // tp // kv_local)  # query heads per k/v head, locally
         elif WIDTH_ATTRS.match(key) and value in known.get("widths", ()):
             scaled[key] = (value, value // tp)
+    # Head counts its forward reads from the config while it runs (Phi-3's `self.config.num_attention_heads`).
+    config = getattr(module, "config", None) if heads else None
+    source = _forward_source(module) if config is not None else ""
+    for key, value in vars(config).items() if config is not None else ():
+        if isinstance(value, int) and not isinstance(value, bool) and f"config.{key}" in source:
+            if HEAD_COUNT_ATTRS.match(key) and value == heads:
+                scaled[f"config.{key}"] = (value, value // tp)
+            elif KV_HEAD_COUNT_ATTRS.match(key) and value == kv_heads:
+                scaled[f"config.{key}"] = (value, kv_local)
     return scaled
+
+
+def _forward_source(module: nn.Module) -> str:
+    """The source of ``module``'s ``forward`` ("" where Python cannot show it)."""
+    import inspect
+
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return ""
 
 
 def plan_attention(
@@ -87,10 +118,18 @@ def plan_attention(
     kv_heads = kv_head_count(module)
     if kv_heads is None and len(cand.entries) == 3:
         kv_heads = projection_dims(cand.entries[1][1])[1] // head_dim  # from the key projection's width
+    if (
+        kv_heads is None and len(cand.entries) == 1
+    ):  # a fused q|k|v: its width tells (multi-query GPT-BigCode)
+        fused = projection_dims(cand.entries[0][1])[1] // head_dim - heads
+        kv_heads = fused // 2 if fused > 0 and fused % 2 == 0 and fused // 2 != heads else None
     kv_heads = kv_heads or heads
     _require_divisible(heads, tp, "attention heads", full_name)
-    _require_divisible(kv_heads, tp, "key/value heads", full_name)
+    if kv_heads >= tp or tp % kv_heads:
+        _require_divisible(kv_heads, tp, "key/value heads", full_name)
     styles: dict = {}
+    variants: list[tuple[str, dict]] = []
+    kv_width = kv_heads * head_dim
     for name, entry in cand.entries:
         entry_in, entry_out = projection_dims(entry)
         if entry_in != hidden:
@@ -98,18 +137,22 @@ def plan_attention(
                 f"`{join(full_name, name)}` reads {entry_in} features but the attention output is {hidden} wide;"
                 " lightning_parallel cannot tell how to split it. Pass `plan=` with explicit styles."
             )
-        chunks = 1
-        if len(cand.entries) == 1 and entry_out == 3 * exit_in and kv_heads == heads:
-            chunks = 3  # fused q|k|v
-        elif len(cand.entries) == 1 and entry_out != exit_in:
-            raise ValueError(
-                f"`{join(full_name, name)}` fuses projections of unequal widths ({entry_out} outputs for"
-                f" {heads} query and {kv_heads} key/value heads of {head_dim}); this split is not supported."
+        if (
+            len(cand.entries) == 1 and entry_out != exit_in
+        ):  # a fused projection: its layouts, by verification
+            layouts = fused_layouts(join(full_name, name), entry_out, heads, kv_heads, head_dim, tp)
+            variants = [(label, {join(full_name, name): style}) for label, style in layouts]
+            styles.update(variants[0][1])
+        elif kv_heads < tp and entry_out == kv_width and kv_width != exit_in:  # k/v of fewer heads than ranks
+            layout = RowLayout.of_blocks(
+                [(kv_width, kv_heads)], tp, label=f"{kv_heads} k/v heads, each on {tp // kv_heads} ranks"
             )
-        styles[join(full_name, name)] = ColwiseProjection(num_chunks=chunks, use_local_output=True)
+            styles[join(full_name, name)] = ColwiseProjection(row_layout=layout, use_local_output=True)
+        else:
+            styles[join(full_name, name)] = ColwiseProjection(use_local_output=True)
     styles[join(full_name, cand.exit[0])] = exit_style(sp)
-    styles.update(per_head_norm_styles(module, full_name, head_dim))
-    widths = {hidden, exit_in, kv_heads * head_dim, 3 * exit_in}
+    styles.update(attention_norm_styles(module, full_name, head_dim, {exit_in, kv_heads * head_dim}))
+    widths = {hidden, exit_in, 3 * exit_in} | ({kv_width} if kv_heads >= tp else set())
     scaled = scaled_attributes(module, tp, {"heads": heads, "kv_heads": kv_heads, "widths": widths})
     container = ShardedContainer(
         name=full_name,
@@ -118,8 +161,44 @@ def plan_attention(
         exit=join(full_name, cand.exit[0]),
         scaled_attributes=scaled,
         hidden_size=hidden,
+        variants=variants,
+        heads=heads,
     )
     return container, styles
+
+
+def fused_layouts(
+    name: str, width: int, heads: int, kv_heads: int, head_dim: int, tp: int
+) -> list[tuple[str, object]]:
+    """How a fused q|k|v projection of ``width`` outputs may lay its rows out, in the order the verification
+    tries them (it keeps the first that reproduces the unsharded block).
+
+    - ``q|k|v``: three equal blocks (GPT-2's ``c_attn``, nanoGPT): each rank takes its slice of each
+      (torch's ``_StridedShard``);
+    - ``per head``/``per k/v group``: the rows of each head's (or each k/v group's) q, k and v next to each
+      other (GPT-NeoX, Bloom, Persimmon; Falcon's grouped layout): each rank takes a contiguous block of
+      whole heads (groups);
+    - ``q|k|v blocks``: a block of query rows, then fewer key and value rows (Phi-3's ``qkv_proj``;
+      GPT-BigCode's multi-query ``c_attn``): each rank stores its query heads and the k/v heads they use,
+      in another row order than the user's (``tensor_parallel/row_layout.py``); with fewer k/v heads than
+      ranks a k/v head is on several ranks.
+    """
+    if width == 3 * heads * head_dim and kv_heads == heads:
+        return [
+            ("q|k|v", ColwiseProjection(num_chunks=3, use_local_output=True)),
+            ("per head", ColwiseProjection(use_local_output=True)),
+        ]
+    if width == (heads + 2 * kv_heads) * head_dim:
+        blocks = [(heads * head_dim, heads), (kv_heads * head_dim, kv_heads), (kv_heads * head_dim, kv_heads)]
+        rows = RowLayout.of_blocks(blocks, tp, label="q|k|v blocks")
+        layouts = [("q|k|v blocks", ColwiseProjection(row_layout=rows, use_local_output=True))]
+        if kv_heads % tp == 0:
+            layouts.insert(0, ("per k/v group", ColwiseProjection(use_local_output=True)))
+        return layouts
+    raise ValueError(
+        f"`{name}` fuses projections of unequal widths ({width} outputs for {heads} query and {kv_heads}"
+        f" key/value heads of {head_dim}); this split is not supported."
+    )
 
 
 # Where a per-head norm's input is marked sharded: the heads' dimension of (batch, sequence, heads,
@@ -127,22 +206,29 @@ def plan_attention(
 HEADS_DIM = -2
 
 
-def per_head_norm_styles(attention: nn.Module, full_name: str, head_dim: int) -> dict:
-    """Norms inside an attention over each head's ``head_dim`` features (Qwen3's, Gemma 3's q/k norms).
+def attention_norm_styles(attention: nn.Module, full_name: str, head_dim: int, widths: set[int]) -> dict:
+    """Norms inside an attention (query/key norms), by the shape of their weight (``tensor_parallel/norm_styles.py``).
 
-    Each rank normalises its own heads with the one shared weight, so the weight's gradient is a
-    partial sum over the tensor-parallel ranks. Torch's ``SequenceParallel`` style over the heads'
-    dimension makes the weight a replicated DTensor and the input a head-sharded one, so that
-    gradient is summed over the ranks (as for sequence-parallel norms). A norm over the full
-    projection width (statistics across heads other ranks hold) is left alone: the verification
-    refuses it.
+    - ``head_dim`` entries, shared by every head (Qwen3's, Gemma 3's): each rank normalises its own heads
+      with the one weight, whose gradient is then a partial sum over the ranks. Torch's
+      ``SequenceParallel`` style over the heads' dimension makes the weight a replicated DTensor and
+      the input a head-sharded one, so that gradient is summed (as for sequence-parallel norms).
+    - ``(heads, head_dim)``, a weight per head (Cohere's): cut along the heads like the input.
+    - a whole projection's width (``widths``: OLMo 2's, OLMoE's): its statistics span heads other ranks
+      hold; the input is gathered and the norm runs whole.
     """
-    styles = {}
+    styles: dict = {}
     for name in norms_in(attention, set()):
         norm = attention.get_submodule(name)
         weight = getattr(norm, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.numel() == head_dim:
+        if not isinstance(weight, torch.Tensor):
+            continue
+        if weight.dim() == 1 and weight.numel() == head_dim:
             styles[join(full_name, name)] = SequenceParallel(sequence_dim=HEADS_DIM, use_local_output=True)
+        elif weight.dim() == 2 and weight.shape[-1] == head_dim:
+            styles[join(full_name, name)] = HeadShardedNorm()
+        elif weight.dim() == 1 and weight.numel() in widths:
+            styles[join(full_name, name)] = GatheredNorm(dim=-1)
     return styles
 
 

@@ -21,6 +21,7 @@ HEAD_COUNT_ATTRS = re.compile(
     r"^(n_head|n_heads|num_heads|num_attention_heads|nheads|n_heads_q|num_q_heads)$"
 )
 KV_HEAD_COUNT_ATTRS = re.compile(r"^(n_kv_head|n_kv_heads|num_kv_heads|num_key_value_heads|n_head_kv)$")
+KV_GROUP_ATTRS = re.compile(r"^(num_key_value_groups|n_rep|num_queries_per_kv)$")  # query heads per k/v head
 HEAD_DIM_ATTRS = ("head_dim", "head_size", "d_head", "attention_head_size")
 WIDTH_ATTRS = re.compile(
     r"^(n_embd|embed_dim|hidden_size|split_size|all_head_size|d_model|dim|inner_dim|n_state|q_width|kv_width)$"
@@ -51,12 +52,20 @@ class ContainerCandidate:
     projections: list[tuple[str, nn.Module]]  # (child name, module) in registration order
 
     @property
-    def entries(self) -> list[tuple[str, nn.Module]]:
-        return self.projections[:-1]
+    def exit(self) -> tuple[str, nn.Module]:
+        """The projection that writes the container's output: the last registered one whose output width is
+        what every other projection reads (Phi-3 registers ``o_proj`` before ``qkv_proj``); the last
+        registered one if none is."""
+        for name, module in reversed(self.projections):
+            width = projection_dims(module)[1]
+            if all(projection_dims(m)[0] == width for n, m in self.projections if n != name):
+                return name, module
+        return self.projections[-1]
 
     @property
-    def exit(self) -> tuple[str, nn.Module]:
-        return self.projections[-1]
+    def entries(self) -> list[tuple[str, nn.Module]]:
+        exit_name = self.exit[0]
+        return [(n, m) for n, m in self.projections if n != exit_name]
 
     def looks_like_attention(self) -> bool:
         if ATTENTION_NAME.search(type(self.module).__name__) or ATTENTION_NAME.search(

@@ -44,6 +44,7 @@ from lightning_parallel.precision._partial import (
     reduce_partial_grads_,
     unique_parameters,
 )
+from lightning_parallel.tensor_parallel.row_layout import row_layout
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "global_grad_norm"]
 
@@ -94,7 +95,9 @@ def global_grad_norm(
             key = key | {ranks}
         entries = contributions[key]  # registers the key even without a gradient
         if grad is not None:
-            entries.append(grad.to_local() if isinstance(grad, DTensor) else grad)
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            layout = row_layout(param)  # a row on several tensor-parallel ranks counts once
+            entries.append(local if layout is None else layout.measured(local, p, _tp_rank(grad)))
 
     # Keys in order of first appearance: ranks of one group see the parameters in the same
     # order, so their entries line up (rank tuples of the *other* groups differ per rank).
@@ -199,6 +202,13 @@ def _shard_groups(tensor: Tensor, groups: dict[GroupRanks, ProcessGroup]) -> fro
             groups.setdefault(ranks, group)
             key.append(ranks)
     return frozenset(key)
+
+
+def _tp_rank(tensor: Tensor) -> int:
+    """This rank's coordinate on the tensor-parallel axis of a DTensor's mesh (0 without one)."""
+    if not isinstance(tensor, DTensor) or "tp" not in (tensor.device_mesh.mesh_dim_names or ()):
+        return 0
+    return tensor.device_mesh.get_local_rank("tp")
 
 
 def _local_power_sum(tensors: list[Tensor], p: float, device: torch.device) -> Tensor:

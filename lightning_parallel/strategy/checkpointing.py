@@ -35,6 +35,15 @@ from lightning_parallel.checkpoint.layouts import (
     saved_keys,
 )
 from lightning_parallel.checkpoint.loop_state import reopen_cut_epoch
+from lightning_parallel.checkpoint.row_layouts import (
+    full_optimizer_rows_as_stored,
+    full_optimizer_rows_as_user,
+    full_rows_as_stored,
+    full_rows_as_user,
+    registry,
+    rows_as_stored,
+    rows_as_user,
+)
 from lightning_parallel.checkpoint.safe_load import UnsafeCheckpointError, load_trusted_or_weights
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.config.validation import consolidated_refusal
@@ -174,7 +183,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if not self._save_distributed_checkpoint:
             self._check_consolidated_supported()
-            return super().lightning_module_state_dict()
+            return full_rows_as_user(super().lightning_module_state_dict(), registry(self.model))
         if self.deepspeed_zero:  # DeepSpeed's fp32 masters, same layout (checkpoint/zero.py)
             from lightning_parallel.checkpoint.zero import zero_model_state
 
@@ -183,10 +192,10 @@ class CheckpointingStrategy(MeshParallelStrategy):
 
         assert self.model is not None
         layouts = expert_layouts(self.model)
+        state = rows_as_user(get_model_state_dict(self.model), registry(self.model), optimizer=False)
         state = experts_as_dtensors(
-            get_model_state_dict(self.model), layouts, self._ep_mesh(), optimizer=False,
-            replicas_mesh=self._expert_replicas_mesh(),
-        )  # fmt: skip
+            state, layouts, self._ep_mesh(), optimizer=False, replicas_mesh=self._expert_replicas_mesh()
+        )
         return contiguous_shards(state)
 
     def _ep_mesh(self) -> Any:
@@ -201,7 +210,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if not self._save_distributed_checkpoint:
-            return super().optimizer_state(optimizer)
+            return self._consolidated_optimizer_state(optimizer)
         from lightning.pytorch.core.optimizer import LightningOptimizer
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -212,13 +221,40 @@ class CheckpointingStrategy(MeshParallelStrategy):
 
             return zero_optimizer_state(self.lightning_module, optimizer, self.zero_engine, self._ep_mesh())
         assert self.model is not None
-        state = get_optimizer_state_dict(self.model, optimizer, options=FLAT)
+        state = rows_as_user(
+            get_optimizer_state_dict(self.model, optimizer, options=FLAT), registry(self.model), True
+        )
         layouts = expert_layouts(self.model)
         return contiguous_shards(
             experts_as_dtensors(
                 state, layouts, self._ep_mesh(), optimizer=True, replicas_mesh=self._expert_replicas_mesh()
             )
         )
+
+    def _consolidated_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Lightning's consolidated optimizer state (keyed by parameter index on rank 0), with the tensors of
+        weights stored in a row layout put back in the user's rows first (by name, before the re-keying)."""
+        rows = registry(self.model)
+        if not rows:
+            return super().optimizer_state(optimizer)
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+        from lightning.pytorch.strategies.model_parallel import _align_compiled_param_names_with_module
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.model is not None
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = full_optimizer_rows_as_user(
+            get_optimizer_state_dict(self.model, optimizer, options=options), rows
+        )
+        if self.global_rank == 0:
+            state = _align_compiled_param_names_with_module(state, self.model)
+            state = FullyShardedDataParallel.rekey_optim_state_dict(
+                state, OptimStateKeyType.PARAM_ID, self.model
+            )
+        return state
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -280,16 +316,21 @@ class CheckpointingStrategy(MeshParallelStrategy):
                                  strict=self.lightning_module.strict_loading)  # fmt: skip
             return load_trusted_or_weights(path / _METADATA_FILENAME, RESUME, weights_only)
         layouts, ep_mesh, replicas = expert_layouts(self.model), self._ep_mesh(), self._expert_replicas_mesh()
-        original = get_model_state_dict(self.model)
+        rows = registry(self.model)
+        stored = get_model_state_dict(self.model)
+        original = rows_as_user(stored, rows, optimizer=False)
         model_state = experts_as_dtensors(original, layouts, ep_mesh, optimizer=False, replicas_mesh=replicas)
         readable = contiguous_shards(model_state)
         _distributed_checkpoint_load({"state_dict": readable}, path)
+        loaded = experts_as_local(
+            restore_strided(readable, model_state), layouts, optimizer=False, like=original
+        )
         self.model.load_state_dict(
-            experts_as_local(restore_strided(readable, model_state), layouts, optimizer=False, like=original),
-            strict=self.lightning_module.strict_loading,
+            rows_as_stored(loaded, stored, rows, optimizer=False), strict=self.lightning_module.strict_loading
         )
         for idx, optimizer in enumerate(self.optimizers):
-            original = get_optimizer_state_dict(self.model, optimizer, options=FLAT)
+            stored = get_optimizer_state_dict(self.model, optimizer, options=FLAT)
+            original = rows_as_user(stored, rows, optimizer=True)
             optimizer_state = experts_as_dtensors(
                 original, layouts, ep_mesh, optimizer=True, replicas_mesh=replicas
             )
@@ -302,6 +343,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
                 optimizer=True,
                 like=original,
             )
+            restored = rows_as_stored(restored, stored, rows, optimizer=True)
             set_optimizer_state_dict(self.model, optimizer, restored, options=FLAT)
         return load_trusted_or_weights(path / _METADATA_FILENAME, RESUME, weights_only)
 
@@ -320,10 +362,13 @@ class CheckpointingStrategy(MeshParallelStrategy):
         self._check_consolidated_supported(zero_only=True)
         checkpoint = load_trusted_or_weights(path, RESUME, weights_only, mmap=True, map_location="cpu")
         options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
-        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
+        rows = registry(self.model)  # the user's rows of a weight stored in a row layout, in its stored order
+        set_model_state_dict(
+            self.model, full_rows_as_stored(checkpoint.pop("state_dict"), rows), options=options
+        )
         for idx, optimizer in enumerate(self.optimizers):
-            optimizer_state = _rekey_optimizer_state_if_needed(
-                checkpoint["optimizer_states"][idx], self.model
+            optimizer_state = full_optimizer_rows_as_stored(
+                _rekey_optimizer_state_if_needed(checkpoint["optimizer_states"][idx], self.model), rows
             )
             set_optimizer_state_dict(self.model, optimizer, optimizer_state, options=options)
         return checkpoint

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import defaultdict
 
@@ -13,6 +14,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
 from lightning_parallel.tensor_parallel.regions import install_container_hooks, install_sequence_region
+from lightning_parallel.tensor_parallel.row_layout import record_row_layouts
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +52,19 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
 
 
 def scale_attributes(module: nn.Module, container: ShardedContainer, local: bool) -> None:
+    """Set the container's head counts and widths to the local shard's (``local``) or back to the model's.
+
+    ``config.<name>`` is a head count the module reads from its config while it runs: the module gets a
+    copy of the config of its own, so the rest of the model (embeddings, other modules) keeps the model's.
+    """
     for key, (global_value, local_value) in container.scaled_attributes.items():
-        setattr(module, key, local_value if local else global_value)
+        target = module
+        if key.startswith("config."):
+            if not getattr(module, "_lp_own_config", False):
+                module.config = copy.copy(module.config)
+                module._lp_own_config = True
+            target, key = module.config, key[len("config.") :]
+        setattr(target, key, local_value if local else global_value)
 
 
 def install_container(
@@ -59,7 +72,14 @@ def install_container(
 ) -> list[RemovableHandle]:
     entries = [module.get_submodule(suffix) for suffix in container.entry_suffixes]
     narrow = container.hidden_size // plan.tensor_parallel if container.narrow_input else None
-    return install_container_hooks(module, entries, tp_mesh, plan.sequence_parallel, narrow)
+    heads = container.heads if container.slice_heads else None
+    handles = install_container_hooks(module, entries, tp_mesh, plan.sequence_parallel, narrow, heads)
+    if container.copy_output:  # torch's local output is a view its autograd forbids changing in place
+        exit_module = module.get_submodule(
+            container.exit[len(container.name) + 1 :] if container.name else container.exit
+        )
+        handles.append(exit_module.register_forward_hook(lambda mod, args, out: out.clone()))
+    return handles
 
 
 def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceMesh) -> list[RemovableHandle]:
@@ -73,6 +93,7 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceM
     # shard locally (src_data_rank=None) instead of scattering from rank 0.
     parallelize_module(model, tp_mesh, plan.styles, src_data_rank=None)
     _retie(aliases)
+    record_row_layouts(model)
     handles: list[RemovableHandle] = []
     for container in plan.containers:
         handles += install_container(model.get_submodule(container.name), container, plan, tp_mesh)

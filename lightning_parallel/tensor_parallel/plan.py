@@ -31,6 +31,11 @@ class ShardedContainer:
     must describe the *local* shard: ``{name: (global value, local value)}``.
     ``narrow_input`` is decided at setup by verification: True when the module reads the
     model width from its input tensor and therefore must be shown a width-sliced input.
+    ``variants``: the ways the entries can be sharded when a fused projection's layout cannot be
+    told from its shape (``(label, {entry name: style})``, the first in ``styles`` until the
+    verification chooses, ``variant``). ``slice_heads``: tensors the attention receives with a
+    dimension per head (ALiBi biases made at model level) are cut to this rank's heads (decided
+    by the verification too).
     """
 
     name: str
@@ -40,6 +45,15 @@ class ShardedContainer:
     scaled_attributes: dict[str, tuple[int, int]] = field(default_factory=dict)
     hidden_size: int = 0
     narrow_input: bool = False
+    variants: list[tuple[str, dict[str, ParallelStyle]]] = field(default_factory=list)
+    variant: int = 0
+    heads: int = 0  # attention heads of the whole model (for ``slice_heads``)
+    slice_heads: bool = False
+    copy_output: bool = False  # the exit's output copied: the model adds to it in place (Falcon's MLP)
+
+    @property
+    def variant_label(self) -> str | None:
+        return self.variants[self.variant][0] if self.variants else None
 
     @property
     def entry_suffixes(self) -> list[str]:
@@ -112,6 +126,9 @@ def format_plan(plan: ParallelPlan) -> str:
         if container.scaled_attributes or container.narrow_input:
             attrs = ", ".join(f"{k} {g}->{loc}" for k, (g, loc) in container.scaled_attributes.items())
             mode = "width-sliced input" if container.narrow_input else "full-width input"
+            mode += f", fused entry {container.variant_label}" if container.variant_label else ""
+            mode += ", per-head inputs cut to the local heads" if container.slice_heads else ""
+            mode += ", output copied" if container.copy_output else ""
             lines.append(f"    {container.name}: {container.kind}, {mode}" + (f"; {attrs}" if attrs else ""))
     for note in plan.notes:
         lines.append(f"  note: {note}")

@@ -64,19 +64,51 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return wait() if callable(wait) else local
 
 
+def local_heads(value: Any, batch: int, heads: int, tensor_parallel: int, rank: int) -> Any:
+    """``value`` cut to this rank's block of heads when it carries one entry per head, else as it is.
+
+    Attention biases made once at model level and handed to every block (Bloom's, MPT's ALiBi) come as
+    ``(batch * heads, ...)`` or ``(batch or 1, heads, ...)``; under tensor parallelism the block holds
+    ``heads / tensor_parallel`` of the heads, the ``rank``-th contiguous block of them.
+    """
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.dim() < 2:
+        return value
+    size = heads // tensor_parallel
+    if heads > 1 and value.shape[0] == batch * heads:
+        grouped = value.view(batch, heads, *value.shape[1:])
+        return grouped.narrow(1, rank * size, size).reshape(batch * size, *value.shape[1:])
+    if value.dim() >= 3 and value.shape[1] == heads and value.shape[0] in (1, batch):
+        return value.narrow(1, rank * size, size)
+    return value
+
+
 def install_container_hooks(
     container: nn.Module,
     entries: list[nn.Module],
     mesh: DeviceMesh,
     sequence_parallel: bool,
     narrow_width: int | None,
+    slice_heads: int | None = None,
 ) -> list[RemovableHandle]:
-    """Share one DTensor input among ``entries``; optionally narrow what the body sees."""
+    """Share one DTensor input among ``entries``; optionally narrow what the body sees.
+
+    ``slice_heads``: the model's attention heads, when the tensors besides the hidden state that carry
+    one entry per head are to be cut to this rank's heads (:func:`local_heads`).
+    """
     input_placement = Shard(SEQUENCE_DIM) if sequence_parallel else Replicate()
     rank = mesh.get_local_rank()
 
+    def cut_heads(args: tuple[Any, ...], kwargs: dict[str, Any], where: str | int, batch: int) -> Any:
+        def cut(value: Any) -> Any:
+            return local_heads(value, batch, slice_heads, mesh.size(), rank)
+
+        args = tuple(a if i == where else cut(a) for i, a in enumerate(args))
+        return args, {k: v if k == where else cut(v) for k, v in kwargs.items()}
+
     def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         where, hidden = find_hidden(args, kwargs)
+        if slice_heads is not None:
+            args, kwargs = cut_heads(args, kwargs, where, hidden.shape[0])
         if isinstance(hidden, DTensor):
             shared = hidden.redistribute(mesh, [Replicate()])
         else:

@@ -26,6 +26,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from lightning_parallel.tensor_parallel.row_layout import ROW_LAYOUT, RowLayout
+
 
 def is_conv1d(module: nn.Module) -> bool:
     """Hugging Face's transposed linear layer (``transformers.pytorch_utils.Conv1D``)."""
@@ -82,19 +84,34 @@ class ColwiseProjection(ColwiseParallel):
     ``num_chunks > 1`` marks a projection whose output concatenates that many equal parts
     (fused q|k|v: 3). Its output stays in the local ``[q_r; k_r; v_r]`` order: the module
     that consumes it splits by the (scaled) per-rank width, which is what we want.
+    ``row_layout``: the output rows stored in another order, or some on several ranks
+    (``tensor_parallel/row_layout.py``: fused q|k|v of unequal widths, k/v heads fewer than ranks).
     """
 
-    def __init__(self, *, num_chunks: int = 1, **kwargs: Any) -> None:
+    def __init__(self, *, num_chunks: int = 1, row_layout: RowLayout | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if num_chunks < 1:
             raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
         self.num_chunks = num_chunks
+        self.row_layout = row_layout
 
     def _partition_projection_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        placements = {
-            name: _split_placement(dim, self.num_chunks) for name, dim in sharded_dims(module, self).items()
-        }
-        _distribute_params(module, device_mesh, placements, self.src_data_rank)
+        dims = sharded_dims(module, self)
+        placements = {name: _split_placement(dim, self.num_chunks) for name, dim in dims.items()}
+        if self.row_layout is None:
+            _distribute_params(module, device_mesh, placements, self.src_data_rank)
+            return
+        for param_name, dim in dims.items():
+            param = getattr(module, param_name, None)
+            if param is None:
+                continue
+            layout = self.row_layout.along(dim)
+            stored = distribute_tensor(
+                layout.stored(param.detach()), device_mesh, [Shard(dim)], src_data_rank=None
+            )
+            new = nn.Parameter(stored, requires_grad=param.requires_grad)
+            setattr(new, ROW_LAYOUT, layout)
+            module.register_parameter(param_name, new)
 
     @staticmethod
     def _prepare_fused_output_fn(
@@ -124,7 +141,8 @@ class ColwiseProjection(ColwiseParallel):
 
     def __repr__(self) -> str:
         fused = f", num_chunks={self.num_chunks}" if self.num_chunks > 1 else ""
-        return f"Colwise(out={self.output_layouts[0]}{fused})"
+        rows = f", rows={self.row_layout.label}" if self.row_layout is not None else ""
+        return f"Colwise(out={self.output_layouts[0]}{fused}{rows})"
 
 
 class RowwiseProjection(RowwiseParallel):

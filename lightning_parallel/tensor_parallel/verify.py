@@ -33,6 +33,7 @@ from lightning_parallel.tensor_parallel.regions import (
     replace_hidden,
     sequence_length_problem,
 )
+from lightning_parallel.tensor_parallel.row_layout import row_layout
 
 TOLERANCE = 1e-5
 
@@ -132,21 +133,69 @@ def capture_block_inputs(run_step: Callable[[], Any], blocks: dict[str, nn.Modul
     return capture.captured
 
 
-def _relative_plan(plan: ParallelPlan, prefix: str, narrow: set[str]) -> ParallelPlan:
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One way to run a block's sharded containers, as the verification tries them."""
+
+    narrow: bool = False  # attention shown a width-sliced input
+    variant: int = 0  # the fused entries' layout (``ShardedContainer.variants``)
+    slice_heads: bool = False  # per-head tensors handed to attention cut to the local heads
+    copy_output: bool = False  # the exits' outputs copied (for models that add to them in place)
+
+    def describe(self, containers: list[ShardedContainer]) -> str:
+        words = ["width-sliced" if self.narrow else "full-width"]
+        labels = {c.variants[min(self.variant, len(c.variants) - 1)][0] for c in containers if c.variants}
+        words += [f"fused entry {label}" for label in sorted(labels)]
+        words += ["per-head inputs cut to its heads"] if self.slice_heads else []
+        return ", ".join(words + (["outputs copied"] if self.copy_output else []))
+
+
+def modes_to_try(containers: list[ShardedContainer]) -> list[Mode]:
+    """Every mode a block's containers allow, the plainest first."""
+    attention = any(c.kind == "attention" for c in containers)
+    variants = max((len(c.variants) for c in containers), default=0) or 1
+    both = (False, True) if attention else (False,)
+    return [Mode(n, v, h, c) for c in (False, True) for h in both for v in range(variants) for n in both]
+
+
+def _apply_mode(container: ShardedContainer, mode: Mode) -> ShardedContainer:
+    attention = container.kind == "attention"
+    variant = min(mode.variant, len(container.variants) - 1) if container.variants else 0
+    return dataclasses.replace(
+        container,
+        narrow_input=mode.narrow and attention,
+        variant=variant,
+        slice_heads=mode.slice_heads and attention,
+        copy_output=mode.copy_output,
+    )
+
+
+def _variant_styles(container: ShardedContainer) -> dict[str, Any]:
+    return container.variants[container.variant][1] if container.variants else {}
+
+
+def _relative_plan(plan: ParallelPlan, prefix: str, mode: Mode) -> ParallelPlan:
     cut = len(prefix) + 1
-    styles = {name[cut:]: style for name, style in plan.styles.items() if name.startswith(prefix + ".")}
+    chosen = [_apply_mode(c, mode) for c in plan.containers if c.name.startswith(prefix + ".")]
+    styles = dict(plan.styles)
+    for container in chosen:
+        styles.update(_variant_styles(container))
+    styles = {name[cut:]: style for name, style in styles.items() if name.startswith(prefix + ".")}
     containers = [
-        dataclasses.replace(
-            c,
-            name=c.name[cut:],
-            entries=[e[cut:] for e in c.entries],
-            exit=c.exit[cut:],
-            narrow_input=c.name in narrow,
-        )
-        for c in plan.containers
-        if c.name.startswith(prefix + ".")
+        dataclasses.replace(c, name=c.name[cut:], entries=[e[cut:] for e in c.entries], exit=c.exit[cut:])
+        for c in chosen
     ]
     return dataclasses.replace(plan, styles=styles, containers=containers, block_names=[], norms=[])
+
+
+def _keep_mode(plan: ParallelPlan, model: nn.Module, block: nn.Module, mode: Mode) -> None:
+    """Every block of ``block``'s class runs its containers in ``mode`` (their fused entries' styles too)."""
+    for index, container in enumerate(plan.containers):
+        owner = next((b for b in plan.block_names if container.name.startswith(b + ".")), None)
+        if owner is not None and type(model.get_submodule(owner)) is type(block):
+            chosen = _apply_mode(container, mode)
+            plan.containers[index] = chosen
+            plan.styles.update(_variant_styles(chosen))
 
 
 def first_tensor(output: Any) -> torch.Tensor:
@@ -214,18 +263,23 @@ def _compare_once(block: nn.Module, inputs: Captured, plan: ParallelPlan, mesh: 
         problems.append(f"input gradient differs (relative error {err:.2e})")
     exact: dict[str, float] | None = None  # computed only if a gradient differs
     for name, ref_param in reference.named_parameters():
-        param = sharded.get_parameter(name)
-        if (
-            ref_param.grad is None
-            or param.grad is None
-            or relative_error(param.grad, ref_param.grad) <= TOLERANCE
-        ):
+        grad = user_gradient(sharded.get_parameter(name))
+        if ref_param.grad is None or grad is None or relative_error(grad, ref_param.grad) <= TOLERANCE:
             continue
         exact = exact if exact is not None else exact_gradient_norms(block, inputs)
-        problem = gradient_problem(name, param.grad, ref_param.grad, exact)
+        problem = gradient_problem(name, grad, ref_param.grad, exact)
         if problem:
             problems.append(problem)
     return "; ".join(problems) or None
+
+
+def user_gradient(param: torch.Tensor) -> torch.Tensor | None:
+    """A sharded parameter's gradient in the user's layout: rows stored in another order put back, and a row
+    stored on several ranks given the sum of its copies' shares (``tensor_parallel/row_layout.py``)."""
+    grad, layout = param.grad, row_layout(param)
+    if grad is None or layout is None:
+        return grad
+    return layout.summed(grad.full_tensor() if isinstance(grad, DTensor) else grad)
 
 
 def ranks_with_other_inputs(captured: dict[str, Captured], mesh: DeviceMesh) -> list[int]:
@@ -309,28 +363,22 @@ def verify_and_choose_modes(
     lines = []
     for block_name, inputs in captured.items():
         block = model.get_submodule(block_name)
-        block_containers: list[ShardedContainer] = [
-            c for c in plan.containers if c.name.startswith(block_name + ".")
-        ]
-        attention = {c.name for c in block_containers if c.kind == "attention"}
+        block_containers = [c for c in plan.containers if c.name.startswith(block_name + ".")]
         failures = []
-        for mode, narrowed in (("full-width", set()), ("width-sliced", attention)):
-            if mode == "width-sliced" and not attention:
-                continue
+        for mode in modes_to_try(block_containers):
             try:
                 with exact_fp32():
-                    problem = _compare_once(block, inputs, _relative_plan(plan, block_name, narrowed), mesh)
+                    problem = _compare_once(block, inputs, _relative_plan(plan, block_name, mode), mesh)
             except Exception as error:  # noqa: BLE001 - any failure of a mode means "try the next one"
                 problem = f"{type(error).__name__}: {error}"
             if all_agree(problem is None):
-                narrowed_suffixes = {name[len(block_name) + 1 :] for name in narrowed}
-                for container in plan.containers:
-                    owner = next((b for b in plan.block_names if container.name.startswith(b + ".")), None)
-                    if owner is not None and type(model.get_submodule(owner)) is type(block):
-                        container.narrow_input = container.name[len(owner) + 1 :] in narrowed_suffixes
-                lines.append(f"verified {type(block).__name__} ({block_name}): attention runs {mode}")
+                _keep_mode(plan, model, block, mode)
+                attention = "attention runs " if any(c.kind == "attention" for c in block_containers) else ""
+                lines.append(
+                    f"verified {type(block).__name__} ({block_name}): {attention}{mode.describe(block_containers)}"
+                )
                 break
-            failures.append(f"{mode}: {problem or 'failed on another rank'}")
+            failures.append(f"{mode.describe(block_containers)}: {problem or 'failed on another rank'}")
         else:
             raise ValueError(
                 f"The tensor-parallel plan for block `{block_name}` ({type(block).__name__}) does not reproduce the"

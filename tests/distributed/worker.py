@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from lightning_parallel.tensor_parallel.row_layout import row_layout
 from tests.compat import case_rows
 from tests.distributed.cases import Case, Fault, GradientFault
 from tests.distributed.engagement import (
@@ -46,7 +47,7 @@ from tests.distributed.engagement import (
     merge_records,
     rank_record,
 )
-from tests.distributed.harness import mean_over_ranks, merge_replicas
+from tests.distributed.harness import mean_over_ranks, merge_replicas, mismatch
 from tests.environment import LAUNCHER_VARIABLES
 from tests.models.families import build, make_dataloader, reference_dataloader
 
@@ -110,11 +111,19 @@ class ParityRecorder(Callback):
             named = [
                 (name, param, param.detach().clone()) for name, param in user_named_parameters(pl_module)
             ]
+        copies_apart: dict[str, str] = {}
         for name, param, tensor in named:
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
             if tensor.is_meta:
                 continue
+            layout = row_layout(param)  # rows stored in another order or on several ranks: the user's tensor
+            if layout is not None:
+                user = layout.user(tensor)
+                problem = mismatch(layout.stored(user), tensor)  # every copy of a row equal
+                if problem:
+                    copies_apart[f"{name} (copies of its rows)"] = problem
+                tensor = user
             shard = getattr(param, "_lp_expert_shard", None)
             if shard is not None and shard.dim == 0 and shard.ep_size > 1:
                 slices[name] = (shard.first_expert, tensor.cpu().clone())
@@ -165,6 +174,7 @@ class ParityRecorder(Callback):
             "facts": strategy_facts(trainer.strategy),
             "engagement": engagement,
         }
+        self.payload["replica_mismatches"].update(copies_apart)  # the full tensors are alike on every rank
         if self.case is not None:
             facts = {**self.payload["facts"], "data_parallel": self.payload["data_parallel"]}
             self.payload["engagement_problems"] = engagement_problems(case_rows(self.case), engagement, facts)

@@ -1,0 +1,66 @@
+"""Row layouts (``tensor_parallel/row_layout.py``): which user rows each rank stores, and the way back.
+
+No processes: the layouts of Phi-3's fused q|k|v (unequal widths) and of k/v heads fewer than ranks,
+their inverse, the summed gradient of rows held twice, the weighting that counts such a row once in
+a norm; and the planner choosing them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_parallel.plans.auto import fused_layouts, local_kv_heads
+from lightning_parallel.tensor_parallel.row_layout import RowLayout
+
+HEAD = 2  # rows per head in these examples
+
+
+def _qkv(heads: int, kv_heads: int, ranks: int) -> RowLayout:
+    return RowLayout.of_blocks(
+        [(heads * HEAD, heads), (kv_heads * HEAD, kv_heads), (kv_heads * HEAD, kv_heads)], ranks
+    )
+
+
+def test_unequal_fused_rows_give_each_rank_its_heads_of_each_block() -> None:
+    layout = _qkv(heads=4, kv_heads=2, ranks=2)  # q rows 0-7, k 8-11, v 12-15
+    assert layout.index == (0, 1, 2, 3, 8, 9, 12, 13, 4, 5, 6, 7, 10, 11, 14, 15)
+    assert not layout.duplicated and layout.per_rank == 8
+    user = torch.arange(16.0).view(16, 1)
+    assert torch.equal(layout.user(layout.stored(user)), user)
+    assert torch.equal(layout.summed(layout.stored(user)), user)  # no copies: the sum is the user's tensor
+
+
+def test_fewer_kv_heads_than_ranks_store_a_head_on_several_ranks() -> None:
+    layout = _qkv(heads=4, kv_heads=1, ranks=2)  # multi-query: one k and one v head
+    assert layout.index == (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11)
+    assert layout.duplicated
+    assert layout.copies.tolist() == [1, 1, 1, 1, 2, 2, 2, 2] * 2
+    shares = torch.ones(16, 3)  # each rank's share of a gradient: a row held twice gets two shares
+    assert layout.summed(shares)[:, 0].tolist() == [1.0] * 8 + [2.0] * 4
+    # Counted once in a norm: each copy of a row held twice weighs half (p = 2).
+    local = torch.ones(8, 3)
+    assert float(layout.measured(local, 2.0, rank=0).pow(2).sum()) == pytest.approx(4 * 3 + 4 * 3 / 2)
+    assert torch.equal(layout.measured(local, float("inf"), rank=0), local)
+
+
+def test_kv_heads_on_four_ranks() -> None:
+    layout = RowLayout.of_blocks([(2 * HEAD, 2)], 4)  # 2 k heads over 4 ranks: each on two
+    assert layout.index == (0, 1, 0, 1, 2, 3, 2, 3)
+    assert local_kv_heads(2, 4) == 1 and local_kv_heads(8, 4) == 2
+
+
+def test_blocks_that_cannot_be_split_are_refused() -> None:
+    with pytest.raises(ValueError, match="cannot be split over 4 ranks"):
+        RowLayout.of_blocks([(6, 3)], 4)
+
+
+def test_the_planner_offers_the_layouts_of_a_fused_projection_in_order() -> None:
+    equal = [label for label, _ in fused_layouts("qkv", 3 * 4 * 16, 4, 4, 16, 2)]
+    assert equal == ["q|k|v", "per head"]
+    grouped = [label for label, _ in fused_layouts("qkv", (4 + 2 * 2) * 16, 4, 2, 16, 2)]
+    assert grouped == ["per k/v group", "q|k|v blocks"]
+    multi_query = [label for label, _ in fused_layouts("c_attn", (4 + 2) * 16, 4, 1, 16, 2)]
+    assert multi_query == ["q|k|v blocks"]  # a k/v group cannot be split over two ranks
+    with pytest.raises(ValueError, match="unequal widths"):
+        fused_layouts("qkv", 100, 4, 2, 16, 2)
