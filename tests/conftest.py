@@ -81,6 +81,11 @@ def pytest_configure(config) -> None:
         "compat_refused(pair, message): this test asserts that the pair of rows is refused with `message`"
         " (put by tests.compat.refusal)",
     )
+    config.addinivalue_line(
+        "markers",
+        "zoo(family, layout, refused=None): this test trains a family of tests/models/zoo.py in `layout` at parity,"
+        " or asserts that the layout is refused with `refused` (docs/compatibility.md, 'Model families')",
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 
+from lightning_parallel.experts import find_moe_blocks
 from lightning_parallel.plans.detect import (
     HEAD_COUNT_ATTRS,
     KV_GROUP_ATTRS,
@@ -75,7 +76,10 @@ def scaled_attributes(module: nn.Module, tp: int, known: dict) -> dict[str, tupl
         elif KV_HEAD_COUNT_ATTRS.match(key) and value == kv_heads:
             scaled[key] = (value, kv_local)
         elif KV_GROUP_ATTRS.match(key) and heads and kv_heads and value == heads // kv_heads:
-            scaled[key] = (value, heads // tp // kv_local)  # query heads per k/v head, locally
+            if (
+                heads // tp // kv_local != value
+            ):  # query heads per k/v head, locally: fewer k/v heads than ranks
+                scaled[key] = (value, heads // tp // kv_local)
         elif WIDTH_ATTRS.match(key) and value in known.get("widths", ()):
             scaled[key] = (value, value // tp)
     # Head counts its forward reads from the config while it runs (Phi-3's `self.config.num_attention_heads`).
@@ -133,6 +137,7 @@ def plan_attention(
     for name, entry in cand.entries:
         entry_in, entry_out = projection_dims(entry)
         if entry_in != hidden:
+            _refuse_latent_attention(full_name, name, entry_in, cand, hidden)
             raise ValueError(
                 f"`{join(full_name, name)}` reads {entry_in} features but the attention output is {hidden} wide;"
                 " lightning_parallel cannot tell how to split it. Pass `plan=` with explicit styles."
@@ -165,6 +170,23 @@ def plan_attention(
         heads=heads,
     )
     return container, styles
+
+
+def _refuse_latent_attention(
+    full_name: str, name: str, width: int, cand: ContainerCandidate, hidden: int
+) -> None:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): per-head projections read a low-rank latent that
+    another projection makes from the hidden state; not sharded yet (a clear refusal, not a guess)."""
+    latent = [
+        n for n, m in cand.entries if projection_dims(m)[0] == hidden and projection_dims(m)[1] >= width
+    ]
+    if latent:
+        raise ValueError(
+            f"`{full_name}` ({type(cand.module).__name__}) is multi-head latent attention: `{name}` reads a"
+            f" {width}-wide latent made by `{latent[0]}` from the hidden state, which tensor parallelism does not"
+            " shard yet. Train it with tensor_parallel=1 (expert, pipeline, data parallelism and ZeRO apply), or"
+            " pass `plan=` with styles for its other modules only."
+        )
 
 
 def fused_layouts(
@@ -261,6 +283,20 @@ def plan_mlp(full_name: str, cand: ContainerCandidate, tp: int, sp: bool) -> tup
     return container, styles
 
 
+def _refuse_experts_under_sequence_parallelism(blocks: nn.ModuleList, names: list[str]) -> None:
+    """MoE blocks are not tensor-parallel (their experts are replicated over ``tp``); under sequence parallelism
+    each rank would route and train them on its slice of the sequence only (gradients partial over ``tp``)."""
+    for name, block in zip(names, blocks, strict=True):
+        found = find_moe_blocks(block)
+        if found:
+            raise ValueError(
+                f"`sequence_parallel=True` with the Mixture-of-Experts block `{join(name, found[0].name)}`: MoE"
+                " blocks are not tensor-parallel, and under sequence parallelism each rank would route only its"
+                " slice of the sequence through them. Use sequence_parallel=False (tensor parallelism still shards"
+                " the attention), and `expert_parallel=` to spread the experts."
+            )
+
+
 def auto_plan(model: nn.Module, tensor_parallel: int, sequence_parallel: bool) -> ParallelPlan:
     """Discover the Megatron-style plan of ``model`` for ``tensor_parallel`` ranks."""
     tp, sp = tensor_parallel, sequence_parallel
@@ -273,6 +309,8 @@ def auto_plan(model: nn.Module, tensor_parallel: int, sequence_parallel: bool) -
         )
     plan.block_list = stack.name
     plan.block_names = stack.names
+    if sp:
+        _refuse_experts_under_sequence_parallelism(stack.blocks, stack.names)
     for index, block in enumerate(stack.blocks):
         block_name = plan.block_names[index]
         candidates = containers_in(block)

@@ -101,7 +101,8 @@ class Case:
             spread from the natural order derives the low-precision tolerance.
         fault: Test-only fault injection; ``None`` in real cases.
         gradient_fault: Test-only wrong gradient (a negative control); ``None`` in real cases.
-        switch_off: Test-only: ``"activation_checkpointing"`` undoes the strategy's recomputation
+        switch_off: Test-only: ``"row_copies"`` stops summing the gradient copies of rows stored on several
+            tensor-parallel ranks. ``"activation_checkpointing"`` undoes the strategy's recomputation
             when training starts (same numbers, the feature silently off: a negative control of
             the engagement record); ``None`` in real cases.
     """

@@ -82,6 +82,9 @@ class ParityRecorder(Callback):
             if self.case.switch_off == "activation_checkpointing":  # test-only negative control
                 for module in pl_module.modules():
                     module.__dict__.pop("forward", None)  # the class's forward again: no recomputation
+            if self.case.switch_off == "row_copies":  # test-only: the copies of a row no longer summed
+                sync = trainer.strategy.parallelized.gradients.after_backward
+                sync.rest = [group for group in sync.rest if type(group).__name__ != "RowCopies"]
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int

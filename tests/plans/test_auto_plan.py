@@ -77,9 +77,9 @@ class GQAAttention(nn.Module):
 
 
 class GQAModel(nn.Module):
-    def __init__(self, n_kv_head: int = 2) -> None:
+    def __init__(self, n_kv_head: int = 2, n_head: int = 4, dim: int = 64) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([GQAAttention(n_kv_head=n_kv_head) for _ in range(2)])
+        self.layers = nn.ModuleList([GQAAttention(dim, n_head, n_kv_head) for _ in range(2)])
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -263,9 +263,9 @@ def test_per_head_query_and_key_norms_sum_their_weight_gradient_over_the_ranks(
         ),
         pytest.param(hf_gpt2, 3, ["4 attention heads", "`transformer.h.0.attn`"], id="hf_gpt2-heads"),
         pytest.param(hf_llama, 3, ["4 attention heads", "`model.layers.0.self_attn`"], id="hf_llama-heads"),
-        pytest.param(
-            lambda: GQAModel(n_kv_head=2), 4,
-            ["`tensor_parallel=4`", "2 key/value heads", "`layers.0`", "[1, 2]"], id="gqa-kv-heads",
+        pytest.param(  # 3 k/v heads over 2 ranks: neither divides the other
+            lambda: GQAModel(n_kv_head=3, n_head=12, dim=48), 2,
+            ["`tensor_parallel=2`", "3 key/value heads", "`layers.0`", "[1, 3]"], id="gqa-kv-heads",
         ),
         pytest.param(
             lambda: hf_llama(intermediate_size=99), 2,
@@ -281,9 +281,16 @@ def test_degree_that_does_not_divide_is_a_value_error(build, tp: int, fragments:
         assert fragment in str(info.value), f"{fragment!r} missing from: {info.value}"
 
 
-def test_hf_llama_kv_heads_not_divisible() -> None:
-    with pytest.raises(ValueError, match="2 key/value heads"):
-        auto_plan(hf_llama(num_key_value_heads=2), 4, False)
+def test_hf_llama_kv_heads_fewer_than_ranks_are_stored_on_several() -> None:
+    """2 k/v heads over 4 ranks: each rank stores the k/v head its query head uses (each on two ranks)."""
+    plan = auto_plan(hf_llama(num_key_value_heads=2), 4, False)
+    styles = _styles_by_suffix(plan, "model.layers.0")
+    for name in ("self_attn.k_proj", "self_attn.v_proj"):
+        layout = styles[name].row_layout
+        assert layout is not None and layout.duplicated and layout.ranks == 4
+    assert styles["self_attn.q_proj"].row_layout is None
+    attention = _container(plan, "model.layers.0.self_attn")
+    assert attention.scaled_attributes == {"num_key_value_groups": (2, 1)}
 
 
 def test_model_without_block_list() -> None:
