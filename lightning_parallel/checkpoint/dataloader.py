@@ -249,11 +249,26 @@ def _resumable_class(cls: type[DataLoader]) -> type:
     return _CLASSES[cls]
 
 
+def _torchdata_loader(dataloader: DataLoader) -> bool:
+    """torchdata's ``StatefulDataLoader`` (or a subclass): its own state is replaced by this module's."""
+    return any(cls.__module__.startswith("torchdata.") and cls.__name__ == "StatefulDataLoader"
+               for cls in type(dataloader).__mro__)  # fmt: skip
+
+
 def can_resume(dataloader: object) -> bool:
-    """A map-style ``DataLoader`` whose batches come from a sized sampler, not already stateful."""
+    """A map-style ``DataLoader`` whose batches come from a sized sampler, not already stateful.
+
+    torchdata's ``StatefulDataLoader`` over a map-style dataset is taken too: its own state counts the
+    batches it handed out, which disagrees with Lightning's loop on the exception path (a batch fetched, not
+    trained) and is reset when ``fit`` ends, and re-creating its iteration on resume draws from the global
+    random state; resumed from those, a run left the uninterrupted one (measured: tests/strategy/
+    test_checkpoint_resume.py). This module's state resumes it exactly on every save path.
+    """
     if not isinstance(dataloader, DataLoader) or isinstance(dataloader, ResumableDataLoaderMixin):
         return False
-    if callable(getattr(dataloader, "state_dict", None)) or isinstance(dataloader.dataset, IterableDataset):
+    if isinstance(dataloader.dataset, IterableDataset):
+        return False
+    if callable(getattr(dataloader, "state_dict", None)) and not _torchdata_loader(dataloader):
         return False
     index_sampler = dataloader.batch_sampler if dataloader.batch_sampler is not None else dataloader.sampler
     try:

@@ -16,11 +16,29 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["reopen_cut_epoch"]
+__all__ = ["loader_states", "reopen_cut_epoch"]
 
 
-def reopen_cut_epoch(checkpoint: dict[str, Any]) -> bool:
-    """Mark an epoch that stopped before its last batch as still running, in place; whether it did."""
+def loader_states(trainer: Any) -> list[Any] | None:
+    """The training loaders' own states as the current batch left them (what a save at its end would hold).
+
+    Lightning resets its loaders when ``fit`` ends, so a loader that keeps its position itself (torchdata's
+    ``StatefulDataLoader``) is saved after ``fit`` as a fresh iteration; :func:`reopen_cut_epoch` puts this
+    state back instead.
+    """
+    combined = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
+    if combined is None:
+        return None
+    import copy
+
+    return copy.deepcopy(combined._state_dicts())
+
+
+def reopen_cut_epoch(checkpoint: dict[str, Any], last_loader_states: list[Any] | None = None) -> bool:
+    """Mark an epoch that stopped before its last batch as still running, in place; whether it did.
+
+    ``last_loader_states``: :func:`loader_states` at the epoch's last batch, for the loaders' entry.
+    """
     fit_loop = checkpoint.get("loops", {}).get("fit_loop")
     if not isinstance(fit_loop, dict):
         return False
@@ -35,4 +53,7 @@ def reopen_cut_epoch(checkpoint: dict[str, Any]) -> bool:
     for counts in (epochs["current"], epochs["total"]):
         counts["processed"] = counts["completed"] = counts["ready"] - 1
     checkpoint["epoch"] = epochs["current"]["completed"]
+    state = fit_loop.get("state_dict")
+    if last_loader_states is not None and isinstance(state, dict) and "combined_loader" in state:
+        state["combined_loader"] = last_loader_states
     return True

@@ -34,7 +34,7 @@ from lightning_parallel.checkpoint.layouts import (
     restore_strided,
     saved_keys,
 )
-from lightning_parallel.checkpoint.loop_state import reopen_cut_epoch
+from lightning_parallel.checkpoint.loop_state import loader_states, reopen_cut_epoch
 from lightning_parallel.checkpoint.row_layouts import (
     full_optimizer_rows_as_stored,
     full_optimizer_rows_as_user,
@@ -85,6 +85,13 @@ class CheckpointingStrategy(MeshParallelStrategy):
         (``strategy.plan`` is read after ``fit``), as the hooks stay on the module, which a later
         fit/validate/test/predict reuses as it is."""
         self.zero_engine: Any = None
+        self.last_loader_states: list[Any] | None = None  # the training loaders' states at the last batch
+
+    def remember_loader_states(self) -> None:
+        """Called on each training batch: what a save after ``fit`` must restore (``checkpoint/loop_state.py``)."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        self.last_loader_states = loader_states(trainer) if trainer is not None else None
         """DeepSpeed's engine under ZeRO while fitting, else None."""
 
     def _load_init_weights(self, module: torch.nn.Module, path: Path) -> None:
@@ -128,7 +135,8 @@ class CheckpointingStrategy(MeshParallelStrategy):
         if not self._save_distributed_checkpoint:
             self._check_consolidated_supported()  # on every rank, before any collective
         path = Path(self.broadcast(str(filepath)))
-        reopen_cut_epoch(checkpoint)  # saved after max_steps cut an epoch short: resume inside it
+        # saved after max_steps cut an epoch short: resume inside it
+        reopen_cut_epoch(checkpoint, self.last_loader_states)
         checkpoint[STATE_KEY] = {
             "rng_states": gather_objects(portable_rng_states(_collect_rng_states())),
             "layout": self.dims.layout if self.dims is not None else None,

@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from lightning_parallel.config import PathLike, PlanArg
 from lightning_parallel.config.validation import strategy_config
+from lightning_parallel.launch.interrupt import AgreedInterrupt, start_agreed_interrupt
 from lightning_parallel.memory.counting import SavedTensorCounter
 from lightning_parallel.memory.saved_tensors import saved_tensors_context
 from lightning_parallel.parallelize import Parallelized, parallelize, recall
@@ -174,6 +175,7 @@ class HybridParallelStrategy(CheckpointingStrategy):
         """Set (e.g. by :class:`~lightning_parallel.memory.monitor.ActivationMemoryMonitor`) to count each step's activation bytes."""
         self._sync_blocked = False
         self._batch_idx = 0  # Lightning's, for the first batch of an accumulation window
+        self._interrupt: AgreedInterrupt | None = None
 
     # ---- what the user asked for, and what setup made of it ------------------------------
 
@@ -273,13 +275,22 @@ class HybridParallelStrategy(CheckpointingStrategy):
         return self.parallelized
 
     @override
+    def on_train_start(self) -> None:
+        # Ctrl+C: every rank stops at one step boundary, where an exception checkpoint resumes exactly.
+        self._interrupt = start_agreed_interrupt()
+        super().on_train_start()
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._batch_idx = batch_idx
+        if self._interrupt is not None and self.lightning_module is not None:
+            self._interrupt.check(self.lightning_module.trainer.global_step)
         super().on_train_batch_start(batch, batch_idx)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         p = self._parallelized()
+        self.remember_loader_states()
         saver = p.activation_saver if self.config.memory.saves_tensors else None
         scaler = getattr(self.precision_plugin, "scaler", None)
         aux = p.experts.aux_losses
@@ -368,6 +379,9 @@ class HybridParallelStrategy(CheckpointingStrategy):
         # the strategy lets go of its runner, and keeps the plan to show (``strategy.plan``).
         if self.parallelized is not None:
             self.parallelized = dataclasses.replace(self.parallelized, pipeline=None)
+        if self._interrupt is not None:
+            self._interrupt.uninstall()
+            self._interrupt = None
         super().teardown()
 
     @classmethod

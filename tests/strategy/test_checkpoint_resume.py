@@ -1,7 +1,10 @@
 """Save a checkpoint mid-epoch and resume it in the same layout: the same batches, the same losses, bit for bit.
 
 tp=2 on 2 processes, the recipe GPT (fused q|k|v, tied embedding, dropout 0.1), fp32, AdamW with
-a warmup + cosine schedule, a shuffled plain DataLoader of 4 batches per epoch. One launch trains
+a warmup + cosine schedule, a shuffled plain DataLoader of 4 batches per epoch (also pp=2, dp=2, ep=2,
+fp16, the user's own sampler, and torchdata's StatefulDataLoader under tp=2, pp=2 and dp=2). Every
+save path: ``ModelCheckpoint``, ``trainer.save_checkpoint`` after ``fit``, ``OnExceptionCheckpoint``
+on an exception and on Ctrl+C (one rank signalled), SLURM's requeue signal (``SLURMAutoRequeue``). One launch trains
 6 steps straight, then 3 steps, saved by ``ModelCheckpoint`` in the middle of the first epoch
 twice: sharded (``torch.distributed.checkpoint``, the default) and consolidated. A second launch
 (fresh processes) resumes each to step 6: batch 4 of epoch 0 (the data loader's position), then
@@ -32,7 +35,7 @@ def _assert_exact(resumed: dict, straight: dict, what: str) -> None:
     assert resumed["losses"] == straight["losses"][3:], f"{what}: {resumed['losses']} vs {straight['losses']}"
 
 
-LAYOUTS = ("tp2", "pp2", "ep2", "tp2_fp16", "tp2_sampler")
+LAYOUTS = ("tp2", "pp2", "ep2", "tp2_fp16", "tp2_sampler", "dp2", "tp2_stateful", "pp2_stateful", "dp2_stateful")
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +191,28 @@ def test_a_checkpoint_saved_on_an_exception_continues_the_same_run(all_runs: Pat
         _assert_exact(
             resumed[rank], straight[rank], f"{layout}, resumed from the exception's checkpoint, rank {rank}"
         )
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ctrl_c_on_one_rank_stops_every_rank_at_one_step_and_resumes_exactly(all_runs: Path, layout: str) -> None:
+    """SIGINT on rank 1 only, after step 2: every rank stops before step 4 (the strategy agrees on the step
+    through the process group's store), ``OnExceptionCheckpoint`` saves, and the resumed run is the straight
+    one bit for bit. Without the agreement rank 0 would train on alone (a hang) or save another step."""
+    straight, interrupted = _read(all_runs / layout, "straight"), _read(all_runs / layout, "interrupted")
+    resumed = _read(all_runs / layout, "resumed_after_interrupt")
+    for rank in range(2):
+        assert interrupted[rank]["losses"] == straight[rank]["losses"][:3], (rank, interrupted[rank])
+        assert resumed[rank]["global_step"] == 6
+        _assert_exact(resumed[rank], straight[rank], f"{layout}, resumed after Ctrl+C, rank {rank}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_slurm_signal_saves_at_a_step_boundary_and_resumes_exactly(all_runs: Path, layout: str) -> None:
+    """SLURM's requeue signal on rank 0 after step 2 (SLURM's variables, a ``scontrol`` whose requeue fails so
+    training goes on): ``SLURMAutoRequeue`` saves ``hpc_ckpt_1.ckpt`` after step 3 on every rank; the signalled
+    run itself is unchanged, and resuming from its checkpoint continues the straight run bit for bit."""
+    straight, signalled = _read(all_runs / layout, "straight"), _read(all_runs / layout, "signalled")
+    resumed = _read(all_runs / layout, "resumed_after_signal")
+    for rank in range(2):
+        assert signalled[rank]["losses"] == straight[rank]["losses"]
+        _assert_exact(resumed[rank], straight[rank], f"{layout}, resumed after SLURM's signal, rank {rank}")

@@ -31,6 +31,8 @@ the random states must be restored too.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -78,6 +80,31 @@ class CrashAt(L.Callback):
             raise RuntimeError(f"injected crash before step {self.step + 1}")
 
 
+class SignalAt(L.Callback):
+    """Sends ``signum`` to this process on rank ``rank`` only, at the end of step ``step`` (the other ranks must
+    learn of it from the strategy, or from SLURMAutoRequeue's agreement, and stop or save with it)."""
+
+    def __init__(self, signum: int, step: int, rank: int) -> None:
+        self.signum, self.step, self.rank = signum, step, rank
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            os.kill(os.getpid(), self.signum)
+
+
+def fake_slurm(out: Path, rank: int) -> dict[str, str]:
+    """The variables under which Lightning runs as a SLURM job (auto-requeue on), and a ``scontrol`` on PATH
+    whose requeue fails: SLURMAutoRequeue then saves and training goes on (the requeue itself: tests/slurm)."""
+    bin_dir = out / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text("#!/bin/sh\nexit 1\n")
+    scontrol.chmod(0o755)
+    return dict(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_PROCID=str(rank),
+                SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_JOB_ID="77", SLURM_JOB_NAME="resume",
+                SLURM_NODELIST="127.0.0.1", PATH=f"{bin_dir}:{os.environ['PATH']}")  # fmt: skip
+
+
 class SaveConsolidated(L.Callback):
     """The same state as ModelCheckpoint's sharded folder, as one file (``save_distributed_checkpoint=False``)."""
 
@@ -93,11 +120,12 @@ class SaveConsolidated(L.Callback):
             trainer.strategy._save_distributed_checkpoint = True
 
 
-def loader(data_parallel: int = 1, user_sampler: bool = False) -> DataLoader:
+def loader(data_parallel: int = 1, user_sampler: bool = False, stateful: bool = False) -> DataLoader:
     """``BATCHES_PER_EPOCH`` shuffled batches per rank and epoch (``data_parallel`` ranks share the samples).
 
     ``user_sampler``: the user's own ``DistributedSampler`` (one replica: the tensor-parallel ranks
-    read the same batches), its order a function of its seed and epoch.
+    read the same batches), its order a function of its seed and epoch. ``stateful``: torchdata's
+    ``StatefulDataLoader``, whose own state Lightning saves.
     """
     from torch.utils.data import DistributedSampler
 
@@ -107,6 +135,10 @@ def loader(data_parallel: int = 1, user_sampler: bool = False) -> DataLoader:
     if user_sampler:
         sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=3)
         return DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler)
+    if stateful:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True)
     return DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True)
 
 
@@ -116,7 +148,13 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "ep2": dict(expert_parallel=2),
     "tp2_fp16": dict(tensor_parallel=2),  # with "16-mixed" and a loss scaler that changes every 2 steps
     "tp2_sampler": dict(tensor_parallel=2),  # the user's own DistributedSampler in a plain DataLoader
+    "dp2": dict(),  # two data-parallel ranks, Lightning's DistributedSampler
+    # torchdata's StatefulDataLoader instead of a plain DataLoader
+    "tp2_stateful": dict(tensor_parallel=2),
+    "pp2_stateful": dict(pipeline_parallel=2, micro_batches=2, pipeline_schedule="1f1b"),
+    "dp2_stateful": dict(),
 }
+DATA_PARALLEL = ("ep2", "dp2", "dp2_stateful")
 
 
 def precision(layout: str) -> dict[str, Any]:
@@ -144,11 +182,28 @@ def fit(
     save_to: Path | None = None,
     layout: str = "tp2",
     crash_into: Path | None = None,
+    interrupt_into: Path | None = None,
+    signal_slurm: bool = False,
 ) -> None:
     L.seed_everything(0)
     model = build_model(layout)
     recorder = RecordLosses()
     callbacks: list[L.Callback] = [recorder]
+    if (
+        interrupt_into is not None
+    ):  # Ctrl+C on rank 1 only after step 2: every rank stops before step 4, saves
+        from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+        callbacks += [
+            SignalAt(signal.SIGINT, 2, rank=1),
+            OnExceptionCheckpoint(dirpath=interrupt_into.parent, filename=interrupt_into.stem),
+        ]
+    environment = {}
+    if signal_slurm:  # SLURM's requeue signal on rank 0 after step 2: every rank saves after step 3, goes on
+        from lightning_parallel import SLURMAutoRequeue
+
+        callbacks += [SLURMAutoRequeue(), SignalAt(signal.SIGUSR1, 2, rank=0)]
+        environment = fake_slurm(out, int(os.environ["RANK"]))
     if crash_into is not None:  # an exception before step 4; Lightning's OnExceptionCheckpoint saves
         from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
@@ -162,17 +217,23 @@ def fit(
         callbacks.append(
             ModelCheckpoint(dirpath=save_to.parent, filename=save_to.stem, every_n_train_steps=FIRST_HALF)
         )
-    data_parallel = 2 if layout == "ep2" else 1  # experts are carved out of two data-parallel ranks
+    data_parallel = 2 if layout in DATA_PARALLEL else 1  # experts are carved out of two data-parallel ranks
+    saved_environment = {key: os.environ.get(key) for key in environment}
+    os.environ.update(environment)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=HybridParallelStrategy(timeout=60, **LAYOUTS[layout]),
         **precision(layout), max_steps=max_steps, use_distributed_sampler=data_parallel > 1, callbacks=callbacks,
-        logger=False, enable_checkpointing=save_to is not None or crash_into is not None, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
+        logger=False, enable_checkpointing=save_to is not None or crash_into is not None or interrupt_into is not None,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out,
     )  # fmt: skip
+    data = loader(data_parallel, user_sampler=layout == "tp2_sampler", stateful=layout.endswith("_stateful"))
     try:
-        trainer.fit(model, loader(data_parallel, user_sampler=layout == "tp2_sampler"), ckpt_path=ckpt_path)
+        trainer.fit(model, data, ckpt_path=ckpt_path)
     except RuntimeError as error:
         if crash_into is None or "injected crash" not in str(error):
+            raise
+    except SystemExit:  # Lightning ends the process after a KeyboardInterrupt (and its checkpoint)
+        if interrupt_into is None:
             raise
     if save_to is not None:  # the other save path: after fit returned (max_steps cut the epoch short)
         trainer.save_checkpoint(save_to.with_name("after_fit.ckpt"))
@@ -184,6 +245,11 @@ def fit(
         plan = trainer.strategy.plan
         result["parameter_shards"] = {name: list(sizes) for name, sizes in plan.parameter_shards.items()}
     (out / f"{run}.rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    for key, value in saved_environment.items():  # after the last read of the SLURM environment's rank
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def main(mode: str, out: Path, layouts: str = "tp2") -> None:
@@ -199,10 +265,14 @@ def run_layout(mode: str, out: Path, layout: str) -> None:
         fit(out, "straight", STEPS, layout=layout)
         fit(out, "first_half", FIRST_HALF, save_to=checkpoint, layout=layout)
         fit(out, "crashed", STEPS, layout=layout, crash_into=out / "on_exception.ckpt")
+        fit(out, "interrupted", STEPS, layout=layout, interrupt_into=out / "on_interrupt.ckpt")
+        fit(out, "signalled", STEPS, layout=layout, signal_slurm=True)
     elif mode == "resume":
         fit(out, "resumed", STEPS, ckpt_path=checkpoint, layout=layout)
         fit(out, "resumed_after_fit", STEPS, ckpt_path=out / "after_fit.ckpt", layout=layout)
         fit(out, "resumed_after_crash", STEPS, ckpt_path=out / "on_exception.ckpt", layout=layout)
+        fit(out, "resumed_after_interrupt", STEPS, ckpt_path=out / "on_interrupt.ckpt", layout=layout)
+        fit(out, "resumed_after_signal", STEPS, ckpt_path=out / "hpc_ckpt_1.ckpt", layout=layout)
         if layout == "tp2":
             fit(out, "resumed_full", STEPS, ckpt_path=checkpoint.with_suffix(".full.ckpt"))
     else:
