@@ -36,6 +36,11 @@ def load_trusted_or_weights(
     restricted = weights_only is not False
     try:
         return torch.load(path, weights_only=restricted, **kwargs)
+    except (RuntimeError, EOFError) as error:  # not a file torch.save wrote (or a truncated one)
+        raise ValueError(
+            f"{what}: `{path}` is not a checkpoint torch can read ({type(error).__name__}: {str(error).splitlines()[0]})."
+            " Pass a checkpoint folder or file that `Trainer.save_checkpoint` (or `torch.save`) wrote."
+        ) from error
     except pickle.UnpicklingError as error:
         if not restricted:
             raise

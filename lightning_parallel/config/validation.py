@@ -262,3 +262,14 @@ def check_zero_optimizers(
             "`Trainer(gradient_clip_algorithm='value')` with ZeRO: DeepSpeed clips by the global norm only."
             " Use `gradient_clip_algorithm='norm'`."
         )
+
+
+def check_manual_optimization(pipeline_parallel: int, automatic_optimization: bool) -> None:
+    """Manual optimization under pipeline stages, refused at setup before any collective."""
+    if pipeline_parallel > 1 and not automatic_optimization:
+        raise ValueError(
+            f"HybridParallelStrategy(pipeline_parallel={pipeline_parallel}) runs each training step as a pipeline"
+            " schedule that does forward and backward itself, per micro-batch: manual optimization"
+            " (`automatic_optimization = False`, `manual_backward`) has no place in it. Use automatic"
+            " optimization, or pipeline_parallel=1 (tensor, expert, data parallelism and ZeRO allow it)."
+        )

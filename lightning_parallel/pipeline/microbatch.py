@@ -33,6 +33,24 @@ def batch_size_of(batch: Any) -> int | None:
     return None
 
 
+def check_batch_size(batch: Any, expected: int | None) -> int | None:
+    """The batch's size; a ``ValueError`` if it differs from ``expected``, the size the stages were built for.
+
+    torch's pipeline stages fix the shapes they send and receive at their first step, so a smaller last batch
+    of an epoch would fail inside a stage (on one rank, while the others wait). Raised on every rank alike.
+    """
+    size = next(
+        (leaf.size(0) for leaf in _leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0), None
+    )
+    if expected is not None and size is not None and size != expected:
+        raise ValueError(
+            f"Pipeline parallelism: a training batch of {size} samples after batches of {expected}; the pipeline"
+            " stages are built for one batch size. Give the DataLoader `drop_last=True` (or a dataset length that"
+            " the batch size divides) so that every batch has the same size."
+        )
+    return size if expected is None else expected
+
+
 def check_divisible(batch: Any, micro_batches: int) -> None:
     for leaf in _leaves(batch):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.size(0) % micro_batches:

@@ -51,6 +51,7 @@ class _StepContext:
     outputs: dict[int, Any] = field(default_factory=dict)
     current: int = 0
     aux: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (stage, mb) -> injected MoE aux
+    training: bool = False  # torch's schedule takes the last stage's output: the loss tensor alone
 
 
 class PipelineRunner:
@@ -88,6 +89,7 @@ class PipelineRunner:
         self.aux_collector = aux_collector
         # ZeRO on FSDP2 (zero/fsdp.py): its units reduce once per batch, during their stages' last backward.
         self.fsdp_units = list(fsdp_units)
+        self.batch_size: int | None = None  # of the training batches the stages were built for
         self._held: list[torch.Tensor | None] = []
         self._ctx: _StepContext | None = None
         self._loss_factor: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
@@ -150,7 +152,9 @@ class PipelineRunner:
                 f"Pipeline stage {stage} finished the step without reaching the end of its blocks."
             )
         ctx.outputs[mb_index] = output
-        return output
+        return (
+            extract_loss(output) if ctx.training else output
+        )  # a dict with "loss" (and more) is Lightning's
 
     def _loss_fn(self, output: Any, target: Any) -> torch.Tensor:
         ctx = self._ctx
@@ -183,7 +187,7 @@ class PipelineRunner:
         """
         m = self.micro_batches
         earlier = self.detach_gradients() if first_of_window else []
-        self._ctx = _StepContext(step_fn, split_batch(batch, m), tuple(step_args))
+        self._ctx = _StepContext(step_fn, split_batch(batch, m), tuple(step_args), training=True)
         self._loss_factor = lambda loss: loss_factor(loss) / m
         self.last_backward.start_batch(ends_step=final)
         self.logs.clear()

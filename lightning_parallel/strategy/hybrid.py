@@ -31,7 +31,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_parallel.config import PathLike, PlanArg
-from lightning_parallel.config.validation import strategy_config
+from lightning_parallel.config.validation import check_manual_optimization, strategy_config
 from lightning_parallel.launch.interrupt import AgreedInterrupt, start_agreed_interrupt
 from lightning_parallel.memory.counting import SavedTensorCounter
 from lightning_parallel.memory.saved_tensors import saved_tensors_context
@@ -39,6 +39,7 @@ from lightning_parallel.parallelize import Parallelized, parallelize, recall
 from lightning_parallel.precision import HybridPrecision
 from lightning_parallel.strategy import pipelined
 from lightning_parallel.strategy.checkpointing import CheckpointingStrategy
+from lightning_parallel.strategy.data_checks import check_training_data
 from lightning_parallel.strategy.presets import PRESETS
 from lightning_parallel.strategy.sampling import sample_step
 from lightning_parallel.strategy.zero_setup import initialize_zero
@@ -234,6 +235,8 @@ class HybridParallelStrategy(CheckpointingStrategy):
         self.model_to_device()
         module = self.lightning_module
         assert module is not None
+        if trainer.state.fn == TrainerFn.FITTING:
+            check_manual_optimization(self.dims.pipeline_parallel, module.automatic_optimization)
         parallelized = recall(
             module, self.dims.layout
         )  # a module parallelized by an earlier fit/validate/...
@@ -276,6 +279,10 @@ class HybridParallelStrategy(CheckpointingStrategy):
 
     @override
     def on_train_start(self) -> None:
+        if (
+            self.lightning_module is not None
+        ):  # data that would hang a rank, or break a stage: on every rank alike
+            check_training_data(self.lightning_module.trainer, pipelined=self.pipeline_runner is not None)
         # Ctrl+C: every rank stops at one step boundary, where an exception checkpoint resumes exactly.
         self._interrupt = start_agreed_interrupt()
         super().on_train_start()

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch import LightningModule
 
 from lightning_parallel.experts import AuxLossCollector
-from lightning_parallel.pipeline.microbatch import check_divisible
+from lightning_parallel.pipeline.microbatch import check_batch_size, check_divisible
 from lightning_parallel.pipeline.runner import PipelineRunner
 
 
@@ -46,6 +46,7 @@ def training_step(
     each accumulation window (``batch_idx % accumulate_grad_batches == 0``, as its loop decides).
     """
     batch, rest = args[0], args[1:]
+    runner.batch_size = check_batch_size(batch, runner.batch_size)
     check_divisible(batch, runner.micro_batches)
     accumulate = module.trainer.accumulate_grad_batches
 

@@ -48,6 +48,8 @@ TWO = [
         fields={"trainer_kwargs": {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}},
     ),
     _case("pp2_boundaries_nanogpt", "nanogpt", plan={"pipeline_boundaries": [1]}),
+    # The step returns a dict with "loss" and more (Lightning allows it): the schedule takes the loss.
+    _case("pp2_dict_output_recipe_gpt", "recipe_gpt_dict", pipeline_schedule="1f1b"),
 ]
 BF16 = [
     _case(

@@ -36,12 +36,17 @@ WORLD = {"tp4": 4, "tp2 x dp2": 4}
 ATTENTION_CLASSES = ("gpt_neox", "bloom", "falcon", "phi3", "gemma", "gpt_bigcode", "olmo2", "cohere")
 REFUSED = {
     ("deepseek_v3", "tp2"): "is multi-head latent attention",
-    **{(f, "tp2+sp"): "`sequence_parallel=True` with the Mixture-of-Experts block" for f in ("olmoe", "qwen3_moe")},
+    **{
+        (f, "tp2+sp"): "`sequence_parallel=True` with the Mixture-of-Experts block"
+        for f in ("olmoe", "qwen3_moe")
+    },
 }
 
 
 def _case(family: str, layout: str, **fields: object) -> Case:
-    name = f"zoo_{family}_{layout.replace(' ', '').replace('+', '_')}" + "".join(f"_{v}" for v in fields.values())
+    name = f"zoo_{family}_{layout.replace(' ', '').replace('+', '_')}" + "".join(
+        f"_{v}" for v in fields.values()
+    )
     if name in CASES:
         return CASES[name]
     return hybrid(name, f"zoo_{family}", world_size=WORLD.get(layout, 2), timeout=60,
@@ -58,7 +63,9 @@ TWO = [
     *[_param(f, "tp2+sp") for f in ATTENTION_CLASSES],
     *[_param(f, "ep2") for f, family in ZOO.items() if family.moe],
 ]
-FOUR = [_param(f, "tp4") for f in ("gemma", "gpt_bigcode", "phi3", "mistral")] + [_param("gemma", "tp2 x dp2")]
+FOUR = [_param(f, "tp4") for f in ("gemma", "gpt_bigcode", "phi3", "mistral")] + [
+    _param("gemma", "tp2 x dp2")
+]
 ROW_COPIES_OFF = _case("gemma", "tp2", switch_off="row_copies")
 
 

@@ -144,8 +144,21 @@ def _zoo_families() -> dict[str, Callable[..., L.LightningModule]]:
     return {f"zoo_{name}": _zoo(name) for name in ZOO}
 
 
+def _recipe_gpt_dict(**overrides: Any) -> L.LightningModule:
+    """The GPT recipe whose step returns a dict (``{"loss": ..., "tokens": ...}``), as Lightning allows."""
+    model = _recipe_gpt(**overrides)
+
+    class DictOutput(type(model)):  # type: ignore[misc]
+        def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+            return {"loss": super().training_step(batch, batch_idx), "tokens": batch[0].numel()}
+
+    model.__class__ = DictOutput
+    return model
+
+
 FAMILIES: dict[str, Callable[..., L.LightningModule]] = {
     "recipe_gpt": _recipe_gpt,
+    "recipe_gpt_dict": _recipe_gpt_dict,
     "nanogpt": _nanogpt,
     "hf_gpt2": _hf_gpt2,
     "hf_llama": _hf_llama,

@@ -327,6 +327,28 @@ BOUND_S = 60
             id="cp-moe-with-capacity-drops",
         ),
         pytest.param(
+            "pp-manual-optimization",
+            ["ValueError: HybridParallelStrategy(pipeline_parallel=2) runs each training step as a pipeline schedule",
+             "manual optimization", "Use automatic optimization, or pipeline_parallel=1"],
+            id="pp-with-manual-optimization",
+        ),
+        pytest.param(
+            "dp-ranks-with-unequal-batches",
+            ["ValueError: The ranks train on different numbers of batches per epoch (rank 0: 2, rank 1: 3)",
+             "Let Lightning place a DistributedSampler"],
+            id="dp-ranks-with-unequal-batches",
+        ),
+        pytest.param(
+            "pp-last-batch-smaller",
+            ["ValueError: Pipeline parallelism: each epoch's last training batch holds 2 samples", "drop_last=True"],
+            id="pp-last-batch-smaller-than-the-others",
+        ),
+        pytest.param(
+            "resume-not-a-checkpoint",
+            ["ValueError: `Trainer.fit(ckpt_path=...)`:", "is not a checkpoint torch can read"],
+            id="resume-from-a-file-that-is-not-a-checkpoint",
+        ),
+        pytest.param(
             "pp-step-calls-model-twice",
             ["PipelineSetupError: During one training step the blocks", "not once each in order",
              "must call the model's forward once"],

@@ -35,7 +35,17 @@ def _assert_exact(resumed: dict, straight: dict, what: str) -> None:
     assert resumed["losses"] == straight["losses"][3:], f"{what}: {resumed['losses']} vs {straight['losses']}"
 
 
-LAYOUTS = ("tp2", "pp2", "ep2", "tp2_fp16", "tp2_sampler", "dp2", "tp2_stateful", "pp2_stateful", "dp2_stateful")
+LAYOUTS = (
+    "tp2",
+    "pp2",
+    "ep2",
+    "tp2_fp16",
+    "tp2_sampler",
+    "dp2",
+    "tp2_stateful",
+    "pp2_stateful",
+    "dp2_stateful",
+)
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +204,9 @@ def test_a_checkpoint_saved_on_an_exception_continues_the_same_run(all_runs: Pat
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_ctrl_c_on_one_rank_stops_every_rank_at_one_step_and_resumes_exactly(all_runs: Path, layout: str) -> None:
+def test_ctrl_c_on_one_rank_stops_every_rank_at_one_step_and_resumes_exactly(
+    all_runs: Path, layout: str
+) -> None:
     """SIGINT on rank 1 only, after step 2: every rank stops before step 4 (the strategy agrees on the step
     through the process group's store), ``OnExceptionCheckpoint`` saves, and the resumed run is the straight
     one bit for bit. Without the agreement rank 0 would train on alone (a hang) or save another step."""

@@ -13,6 +13,10 @@
     python tests/strategy/scripts/bad_plan.py cp-ulysses-heads              # Ulysses on 2 ranks, 3 heads
     python tests/strategy/scripts/bad_plan.py cp-eager-attention           # HF GPT-2 with eager attention
     python tests/strategy/scripts/bad_plan.py cp-moe-capacity              # MoE dropping tokens, context_parallel=2
+    python tests/strategy/scripts/bad_plan.py pp-manual-optimization       # manual_backward under pipeline stages
+    python tests/strategy/scripts/bad_plan.py dp-ranks-with-unequal-batches  # the user's loaders, 2 and 3 batches
+    python tests/strategy/scripts/bad_plan.py pp-last-batch-smaller        # pp=2, 10 samples in batches of 4
+    python tests/strategy/scripts/bad_plan.py resume-not-a-checkpoint      # ckpt_path= a text file
 
 Run by ``tests/strategy/test_bad_input.py`` with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set.
 """
@@ -30,6 +34,22 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel import HybridParallelStrategy
 from recipes.gpt.module import GPTLightningModule
+
+
+class ManualGPT(GPTLightningModule):
+    """Manual optimization: the step calls backward and the optimizer itself."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
 
 
 class TwiceGPT(GPTLightningModule):
@@ -98,18 +118,32 @@ def main(case: str) -> None:
     elif case == "resume-another-model":
         model = GPTLightningModule(vocab_size=128, block_size=16, n_layer=1, n_head=4, n_embd=48)
         strategy = HybridParallelStrategy(tensor_parallel=2, timeout=30)
+    elif case == "pp-manual-optimization":
+        model = ManualGPT(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32)
+        strategy = HybridParallelStrategy(pipeline_parallel=2, timeout=30)
+    elif case in ("dp-ranks-with-unequal-batches", "pp-last-batch-smaller", "resume-not-a-checkpoint"):
+        model = GPTLightningModule(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32)
+        pipeline = {"pipeline_parallel": 2, "micro_batches": 2} if case == "pp-last-batch-smaller" else {}
+        strategy = HybridParallelStrategy(timeout=30, **pipeline)
     else:
         raise SystemExit(f"unknown case {case!r}")
-    tokens = torch.randint(128, (8, length + 1))
+    samples = {"dp-ranks-with-unequal-batches": 8 + 4 * int(os.environ["RANK"]), "pp-last-batch-smaller": 10}
+    tokens = torch.randint(128, (samples.get(case, 8), length + 1))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
 
     def trainer(strategy: HybridParallelStrategy) -> L.Trainer:
+        own_sampler = (
+            case == "dp-ranks-with-unequal-batches"
+        )  # each rank its own loader, no DistributedSampler
         return L.Trainer(
             accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False,
+            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=not own_sampler,
         )  # fmt: skip
 
     ckpt_path = None
+    if case == "resume-not-a-checkpoint":  # a file, but not one torch.save wrote
+        ckpt_path = Path(tempfile.gettempdir()) / f"lp-bad-plan-{os.environ['MASTER_PORT']}.txt"
+        ckpt_path.write_text("not a checkpoint")
     if case == "resume-another-model":  # a checkpoint of a narrower model, then a resume into this one
         first = trainer(HybridParallelStrategy(tensor_parallel=2, timeout=30))
         first.fit(GPTLightningModule(vocab_size=128, block_size=16, n_layer=1, n_head=4, n_embd=32), loader)
