@@ -20,6 +20,11 @@ How many batches to drop is asked from Lightning at the first ``next()`` (its ba
 after its own restart adjustments: a batch that was in flight when the checkpoint was taken is
 redone by Lightning, so it is not dropped here either); without a trainer, the count of batches
 this loader had handed out is used.
+
+An ``IterableDataset`` has no indices to drop: its epoch is iterated again from the same random
+state (workers included: their seeds come from it) and the batches already trained are read and
+dropped. Exact for a stream that is a function of that state (files in order, a shuffle drawn at
+its start, seeded workers); the price is reading those batches again once.
 """
 
 from __future__ import annotations
@@ -79,6 +84,14 @@ def gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def _length(loader: Any) -> int | None:
+    """Batches per epoch, None for an iterable dataset without a length."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
 
 
 def _rank() -> tuple[int, int]:
@@ -159,7 +172,8 @@ class ResumableDataLoaderMixin:
             epoch, done = resume["epoch"], resume["consumed"]
         else:
             epoch, done = self._lp_epoch, 0
-        if resume is not None and (resume["epoch"] != epoch or done >= len(loader)):
+        length = _length(loader)
+        if resume is not None and (resume["epoch"] != epoch or (length is not None and done >= length)):
             resume = None  # the checkpoint's epoch was finished: this is a new one
         self._lp_epoch = epoch
         if resume is None:
@@ -167,7 +181,7 @@ class ResumableDataLoaderMixin:
             self._lp_random_state = _random_state(loader)
             iterator = super().__iter__()  # type: ignore[misc]
         else:
-            self._lp_consumed = done % len(loader)
+            self._lp_consumed = done % length if length else done
             self._lp_random_state = resume["random_state"]
             iterator = self._lp_skip(self._lp_consumed, resume["random_state"])
         for batch in iterator:
@@ -180,6 +194,19 @@ class ResumableDataLoaderMixin:
         clone = object.__new__(self._lp_base)  # the user's class, minus this mixin
         clone.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_lp_")})
         clone.__dict__["_iterator"] = None
+        if isinstance(
+            loader.dataset, IterableDataset
+        ):  # no indices to skip: the batches are read and dropped
+            now = torch.get_rng_state()
+            _set_random_state(loader, random_state)
+            try:
+                iterator = iter(clone)
+                for _ in range(skip):
+                    if next(iterator, _END) is _END:
+                        break
+            finally:
+                torch.set_rng_state(now)
+            return iterator
         attribute = "batch_sampler" if loader.batch_sampler is not None else "sampler"
         indices = _SkippedIndices(getattr(loader, attribute), skip)
         clone.__dict__[attribute] = indices  # DataLoader refuses to set it once built; this is a copy
@@ -266,10 +293,13 @@ def can_resume(dataloader: object) -> bool:
     """
     if not isinstance(dataloader, DataLoader) or isinstance(dataloader, ResumableDataLoaderMixin):
         return False
-    if isinstance(dataloader.dataset, IterableDataset):
-        return False
-    if callable(getattr(dataloader, "state_dict", None)) and not _torchdata_loader(dataloader):
-        return False
+    iterable = isinstance(dataloader.dataset, IterableDataset)
+    if callable(getattr(dataloader, "state_dict", None)) and (iterable or not _torchdata_loader(dataloader)):
+        return False  # stateful already (a torchdata loader over a dataset that keeps its own state: its own)
+    if (
+        iterable
+    ):  # replayed from the epoch's start and the batches already trained dropped (read, not trained)
+        return True
     index_sampler = dataloader.batch_sampler if dataloader.batch_sampler is not None else dataloader.sampler
     try:
         len(index_sampler)

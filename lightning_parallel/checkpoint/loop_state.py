@@ -27,11 +27,20 @@ def loader_states(trainer: Any) -> list[Any] | None:
     state back instead.
     """
     combined = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
-    if combined is None:
-        return None
+    if combined is None or not any(_keeps_own_state(loader) for loader in combined.flattened):
+        return None  # no such loader: nothing to take (and no state_dict call, which may be a collective)
     import copy
 
     return copy.deepcopy(combined._state_dicts())
+
+
+def _keeps_own_state(loader: Any) -> bool:
+    """A loader that saves its position itself, other than the strategy's resumable loaders
+    (``checkpoint/dataloader.py``: their state is rebuilt from Lightning's progress, and taking it gathers
+    the ranks' random states)."""
+    from lightning_parallel.checkpoint.dataloader import ResumableDataLoaderMixin
+
+    return callable(getattr(loader, "state_dict", None)) and not isinstance(loader, ResumableDataLoaderMixin)
 
 
 def reopen_cut_epoch(checkpoint: dict[str, Any], last_loader_states: list[Any] | None = None) -> bool:

@@ -2,7 +2,8 @@
 
 tp=2 on 2 processes, the recipe GPT (fused q|k|v, tied embedding, dropout 0.1), fp32, AdamW with
 a warmup + cosine schedule, a shuffled plain DataLoader of 4 batches per epoch (also pp=2, dp=2, ep=2,
-fp16, the user's own sampler, and torchdata's StatefulDataLoader under tp=2, pp=2 and dp=2). Every
+fp16, the user's own sampler, torchdata's StatefulDataLoader under tp=2, pp=2 and dp=2, an
+IterableDataset under tp=2 and pp=2). Every
 save path: ``ModelCheckpoint``, ``trainer.save_checkpoint`` after ``fit``, ``OnExceptionCheckpoint``
 on an exception and on Ctrl+C (one rank signalled), SLURM's requeue signal (``SLURMAutoRequeue``). One launch trains
 6 steps straight, then 3 steps, saved by ``ModelCheckpoint`` in the middle of the first epoch
@@ -45,7 +46,13 @@ LAYOUTS = (
     "tp2_stateful",
     "pp2_stateful",
     "dp2_stateful",
+    "tp2_iterable",
+    "pp2_iterable",
 )
+# A save at the start of an epoch's last batch (the exception and Ctrl+C runs stop there) resumes an
+# IterableDataset into the next epoch: Lightning's loop flags the fetched batch as the last, and without a
+# length nothing tells it the batch was not trained (docs/checkpoints.md, "Not covered yet").
+STOPPED_AT_A_BATCH = tuple(layout for layout in LAYOUTS if not layout.endswith("_iterable"))
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +197,7 @@ def test_a_checkpoint_saved_after_fit_returned_continues_the_same_run(all_runs: 
         _assert_exact(resumed[rank], straight[rank], f"{layout}, resumed from a save after fit, rank {rank}")
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", STOPPED_AT_A_BATCH)
 def test_a_checkpoint_saved_on_an_exception_continues_the_same_run(all_runs: Path, layout: str) -> None:
     """An exception before step 4, ``OnExceptionCheckpoint`` saving, then ``fit(ckpt_path=...)``: bit for bit."""
     straight, resumed = _read(all_runs / layout, "straight"), _read(all_runs / layout, "resumed_after_crash")
@@ -203,7 +210,7 @@ def test_a_checkpoint_saved_on_an_exception_continues_the_same_run(all_runs: Pat
         )
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", STOPPED_AT_A_BATCH)
 def test_ctrl_c_on_one_rank_stops_every_rank_at_one_step_and_resumes_exactly(
     all_runs: Path, layout: str
 ) -> None:
