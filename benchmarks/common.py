@@ -52,6 +52,7 @@ __all__ = [
     "recipe_data",
     "recipe_model",
     "run_lockstep",
+    "run_paired_rounds",
     "table",
     "write_json",
 ]
@@ -435,3 +436,32 @@ def print_comparison(c: dict[str, Any], labels: tuple[str, str], name: str, targ
     verdict = "meets" if c["ratio"] <= target else "MISSES"
     print(f"\nratio {name}: {c['ratio']:.3f} (median of {c['pairs']} back-to-back step pairs;"
           f" quartiles {c['q1']:.3f}-{c['q3']:.3f}); {verdict} the target <= {target}")  # fmt: skip
+
+
+def run_paired_rounds(
+    configs: tuple[str, str],
+    run: Callable[[Baton, str], Timings],
+    rounds: int,
+    dist_env: dict[str, str],
+    rank: int,
+    out: Path,
+) -> None:
+    """``rounds`` lockstep rounds of the two ``configs`` (the order alternating), each round's paired ratio
+    printed on rank 0, and ``{"rounds", "seconds", "threads"}`` written to ``out`` by rank 0."""
+    results = []
+    start = time.perf_counter()
+    for index in range(rounds):
+        os.environ.update(dist_env)  # Lightning's environment deletes WORLD_SIZE at teardown
+        order = configs if index % 2 == 0 else configs[::-1]
+        results.append(run_lockstep({name: run for name in order}))
+        if rank == 0:
+            c = compare(results[-1:], *configs)
+            print(f"round {index}: {configs[0]} {c['reference_s'] * 1e3:.2f} ms, {configs[1]}"
+                  f" {c['candidate_s'] * 1e3:.2f} ms, paired ratio {c['ratio']:.3f}", flush=True)  # fmt: skip
+    if rank == 0:
+        payload = {
+            "rounds": results,
+            "seconds": time.perf_counter() - start,
+            "threads": torch.get_num_threads(),
+        }
+        out.write_text(json.dumps(payload))

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,7 @@ from benchmarks.common import (
     print_comparison,
     quiet_lightning,
     recipe_data,
-    run_lockstep,
+    run_paired_rounds,
 )
 
 SHAPES = {
@@ -97,23 +96,7 @@ def worker(args: argparse.Namespace) -> None:
         _fit(name, shape, data, args, timer)
         return timer.result()
 
-    rounds = []
-    start = time.perf_counter()
-    for index in range(args.rounds):
-        os.environ.update(dist_env)  # Lightning's environment deletes WORLD_SIZE at teardown
-        order = CONFIGS if index % 2 == 0 else CONFIGS[::-1]
-        rounds.append(run_lockstep({name: run for name in order}))
-        if rank == 0:
-            c = compare(rounds[-1:], "after", "overlapped")
-            print(f"round {index}: after {c['reference_s'] * 1e3:.2f} ms, overlapped {c['candidate_s'] * 1e3:.2f} ms,"
-                  f" paired ratio {c['ratio']:.3f}", flush=True)  # fmt: skip
-    if rank == 0:
-        payload = {
-            "rounds": rounds,
-            "seconds": time.perf_counter() - start,
-            "threads": torch.get_num_threads(),
-        }
-        (args.out / "dp_overlap.json").write_text(json.dumps(payload))
+    run_paired_rounds(CONFIGS, run, args.rounds, dist_env, rank, args.out / "dp_overlap.json")
     finish_worker()
 
 

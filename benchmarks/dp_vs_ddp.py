@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,7 @@ from benchmarks.common import (
     quiet_lightning,
     recipe_data,
     recipe_model,
-    run_lockstep,
+    run_paired_rounds,
 )
 
 SHAPES = {
@@ -105,23 +104,7 @@ def worker(args: argparse.Namespace) -> None:
         _fit(name, shape, data, args, timer)
         return timer.result()
 
-    rounds = []
-    start = time.perf_counter()
-    for index in range(args.rounds):
-        os.environ.update(dist_env)  # Lightning's environment deletes WORLD_SIZE at teardown
-        order = CONFIGS if index % 2 == 0 else CONFIGS[::-1]
-        rounds.append(run_lockstep({name: run for name in order}))
-        if rank == 0:
-            c = compare(rounds[-1:], "ddp", "strategy")
-            print(f"round {index}: ddp {c['reference_s'] * 1e3:.2f} ms, strategy {c['candidate_s'] * 1e3:.2f} ms,"
-                  f" paired ratio {c['ratio']:.3f}", flush=True)  # fmt: skip
-    if rank == 0:
-        payload = {
-            "rounds": rounds,
-            "seconds": time.perf_counter() - start,
-            "threads": torch.get_num_threads(),
-        }
-        (args.out / "dp_vs_ddp.json").write_text(json.dumps(payload))
+    run_paired_rounds(CONFIGS, run, args.rounds, dist_env, rank, args.out / "dp_vs_ddp.json")
     finish_worker()
 
 
