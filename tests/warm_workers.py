@@ -112,6 +112,18 @@ def _start_server(env: dict[str, str]) -> multiprocessing.context.BaseContext:
 _CONTEXT: multiprocessing.context.BaseContext | None = None
 
 
+def warm_context() -> multiprocessing.context.BaseContext:
+    """The fork server's context, started (with the workers' environment) if it is not yet: a process forked
+    from it starts with the imports done and no thread of the test process (forking pytest itself deadlocks
+    when a thread, e.g. a compile pool's, holds a lock at that moment)."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        from tests.environment import worker_environment
+
+        _CONTEXT = _start_server(worker_environment())
+    return _CONTEXT
+
+
 def spawn(argv: list[str], env: dict[str, str], cwd: Path, log: Path) -> WarmProcess | subprocess.Popen:
     """Start ``argv`` (``[python, "-m", module, ...]``, ``[python, "-c", code, ...]`` or ``[python, script, ...]``).
 

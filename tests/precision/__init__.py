@@ -1,9 +1,9 @@
 """Tests of the precision package; ``spawn_gloo`` runs one worker function in N gloo processes.
 
-The workers are forked, not spawned: a spawned child re-imports torch, Lightning and the
-test module (about 8 s each on these 2-core machines, most of a test's time); a forked one
-inherits them. Safe here because nothing in the parent has initialised CUDA or a process
-group (torch resets its CPU thread pools in the child).
+The workers are forked from the suite's warm fork server (``tests/warm_workers.py``), not spawned: a
+spawned child re-imports torch and Lightning (about 8 s each on these 2-core machines); a forked one
+inherits them. Not forked from pytest itself: a thread of the test process (a compile pool's, left by
+an earlier test) holding a lock at the fork left a child deadlocked (seen twice in full runs).
 """
 
 from __future__ import annotations
@@ -46,10 +46,13 @@ def _entry(rank: int, world_size: int, port: int, worker: Callable[..., None], a
 
 def spawn_gloo(worker: Callable[..., None], world_size: int, *args: Any) -> None:
     """Run ``worker(rank, world_size, *args)`` on every rank; raises if any rank raised."""
+    from tests.warm_workers import warm_context
+
+    warm_context()  # the fork server torch's "forkserver" start method then uses
     mp.start_processes(
         _entry,
         args=(world_size, _free_port(), worker, args),
         nprocs=world_size,
         join=True,
-        start_method="fork",
+        start_method="forkserver",
     )

@@ -101,7 +101,9 @@ def test_a_resumed_epoch_continues_with_the_next_batch(kind: str, stop_after: in
     assert _epoch(resumed, 2, progress) == straight[2]  # and the next epoch as in the uninterrupted run
 
 
-def test_only_map_style_loaders_with_a_sized_sampler_are_wrapped() -> None:
+def test_which_loaders_are_wrapped() -> None:
+    """Map-style loaders with a sized sampler, and iterable ones (replayed on resume); not other iterables,
+    nor a loader that keeps its own state."""
     from torch.utils.data import IterableDataset
 
     class Stream(IterableDataset):
@@ -109,12 +111,32 @@ def test_only_map_style_loaders_with_a_sized_sampler_are_wrapped() -> None:
             yield from range(3)
 
     stream = DataLoader(Stream(), batch_size=2)
-    assert make_resumable(stream) is stream
+    assert make_resumable(stream) is not stream
     assert make_resumable([1, 2, 3]) == [1, 2, 3]
     plain = DataLoader(CountingData(4), batch_size=2)
     wrapped = make_resumable(plain)
     assert isinstance(wrapped, DataLoader) and wrapped is not plain and len(wrapped) == 2
     assert make_resumable(wrapped) is wrapped  # already stateful
+
+
+def test_an_iterable_loader_resumes_after_the_batches_it_handed_out() -> None:
+    """The epoch replayed from the random state it started with, the batches already handed out dropped."""
+    from torch.utils.data import IterableDataset
+
+    class Shuffled(IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield from torch.randperm(10).tolist()  # the order drawn when the iteration starts
+
+    torch.manual_seed(0)
+    loader = make_resumable(DataLoader(Shuffled(), batch_size=2))
+    iterator = iter(loader)
+    first = [next(iterator).tolist() for _ in range(2)]
+    state, rng = loader.state_dict(), torch.get_rng_state()
+    rest = [b.tolist() for b in iterator]
+    resumed = make_resumable(DataLoader(Shuffled(), batch_size=2))
+    resumed.load_state_dict(state)
+    torch.set_rng_state(rng)
+    assert [b.tolist() for b in resumed] == rest and len(first) + len(rest) == 5
 
 
 def test_without_a_trainer_the_loader_counts_its_own_batches() -> None:
