@@ -91,7 +91,9 @@ def main() -> None:
     loaded = load_all()
     if not args.check and shutil.which("ninja"):
         for folder in damaged_builds(cache):  # rebuilt from scratch once, so the check below finds it stable
-            print(f"build_deepspeed_ops: {folder} would rebuild at every load; building it again from scratch")
+            print(
+                f"build_deepspeed_ops: {folder} would rebuild at every load; building it again from scratch"
+            )
             shutil.rmtree(folder)
         loaded = load_all()
     rebuilt = sorted(so.stem for so, mtime in built_libraries(cache).items() if before.get(so) != mtime)

@@ -86,6 +86,7 @@ def zero(
     offload_path: Any,
     deepspeed_config: Mapping[str, Any] | None,
     offload_ratio: Any = 1.0,
+    reshard: Any = "step",
 ) -> ZeroArguments:
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ValueError(
@@ -133,7 +134,23 @@ def zero(
             f" `zero_stage={stage}`; set the stage with `zero_stage` only."
         )
     path = None if offload_path is None else str(offload_path)
-    return ZeroArguments(stage, offload, path, raw, float(offload_ratio))
+    _check_reshard(reshard, stage)
+    return ZeroArguments(stage, offload, path, raw, float(offload_ratio), reshard)
+
+
+def _check_reshard(reshard: Any, stage: int) -> None:
+    """``zero_reshard``: when FSDP2 units under pipeline stages give back their gathered memory."""
+    if reshard not in ("step", "micro_batch"):
+        raise ValueError(
+            f"`zero_reshard={reshard!r}` must be 'step' (gather once per step under pipeline stages, the default)"
+            " or 'micro_batch' (reduce-scatter gradients and reshard parameters after every micro-batch)."
+        )
+    if reshard == "micro_batch" and stage < 2:
+        raise ValueError(
+            f"`zero_reshard='micro_batch'` with `zero_stage={stage}`: only stages 2 (sharded gradients) and 3"
+            " (sharded parameters too) have something to give back between micro-batches. Set `zero_stage=2`"
+            " or 3, or leave `zero_reshard='step'`."
+        )
 
 
 def _check_offload_ratio(ratio: Any, offload: Any, stage: int) -> None:

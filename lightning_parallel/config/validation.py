@@ -40,7 +40,12 @@ def strategy_config(**a: Any) -> ParallelConfig:
     experts = arguments.experts(a["expert_parallel"], a["moe_aux_loss_coef"], a["moe_z_loss_coef"])
     weights = arguments.init_weights(a["init_weights"])
     zero = arguments.zero(
-        a["zero_stage"], a["offload"], a["offload_path"], a["deepspeed_config"], a["offload_ratio"]
+        a["zero_stage"],
+        a["offload"],
+        a["offload_path"],
+        a["deepspeed_config"],
+        a["offload_ratio"],
+        a["zero_reshard"],
     )
     tp, pp, plan = a["tensor_parallel"], a["pipeline_parallel"], a["plan"]
     if not a["save_distributed_checkpoint"]:
@@ -61,6 +66,7 @@ def strategy_config(**a: Any) -> ParallelConfig:
     pipeline = arguments.pipeline(
         pp, a["micro_batches"], a["pipeline_schedule"], a["pipeline_virtual_stages"], boundaries
     )
+    _check_zero_reshard(zero, pipeline)
     memory = arguments.memory_savers(
         a["activation_checkpointing"], a["activation_checkpointing_policy"], a["activation_offload"],
         a["activation_compression"], a["gradient_compression"],
@@ -73,6 +79,24 @@ def strategy_config(**a: Any) -> ParallelConfig:
     )
     tensor = TensorParallelConfig(tp, a["sequence_parallel"], styles, a["verify_plan"], a["loss_parallel"])
     return ParallelConfig(tensor, pipeline, experts, zero, memory, a["compile"], weights, context)
+
+
+def _check_zero_reshard(zero: ZeroArguments, pipeline: PipelineConfig | None) -> None:
+    """``zero_reshard='micro_batch'`` says when units give back memory between the micro-batches of stages."""
+    if zero.reshard != "micro_batch":
+        return
+    if pipeline is None:
+        raise ValueError(
+            "`zero_reshard='micro_batch'` needs `pipeline_parallel` > 1: without stages there are no micro-batches"
+            " inside a step (ZeRO-3 already reshards after every forward and backward). Leave `zero_reshard='step'`."
+        )
+    if pipeline.spec.bubble_free_backward:
+        raise ValueError(
+            f"`zero_reshard='micro_batch'` with `pipeline_schedule={pipeline.spec.name!r}`: a zero-bubble schedule"
+            " computes the weight gradients in a later pass over the parameters the input-gradient pass used,"
+            " so a unit cannot give them back after each micro-batch's backward. Use a schedule without a"
+            " split backward ('1f1b', 'gpipe', 'interleaved_1f1b') or `zero_reshard='step'`."
+        )
 
 
 def _check_context(context: ContextParallelConfig, compile: bool) -> None:

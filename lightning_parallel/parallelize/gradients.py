@@ -269,8 +269,9 @@ def shard_for_zero(
     from lightning_parallel.pipeline.stages import SkippedBlock
 
     kept = [module.get_submodule(b) for b in blocks if not isinstance(module.get_submodule(b), SkippedBlock)]
-    # Gathered once per step under stages (not once per micro-batch); ZeRO-3 alone reshards after forward.
-    reshard = config.zero.stage == 3 and not dims.pp_enabled
+    # Gathered once per step under stages (not once per micro-batch) unless the user asks for the memory;
+    # ZeRO-3 alone reshards after forward.
+    reshard = config.zero.stage == 3 and (not dims.pp_enabled or config.zero.reshard == "micro_batch")
     # Experts over their replicas (dp_replicate), everything else over the whole dp (zero/fsdp.py).
     experts = ExpertSharding(mesh["dp_replicate"], dims.data_parallel) if dims.ep_enabled else None
     return fully_shard_modules(

@@ -107,8 +107,9 @@ def parallelize(
     if cut is not None:
         assert config.pipeline is not None
         result.pipeline, result.norm_exclude = pipeline_step.build_runner(
-            module, cut, config.pipeline, mesh, device, experts.aux_losses, fsdp.units if fsdp else []
-        )
+            module, cut, config.pipeline, mesh, device, experts.aux_losses, fsdp.units if fsdp else [],
+            fsdp_per_micro_batch=config.zero.reshard == "micro_batch", fsdp_reshards_parameters=config.zero.stage == 3,
+        )  # fmt: skip
         result.hooks += cut.runtime.handles
     result.activation_saver = apply_memory_savers(
         module, config.memory, blocks, plan, experts.aux_losses, cut.runtime if cut is not None else None

@@ -71,6 +71,8 @@ class PipelineRunner:
         tied_groups: dict[str, dist.ProcessGroup],
         aux_collector: Any = None,
         fsdp_units: Sequence[nn.Module] = (),
+        fsdp_per_micro_batch: bool = False,
+        fsdp_reshards_parameters: bool = False,
     ) -> None:
         self.module = module
         self.layout = layout
@@ -89,6 +91,9 @@ class PipelineRunner:
         self.aux_collector = aux_collector
         # ZeRO on FSDP2 (zero/fsdp.py): its units reduce once per batch, during their stages' last backward.
         self.fsdp_units = list(fsdp_units)
+        # ``zero_reshard="micro_batch"``: they reduce-scatter (and ZeRO-3 reshards) after every micro-batch instead.
+        self.fsdp_per_micro_batch = fsdp_per_micro_batch
+        self.fsdp_reshards_parameters = fsdp_reshards_parameters  # ZeRO-3
         self.batch_size: int | None = None  # of the training batches the stages were built for
         self._held: list[torch.Tensor | None] = []
         self._ctx: _StepContext | None = None
@@ -140,6 +145,10 @@ class PipelineRunner:
         try:
             output = ctx.step_fn(ctx.micro_batches[mb_index], *ctx.step_args)
         except StageExit as exit_:
+            if self.fsdp_units:
+                from lightning_parallel.zero.fsdp import finish_interrupted_forwards
+
+                finish_interrupted_forwards(self.fsdp_units, exit_.hidden)
             return exit_.hidden
         finally:
             self.runtime.active_stage = None
@@ -195,9 +204,12 @@ class PipelineRunner:
         target = torch.zeros(m, device=self.device)
         try:
             if self.fsdp_units:
-                from lightning_parallel.zero.fsdp import accumulate_without_reducing
+                from lightning_parallel.zero.fsdp import accumulate_without_reducing, reduce_every_micro_batch
 
-                accumulate_without_reducing(self.fsdp_units)
+                if self.fsdp_per_micro_batch:
+                    reduce_every_micro_batch(self.fsdp_units, self.fsdp_reshards_parameters)
+                else:
+                    accumulate_without_reducing(self.fsdp_units)
             with self.logs.recording(self.module, lambda: self._ctx.current if self._ctx else 0):
                 self.schedule.step(mb_index=index, target=target, return_outputs=False)
             self.last_backward.end_batch()

@@ -83,6 +83,8 @@ class HybridParallelStrategy(CheckpointingStrategy):
         offload: ``"cpu"`` (optimizer states and their update on the CPU; at stage 3 the parameters
             too; Adam/AdamW become DeepSpeed's CPU Adam) or ``"nvme"`` (stage 2/3, to ``offload_path``);
             ``offload_ratio``: the fraction offloaded, by FSDP2 unit (DeepSpeed's Twin-Flow ``ratio``).
+        zero_reshard: ZeRO-2/3 under stages: ``"step"`` gathers and reduce-scatters once per step;
+            ``"micro_batch"`` once per micro-batch, for ZeRO's memory at every moment (docs/zero.md).
         deepspeed_config: extra raw DeepSpeed keys, merged last (not those Lightning owns: precision,
             clipping, accumulation, optimizer).
         activation_checkpointing: ``"full"`` (recompute every block from its input) or ``"selective"``
@@ -136,6 +138,7 @@ class HybridParallelStrategy(CheckpointingStrategy):
         offload: Literal["cpu", "nvme"] | None = None,
         offload_path: str | None = None,
         offload_ratio: float = 1.0,
+        zero_reshard: Literal["step", "micro_batch"] = "step",
         deepspeed_config: dict[str, Any] | None = None,
         activation_checkpointing: Literal["full", "selective"] | None = None,
         activation_checkpointing_policy: Literal["ops"] | int | list[str] | None = None,
@@ -153,19 +156,8 @@ class HybridParallelStrategy(CheckpointingStrategy):
     ) -> None:
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
-        config = strategy_config(
-            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, expert_parallel=expert_parallel,
-            moe_aux_loss_coef=moe_aux_loss_coef, moe_z_loss_coef=moe_z_loss_coef, sequence_parallel=sequence_parallel,
-            micro_batches=micro_batches, pipeline_schedule=pipeline_schedule,
-            pipeline_virtual_stages=pipeline_virtual_stages, zero_stage=zero_stage, offload=offload,
-            offload_path=offload_path, deepspeed_config=deepspeed_config, offload_ratio=offload_ratio,
-            activation_checkpointing=activation_checkpointing,
-            activation_checkpointing_policy=activation_checkpointing_policy, activation_offload=activation_offload,
-            activation_compression=activation_compression, gradient_compression=gradient_compression, plan=plan,
-            verify_plan=verify_plan, compile=compile, loss_parallel=loss_parallel,
-            save_distributed_checkpoint=save_distributed_checkpoint, init_weights=init_weights,
-            context_parallel=context_parallel, context_parallel_mode=context_parallel_mode,
-        )  # fmt: skip
+        # Every constructor argument by its name (strategy_config reads those it checks).
+        config = strategy_config(**{k: v for k, v in locals().items() if k not in ("self", "__class__")})
         super().__init__(
             config,
             save_distributed_checkpoint=save_distributed_checkpoint,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Offload = Literal["cpu", "nvme"]
+Reshard = Literal["step", "micro_batch"]
 BUCKET_ELEMENTS = 25_000_000
 
 # Keys Lightning owns: a raw DeepSpeed value for them would disagree with the Trainer silently.
@@ -50,6 +51,12 @@ class ZeroArguments:
     """``deepspeed_config=``: raw DeepSpeed keys merged last (not those Lightning owns)."""
     offload_ratio: float = 1.0
     """``offload_ratio=``: the fraction of the parameters offloaded (by FSDP2 unit; below 1 on FSDP2 only)."""
+    reshard: Reshard = "step"
+    """``zero_reshard=``: under pipeline stages, ``"step"`` gathers each unit's parameters once per step and keeps
+    them and their unsharded gradients through the micro-batches (communication at the theory);
+    ``"micro_batch"`` reduce-scatters gradients after every micro-batch's backward and, at stage 3, gathers
+    the parameters for every forward and backward and reshards after each (ZeRO's memory at every moment,
+    at ``micro_batches`` times the communication)."""
 
     @property
     def enabled(self) -> bool:

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -272,6 +273,32 @@ def accumulate_without_reducing(units: list[FSDPModule]) -> None:
         unit.set_requires_gradient_sync(False, recurse=False)
         unit.set_reshard_after_backward(False, recurse=False)
         unit.set_is_last_backward(False)
+
+
+def finish_interrupted_forwards(units: list[FSDPModule], output: torch.Tensor) -> None:
+    """A pipeline stage's forward left the user's model by an exception (``pipeline/stages.py: StageExit``)
+    from its last block: FSDP2's post-forward of that block and of the units around it never ran. Run it
+    now, innermost first, on the stage's output: the units reshard after forward if they are to, and their
+    pre-backward hooks (which gather the parameters again for backward) sit on the tensor the stage's
+    backward starts from. Without it a unit resharded by an earlier micro-batch's backward entered the
+    next backward with freed parameters (measured: ZeRO-3 with ``zero_reshard="micro_batch"``)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    open_units = [u for u in units if u._get_fsdp_state()._training_state == TrainingState.FORWARD]
+    inside = {id(u): sum(u in other.modules() for other in open_units if other is not u) for u in open_units}
+    for unit in sorted(open_units, key=lambda u: -inside[id(u)]):
+        unit._get_fsdp_state()._post_forward(unit, (), output)
+
+
+def reduce_every_micro_batch(units: list[FSDPModule], reshard_parameters: bool) -> None:
+    """Before a pipeline schedule's micro-batches, ``zero_reshard="micro_batch"``: every micro-batch's backward
+    reduce-scatters into the sharded gradients; ``reshard_parameters`` (ZeRO-3) also frees the gathered
+    parameters after it (the forward already does, ``reshard_after_forward``). ZeRO-2 keeps them whole through
+    the micro-batches; its stage's last backward reshards them (:func:`reduce_in_backward`) for the step."""
+    for unit in units:
+        unit.set_requires_gradient_sync(True, recurse=False)
+        unit.set_reshard_after_backward(reshard_parameters, recurse=False)
+        unit.set_is_last_backward(True)
 
 
 def reduce_in_backward(units: list[FSDPModule]) -> None:

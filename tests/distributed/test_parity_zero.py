@@ -187,6 +187,16 @@ PIPELINED = [
           expert_parallel=2, micro_batches=2),
     _case("zero2_cpu_pp2_ep2_hf_mixtral", "hf_mixtral", 4, fields={**DEEP, "model_kwargs": {"n_layer": 4, **ADAM}},
           zero_stage=2, offload="cpu", pipeline_parallel=2, expert_parallel=2, micro_batches=2),
+    # zero_reshard="micro_batch" (the memory asked for): gradients reduce-scattered after every micro-batch,
+    # ZeRO-3's parameters gathered for every forward and backward (counted in tests/zero/test_zero_collectives.py).
+    _case("zero3_mb_pp2_1f1b_clip_accum_dp2_nanogpt", "nanogpt", 4, zero_stage=3, zero_reshard="micro_batch",
+          pipeline_parallel=2, micro_batches=4,
+          fields={**DEEP, "trainer_kwargs": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}}),
+    _case("zero2_cpu_mb_pp2_interleaved_1f1b_dp2_nanogpt", "nanogpt", 4, zero_stage=2, offload="cpu",
+          zero_reshard="micro_batch", pipeline_parallel=2, pipeline_schedule="interleaved_1f1b", micro_batches=2,
+          fields={**DEEP, "model_kwargs": {**DEEP["model_kwargs"], **ADAM}}),
+    _case("zero3_mb_pp2_ep2_hf_mixtral", "hf_mixtral", 4, fields=DEEP, zero_stage=3, zero_reshard="micro_batch",
+          pipeline_parallel=2, expert_parallel=2, micro_batches=2),
 ]  # fmt: skip
 # Three dimensions: ZeRO-3 (FSDP2 over dp) x tensor parallel x pipeline stages, on 8 ranks.
 EIGHT = [

@@ -75,6 +75,11 @@ def test_raw_deepspeed_keys_are_merged_last() -> None:
         ({"zero_stage": 3, "offload": "cpu", "offload_ratio": True}, "`offload_ratio=True` must be a number"),
         ({"zero_stage": 3, "offload_ratio": 0.5}, "`offload_ratio=0.5` needs `offload='cpu'` or 'nvme'"),
         ({"zero_stage": 1, "offload": "cpu", "offload_ratio": 0.5}, "`offload_ratio=0.5` with `zero_stage=1`"),
+        ({"zero_stage": 3, "pipeline_parallel": 2, "zero_reshard": "never"}, "`zero_reshard='never'` must be 'step'"),
+        ({"zero_stage": 1, "pipeline_parallel": 2, "zero_reshard": "micro_batch"}, "with `zero_stage=1`: only stages 2"),
+        ({"zero_stage": 3, "zero_reshard": "micro_batch"}, "`zero_reshard='micro_batch'` needs `pipeline_parallel` > 1"),
+        ({"zero_stage": 3, "pipeline_parallel": 2, "pipeline_schedule": "zbv", "zero_reshard": "micro_batch"},
+         "with `pipeline_schedule='zbv'`: a zero-bubble schedule"),
     ],
 )  # fmt: skip
 def test_bad_zero_arguments_are_refused_at_construction(kwargs: dict, message: str) -> None:

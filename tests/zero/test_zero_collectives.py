@@ -5,7 +5,8 @@ each FSDP2 unit of a rank reduce-scatters its gradients once per step, after the
 gathers its parameters once (ZeRO-3 before the first micro-batch, ZeRO-2 after the optimizer step,
 keeping whole parameters between steps). Once per micro-batch would be 4x that. ZeRO-2 with expert
 parallelism (ep=2 x dp_replicate=2, no stages, the experts' units of their own over their replicas):
-also one of each per unit and step.
+also one of each per unit and step. With ``zero_reshard="micro_batch"`` (memory asked for): one
+reduce-scatter per micro-batch, and at stage 3 a gather for every forward and backward.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from tests.strategy import launch
 
 pytestmark = [pytest.mark.distributed]
 
+MICRO_BATCHES = 4  # the script's
+
 
 @pytest.mark.timeout(600)
 def test_one_gather_and_one_reduce_scatter_per_unit_and_step(tmp_path: Path) -> None:
@@ -26,11 +29,23 @@ def test_one_gather_and_one_reduce_scatter_per_unit_and_step(tmp_path: Path) -> 
     result.assert_all_succeeded()
     for rank in range(4):
         measured = json.loads((tmp_path / f"zero_collectives.rank{rank}.json").read_text())
-        for stage in ("zero2", "zero3", "zero2_ep2"):
+        expected = {  # per unit and optimizer step
+            "zero2": (1, 1),
+            "zero3": (1, 1),
+            "zero2_ep2": (1, 1),
+            # zero_reshard="micro_batch", 4 micro-batches: a reduce-scatter per micro-batch; ZeRO-3 gathers for
+            # every forward and every backward, ZeRO-2 keeps its parameters whole until after the step.
+            "zero2_per_micro_batch": (1, MICRO_BATCHES),
+            "zero3_per_micro_batch": (2 * MICRO_BATCHES, MICRO_BATCHES),
+        }
+        for stage, (gathers, reduce_scatters) in expected.items():
             units, steps = measured[stage]["units"], measured[stage]["steps"]
             assert units >= 2 and len(steps) == 2  # blocks of the stage, and the rest of the model
             for counted in steps:
-                assert counted == {"all_gather": units, "reduce_scatter": units}, (
+                assert counted == {
+                    "all_gather": gathers * units,
+                    "reduce_scatter": reduce_scatters * units,
+                }, (
                     rank,
                     stage,
                     units,

@@ -5,7 +5,8 @@
 nanoGPT, pp=2 x dp=2, ``micro_batches=4``, three steps; ``torch.distributed.all_gather_single`` and
 ``reduce_scatter_single`` (what FSDP2 calls) are counted per training step from the second on (the
 first also gathers the initial shards). Every rank writes ``OUT_DIR/zero_collectives.rank{r}.json``:
-per stage, the FSDP2 units on the rank and the gathers and reduce-scatters of each counted step.
+per stage, the FSDP2 units on the rank and the gathers and reduce-scatters of each counted step; also
+with ``zero_reshard="micro_batch"``.
 """
 
 from __future__ import annotations
@@ -62,16 +63,20 @@ def main(out_dir: Path) -> None:
     dist.reduce_scatter_single = _counting("reduce_scatter", dist.reduce_scatter_single)
     devices = int(os.environ["WORLD_SIZE"])
     results = {}
-    for stage in (2, 3):
+    # zero_reshard="micro_batch": the memory asked for, at micro_batches times the communication.
+    for stage, reshard in ((2, "step"), (3, "step"), (2, "micro_batch"), (3, "micro_batch")):
         L.seed_everything(0, verbose=False)
         probe = PerStep()
         trainer = L.Trainer(
             accelerator="cpu", devices=devices, max_steps=3, callbacks=[probe], logger=False,
-            strategy=HybridParallelStrategy(zero_stage=stage, pipeline_parallel=2, micro_batches=4, timeout=60),
+            strategy=HybridParallelStrategy(
+                zero_stage=stage, pipeline_parallel=2, micro_batches=4, zero_reshard=reshard, timeout=60
+            ),
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
         trainer.fit(build("nanogpt", n_layer=4), make_dataloader(4, 3 * 4 * 2))
-        results[f"zero{stage}"] = {"units": probe.units, "steps": probe.steps[1:]}
+        name = f"zero{stage}" + ("" if reshard == "step" else "_per_micro_batch")
+        results[name] = {"units": probe.units, "steps": probe.steps[1:]}
     # ZeRO-2 with expert parallelism, no stages (ep=2 x dp_replicate=2): the expert units are their own, over
     # their 2 replicas; every unit still gathers once (after the step) and reduce-scatters once per step.
     L.seed_everything(0, verbose=False)
