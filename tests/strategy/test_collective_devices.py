@@ -1,0 +1,34 @@
+"""No collective of a training run gets a host tensor the project made (NCCL takes only CUDA tensors).
+
+Two ranks over gloo, where every tensor is on the CPU and such a mistake passes silently; the guard
+(``tests/device_guard.py``) marks the tensors the project's code puts on the host and checks every
+collective's arguments during fit, validation and a checkpoint save, in each layout of
+``tests/strategy/scripts/collective_devices.py``. Negative control: the vote helper's flag made on
+the default device is reported, at its line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.strategy import launch
+
+pytestmark = [pytest.mark.distributed]
+
+
+@pytest.mark.timeout(900)
+def test_collectives_get_tensors_on_the_communication_device(tmp_path: Path) -> None:
+    result = launch(
+        "collective_devices.py", [str(tmp_path)], tmp_path, world_size=2, timeout_s=800, grace_s=30
+    )
+    result.assert_all_succeeded()
+    for rank in range(2):
+        measured = json.loads((tmp_path / f"collective_devices.rank{rank}.json").read_text())
+        control = measured.pop("control_host_flag")
+        assert any("comm/agreement.py" in where for _, where in control["violations"]), control
+        for layout, seen in measured.items():
+            assert seen["collectives"] > 10, (rank, layout, seen)  # the layout really communicated
+            assert seen["violations"] == [], (rank, layout, seen["violations"])
