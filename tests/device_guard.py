@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 BLESSED = torch.device("cpu", 0)  # what communication_device returns under the guard
 MARK = "_lp_host_origin"
+MODE_FILES = ("device_guard.py", "sync_counter.py")  # frames of the modes themselves, skipped
 
 FACTORIES = {
     torch.tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.as_tensor,
@@ -45,7 +46,7 @@ def _project_caller() -> str | None:
     factories, e.g. inside ``all_gather_object``, pick their device themselves)."""
     frame = sys._getframe(2)
     while frame is not None and (
-        frame.f_code.co_filename.endswith("device_guard.py") or "contextlib" in frame.f_code.co_filename
+        frame.f_code.co_filename.endswith(MODE_FILES) or "contextlib" in frame.f_code.co_filename
     ):
         frame = frame.f_back
     if frame is None or "/lightning_parallel/" not in frame.f_code.co_filename:
@@ -66,10 +67,13 @@ def _is_host(device: Any) -> bool:
     return False
 
 
-class _Marking(TorchFunctionMode):
-    def __init__(self, guard: HostTensorGuard) -> None:
-        super().__init__()
-        self.guard = guard
+def is_host_tensor(tensor: Any) -> bool:
+    """Made on the host by the project's code (marked by :class:`HostMarking`): on a GPU it would be too."""
+    return getattr(tensor, MARK, None) is not None
+
+
+class HostMarking(TorchFunctionMode):
+    """Marks the host tensors the project's code makes, and what is computed from them alone."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -136,7 +140,7 @@ class HostTensorGuard:
         for module, attr in helpers:
             setattr(module, attr, lambda group=None: BLESSED)
         try:
-            with _Marking(self):
+            with HostMarking():
                 yield self
         finally:
             for name, fn in originals.items():

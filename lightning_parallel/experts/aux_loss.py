@@ -47,14 +47,14 @@ from torch import nn
 from lightning_parallel.experts.dispatch import ProcessGroup, group_size, report_group_mean, sum_over_group
 from lightning_parallel.experts.foreign import MoEBlockInfo, find_moe_blocks
 from lightning_parallel.experts.layer import MoE
-from lightning_parallel.experts.router import load_balancing_loss, route_topk, router_z_loss
+from lightning_parallel.experts.router import count_values, load_balancing_loss, route_topk, router_z_loss
 
 
 class _InjectAuxGrad(torch.autograd.Function):
     """Identity on ``x``; in backward, gives ``aux`` the gradient ``scale`` (as if added to the loss)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, aux: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
         ctx.scale = scale
         ctx.save_for_backward(aux)
         return x.view_as(x)
@@ -62,7 +62,11 @@ class _InjectAuxGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (aux,) = ctx.saved_tensors
-        return grad, torch.full_like(aux, ctx.scale), None
+        return (
+            grad,
+            (torch.ones_like(aux) * ctx.scale).to(aux.dtype),
+            None,
+        )  # a tensor scale stays on the device
 
 
 def _first_tensor(value: Any) -> torch.Tensor:
@@ -100,7 +104,7 @@ class AuxLossCollector:
             )
         self.coef, self.z_loss_coef, self.mode = coef, z_loss_coef, mode
         self.token_group = token_group if group_size(token_group) > 1 else None
-        self.grad_scale = 1.0
+        self.grad_scale: float | torch.Tensor = 1.0
         # backward mode: the (detached) weighted losses injected since ``reset``, for reporting
         self.injected: list[torch.Tensor] = []
         self._pending: list[torch.Tensor] = []
@@ -141,10 +145,10 @@ class AuxLossCollector:
     def _foreign_loss(self, logits_NE: torch.Tensor, top_k: int) -> torch.Tensor:
         routing = route_topk(logits_NE.detach(), top_k)
         probs_NE = torch.softmax(logits_NE.float(), dim=-1)
-        counts_E = torch.bincount(routing.experts_NK.reshape(-1), minlength=logits_NE.shape[-1])
+        counts_E = count_values(routing.experts_NK, logits_NE.shape[-1])
         counts_E = sum_over_group(counts_E, self.token_group)
-        total = int(counts_E.sum()) // top_k
         replicas = group_size(self.token_group)
+        total = logits_NE.shape[0] if replicas == 1 else int(counts_E.sum()) // top_k
         aux = load_balancing_loss(probs_NE, counts_E, total, top_k, replicas)
         loss = self.coef * aux
         if self.z_loss_coef:
@@ -173,7 +177,7 @@ class AuxLossCollector:
             if info.kind == "lightning_parallel":
                 info.block.take_aux_loss()
 
-    def start_step(self, grad_scale: float) -> None:
+    def start_step(self, grad_scale: float | torch.Tensor) -> None:
         """Before a training step: forget the last one; ``grad_scale`` is how the step's loss is scaled
         before backward (1 / (accumulation x micro-batches), times the fp16 loss scale), which the
         injected gradients must follow."""

@@ -29,6 +29,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from lightning_parallel.experts.router import count_values
+
 ProcessGroup = dist.ProcessGroup
 ExpertFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -132,12 +134,16 @@ def _expert_parallel(
     received_SL = torch.empty_like(counts_E)
     dist.all_to_all_single(received_SL, counts_E.contiguous(), group=group)
     received_SL = received_SL.view(num_ranks, num_local)
-    send_splits = counts_E.view(num_ranks, num_local).sum(1).tolist()
-    recv_splits = received_SL.sum(1).tolist()
+    # The one host read of the exchange: the split sizes all_to_all_single takes as numbers.
+    send_splits, recv_splits = torch.stack(
+        [counts_E.view(num_ranks, num_local).sum(1), received_SL.sum(1)]
+    ).tolist()
     # 2. rows to their owners; regroup (source, expert) -> (expert, source)
     recv_RH = all_to_all(x_MH, recv_splits, send_splits, group)
     chunk_R = torch.repeat_interleave(
-        torch.arange(num_ranks * num_local, device=x_MH.device), received_SL.reshape(-1)
+        torch.arange(num_ranks * num_local, device=x_MH.device),
+        received_SL.reshape(-1),
+        output_size=sum(recv_splits),
     )
     source_R, local_R = chunk_R // num_local, chunk_R % num_local
     by_expert_R = torch.argsort(local_R * num_ranks + source_R, stable=True)
@@ -162,7 +168,7 @@ def dispatch(
     with ``ep_group`` this rank holds ``num_experts / ep_size`` of them (``ExpertParallel``).
     """
     order_A = torch.argsort(expert_A, stable=True)
-    counts_E = torch.bincount(expert_A, minlength=num_experts)
+    counts_E = count_values(expert_A, num_experts)
     x_MH = x_NH[token_A[order_A]]
     if group_size(ep_group) == 1:
         y_MH = compute(x_MH, counts_E)

@@ -47,7 +47,9 @@ def _padded_bmm(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor)
     longest = max(counts, default=0)
     if longest == 0:
         return x_MK @ w_EKN[0]  # no rows, but in the graph: the weights get zero gradients
-    group_M = torch.repeat_interleave(torch.arange(num_groups, device=x_MK.device), counts_E)
+    group_M = torch.repeat_interleave(
+        torch.arange(num_groups, device=x_MK.device), counts_E, output_size=x_MK.shape[0]
+    )
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     slot_M = torch.arange(x_MK.shape[0], device=x_MK.device) - starts_E[group_M]
     padded = x_MK.new_zeros(num_groups, longest, x_MK.shape[-1]).index_put((group_M, slot_M), x_MK)
@@ -78,7 +80,7 @@ def grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) 
 def _add_grouped_bias(y_MN: torch.Tensor, b_EN: torch.Tensor | None, counts_E: torch.Tensor) -> torch.Tensor:
     if b_EN is None:
         return y_MN
-    return y_MN + torch.repeat_interleave(b_EN.to(y_MN.dtype), counts_E, dim=0)
+    return y_MN + torch.repeat_interleave(b_EN.to(y_MN.dtype), counts_E, dim=0, output_size=y_MN.shape[0])
 
 
 class GroupedExperts(nn.Module):

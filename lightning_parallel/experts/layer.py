@@ -77,7 +77,8 @@ def plan_queues(
     replicas = group_size(token_group)
     counts_RKBE = counts_KBE[None] if replicas == 1 else gather_counts(counts_KBE, token_group)
     tokens_per_expert_E = counts_RKBE.sum((0, 1, 2))
-    total_tokens = int(counts_RKBE[:, 0].sum())
+    # Every token has one first choice; over a token group the ranks' counts are read (a host sync).
+    total_tokens = experts_NK.shape[0] if replicas == 1 else int(counts_RKBE[:, 0].sum())
     if capacity_factor is None:
         return _Queues(
             None, tokens_per_expert_E, total_tokens, replicas, experts_NK.new_zeros((), dtype=torch.float)

@@ -75,6 +75,15 @@ def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fact
     return math.ceil(exact)
 
 
+def count_values(values: torch.Tensor, size: int) -> torch.Tensor:
+    """How often each of ``0 .. size-1`` occurs in ``values``: ``bincount`` with a known length, which on a
+    GPU reads the largest value back to the host first (a sync per call); this adds on the device."""
+    counts = torch.zeros(size, dtype=torch.int64, device=values.device)
+    return counts.scatter_add_(
+        0, values.reshape(-1).long(), torch.ones_like(values.reshape(-1), dtype=torch.int64)
+    )
+
+
 def priority_order(experts_NK: torch.Tensor) -> torch.Tensor:
     """Expert ids of all (token, choice) assignments in priority order: ``(K * N,)``, choice-major.
 
@@ -91,7 +100,7 @@ def queue_positions(experts_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """
     flat_A = priority_order(experts_NK)
     order_A = torch.argsort(flat_A, stable=True)
-    counts_E = torch.bincount(flat_A, minlength=num_experts)
+    counts_E = count_values(flat_A, num_experts)
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     sorted_experts_A = flat_A[order_A]
     positions_sorted_A = torch.arange(flat_A.numel(), device=flat_A.device) - starts_E[sorted_experts_A]
@@ -115,7 +124,7 @@ def assignment_counts(experts_NK: torch.Tensor, num_experts: int, num_samples: i
     key_KN = (
         torch.arange(top_k, device=experts_NK.device)[:, None] * num_samples + sample_N[None, :]
     ) * num_experts + experts_NK.t()
-    counts = torch.bincount(key_KN.reshape(-1), minlength=top_k * num_samples * num_experts)
+    counts = count_values(key_KN, top_k * num_samples * num_experts)
     return counts.view(top_k, num_samples, num_experts)
 
 
@@ -134,20 +143,19 @@ def global_queue_offsets(counts_RKBE: torch.Tensor, rank: int, order: TokenOrder
     position ``offset[j, b, e] + p``.
     """
     num_ranks, top_k, num_samples, num_experts = counts_RKBE.shape
-    others = torch.ones(num_ranks, dtype=torch.bool, device=counts_RKBE.device)
-    others[rank] = False
-    lower = torch.arange(num_ranks, device=counts_RKBE.device) < rank
+    # Slices and differences, not boolean masks: a masked selection's size is read on the host on a GPU.
     per_choice_RKE = counts_RKBE.sum(2)
     earlier_choices_RKE = torch.cumsum(per_choice_RKE, 1) - per_choice_RKE  # choices j' < j
     if order == "rank_major":
         # other ranks' earlier choices, plus lower ranks' same choice
-        offset_KE = earlier_choices_RKE[others].sum(0) + per_choice_RKE[lower].sum(0)
+        offset_KE = earlier_choices_RKE.sum(0) - earlier_choices_RKE[rank] + per_choice_RKE[:rank].sum(0)
         return offset_KE[:, None, :].expand(top_k, num_samples, num_experts).contiguous()
     if order != "sample_interleaved":
         raise ValueError(f"`token_order={order!r}` must be 'sample_interleaved' or 'rank_major'.")
     earlier_samples_RKBE = torch.cumsum(counts_RKBE, 2) - counts_RKBE  # same choice, samples b' < b
     before_RKBE = earlier_choices_RKE[:, :, None, :] + earlier_samples_RKBE
-    return before_RKBE[others].sum(0) + counts_RKBE[lower].sum(0)  # lower ranks: also sample b itself
+    others_KBE = before_RKBE.sum(0) - before_RKBE[rank]
+    return others_KBE + counts_RKBE[:rank].sum(0)  # lower ranks: also sample b itself
 
 
 def load_balancing_loss(

@@ -111,8 +111,11 @@ class LogRecorder:
         finally:
             del module.log
 
-    def averaged(self, module: nn.Module) -> list[tuple[str, Any, dict[str, Any]]]:
-        """``[(name, value, kwargs)]``: tensors and numbers averaged, metrics named by their module path."""
+    def averaged(
+        self, module: nn.Module, device: torch.device | None = None
+    ) -> list[tuple[str, Any, dict[str, Any]]]:
+        """``[(name, value, kwargs)]``: tensors and numbers averaged (on ``device``, default the host), metrics
+        named by their module path."""
         names: dict[str, None] = {}
         for calls in self.calls.values():
             names.update(dict.fromkeys(calls))
@@ -124,8 +127,9 @@ class LogRecorder:
                 path = next((n for n, m in module.named_modules() if m is value), None)
                 out.append((name, ("module", path), kwargs))
                 continue
+            host = torch.device("cpu")
             values = [
-                torch.as_tensor(v.detach() if isinstance(v, torch.Tensor) else v).float().cpu()
+                torch.as_tensor(v.detach() if isinstance(v, torch.Tensor) else v).float().to(device or host)
                 for v, _ in entries
             ]
             out.append((name, ("value", torch.stack(values).mean()), kwargs))
@@ -146,6 +150,70 @@ def replay_logs(
             module.log(name, module.get_submodule(payload), **kwargs)
         else:
             module.log(name, payload.to(device), **kwargs)
+
+
+class StepLogs:
+    """The mean loss and the logs of a training step, from the last stage to every stage, without a host
+    round trip of the values: they travel as one tensor on the device. What they are (names, kinds,
+    ``self.log`` arguments) goes as an object only on a step where it changed; every step a 2-number header
+    (that version, the number of values) is read on the receiving ranks: their one host sync of the step.
+    """
+
+    def __init__(self) -> None:
+        self.structure: list[tuple[str, str, Any, dict[str, Any]]] | None = None
+        self.version = 0
+
+    def share(
+        self,
+        payload: tuple[torch.Tensor, list[tuple[str, Any, dict[str, Any]]]] | None,
+        src: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, list[tuple[str, Any, dict[str, Any]]]]:
+        """``payload`` (mean loss, records) on the rank ``src`` of ``group``; on every rank its copy."""
+        sending = dist.get_rank(group) == src
+        header = torch.zeros(2, dtype=torch.int64, device=device)
+        if sending:
+            assert payload is not None
+            mean, records = payload
+            structure = [(n, kind, None if kind == "value" else v, kw) for n, (kind, v), kw in records]
+            values = [mean.float().reshape(1)] + [
+                v.float().reshape(1) for _, (k, v), _ in records if k == "value"
+            ]
+            changed = not _same(structure, self.structure)
+            self.version += changed
+            header[0], header[1] = self.version, len(values)
+        dist.broadcast(header, group=group, group_src=src)
+        if sending:
+            count = len(values)
+            if changed:
+                broadcast_from(structure, src, group)
+                self.structure = structure
+        else:
+            version, count = header.tolist()
+            if version != self.version:
+                self.structure, self.version = broadcast_from(None, src, group), version
+        flat = torch.cat(values) if sending else torch.empty(count, dtype=torch.float32, device=device)
+        dist.broadcast(flat, group=group, group_src=src)
+        return flat[0], self._records(flat[1:])
+
+    def _records(self, flat: torch.Tensor) -> list[tuple[str, Any, dict[str, Any]]]:
+        assert self.structure is not None
+        out, position = [], 0
+        for name, kind, path, kwargs in self.structure:
+            if kind == "value":
+                out.append((name, ("value", flat[position]), kwargs))
+                position += 1
+            else:
+                out.append((name, (kind, path), kwargs))
+        return out
+
+
+def _same(structure: Any, cached: Any) -> bool:
+    try:
+        return bool(cached is not None and structure == cached)
+    except (RuntimeError, ValueError, TypeError):  # kwargs that do not compare (a tensor): sent again
+        return False
 
 
 def broadcast_from(obj: Any, src_group_rank: int, group: dist.ProcessGroup | None) -> Any:

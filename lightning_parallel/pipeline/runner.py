@@ -32,6 +32,7 @@ from lightning_parallel.pipeline.discover import PipelineSetupError, extract_los
 from lightning_parallel.pipeline.last_backward import LastBackward, ReducingStage
 from lightning_parallel.pipeline.microbatch import (
     LogRecorder,
+    StepLogs,
     batch_size_of,
     broadcast_from,
     replay_logs,
@@ -87,6 +88,7 @@ class PipelineRunner:
         self.last_stage = layout.num_stages - 1
         self.last_owner = layout.owners[self.last_stage]
         self.logs = LogRecorder()
+        self.step_logs = StepLogs()  # the last stage's loss and logs to every stage, each training step
         # An ``AuxLossCollector`` in backward mode (MoE models), or None.
         self.aux_collector = aux_collector
         # ZeRO on FSDP2 (zero/fsdp.py): its units reduce once per batch, during their stages' last backward.
@@ -200,7 +202,7 @@ class PipelineRunner:
         self._loss_factor = lambda loss: loss_factor(loss) / m
         self.last_backward.start_batch(ends_step=final)
         self.logs.clear()
-        index = torch.arange(m, device=self.device)
+        index = torch.arange(m)  # on the host: each stage reads its micro-batch's index without a device sync
         target = torch.zeros(m, device=self.device)
         try:
             if self.fsdp_units:
@@ -237,12 +239,12 @@ class PipelineRunner:
         """Send the mean loss and the recorded logs from the last stage to every stage; replay the logs."""
         payload = None
         if self.holds_last_stage:
-            mean = torch.stack([losses[i].float() for i in sorted(losses)]).mean().cpu()
-            payload = (mean, self.logs.averaged(self.module))
-        mean, records = broadcast_from(payload, self.last_owner, self.pp_group)
+            mean = torch.stack([losses[i].float() for i in sorted(losses)]).mean()
+            payload = (mean.to(self.device), self.logs.averaged(self.module, self.device))
+        mean, records = self.step_logs.share(payload, self.last_owner, self.pp_group, self.device)
         replay_logs(self.module, records, self.device)
         self.logs.clear()
-        return mean.to(self.device)
+        return mean
 
     def detach_gradients(self) -> list[torch.Tensor | None]:
         """Take the ``.grad`` tensors out of the parameters (they become None); returns them."""

@@ -22,10 +22,16 @@ from lightning_parallel.pipeline.microbatch import check_batch_size, check_divis
 from lightning_parallel.pipeline.runner import PipelineRunner
 
 
-def loss_scale(module: LightningModule, scaler: Any, micro_batches: int) -> float:
-    """How a (micro-)batch's loss is scaled before backward: MoE auxiliary gradients follow it."""
+def loss_scale(module: LightningModule, scaler: Any, micro_batches: int) -> float | torch.Tensor:
+    """How a (micro-)batch's loss is scaled before backward: MoE auxiliary gradients follow it.
+
+    The fp16 scale stays the scaler's device tensor (``get_scale()`` reads it to the host: a sync per step).
+    """
     scale = 1.0 / (module.trainer.accumulate_grad_batches * micro_batches)
-    return scale * float(scaler.get_scale()) if scaler is not None else scale
+    if scaler is None:
+        return scale
+    current = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else None
+    return scale * (current if current is not None else float(scaler.get_scale()))
 
 
 def training_step(

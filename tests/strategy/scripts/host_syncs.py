@@ -1,0 +1,80 @@
+"""Host syncs per training step that the project's code makes, per layout (counted on CPU).
+
+    python tests/strategy/scripts/host_syncs.py OUT_DIR   # RANK/WORLD_SIZE/MASTER_* from the launcher
+
+Two ranks; per layout (``LAYOUTS``) a fit of ``STEPS`` steps under ``tests/sync_counter.SyncCounter``.
+Each step is counted from the start of its batch to its end (the first step, which also sets up, is
+left out). Writes ``OUT_DIR/host_syncs.rank{r}.json``: per layout, the MoE layers and per counted step
+the syncs by ``kind @ file:line``; and the negative control: the syncs counted while the grouped
+experts' fallback (``_padded_bmm``, which reads its group sizes) runs once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from lightning_parallel import HybridParallelStrategy
+from lightning_parallel.experts.experts import _padded_bmm
+from lightning_parallel.experts.layer import MoE
+from tests.models.families import build, make_dataloader
+from tests.sync_counter import SyncCounter
+
+STEPS = 3
+# name: (family, strategy arguments, Trainer arguments)
+LAYOUTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "tp2": ("hf_llama", {"tensor_parallel": 2, "sequence_parallel": True}, {"gradient_clip_val": 0.1}),
+    "pp2": ("nanogpt", {"pipeline_parallel": 2, "micro_batches": 4}, {"gradient_clip_val": 0.1}),
+    "ep2": ("recipe_moe", {"expert_parallel": 2, "moe_aux_loss_coef": 0.01}, {"gradient_clip_val": 0.1}),
+}
+
+
+class PerStep(L.Callback):
+    def __init__(self, counter: SyncCounter) -> None:
+        self.counter = counter
+        self.steps: list[dict[str, int]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.counter.reset()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        counts = self.counter.reset()
+        self.steps.append({f"{kind} @ {where}": n for (kind, where), n in sorted(counts.items())})
+
+
+def main(out_dir: Path) -> None:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    results = {}
+    for name, (family, strategy_kwargs, trainer_kwargs) in LAYOUTS.items():
+        L.seed_everything(0, verbose=False)
+        counter = SyncCounter()
+        probe = PerStep(counter)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, max_steps=STEPS, logger=False, callbacks=[probe],
+            strategy=HybridParallelStrategy(timeout=60, **strategy_kwargs), enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs,
+        )  # fmt: skip
+        model = build(family)
+        with counter.counting():
+            trainer.fit(model, make_dataloader(4, 4 * STEPS))
+        moe_layers = sum(isinstance(m, MoE) for m in model.modules())
+        results[name] = {"moe_layers": moe_layers, "steps": probe.steps[1:]}
+    control = SyncCounter()
+    with control.counting():
+        _padded_bmm(torch.ones(3, 2), torch.ones(2, 2, 2), torch.tensor([1, 2]))
+    results["control"] = {f"{kind} @ {where}": n for (kind, where), n in control.counts.items()}
+    (out_dir / f"host_syncs.rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,40 @@
+"""The host syncs per training step the project's code makes stay within the budget docs/gpu.md
+states (counted on CPU by ``tests/sync_counter.py``; on a GPU each one stalls the queue):
+
+- tensor parallel: none;
+- pipeline parallel: none per micro-batch; one per step on the ranks that receive the last stage's
+  loss and logs (the header of ``StepLogs``), none on the last stage;
+- expert parallel: at most three per MoE layer per step, all in forward: the all-to-all's split sizes,
+  the token group's total, the assignments kept by capacity; none in backward.
+
+Negative control: a project function that reads sizes to the host is counted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.strategy import launch
+
+pytestmark = [pytest.mark.distributed]
+
+
+@pytest.mark.timeout(900)
+def test_host_syncs_per_step_stay_within_the_budget(tmp_path: Path) -> None:
+    result = launch("host_syncs.py", [str(tmp_path)], tmp_path, world_size=2, timeout_s=800, grace_s=30)
+    result.assert_all_succeeded()
+    for rank in range(2):
+        measured = json.loads((tmp_path / f"host_syncs.rank{rank}.json").read_text())
+        assert any("experts/experts.py" in where for where in measured.pop("control")), rank
+        budgets = {"tp2": 0, "pp2": 1, "ep2": 3 * measured["ep2"]["moe_layers"]}
+        assert measured["ep2"]["moe_layers"] >= 2
+        for layout, budget in budgets.items():
+            steps = measured[layout]["steps"]
+            assert len(steps) == 2, (layout, steps)
+            for counted in steps:
+                assert sum(counted.values()) <= budget, (rank, layout, counted)
+        # The pipeline's one sync is the receiving ranks' header read; none per micro-batch (4 here).
+        assert all(sum(c.values()) <= 1 for c in measured["pp2"]["steps"])
