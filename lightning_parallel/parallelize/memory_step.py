@@ -34,11 +34,15 @@ def apply_memory_savers(
     plan: ParallelPlan | None,
     aux_losses: AuxLossCollector | None,
     runtime: StageRuntime | None,
+    compiled: bool = False,
 ) -> ActivationSaver | None:
     """Patch the recomputed modules and build the saver; returns the saver (None without one).
 
     ``blocks`` are all the model's blocks (those other stages hold too, so "every k-th block"
     means the same blocks under every layout); ``runtime``: the pipeline's, when cut into stages.
+    ``compiled``: the blocks are compiled next. Their recomputation then replays the traced graph, which
+    reads no stage flag, and dynamo accepts no recomputation context but dispatch modes; so the
+    pipeline's stage restore (needed by the eager recomputation of a gated block) is left out.
     """
     kept = [module.get_submodule(n) for n in blocks if not isinstance(module.get_submodule(n), SkippedBlock)]
     notes = []
@@ -51,7 +55,7 @@ def apply_memory_savers(
             config.checkpointing,
             blocks,
             skip=lambda m: isinstance(m, SkippedBlock),
-            capture_state=_pipeline_state_capture(runtime) if runtime is not None else None,
+            capture_state=_pipeline_state_capture(runtime) if runtime is not None and not compiled else None,
         )
         notes.append(f"activation checkpointing {config.checkpointing.describe()} on {len(done)} module(s)")
     if config.saves_tensors:

@@ -112,8 +112,9 @@ def parallelize(
         )  # fmt: skip
         result.hooks += cut.runtime.handles
     result.activation_saver = apply_memory_savers(
-        module, config.memory, blocks, plan, experts.aux_losses, cut.runtime if cut is not None else None
-    )
+        module, config.memory, blocks, plan, experts.aux_losses, cut.runtime if cut is not None else None,
+        compiled=config.compile,
+    )  # fmt: skip
     if result.activation_saver is not None:
         result.hooks += result.activation_saver.handles
     if config.compile:
