@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -129,6 +129,20 @@ class RowCopies:
 
     parameters: list[nn.Parameter]
     group: dist.ProcessGroup
+    # per parameter: its shared local rows and every rank's user rows of them, on the gradient's device;
+    # fixed by the layout, so made once (a host-to-device copy per step otherwise)
+    _indices: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
+
+    def _rows(
+        self, param: nn.Parameter, layout: RowLayout, device: torch.device
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if id(param) not in self._indices:
+            rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+            shared = (layout.copies[layout.local_rows(rank)] > 1).nonzero().flatten().to(device)
+            index = torch.tensor(layout.index, device=device)
+            owners = [index[layout.local_rows(r)].index_select(0, shared) for r in range(size)]
+            self._indices[id(param)] = (shared, owners)
+        return self._indices[id(param)]
 
     def reduce(self) -> None:
         rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
@@ -138,13 +152,10 @@ class RowCopies:
                 continue
             grad = param.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad
-            mine = layout.local_rows(rank)
-            shared = (layout.copies[mine] > 1).nonzero().flatten().to(local.device)
+            shared, owners = self._rows(param, layout, local.device)
             rows = local.index_select(layout.dim, shared).contiguous()
             gathered = [torch.empty_like(rows) for _ in range(size)]
             dist.all_gather(gathered, rows, group=self.group)
-            index = torch.tensor(layout.index, device=local.device)
-            owners = [index[layout.local_rows(r)].index_select(0, shared) for r in range(size)]
             shape = list(rows.shape)
             shape[layout.dim] = layout.rows
             total = rows.new_zeros(shape)
