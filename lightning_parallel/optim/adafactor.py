@@ -44,9 +44,18 @@ def _squared_mean(grad: DTensor, dim: int, like: DTensor) -> DTensor:
     return norm.square().div(grad.size(dim))
 
 
-def _norm(tensor: torch.Tensor) -> float:
+def _norm(tensor: torch.Tensor) -> torch.Tensor:
+    """The 2-norm as a plain 0-dim tensor on the device (read by nobody on the host: no sync per parameter)."""
     norm = tensor.norm(2)
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def _scaled(update: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``update * scale`` for a plain 0-dim ``scale``, replicated over ``update``'s mesh if it is a DTensor."""
+    if isinstance(update, DTensor):
+        mesh = update.device_mesh
+        scale = DTensor.from_local(scale, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return update * scale
 
 
 class Adafactor(torch.optim.Adafactor):
@@ -82,10 +91,11 @@ class Adafactor(torch.optim.Adafactor):
         if eps1 is None:
             eps1 = torch.finfo(param.dtype).eps
         state["step"] += 1
-        step = state["step"].item()
+        step = state["step"].item()  # a host tensor: no device sync
         one_minus_beta2 = step ** group["beta2_decay"]
         rho = min(lr, 1 / step**0.5)
-        alpha = max(eps2, _norm(param) / param.numel() ** 0.5) * rho
+        # torch's Adafactor reads the two norms to the host per parameter; here they stay on the device
+        alpha = (_norm(param) / param.numel() ** 0.5).clamp(min=eps2) * rho
         if group["weight_decay"] != 0:
             param.mul_(1 - lr * group["weight_decay"])
         if grad.dim() > 1:
@@ -110,5 +120,5 @@ class Adafactor(torch.optim.Adafactor):
             var_estimate = state["variance"].clone()
         update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
         update.mul_(grad)
-        denom = max(1.0, _norm(update) / (update.numel() ** 0.5 * d))
-        param.add_(update, alpha=-alpha / denom)
+        denom = (_norm(update) / (update.numel() ** 0.5 * d)).clamp(min=1.0)
+        param.sub_(_scaled(update, alpha / denom))

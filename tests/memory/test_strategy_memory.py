@@ -14,7 +14,7 @@ import lightning as L
 import pytest
 
 from lightning_parallel import ActivationMemoryMonitor, HybridParallelStrategy
-from tests.memory.test_activation_memory import F32, B, C, T, outside_blocks_bytes
+from tests.memory.test_activation_memory import F32, I64, B, C, T, outside_blocks_bytes
 from tests.models.families import build, make_dataloader
 
 STEPS = 3
@@ -65,7 +65,11 @@ def test_savers_through_the_strategy() -> None:
             assert losses == runs["none"][0], name
     assert runs["full"][1].steps[0].total == outside_blocks_bytes() + 2 * B * T * C * F32
     assert runs["selective"][1].steps[0].on_device < baseline
-    assert runs["offload"][1].steps[0].on_device == 0 and runs["offload"][1].steps[0].offloaded == baseline
+    # all offloaded but the last block and what follows it (backward needs them first: tests/memory/
+    # test_activation_memory.py counts them exactly)
+    offload = runs["offload"][1].steps[0]
+    assert offload.offloaded > 0 and offload.on_device + offload.offloaded == baseline
+    assert offload.on_device == baseline - (baseline - outside_blocks_bytes()) // 2 - (B * T + T) * I64
     assert runs["bf16"][0][0] == runs["none"][0][0]  # the forward pass reads no compressed tensor
     assert runs["bf16"][1].steps[0].on_device < 0.51 * baseline
 
@@ -74,7 +78,7 @@ def test_a_second_fit_of_the_same_module_keeps_its_savers() -> None:
     model = build("recipe_gpt")
     fit(model, activation_offload=True)
     _, monitor = fit(model, activation_offload=True)  # the parallelized module is reused as it is
-    assert monitor.steps[0].offloaded > 0 and monitor.steps[0].on_device == 0
+    assert monitor.steps[0].offloaded > 0 and monitor.steps[0].on_device < monitor.steps[0].total
 
 
 def test_monitor_needs_the_hybrid_strategy() -> None:

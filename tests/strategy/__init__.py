@@ -129,3 +129,17 @@ def launch(
         results.append(RankResult(rank, returncode, log.read(), killed[rank], leftover))
         log.close()
     return Launch(results, wall_s)
+
+
+def launch_for_results(
+    script: str, tmp_path: Path, world_size: int = 2, timeout_s: float = 800
+) -> list[dict]:
+    """Run ``script`` (which writes ``OUT_DIR/<name>.rank{r}.json``) with ``tmp_path`` as OUT_DIR on
+    ``world_size`` ranks; every rank must succeed. Returns each rank's JSON, by rank."""
+    import json
+
+    launch(
+        script, [str(tmp_path)], tmp_path, world_size=world_size, timeout_s=timeout_s
+    ).assert_all_succeeded()
+    name = script.removesuffix(".py")
+    return [json.loads((tmp_path / f"{name}.rank{rank}.json").read_text()) for rank in range(world_size)]

@@ -9,24 +9,18 @@ the default device is reported, at its line.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.strategy import launch
+from tests.strategy import launch_for_results
 
 pytestmark = [pytest.mark.distributed]
 
 
 @pytest.mark.timeout(900)
 def test_collectives_get_tensors_on_the_communication_device(tmp_path: Path) -> None:
-    result = launch(
-        "collective_devices.py", [str(tmp_path)], tmp_path, world_size=2, timeout_s=800, grace_s=30
-    )
-    result.assert_all_succeeded()
-    for rank in range(2):
-        measured = json.loads((tmp_path / f"collective_devices.rank{rank}.json").read_text())
+    for rank, measured in enumerate(launch_for_results("collective_devices.py", tmp_path)):
         control = measured.pop("control_host_flag")
         assert any("comm/agreement.py" in where for _, where in control["violations"]), control
         for layout, seen in measured.items():

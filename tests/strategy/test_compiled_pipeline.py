@@ -7,24 +7,18 @@ that is not a dispatch mode and compilation failed.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.strategy import launch
+from tests.strategy import launch_for_results
 
 pytestmark = [pytest.mark.distributed]
 
 
 @pytest.mark.timeout(900)
 def test_a_compiled_pipeline_step_trains_like_the_eager_one(tmp_path: Path) -> None:
-    result = launch(
-        "compiled_pipeline.py", [str(tmp_path)], tmp_path, world_size=2, timeout_s=800, grace_s=30
-    )
-    result.assert_all_succeeded()
-    for rank in range(2):
-        measured = json.loads((tmp_path / f"compiled_pipeline.rank{rank}.json").read_text())
+    for rank, measured in enumerate(launch_for_results("compiled_pipeline.py", tmp_path)):
         for mode, seen in measured.items():
             eager = measured["eager_interleaved" if "interleaved" in mode else "eager"]
             if mode.startswith("compiled"):

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from lightning_parallel import HybridParallelStrategy
 from lightning_parallel.experts.experts import _padded_bmm
 from lightning_parallel.experts.layer import MoE
+from lightning_parallel.optim import Adafactor
 from tests.models.families import build, make_dataloader
 from tests.sync_counter import SyncCounter
 
@@ -32,6 +33,7 @@ STEPS = 3
 # name: (family, strategy arguments, Trainer arguments)
 LAYOUTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "tp2": ("hf_llama", {"tensor_parallel": 2, "sequence_parallel": True}, {"gradient_clip_val": 0.1}),
+    "tp2_adafactor": ("nanogpt", {"tensor_parallel": 2}, {}),  # Adafactor on DTensor parameters
     "pp2": ("nanogpt", {"pipeline_parallel": 2, "micro_batches": 4}, {"gradient_clip_val": 0.1}),
     "ep2": ("recipe_moe", {"expert_parallel": 2, "moe_aux_loss_coef": 0.01}, {"gradient_clip_val": 0.1}),
 }
@@ -65,6 +67,8 @@ def main(out_dir: Path) -> None:
             enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs,
         )  # fmt: skip
         model = build(family)
+        if name.endswith("adafactor"):
+            model.configure_optimizers = lambda model=model: Adafactor(model.parameters(), lr=1e-2)  # type: ignore[method-assign]
         with counter.counting():
             trainer.fit(model, make_dataloader(4, 4 * STEPS))
         moe_layers = sum(isinstance(m, MoE) for m in model.modules())
