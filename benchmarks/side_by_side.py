@@ -1,0 +1,527 @@
+"""Each parallel axis against what a user would write instead, side by side in one run.
+
+    python -m benchmarks.side_by_side                      # every pair, 2 CPU ranks over gloo (< 10 min)
+    python -m benchmarks.side_by_side --pairs tp dp        # some of them
+    python -m benchmarks.side_by_side --quick              # the smallest settings (the smoke test's)
+    python -m benchmarks.side_by_side --readme             # also rewrite the table in benchmarks/README.md
+
+Pairs (reference -> ours), same model, weights, batches and ranks in both:
+
+- ``tp``: Lightning's ``ModelParallelStrategy`` with ``parallelize_module`` and a plan written by hand
+  for the recipe GPT (q|k|v and fc column-wise, the projections row-wise, the heads per rank set on
+  the attention modules, embeddings and head replicated) -> ``HybridParallelStrategy(tensor_parallel=2)``
+  with its automatic plan. Target: step at most 1.02x, setup at most 1.2x.
+- ``pp``: the same two (or, interleaved, four) stages of the recipe GPT driven by hand with torch's
+  ``PipelineStage`` and schedule classes (the tied embedding and head summed over the two ranks after
+  backward, as a user must) -> ``HybridParallelStrategy(pipeline_parallel=2, micro_batches=M)``, for 1F1B
+  and interleaved 1F1B at M = 4, 8, 16. Target: at most 1.05x.
+- ``dp``: ``strategy="ddp"`` -> ``HybridParallelStrategy()`` (target at most 1.0x), and FSDP2 (``fully_shard``
+  per block and the model, in the module's ``configure_model`` under ``ModelParallelStrategy``: Lightning's
+  ``strategy="fsdp"`` refuses CPUs) (reported).
+- ``ep``: the MoE recipe in data parallelism only -> ``expert_parallel=2`` (reported).
+- ``ac``: ``checkpoint_wrapper`` around every block written into the module (full; selective with
+  torch's ``create_selective_checkpoint_contexts`` keeping the matmul and attention outputs), under
+  the same strategy -> ``activation_checkpointing="full"`` / ``"selective"``. Target: at most 1.02x.
+
+How: one launch of 2 ranks runs every pair; the two configurations of a pair run in two threads of
+each rank, their training steps interleaved one by one (``common.Baton``), ``--rounds`` times with
+the order alternating; pipeline steps are timed between barriers over both ranks. Printed per pair:
+median step times, the ratio (median of back-to-back step pairs, with its quartiles), the time from
+``fit`` (or, by hand, from building the stages) to the first step, and the peak resident memory of
+rank 0 during a short run of each configuration alone (``VmHWM``, reset before each run). On two
+shared CPU cores ratios within about 0.05 of 1 are noise; the GPU check runs the pairs that fit one
+device at scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    Baton,
+    Timings,
+    compare,
+    finish_worker,
+    init_process_group,
+    launch,
+    launch_env,
+    machine,
+    quiet_lightning,
+    recipe_data,
+    recipe_model,
+    run_lockstep,
+    table,
+)
+
+SHAPES = {
+    "quick": dict(n_layer=4, n_head=2, n_embd=32, block_size=16, batch_size=4, micro_batch_size=1),
+    "default": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=8, micro_batch_size=2),
+}
+README = Path(__file__).resolve().parent / "README.md"
+MARK_BEGIN, MARK_END = "<!-- side_by_side: begin -->", "<!-- side_by_side: end -->"
+
+
+@dataclass(frozen=True)
+class Pair:
+    reference: str
+    candidate: str
+    target: float | None  # step-time ratio candidate / reference; None: reported only
+    setup_target: float | None = None
+
+
+def _pairs(micro_batches: tuple[int, ...]) -> dict[str, Pair]:
+    pairs = {
+        "tp": Pair("ModelParallelStrategy + hand plan", "tensor_parallel=2", 1.02, 1.2),
+        "dp_ddp": Pair("strategy='ddp'", "HybridParallelStrategy()", 1.0),
+        "dp_fsdp": Pair("ModelParallelStrategy + fully_shard", "HybridParallelStrategy()", None),
+        "ep": Pair("MoE, data parallel only", "expert_parallel=2", None),
+        "ac_full": Pair("checkpoint_wrapper (full)", "activation_checkpointing='full'", 1.02),
+        "ac_selective": Pair("checkpoint_wrapper (selective)", "activation_checkpointing='selective'", 1.02),
+    }
+    for schedule in ("1f1b", "interleaved_1f1b"):
+        for m in micro_batches:
+            pairs[f"pp_{schedule}_m{m}"] = Pair(f"PipelineStage + {schedule} by hand, M={m}",
+                                                f"pipeline_parallel=2, M={m}", 1.05)  # fmt: skip
+    return pairs
+
+
+GROUPS = {
+    "tp": ("tp",),
+    "dp": ("dp_ddp", "dp_fsdp"),
+    "ep": ("ep",),
+    "ac": ("ac_full", "ac_selective"),
+    "pp": (),
+}
+
+
+# ---- timing -------------------------------------------------------------------------------------
+
+
+class _Clock:
+    """Step times (after ``warmup``) and the time from ``start`` to the first step, passing ``baton`` on
+    before every step; with ``barrier`` the step is timed between barriers over every rank (pipelines)."""
+
+    def __init__(self, baton: Baton | None, name: str, warmup: int, barrier: bool) -> None:
+        self.baton, self.name, self.warmup, self.barrier = baton, name, warmup, barrier
+        self.start = time.perf_counter()
+        self.timings: Timings = {"step": [], "setup": []}
+        self._seen, self._begin = 0, 0.0
+
+    def _sync(self) -> None:
+        if self.barrier:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def begin(self) -> None:
+        if not self.timings["setup"]:
+            self.timings["setup"].append(time.perf_counter() - self.start)
+        if self.baton is not None:
+            self.baton.pass_on(self.name)
+        self._sync()
+        self._begin = time.perf_counter()
+
+    def end(self) -> None:
+        self._sync()
+        elapsed = time.perf_counter() - self._begin
+        self._seen += 1
+        if self._seen > self.warmup:
+            self.timings["step"].append(elapsed)
+
+    def callback(self) -> Any:
+        from lightning.pytorch.callbacks import Callback
+
+        clock = self
+
+        class _Callback(Callback):
+            def on_train_batch_start(self, *args: Any) -> None:
+                clock.begin()
+
+            def on_train_batch_end(self, *args: Any) -> None:
+                clock.end()
+
+        return _Callback()
+
+
+# ---- the configurations ---------------------------------------------------------------------------
+
+
+def _gpt(shape: dict[str, Any]) -> Any:
+    return recipe_model(
+        seed=1234, **{k: v for k, v in shape.items() if k not in ("batch_size", "micro_batch_size")}
+    )
+
+
+def _hand_tp_model(shape: dict[str, Any]) -> Any:
+    """The recipe GPT with the ``configure_model`` a Lightning user writes for ``ModelParallelStrategy``."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = _gpt(shape)
+
+    def configure_model() -> None:
+        mesh = model.device_mesh["tensor_parallel"]
+        plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}  # fmt: skip
+        for block in model.model.transformer.h:
+            parallelize_module(block, mesh, plan)
+            # a user's plan must also tell the attention its heads per rank (torchtitan does the same)
+            block.attn.n_head //= mesh.size()
+            block.attn.n_embd //= mesh.size()
+
+    model.configure_model = configure_model
+    return model
+
+
+def _fsdp_model(shape: dict[str, Any]) -> Any:
+    """The recipe GPT with the ``configure_model`` a Lightning user writes for FSDP2 under ``ModelParallelStrategy``."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _gpt(shape)
+
+    def configure_model() -> None:
+        mesh = model.device_mesh["data_parallel"]
+        for block in model.model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model.model, mesh=mesh)
+
+    model.configure_model = configure_model
+    return model
+
+
+def _wrapped_model(shape: dict[str, Any], selective: bool) -> Any:
+    """The recipe GPT with torch's ``checkpoint_wrapper`` written around each block (what a user writes)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    model = _gpt(shape)
+    kwargs: dict[str, Any] = {"checkpoint_impl": CheckpointImpl.NO_REENTRANT}
+    if selective:
+        aten = torch.ops.aten
+        keep = [aten.mm.default, aten.addmm.default, aten.bmm.default,
+                aten._scaled_dot_product_efficient_attention.default,
+                aten._scaled_dot_product_flash_attention.default,
+                aten._scaled_dot_product_flash_attention_for_cpu.default]  # fmt: skip
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep)
+    blocks = model.model.transformer.h
+    for index, block in enumerate(blocks):
+        blocks[index] = checkpoint_wrapper(block, **kwargs)
+    return model
+
+
+def _moe(shape: dict[str, Any]) -> Any:
+    from recipes.moe.module import MoEGPTLightningModule
+
+    torch.manual_seed(1234)
+    dims = {k: v for k, v in shape.items() if k in ("n_layer", "n_head", "n_embd", "block_size")}
+    return MoEGPTLightningModule(vocab_size=256, num_experts=4, top_k=2, dropout=0.0, warmup_steps=1,
+                                 lr_decay_steps=1000, **dims)  # fmt: skip
+
+
+def _lightning_config(
+    pair: str, side: str, shape: dict[str, Any], micro_batches: int
+) -> tuple[Any, Any, int]:
+    """(model, strategy, batch size) of one side of a Lightning pair."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_parallel import HybridParallelStrategy
+
+    batch = shape["batch_size"]
+    ours = side == "candidate"
+    if pair == "tp":
+        if ours:
+            return _gpt(shape), HybridParallelStrategy(tensor_parallel=2, timeout=300), batch
+        return (
+            _hand_tp_model(shape),
+            ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
+            batch,
+        )
+    if pair == "dp_ddp":
+        return _gpt(shape), HybridParallelStrategy(timeout=300) if ours else "ddp", batch
+    if pair == "dp_fsdp":
+        if ours:
+            return _gpt(shape), HybridParallelStrategy(timeout=300), batch
+        return _fsdp_model(shape), ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), batch
+    if pair == "ep":
+        return _moe(shape), HybridParallelStrategy(expert_parallel=2 if ours else 1, timeout=300), batch
+    if pair.startswith("ac_"):
+        mode = pair.removeprefix("ac_")
+        if ours:
+            return _gpt(shape), HybridParallelStrategy(activation_checkpointing=mode, timeout=300), batch
+        return (
+            _wrapped_model(shape, selective=mode == "selective"),
+            HybridParallelStrategy(timeout=300),
+            batch,
+        )
+    # pp: ours (the hand side is not a Trainer)
+    schedule = pair.split("_m")[0].removeprefix("pp_")
+    strategy = HybridParallelStrategy(pipeline_parallel=2, micro_batches=micro_batches, pipeline_schedule=schedule,
+                                      timeout=300)  # fmt: skip
+    return _gpt(shape), strategy, micro_batches * shape["micro_batch_size"]
+
+
+def _fit(
+    model: Any, strategy: Any, batch: int, shape: dict[str, Any], data: Any, steps: int, clock: _Clock
+) -> None:
+    import lightning as L
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False, callbacks=[clock.callback()],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=recipe_data(shape["block_size"], batch, like=data))
+
+
+# ---- the pipeline by hand ------------------------------------------------------------------------
+
+
+class _Stage(torch.nn.Module):
+    """A slice of the recipe GPT: the embeddings (first), blocks, the final norm and head (last)."""
+
+    def __init__(self, gpt: Any, blocks: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        t = gpt.transformer
+        if first:
+            self.wte, self.wpe, self.drop = t.wte, t.wpe, t.drop
+        self.blocks = torch.nn.ModuleList([t.h[i] for i in blocks])
+        if last:
+            self.ln_f, self.lm_head = t.ln_f, gpt.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x)) if self.last else x
+
+
+def _hand_pipeline(schedule: str, micro_batches: int, shape: dict[str, Any], data: Any, steps: int,
+                   clock: _Clock) -> None:  # fmt: skip
+    """What a user writes without the strategy: stages cut by hand, torch's schedule, the tie summed."""
+    import copy
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gpt = _gpt(shape).model
+    per_rank = 2 if schedule == "interleaved_1f1b" else 1
+    num_stages = world * per_rank
+    n = len(gpt.transformer.h)
+    mine = [rank + world * v for v in range(per_rank)]  # loop placement: rank r holds r, r + P, ...
+    modules = []
+    for s in mine:
+        blocks = range(s * n // num_stages, (s + 1) * n // num_stages)
+        # each stage its own copy of what it holds: the tied embedding and head become two weights
+        modules.append(_Stage(copy.deepcopy(gpt), blocks, first=s == 0, last=s == num_stages - 1))
+    stages = [
+        PipelineStage(m, s, num_stages, torch.device("cpu")) for m, s in zip(modules, mine, strict=True)
+    ]
+
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    runner = (ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn) if per_rank > 1
+              else Schedule1F1B(stages[0], micro_batches, loss_fn=loss_fn))  # fmt: skip
+    params = [p for m in modules for p in m.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95))
+    tied = [m.wte.weight for m in modules if m.first] + [m.lm_head.weight for m in modules if m.last]
+    loader = recipe_data(shape["block_size"], micro_batches * shape["micro_batch_size"], like=data)
+    loader.setup("fit")
+    for step, (x, y) in enumerate(loader.train_dataloader()):
+        if step == steps:
+            break
+        clock.begin()
+        optimizer.zero_grad()
+        holds_first, holds_last = 0 in mine, num_stages - 1 in mine
+        if holds_first and holds_last:
+            runner.step(x, target=y)
+        elif holds_first:
+            runner.step(x)
+        else:
+            runner.step(target=y)
+        for weight in tied:  # the embedding on the first stage, the head on the last: one matrix
+            dist.all_reduce(weight.grad)
+        optimizer.step()
+        clock.end()
+
+
+# ---- one rank ------------------------------------------------------------------------------------
+
+
+def _peak_rss_mb(run: Callable[[], None]) -> float:
+    """Peak resident memory of this process during ``run`` (VmHWM, reset before it; Linux)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return float("nan")
+    run()
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _side_runner(pair: str, side: str, shape: dict[str, Any], data: Any, args: argparse.Namespace,
+                 dist_env: dict[str, str]) -> Callable[[Baton | None, str, int], Timings]:  # fmt: skip
+    micro_batches = int(pair.split("_m")[1]) if pair.startswith("pp_") else 0
+
+    def run(baton: Baton | None, name: str, steps: int) -> Timings:
+        os.environ.update(dist_env)  # Lightning's environment deletes WORLD_SIZE at teardown
+        clock = _Clock(baton, name, args.warmup, barrier=pair.startswith("pp_"))
+        if pair.startswith("pp_") and side == "reference":
+            schedule = pair.split("_m")[0].removeprefix("pp_")
+            _hand_pipeline(schedule, micro_batches, shape, data, steps, clock)
+        else:
+            model, strategy, batch = _lightning_config(pair, side, shape, micro_batches)
+            _fit(model, strategy, batch, shape, data, steps, clock)
+        return clock.timings
+
+    return run
+
+
+def _timed(side: Callable[[Baton | None, str, int], Timings], steps: int, baton: Baton, name: str) -> Timings:
+    return side(baton, name, steps)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    quiet_lightning()
+    torch.set_num_threads(1)
+    dist_env = launch_env()
+    rank = init_process_group(timeout_s=600)
+    shape = SHAPES[args.shape]
+    data = recipe_data(shape["block_size"], shape["batch_size"])
+    data.setup("fit")
+    results: dict[str, Any] = {}
+    for pair in args.pairs:
+        sides = {
+            side: _side_runner(pair, side, shape, data, args, dist_env) for side in ("reference", "candidate")
+        }
+        steps = args.steps + args.warmup
+        rounds = []
+        for index in range(args.rounds):
+            order = ("reference", "candidate") if index % 2 == 0 else ("candidate", "reference")
+            rounds.append(run_lockstep({s: functools.partial(_timed, sides[s], steps) for s in order}))
+        memory = {
+            s: _peak_rss_mb(functools.partial(sides[s], None, s, 3)) for s in ("reference", "candidate")
+        }
+        dist.barrier()
+        results[pair] = {"rounds": rounds, "peak_rss_mb": memory}
+        if rank == 0:
+            c = compare(rounds, "reference", "candidate")
+            print(f"{pair}: ratio {c['ratio']:.3f} ({c['q1']:.3f}-{c['q3']:.3f})", flush=True)
+    if rank == 0:
+        (args.out / "side_by_side.json").write_text(json.dumps(results))
+    finish_worker()
+
+
+# ---- report --------------------------------------------------------------------------------------
+
+
+def _verdict(value: float, target: float | None) -> str:
+    if target is None:
+        return "reported"
+    return f"<= {target}: {'met' if value <= target else 'MISSED'}"
+
+
+def report(results: dict[str, Any], pairs: dict[str, Pair], header: str) -> str:
+    rows = []
+    for name, measured in results.items():
+        pair = pairs[name]
+        c = compare(measured["rounds"], "reference", "candidate")
+        setups = {
+            s: statistics.median([r[s]["setup"][0] for r in measured["rounds"]])
+            for s in ("reference", "candidate")
+        }
+        setup_ratio = setups["candidate"] / setups["reference"]
+        memory = measured["peak_rss_mb"]
+        rows.append([
+            name, pair.reference, pair.candidate, f"{c['reference_s'] * 1e3:.1f}", f"{c['candidate_s'] * 1e3:.1f}",
+            f"{c['ratio']:.3f} ({c['q1']:.2f}-{c['q3']:.2f})", _verdict(c["ratio"], pair.target),
+            f"{setups['reference']:.1f} / {setups['candidate']:.1f} s = {setup_ratio:.2f}"
+            + (f" ({_verdict(setup_ratio, pair.setup_target)})" if pair.setup_target else ""),
+            f"{memory['reference']:.0f} / {memory['candidate']:.0f}",
+        ])  # fmt: skip
+    body = table(["pair", "reference", "ours", "ref. step ms", "our step ms", "ratio (quartiles)", "target",
+                  "fit to first step, ref. / ours", "peak RSS MB rank 0, ref. / ours"], rows)  # fmt: skip
+    return f"{header}\n\n{body}\n"
+
+
+def _write_readme(text: str) -> None:
+    readme = README.read_text()
+    block = f"{MARK_BEGIN}\n{text}{MARK_END}"
+    if MARK_BEGIN in readme:
+        start, end = readme.index(MARK_BEGIN), readme.index(MARK_END) + len(MARK_END)
+        readme = readme[:start] + block + readme[end:]
+    else:
+        readme += f"\n## Side by side: each axis against what a user would write instead\n\n{block}\n"
+    README.write_text(readme)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", nargs="+", choices=sorted(GROUPS), default=sorted(GROUPS))
+    parser.add_argument(
+        "--quick", action="store_true", help="the smallest settings (seconds, numbers meaningless)"
+    )
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--readme", action="store_true", help="rewrite the table in benchmarks/README.md")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--shape", default="default", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--pairs-expanded", nargs="+", default=[], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        args.pairs = args.pairs_expanded
+        worker(args)
+        return
+    if args.quick:
+        args.shape, args.rounds, args.steps, args.warmup, args.micro_batches = "quick", 1, 2, 1, [4]
+    results, pairs, header = measure(args.pairs, args.shape, args.rounds, args.steps, args.warmup,
+                                     tuple(args.micro_batches))  # fmt: skip
+    text = report(results, pairs, header)
+    print(text)
+    if args.readme:
+        _write_readme(text)
+
+
+def measure(
+    groups: list[str], shape: str, rounds: int, steps: int, warmup: int, micro_batches: tuple[int, ...],
+    timeout_s: float = 1800,
+) -> tuple[dict[str, Any], dict[str, Pair], str]:  # fmt: skip
+    """Run the pairs of ``groups`` in one 2-rank launch: (measured per pair, the pairs, a header line)."""
+    pairs = _pairs(micro_batches)
+    selected = [p for group in groups for p in (GROUPS[group] or [k for k in pairs if k.startswith("pp_")])]
+    forwarded = ["--worker", "--shape", shape, "--rounds", str(rounds), "--steps", str(steps),
+                 "--warmup", str(warmup), "--micro-batches", *map(str, micro_batches),
+                 "--pairs-expanded", *selected]  # fmt: skip
+    start = time.perf_counter()
+    out = launch("benchmarks.side_by_side", forwarded, nprocs=2, timeout_s=timeout_s)
+    results = json.loads((out / "side_by_side.json").read_text())
+    header = (f"# {machine()}; 2 ranks x 1 torch thread, gloo; recipe GPT {SHAPES[shape]}; {rounds} rounds"
+              f" x {steps} timed steps (+{warmup} warm-up) per side, steps interleaved;"
+              f" {time.perf_counter() - start:.0f} s")  # fmt: skip
+    return results, pairs, header
+
+
+if __name__ == "__main__":
+    main()
