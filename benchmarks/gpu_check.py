@@ -20,6 +20,8 @@ a phase that would not fit is skipped, one that overruns is stopped, and what wa
 7. ``compile``: ``torch.compile`` of the same step.
 8. ``fp8``: a few steps with ``Float8Precision`` against bf16-mixed (where the GPU has fp8).
 9. ``zero_offload``: ZeRO-2 + CPU offload against on-GPU, if deepspeed was carried there.
+10. ``side_by_side``: full and selective recomputation against ``checkpoint_wrapper`` on GPT-1.3B
+   (the one-device pairs of ``benchmarks/side_by_side.py``).
 
 Writes ``gpu_check.json`` (every phase's status, seconds, results and each figure against its
 target or reference figure: ``benchmarks/README.md``, ``docs/``, the reference measurements of
@@ -126,6 +128,14 @@ def phases(dry_run: bool) -> list[Phase]:
         Phase("zero_offload", ["benchmarks.zero_offload", *tiny_cpu, "--json", "{json}"], 150, [
             Figure("ZeRO-2 offload / on-GPU step time", lambda r: r["ratio"], "<=", 2.0, readme),
         ] if not dry_run else [], needs="deepspeed"),
+        # The one-device pairs of benchmarks.side_by_side at GPT-1.3B: our recomputation against checkpoint_wrapper.
+        Phase("side_by_side", ["benchmarks.side_by_side", "--devices", "1", "--pairs", "ac",
+                               *(["--quick"] if dry_run else ["--accelerator", "cuda", "--shape", "large", "--rounds",
+                                                              "1", "--steps", "4", "--warmup", "2"]),
+                               "--json", "{json}"], 200, [
+            Figure(f"{mode} recomputation: ours / checkpoint_wrapper step time", lambda r, m=mode: r["ratios"][f"ac_{m}"],
+                   "<=", 1.02, readme) for mode in ("full", "selective")
+        ]),
     ]  # fmt: skip
 
 

@@ -68,7 +68,12 @@ from benchmarks.common import (
 SHAPES = {
     "quick": dict(n_layer=4, n_head=2, n_embd=32, block_size=16, batch_size=4, micro_batch_size=1),
     "default": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=8, micro_batch_size=2),
+    # GPT-1.3B (GPT-2 XL-like), for the one-device pairs on a GPU (scripts/gpu_check.sh)
+    "large": dict(n_layer=24, n_head=16, n_embd=2048, block_size=1024, batch_size=4, micro_batch_size=1),
 }
+ONE_DEVICE = ("ac",)  # the groups whose pairs run on one device
+# Where the configurations run: set once per process (the launcher's arguments).
+DEVICE: dict[str, Any] = {"accelerator": "cpu", "devices": 2, "precision": "32-true"}
 README = Path(__file__).resolve().parent / "README.md"
 MARK_BEGIN, MARK_END = "<!-- side_by_side: begin -->", "<!-- side_by_side: end -->"
 
@@ -120,6 +125,8 @@ class _Clock:
         self._seen, self._begin = 0, 0.0
 
     def _sync(self) -> None:
+        if DEVICE["accelerator"] == "cuda":
+            torch.cuda.synchronize()
         if self.barrier:
             import torch.distributed as dist
 
@@ -277,7 +284,8 @@ def _fit(
     import lightning as L
 
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False, callbacks=[clock.callback()],
+        accelerator=DEVICE["accelerator"], devices=DEVICE["devices"], precision=DEVICE["precision"], strategy=strategy,
+        max_steps=steps, logger=False, callbacks=[clock.callback()],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0,
     )  # fmt: skip
@@ -374,7 +382,12 @@ def _rss_kb(field: str) -> int:
 def _peak_rss_mb(run: Callable[[], None]) -> float:
     """How far this process's resident memory rose above its level at the start of ``run`` (the peak,
     ``VmHWM``, reset before it; Linux). What the process already held stays out: earlier pairs leave
-    memory the allocator keeps."""
+    memory the allocator keeps. On a GPU: the allocator's peak during ``run`` instead."""
+    if DEVICE["accelerator"] == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        return torch.cuda.max_memory_allocated() / 2**20
     try:
         Path("/proc/self/clear_refs").write_text("5")
         start = _rss_kb("VmRSS")
@@ -410,7 +423,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     quiet_lightning()
-    torch.set_num_threads(1)
+    if args.accelerator == "cpu":  # one core per rank; a GPU rank keeps its threads for the host work
+        torch.set_num_threads(1)
+    DEVICE.update(accelerator=args.accelerator, devices=args.devices, precision=args.precision)
     dist_env = launch_env()
     rank = init_process_group(timeout_s=600)
     shape = SHAPES[args.shape]
@@ -426,8 +441,8 @@ def worker(args: argparse.Namespace) -> None:
         for index in range(args.rounds):
             order = ("reference", "candidate") if index % 2 == 0 else ("candidate", "reference")
             rounds.append(run_lockstep({s: functools.partial(_timed, sides[s], steps) for s in order}))
-        for side in ("reference", "candidate"):  # once each first: allocator caches and lazy imports warmed
-            sides[side](None, side, 3)
+        for side in ("reference", "candidate") if args.accelerator == "cpu" else ():
+            sides[side](None, side, 3)  # once each first: allocator caches warmed (a GPU's peak needs none)
         memory = {
             s: _peak_rss_mb(functools.partial(sides[s], None, s, 3)) for s in ("reference", "candidate")
         }
@@ -439,6 +454,11 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         (args.out / "side_by_side.json").write_text(json.dumps(results))
     finish_worker()
+
+
+def ratios(results: dict[str, Any]) -> dict[str, float]:
+    """Per pair, the paired step-time ratio ours / reference (what ``--json`` writes for the GPU check)."""
+    return {name: compare(m["rounds"], "reference", "candidate")["ratio"] for name, m in results.items()}
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -495,39 +515,52 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--readme", action="store_true", help="rewrite the table in benchmarks/README.md")
+    parser.add_argument("--devices", type=int, choices=(1, 2), default=2, help="1: the one-device pairs (ac)")
+    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--precision", default=None, help="default: 32-true on CPU, bf16-mixed on a GPU")
+    parser.add_argument("--json", type=Path, help="also write the ratios and results there")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--shape", default="default", help=argparse.SUPPRESS)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="default")
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--pairs-expanded", nargs="+", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.precision = args.precision or ("bf16-mixed" if args.accelerator == "cuda" else "32-true")
     if args.worker:
         args.pairs = args.pairs_expanded
         worker(args)
         return
+    if args.devices == 1 and set(args.pairs) - set(ONE_DEVICE):
+        raise ValueError(
+            f"`--devices 1` runs only the one-device pairs {ONE_DEVICE}; got `--pairs {' '.join(args.pairs)}`."
+        )
     if args.quick:
         args.shape, args.rounds, args.steps, args.warmup, args.micro_batches = "quick", 1, 2, 1, [4]
+    where = ["--devices", str(args.devices), "--accelerator", args.accelerator, "--precision", args.precision]
     results, pairs, header = measure(args.pairs, args.shape, args.rounds, args.steps, args.warmup,
-                                     tuple(args.micro_batches))  # fmt: skip
+                                     tuple(args.micro_batches), where=where)  # fmt: skip
     text = report(results, pairs, header)
     print(text)
     if args.readme:
         _write_readme(text)
+    if args.json:
+        args.json.write_text(json.dumps({"ratios": ratios(results), "results": results, "header": header}))
 
 
 def measure(
     groups: list[str], shape: str, rounds: int, steps: int, warmup: int, micro_batches: tuple[int, ...],
-    timeout_s: float = 1800,
+    timeout_s: float = 1800, where: list[str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Pair], str]:  # fmt: skip
     """Run the pairs of ``groups`` in one 2-rank launch: (measured per pair, the pairs, a header line)."""
     pairs = _pairs(micro_batches)
     selected = [p for group in groups for p in (GROUPS[group] or [k for k in pairs if k.startswith("pp_")])]
     forwarded = ["--worker", "--shape", shape, "--rounds", str(rounds), "--steps", str(steps),
                  "--warmup", str(warmup), "--micro-batches", *map(str, micro_batches),
-                 "--pairs-expanded", *selected]  # fmt: skip
+                 "--pairs-expanded", *selected, *(where or [])]  # fmt: skip
+    devices = int(where[where.index("--devices") + 1]) if where else 2
     start = time.perf_counter()
-    out = launch("benchmarks.side_by_side", forwarded, nprocs=2, timeout_s=timeout_s)
+    out = launch("benchmarks.side_by_side", forwarded, nprocs=devices, timeout_s=timeout_s)
     results = json.loads((out / "side_by_side.json").read_text())
-    header = (f"# {machine()}; 2 ranks x 1 torch thread, gloo; recipe GPT {SHAPES[shape]}; {rounds} rounds"
+    header = (f"# {machine()}; {devices} rank(s) x 1 torch thread, {' '.join(where or ['2 CPU ranks, gloo'])}; recipe GPT {SHAPES[shape]}; {rounds} rounds"
               f" x {steps} timed steps (+{warmup} warm-up) per side, steps interleaved;"
               f" {time.perf_counter() - start:.0f} s")  # fmt: skip
     return results, pairs, header
