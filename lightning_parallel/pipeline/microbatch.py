@@ -153,10 +153,11 @@ def replay_logs(
 
 
 class StepLogs:
-    """The mean loss and the logs of a training step, from the last stage to every stage, without a host
-    round trip of the values: they travel as one tensor on the device. What they are (names, kinds,
-    ``self.log`` arguments) goes as an object only on a step where it changed; every step a 2-number header
-    (that version, the number of values) is read on the receiving ranks: their one host sync of the step.
+    """The mean loss and the logs of a step, from the last stage to every stage, without a host round trip
+    of the values: they travel as one tensor on the device. What they are (names, kinds, ``self.log``
+    arguments) goes as an object only on a step where it changed; every step a 3-number header (that
+    version, the number of values, whether an ``extra`` object follows) is read on the receiving ranks:
+    their one host sync of the step. ``extra``: what an evaluation step returned, when it returned something.
     """
 
     def __init__(self) -> None:
@@ -169,10 +170,11 @@ class StepLogs:
         src: int,
         group: dist.ProcessGroup,
         device: torch.device,
-    ) -> tuple[torch.Tensor, list[tuple[str, Any, dict[str, Any]]]]:
-        """``payload`` (mean loss, records) on the rank ``src`` of ``group``; on every rank its copy."""
+        extra: Any = None,
+    ) -> tuple[torch.Tensor, list[tuple[str, Any, dict[str, Any]]], Any]:
+        """``payload`` (mean loss, records) and ``extra`` on the rank ``src`` of ``group``; on every rank its copy."""
         sending = dist.get_rank(group) == src
-        header = torch.zeros(2, dtype=torch.int64, device=device)
+        header = torch.zeros(3, dtype=torch.int64, device=device)
         if sending:
             assert payload is not None
             mean, records = payload
@@ -182,20 +184,22 @@ class StepLogs:
             ]
             changed = not _same(structure, self.structure)
             self.version += changed
-            header[0], header[1] = self.version, len(values)
+            header[0], header[1], header[2] = self.version, len(values), extra is not None
         dist.broadcast(header, group=group, group_src=src)
         if sending:
-            count = len(values)
+            count, has_extra = len(values), extra is not None
             if changed:
                 broadcast_from(structure, src, group)
                 self.structure = structure
         else:
-            version, count = header.tolist()
+            version, count, has_extra = header.tolist()
             if version != self.version:
                 self.structure, self.version = broadcast_from(None, src, group), version
+        if has_extra:
+            extra = broadcast_from(extra if sending else None, src, group)
         flat = torch.cat(values) if sending else torch.empty(count, dtype=torch.float32, device=device)
         dist.broadcast(flat, group=group, group_src=src)
-        return flat[0], self._records(flat[1:])
+        return flat[0], self._records(flat[1:]), extra
 
     def _records(self, flat: torch.Tensor) -> list[tuple[str, Any, dict[str, Any]]]:
         assert self.structure is not None

@@ -34,7 +34,6 @@ from lightning_parallel.pipeline.microbatch import (
     LogRecorder,
     StepLogs,
     batch_size_of,
-    broadcast_from,
     replay_logs,
     split_batch,
 )
@@ -89,6 +88,7 @@ class PipelineRunner:
         self.last_owner = layout.owners[self.last_stage]
         self.logs = LogRecorder()
         self.step_logs = StepLogs()  # the last stage's loss and logs to every stage, each training step
+        self.eval_logs = StepLogs()  # and each evaluation step (its own structure: other names are logged)
         # An ``AuxLossCollector`` in backward mode (MoE models), or None.
         self.aux_collector = aux_collector
         # ZeRO on FSDP2 (zero/fsdp.py): its units reduce once per batch, during their stages' last backward.
@@ -241,7 +241,7 @@ class PipelineRunner:
         if self.holds_last_stage:
             mean = torch.stack([losses[i].float() for i in sorted(losses)]).mean()
             payload = (mean.to(self.device), self.logs.averaged(self.module, self.device))
-        mean, records = self.step_logs.share(payload, self.last_owner, self.pp_group, self.device)
+        mean, records, _ = self.step_logs.share(payload, self.last_owner, self.pp_group, self.device)
         replay_logs(self.module, records, self.device)
         self.logs.clear()
         return mean
@@ -287,6 +287,8 @@ class PipelineRunner:
         pending: list[Any] = []
         try:
             with self.logs.recording(self.module, lambda: self._ctx.current if self._ctx else 0):
+                # the micro-batches of a step have one shape: a header (a host read) with the first only
+                received: dict[int, tuple[list[int], torch.dtype]] = {}
                 for mb in range(m):
                     carried: torch.Tensor | None = None
                     for stage in range(self.layout.num_stages):
@@ -294,19 +296,27 @@ class PipelineRunner:
                         if owner != self.pp_rank:
                             continue
                         if stage > 0 and self.layout.owners[stage - 1] != self.pp_rank:
-                            carried = _recv(self.layout.owners[stage - 1], self.pp_group, self.device)
+                            carried = _recv(
+                                self.layout.owners[stage - 1], self.pp_group, self.device, received.get(stage)
+                            )
+                            received[stage] = (list(carried.shape), carried.dtype)
                         out = self.run_stage(stage, carried, mb)
                         carried = out if stage < self.last_stage else None
                         if stage < self.last_stage and self.layout.owners[stage + 1] != self.pp_rank:
-                            pending += _send(out, self.layout.owners[stage + 1], self.pp_group)
+                            pending += _send(
+                                out, self.layout.owners[stage + 1], self.pp_group, header=mb == 0
+                            )
             for work in pending:
                 work.wait()
-            outputs = [self._ctx.outputs[i] for i in range(m)] if self.holds_last_stage else None
-            result = None
+            payload, outputs = None, None
             if self.holds_last_stage:
-                result = (_merge_outputs(outputs), self.logs.averaged(self.module))
-                result = (_to_cpu(result[0]), result[1])
-            merged, records = broadcast_from(result, self.last_owner, self.pp_group)
+                merged = _merge_outputs([self._ctx.outputs[i] for i in range(m)])
+                outputs = None if merged is None else _to_cpu(merged)  # as an object: what the step returned
+                payload = (torch.zeros((), device=self.device), self.logs.averaged(self.module, self.device))
+            # the logs as one device tensor; the step's outputs only when it returned some (often None)
+            _, records, merged = self.eval_logs.share(
+                payload, self.last_owner, self.pp_group, self.device, outputs
+            )
             replay_logs(self.module, records, self.device)
         finally:
             self._ctx = None
@@ -317,20 +327,33 @@ class PipelineRunner:
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 
 
-def _send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> list[Any]:
+def _send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup, header: bool = True) -> list[Any]:
+    """``tensor`` to ``dst``; ``header``: preceded by its shape and dtype (the receiver knows them otherwise)."""
     tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     tensor = tensor.detach().contiguous()
-    header = torch.zeros(10, dtype=torch.int64, device=tensor.device)
-    header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
-    header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-    return [dist.isend(header, group=group, group_dst=dst), dist.isend(tensor, group=group, group_dst=dst)]
+    works = []
+    if header:
+        described = torch.zeros(10, dtype=torch.int64, device=tensor.device)
+        described[0], described[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+        described[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        works.append(dist.isend(described, group=group, group_dst=dst))
+    return [*works, dist.isend(tensor, group=group, group_dst=dst)]
 
 
-def _recv(src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
-    header = torch.zeros(10, dtype=torch.int64, device=device)
-    dist.recv(header, group=group, group_src=src)
-    ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
-    buffer = torch.empty([int(x) for x in header[2 : 2 + ndim]], dtype=dtype, device=device)
+def _recv(
+    src: int,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    known: tuple[list[int], torch.dtype] | None = None,
+) -> torch.Tensor:
+    """A tensor from ``src``: its shape and dtype ``known``, or read from the header sent before it."""
+    if known is None:
+        header = torch.zeros(10, dtype=torch.int64, device=device)
+        dist.recv(header, group=group, group_src=src)
+        values = header.tolist()  # one host read
+        known = (values[2 : 2 + values[0]], _DTYPES[values[1]])
+    shape, dtype = known
+    buffer = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(buffer, group=group, group_src=src)
     return buffer
 

@@ -3,7 +3,7 @@ states (counted on CPU by ``tests/sync_counter.py``; on a GPU each one stalls th
 
 - tensor parallel: none, with Adafactor on the DTensor parameters too;
 - pipeline parallel: none per micro-batch; one per step on the ranks that receive the last stage's
-  loss and logs (the header of ``StepLogs``), none on the last stage;
+  loss and logs (the header of ``StepLogs``), none on the last stage; one per evaluation step;
 - expert parallel: at most three per MoE layer per step, all in forward: the all-to-all's split sizes,
   the token group's total, the assignments kept by capacity; none in backward.
 
@@ -34,3 +34,8 @@ def test_host_syncs_per_step_stay_within_the_budget(tmp_path: Path) -> None:
                 assert sum(counted.values()) <= budget, (rank, layout, counted)
         # The pipeline's one sync is the receiving ranks' header read; none per micro-batch (4 here).
         assert all(sum(c.values()) <= 1 for c in measured["pp2"]["steps"])
+        # Evaluation under stages: one per step too, after the first (which sends what is logged once):
+        # the logs' header, or the first micro-batch's activation header (was one read per number of it).
+        evaluated = measured["pp2"]["eval_steps"]
+        assert len(evaluated) >= 2 and all(sum(c.values()) <= 1 for c in evaluated[1:]), (rank, evaluated)
+        assert all(sum(c.values()) <= budgets["ep2"] for c in measured["ep2"]["eval_steps"]), rank

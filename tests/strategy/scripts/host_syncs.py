@@ -34,7 +34,11 @@ STEPS = 3
 LAYOUTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "tp2": ("hf_llama", {"tensor_parallel": 2, "sequence_parallel": True}, {"gradient_clip_val": 0.1}),
     "tp2_adafactor": ("nanogpt", {"tensor_parallel": 2}, {}),  # Adafactor on DTensor parameters
-    "pp2": ("nanogpt", {"pipeline_parallel": 2, "micro_batches": 4}, {"gradient_clip_val": 0.1}),
+    "pp2": (
+        "recipe_gpt",
+        {"pipeline_parallel": 2, "micro_batches": 4},
+        {"gradient_clip_val": 0.1},
+    ),  # validates
     "ep2": ("recipe_moe", {"expert_parallel": 2, "moe_aux_loss_coef": 0.01}, {"gradient_clip_val": 0.1}),
 }
 
@@ -43,13 +47,23 @@ class PerStep(L.Callback):
     def __init__(self, counter: SyncCounter) -> None:
         self.counter = counter
         self.steps: list[dict[str, int]] = []
+        self.eval_steps: list[dict[str, int]] = []
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.counter.reset()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.steps.append(self._counted())
+
+    def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.counter.reset()
+
+    def on_validation_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.eval_steps.append(self._counted())
+
+    def _counted(self) -> dict[str, int]:
         counts = self.counter.reset()
-        self.steps.append({f"{kind} @ {where}": n for (kind, where), n in sorted(counts.items())})
+        return {f"{kind} @ {where}": n for (kind, where), n in sorted(counts.items())}
 
 
 def main(out_dir: Path) -> None:
@@ -62,7 +76,8 @@ def main(out_dir: Path) -> None:
         counter = SyncCounter()
         probe = PerStep(counter)
         trainer = L.Trainer(
-            accelerator="cpu", devices=2, max_steps=STEPS, logger=False, callbacks=[probe],
+            accelerator="cpu", devices=2, max_steps=STEPS, logger=False, callbacks=[probe], limit_val_batches=2,
+            num_sanity_val_steps=0, val_check_interval=2,
             strategy=HybridParallelStrategy(timeout=60, **strategy_kwargs), enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs,
         )  # fmt: skip
@@ -70,9 +85,9 @@ def main(out_dir: Path) -> None:
         if name.endswith("adafactor"):
             model.configure_optimizers = lambda model=model: Adafactor(model.parameters(), lr=1e-2)  # type: ignore[method-assign]
         with counter.counting():
-            trainer.fit(model, make_dataloader(4, 4 * STEPS))
+            trainer.fit(model, make_dataloader(4, 4 * STEPS), make_dataloader(4, 8, seed=1))
         moe_layers = sum(isinstance(m, MoE) for m in model.modules())
-        results[name] = {"moe_layers": moe_layers, "steps": probe.steps[1:]}
+        results[name] = {"moe_layers": moe_layers, "steps": probe.steps[1:], "eval_steps": probe.eval_steps}
     control = SyncCounter()
     with control.counting():
         _padded_bmm(torch.ones(3, 2), torch.ones(2, 2, 2), torch.tensor([1, 2]))
