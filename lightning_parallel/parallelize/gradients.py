@@ -104,7 +104,9 @@ def _decide(config: ParallelConfig, dims: ParallelDims) -> list[Reduction]:
     compression = config.memory.gradient_compression if dims.dp_enabled else None
     if not (dims.pp_enabled or dims.ep_enabled):
         return [Reduction("all", "mean", "dp", IN_BACKWARD, compression)] if dims.dp_enabled else []
-    if dims.pp_enabled and isinstance(compression, PowerSGD):
+    if not dims.dp_enabled:
+        pass  # one data-parallel replica: its mean is the gradient itself (no buckets, no copies, no hooks)
+    elif dims.pp_enabled and isinstance(compression, PowerSGD):
         # Each stage's group would compress a tied weight with its own error feedback and random
         # factors, and its copies would drift apart (measured: 2.8% after 5 steps at pp=2 x dp=2);
         # casts round identical sums identically, so only PowerSGD leaves them out.
