@@ -14,6 +14,8 @@ heads, vocabulary 50304, context 2048), the data random tokens, the optimizer th
    degrees 1.
 4. ``eager again``: phase 1 repeated, to see drift; the eager reference is the mean of 1 and 4.
 5. ``compile``: phase 1 with ``torch.compile(model)``.
+6. ``strategy compiled, full checkpointing`` (with ``--compile-only``, gpu_check's compile phase): phase 3 with
+   ``compile=True, activation_checkpointing="full"``: each block compiled with its recomputation inside.
 
 Every phase builds its model from the same seed and trains on the same batches; each step is
 timed between two device synchronisations (Lightning phases by a callback from
@@ -131,7 +133,7 @@ def run_plain(shape: dict[str, Any], batches: list, device: torch.device, steps:
 
 
 def run_lightning(shape: dict[str, Any], batches: list, device: torch.device, steps: int, warmup: int,
-                  use_strategy: bool) -> dict[str, Any]:  # fmt: skip
+                  use_strategy: bool, **strategy_kwargs: Any) -> dict[str, Any]:  # fmt: skip
     """The same model and batches through ``Trainer.fit``."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback
@@ -154,7 +156,7 @@ def run_lightning(shape: dict[str, Any], batches: list, device: torch.device, st
     loader = DataLoader(batches, batch_size=None, shuffle=False)  # already batched
     trainer = L.Trainer(
         accelerator=device.type, devices=1, precision="bf16-mixed",
-        strategy=HybridParallelStrategy(timeout=300) if use_strategy else "auto",
+        strategy=HybridParallelStrategy(timeout=300, **strategy_kwargs) if use_strategy else "auto",
         max_steps=warmup + steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
         callbacks=[timer, first],
@@ -230,6 +232,22 @@ def main() -> None:
         phases = [phases[0]]
     if not args.no_compile:
         phases.append(("compile", lambda: run_plain(shape, batches, device, steps, warmup, compile=True)))
+    if args.compile_only:
+        phases.append(
+            (
+                "strategy compiled, full checkpointing",
+                lambda: run_lightning(
+                    shape,
+                    batches,
+                    device,
+                    steps,
+                    warmup,
+                    use_strategy=True,
+                    compile=True,
+                    activation_checkpointing="full",
+                ),
+            )
+        )
     for name, run in phases:
         phase_start = time.perf_counter()
         held = _held_gib(device)
