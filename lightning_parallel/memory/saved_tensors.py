@@ -304,10 +304,14 @@ class ActivationSaver:
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         key = storage_key(tensor)
-        if key in self._param_keys or isinstance(tensor, nn.Parameter) or is_parameter_cast(tensor):
+        if key in self._param_keys or isinstance(tensor, nn.Parameter):
             return tensor
         counter = active_counter()
         new_storage = counter.saw(tensor) if counter is not None else True
+        if is_parameter_cast(tensor):  # held for backward (counted as without a saver), but no activation
+            if counter is not None and new_storage:
+                counter.stored(local_tensor(tensor).untyped_storage().nbytes(), offloaded=False)
+            return tensor
         local = local_tensor(tensor)
         storage = local.untyped_storage()
         hit = self._stored.get(key)

@@ -281,3 +281,27 @@ def test_host_buffers_are_reused_across_steps() -> None:
         del loss
         made.append(saver.buffers.allocated)
     assert made[0] > 0 and made[2] == made[0], made
+
+
+def test_offload_counts_the_weight_casts_it_leaves_alone() -> None:
+    """Under autocast the bytes held for backward are the same counted with and without the offloading
+    saver (the casts are held, not offloaded); only the activations move to the host."""
+    x = torch.randint(V, (B, T), generator=torch.Generator().manual_seed(1))
+    counted = {}
+    for name in ("counting", "offload"):
+        model = gpt(2)
+        counter = SavedTensorCounter.for_module(model)
+        if name == "offload":
+            blocks = list(find_block_stack(model).blocks)
+            context = ActivationSaver(
+                offload=True, parameters=list(model.parameters()), blocks=blocks
+            ).context(counter)
+        else:
+            context = counting(counter)
+        with torch.autocast("cpu", dtype=torch.bfloat16), context:
+            loss = model(x).float().logsumexp(-1).mean()
+        loss.backward()
+        counted[name] = counter.bytes
+    assert counted["offload"].saved == counted["counting"].saved > 0
+    assert counted["offload"].stored == counted["counting"].stored
+    assert 0 < counted["offload"].offloaded < counted["offload"].stored
