@@ -45,6 +45,7 @@ __all__ = [
     "finish_worker",
     "ROOT",
     "StepTimer",
+    "StepTimerBase",
     "init_process_group",
     "launch",
     "machine",
@@ -66,7 +67,7 @@ def _sync(device: torch.device | None) -> None:
         torch.cuda.synchronize(device)
 
 
-class _StepTimerBase:
+class StepTimerBase:
     """Wall time of each training step (forward, backward, optimizer), warm-up steps excluded."""
 
     def __init__(self, warmup: int = 2) -> None:
@@ -106,7 +107,7 @@ def StepTimer(warmup: int = 2) -> Any:  # noqa: N802 (a factory: Lightning is im
     """A Lightning ``Callback`` timing ``on_train_batch_start`` -> ``on_train_batch_end``."""
     from lightning.pytorch.callbacks import Callback
 
-    class _StepTimer(_StepTimerBase, Callback):
+    class _StepTimer(StepTimerBase, Callback):
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             self._begin(pl_module.device)
 
@@ -165,7 +166,7 @@ def LockstepTimer(baton: Baton, name: str, warmup: int = 2) -> Any:  # noqa: N80
     """A :func:`StepTimer` that passes ``baton`` on before every step, so configurations alternate."""
     from lightning.pytorch.callbacks import Callback
 
-    class _LockstepTimer(_StepTimerBase, Callback):
+    class _LockstepTimer(StepTimerBase, Callback):
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             baton.pass_on(name)
             self._begin(pl_module.device)

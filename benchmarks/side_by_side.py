@@ -51,6 +51,7 @@ import torch
 
 from benchmarks.common import (
     Baton,
+    StepTimerBase,
     Timings,
     compare,
     finish_worker,
@@ -114,38 +115,38 @@ GROUPS = {
 # ---- timing -------------------------------------------------------------------------------------
 
 
-class _Clock:
-    """Step times (after ``warmup``) and the time from ``start`` to the first step, passing ``baton`` on
-    before every step; with ``barrier`` the step is timed between barriers over every rank (pipelines)."""
+class _Clock(StepTimerBase):
+    """``StepTimerBase`` (steps after ``warmup``) plus the time from its creation to the first step, passing
+    ``baton`` on before every step; with ``barrier`` each step is timed between barriers over every rank
+    (pipelines, whose step is the whole pipeline's)."""
 
     def __init__(self, baton: Baton | None, name: str, warmup: int, barrier: bool) -> None:
-        self.baton, self.name, self.warmup, self.barrier = baton, name, warmup, barrier
-        self.start = time.perf_counter()
-        self.timings: Timings = {"step": [], "setup": []}
-        self._seen, self._begin = 0, 0.0
+        super().__init__(warmup)
+        self.baton, self.name, self.barrier = baton, name, barrier
+        self.created = time.perf_counter()
+        self.setup: list[float] = []
 
-    def _sync(self) -> None:
-        if DEVICE["accelerator"] == "cuda":
-            torch.cuda.synchronize()
+    def _barrier(self) -> None:
         if self.barrier:
             import torch.distributed as dist
 
             dist.barrier()
 
     def begin(self) -> None:
-        if not self.timings["setup"]:
-            self.timings["setup"].append(time.perf_counter() - self.start)
+        if not self.setup:
+            self.setup.append(time.perf_counter() - self.created)
         if self.baton is not None:
             self.baton.pass_on(self.name)
-        self._sync()
-        self._begin = time.perf_counter()
+        self._barrier()
+        self._begin(_device())
 
     def end(self) -> None:
-        self._sync()
-        elapsed = time.perf_counter() - self._begin
-        self._seen += 1
-        if self._seen > self.warmup:
-            self.timings["step"].append(elapsed)
+        self._barrier()
+        self._end(_device())
+
+    @property
+    def timings(self) -> Timings:
+        return {**self.result(), "setup": self.setup}
 
     def callback(self) -> Any:
         from lightning.pytorch.callbacks import Callback
@@ -160,6 +161,11 @@ class _Clock:
                 clock.end()
 
         return _Callback()
+
+
+def _device() -> torch.device | None:
+    """The device whose queue a step's timing waits for (None on the CPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if DEVICE["accelerator"] == "cuda" else None
 
 
 # ---- the configurations ---------------------------------------------------------------------------
