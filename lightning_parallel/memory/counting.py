@@ -179,9 +179,14 @@ class SavedTensorCounter:
 
     # ---- a plain counting context (no saver) ---------------------------------------------
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if not self.is_parameter(tensor) and self.saw(tensor):
+    def kept(self, tensor: torch.Tensor) -> None:
+        """A saved tensor held for backward as it is (on the device, not compressed)."""
+        if self.saw(tensor):
             self.stored(_storage_bytes(tensor), offloaded=False)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self.is_parameter(tensor):
+            self.kept(tensor)
         return tensor
 
 

@@ -117,7 +117,7 @@ class _StoredStorage:
         compression: Compression | None,
         offload: bool,
         group: int,
-        buffers: HostBuffers | None = None,
+        buffers: HostBuffers,
         stream: Any = None,
     ) -> None:
         self.dtype, self.device, self.numel, self.group = flat.dtype, flat.device, flat.numel(), group
@@ -126,7 +126,6 @@ class _StoredStorage:
         data, self.scale = packed if packed is not None else (flat, None)
         if offload:
             pin = stream is not None
-            buffers = buffers or HostBuffers()
             host = buffers.take(data.numel(), data.dtype, pin)
             weakref.finalize(self, buffers.give, host, pin)
             if stream is None:
@@ -307,11 +306,11 @@ class ActivationSaver:
         if key in self._param_keys or isinstance(tensor, nn.Parameter):
             return tensor
         counter = active_counter()
-        new_storage = counter.saw(tensor) if counter is not None else True
         if is_parameter_cast(tensor):  # held for backward (counted as without a saver), but no activation
-            if counter is not None and new_storage:
-                counter.stored(local_tensor(tensor).untyped_storage().nbytes(), offloaded=False)
+            if counter is not None:
+                counter.kept(tensor)
             return tensor
+        new_storage = counter.saw(tensor) if counter is not None else True
         local = local_tensor(tensor)
         storage = local.untyped_storage()
         hit = self._stored.get(key)

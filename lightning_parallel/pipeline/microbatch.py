@@ -127,9 +127,8 @@ class LogRecorder:
                 path = next((n for n, m in module.named_modules() if m is value), None)
                 out.append((name, ("module", path), kwargs))
                 continue
-            host = torch.device("cpu")
             values = [
-                torch.as_tensor(v.detach() if isinstance(v, torch.Tensor) else v).float().to(device or host)
+                torch.as_tensor(v.detach() if isinstance(v, torch.Tensor) else v).float().to(device or "cpu")
                 for v, _ in entries
             ]
             out.append((name, ("value", torch.stack(values).mean()), kwargs))
