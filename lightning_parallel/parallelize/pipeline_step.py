@@ -73,15 +73,13 @@ def build_runner(
     device: torch.device,
     aux_losses: Any,
     fsdp_units: list[nn.Module],
-    fsdp_per_micro_batch: bool = False,
-    fsdp_reshards_parameters: bool = False,
+    fsdp_before_schedule: Any = None,
 ) -> tuple[PipelineRunner, set[int]]:
     """torch's stages and schedule over this rank's cut; also the tied weights left out of the gradient norm."""
     runner = PipelineRunner(
         module, cut.layout, config.spec, cut.my_stages, config.micro_batches, mesh["pp"].get_group(), device,
         cut.runtime, cut.owned, tied_weight_groups(cut.layout, mesh), aux_collector=aux_losses,
-        fsdp_units=fsdp_units, fsdp_per_micro_batch=fsdp_per_micro_batch,
-        fsdp_reshards_parameters=fsdp_reshards_parameters,
+        fsdp_units=fsdp_units, fsdp_before_schedule=fsdp_before_schedule,
     )  # fmt: skip
     norm_exclude = norm_duplicates(cut.layout, mesh["pp"].get_local_rank(), module)
     ranges = ", ".join(

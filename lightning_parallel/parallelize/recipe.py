@@ -48,6 +48,7 @@ from lightning_parallel.plans.detect import block_names
 from lightning_parallel.tensor_parallel import BlockInputCapture, ParallelPlan, capture_block_inputs
 from lightning_parallel.tensor_parallel.verify import Captured
 from lightning_parallel.zero.engine import config_engine
+from lightning_parallel.zero.fsdp import before_schedule
 
 
 def parallelize(
@@ -108,7 +109,7 @@ def parallelize(
         assert config.pipeline is not None
         result.pipeline, result.norm_exclude = pipeline_step.build_runner(
             module, cut, config.pipeline, mesh, device, experts.aux_losses, fsdp.units if fsdp else [],
-            fsdp_per_micro_batch=config.zero.reshard == "micro_batch", fsdp_reshards_parameters=config.zero.stage == 3,
+            fsdp_before_schedule=before_schedule(config.zero.reshard, config.zero.stage) if fsdp else None,
         )  # fmt: skip
         result.hooks += cut.runtime.handles
     result.activation_saver = apply_memory_savers(

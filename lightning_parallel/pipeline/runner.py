@@ -71,8 +71,7 @@ class PipelineRunner:
         tied_groups: dict[str, dist.ProcessGroup],
         aux_collector: Any = None,
         fsdp_units: Sequence[nn.Module] = (),
-        fsdp_per_micro_batch: bool = False,
-        fsdp_reshards_parameters: bool = False,
+        fsdp_before_schedule: Callable[[list[nn.Module]], None] | None = None,
     ) -> None:
         self.module = module
         self.layout = layout
@@ -93,9 +92,8 @@ class PipelineRunner:
         self.aux_collector = aux_collector
         # ZeRO on FSDP2 (zero/fsdp.py): its units reduce once per batch, during their stages' last backward.
         self.fsdp_units = list(fsdp_units)
-        # ``zero_reshard="micro_batch"``: they reduce-scatter (and ZeRO-3 reshards) after every micro-batch instead.
-        self.fsdp_per_micro_batch = fsdp_per_micro_batch
-        self.fsdp_reshards_parameters = fsdp_reshards_parameters  # ZeRO-3
+        # How they are set before each schedule (``zero/fsdp.py: before_schedule``, from ``zero_reshard``).
+        self.fsdp_before_schedule = fsdp_before_schedule
         self.batch_size: int | None = None  # of the training batches the stages were built for
         self._held: list[torch.Tensor | None] = []
         self._ctx: _StepContext | None = None
@@ -205,13 +203,8 @@ class PipelineRunner:
         index = torch.arange(m)  # on the host: each stage reads its micro-batch's index without a device sync
         target = torch.zeros(m, device=self.device)
         try:
-            if self.fsdp_units:
-                from lightning_parallel.zero.fsdp import accumulate_without_reducing, reduce_every_micro_batch
-
-                if self.fsdp_per_micro_batch:
-                    reduce_every_micro_batch(self.fsdp_units, self.fsdp_reshards_parameters)
-                else:
-                    accumulate_without_reducing(self.fsdp_units)
+            if self.fsdp_units and self.fsdp_before_schedule is not None:
+                self.fsdp_before_schedule(self.fsdp_units)
             with self.logs.recording(self.module, lambda: self._ctx.current if self._ctx else 0):
                 self.schedule.step(mb_index=index, target=target, return_outputs=False)
             self.last_backward.end_batch()

@@ -290,6 +290,14 @@ def finish_interrupted_forwards(units: list[FSDPModule], output: torch.Tensor) -
         unit._get_fsdp_state()._post_forward(unit, (), output)
 
 
+def before_schedule(reshard: str, stage: int) -> Callable[[list[FSDPModule]], None]:
+    """What a pipeline schedule's FSDP2 units are set to before its micro-batches, for ``zero_reshard``:
+    accumulate whole (``"step"``), or reduce-scatter every micro-batch and, at stage 3, reshard too."""
+    if reshard == "micro_batch":
+        return lambda units: reduce_every_micro_batch(units, reshard_parameters=stage == 3)
+    return accumulate_without_reducing
+
+
 def reduce_every_micro_batch(units: list[FSDPModule], reshard_parameters: bool) -> None:
     """Before a pipeline schedule's micro-batches, ``zero_reshard="micro_batch"``: every micro-batch's backward
     reduce-scatters into the sharded gradients; ``reshard_parameters`` (ZeRO-3) also frees the gathered
