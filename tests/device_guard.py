@@ -41,13 +41,14 @@ COLLECTIVES = (
 )  # fmt: skip
 
 
-def _project_caller() -> str | None:
-    """``file:line`` of the code that called the torch function, if it is the project's (torch's own
-    factories, e.g. inside ``all_gather_object``, pick their device themselves)."""
-    frame = sys._getframe(2)
-    while frame is not None and (
-        frame.f_code.co_filename.endswith(MODE_FILES) or "contextlib" in frame.f_code.co_filename
-    ):
+def project_line(through_torch: bool = False) -> str | None:
+    """``file:line`` of the project's code that called the torch function being handled, or None when the
+    caller is not the project's. The modes' own frames are skipped; ``through_torch``: torch's too (a
+    kernel reached from the project through torch's Python code is charged to the project; a factory is
+    not: torch's own factories, e.g. inside ``all_gather_object``, pick their device themselves)."""
+    skipped = (*MODE_FILES, "contextlib", *(("/torch/",) if through_torch else ()))
+    frame = sys._getframe(1)
+    while frame is not None and any(part in frame.f_code.co_filename for part in skipped):
         frame = frame.f_back
     if frame is None or "/lightning_parallel/" not in frame.f_code.co_filename:
         return None
@@ -81,12 +82,12 @@ class HostMarking(TorchFunctionMode):
         origin = None
         if func in FACTORIES:
             if _is_host(kwargs.get("device")):
-                origin = _project_caller()
+                origin = project_line()
         elif func in (torch.Tensor.cpu,) or (
             func is torch.Tensor.to
             and any(_is_host(a) and a is not None for a in (*args[1:2], kwargs.get("device")))
         ):
-            origin = _project_caller()
+            origin = project_line()
         else:
             inputs = _tensors((args, kwargs))
             marks = [getattr(t, MARK, None) for t in inputs]

@@ -13,7 +13,6 @@ micro-batch index, a row index) stay there on a GPU too: reading them costs no s
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.device_guard import HostMarking, is_host_tensor
+from tests.device_guard import HostMarking, is_host_tensor, project_line
 
 aten = torch.ops.aten
 SIZE_FROM_DATA = {
@@ -34,16 +33,6 @@ HOST_COPIES = {torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.numpy}
 # Seen here rather than as ``_local_scalar_dense`` in the kernels: the tensor read is the one called on.
 SCALAR_READS = {torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__bool__,
                 torch.Tensor.__index__}  # fmt: skip
-_SKIPPED = ("/torch/", "sync_counter.py", "device_guard.py", "contextlib")
-
-
-def _project_line() -> str | None:
-    frame = sys._getframe(2)
-    while frame is not None and any(s in frame.f_code.co_filename for s in _SKIPPED):
-        frame = frame.f_back
-    if frame is None or "/lightning_parallel/" not in frame.f_code.co_filename:
-        return None
-    return f"{frame.f_code.co_filename.split('/lightning_parallel/')[-1]}:{frame.f_lineno}"
 
 
 def _sync_kind(func: Any, args: tuple, kwargs: dict) -> str | None:
@@ -67,7 +56,7 @@ class SyncCounter:
 
     def record(self, kind: str) -> None:
         if self.enabled:
-            where = _project_line()
+            where = project_line(through_torch=True)
             if where is not None:
                 self.counts[(kind, where)] += 1
 
