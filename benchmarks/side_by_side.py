@@ -541,9 +541,9 @@ def main() -> None:
         )
     if args.quick:
         args.shape, args.rounds, args.steps, args.warmup, args.micro_batches = "quick", 1, 2, 1, [4]
-    where = ["--devices", str(args.devices), "--accelerator", args.accelerator, "--precision", args.precision]
     results, pairs, header = measure(args.pairs, args.shape, args.rounds, args.steps, args.warmup,
-                                     tuple(args.micro_batches), where=where)  # fmt: skip
+                                     tuple(args.micro_batches), devices=args.devices, accelerator=args.accelerator,
+                                     precision=args.precision)  # fmt: skip
     text = report(results, pairs, header)
     print(text)
     if args.readme:
@@ -554,19 +554,19 @@ def main() -> None:
 
 def measure(
     groups: list[str], shape: str, rounds: int, steps: int, warmup: int, micro_batches: tuple[int, ...],
-    timeout_s: float = 1800, where: list[str] | None = None,
+    timeout_s: float = 1800, devices: int = 2, accelerator: str = "cpu", precision: str = "32-true",
 ) -> tuple[dict[str, Any], dict[str, Pair], str]:  # fmt: skip
-    """Run the pairs of ``groups`` in one 2-rank launch: (measured per pair, the pairs, a header line)."""
+    """Run the pairs of ``groups`` in one launch of ``devices`` ranks: (measured per pair, the pairs, a header)."""
     pairs = _pairs(micro_batches)
     selected = [p for group in groups for p in (GROUPS[group] or [k for k in pairs if k.startswith("pp_")])]
     forwarded = ["--worker", "--shape", shape, "--rounds", str(rounds), "--steps", str(steps),
                  "--warmup", str(warmup), "--micro-batches", *map(str, micro_batches),
-                 "--pairs-expanded", *selected, *(where or [])]  # fmt: skip
-    devices = int(where[where.index("--devices") + 1]) if where else 2
+                 "--pairs-expanded", *selected, "--devices", str(devices), "--accelerator", accelerator,
+                 "--precision", precision]  # fmt: skip
     start = time.perf_counter()
     out = launch("benchmarks.side_by_side", forwarded, nprocs=devices, timeout_s=timeout_s)
     results = json.loads((out / "side_by_side.json").read_text())
-    header = (f"# {machine()}; {devices} rank(s) x 1 torch thread, {' '.join(where or ['2 CPU ranks, gloo'])}; recipe GPT {SHAPES[shape]}; {rounds} rounds"
+    header = (f"# {machine()}; {devices} rank(s), {accelerator}, {precision}, gloo; recipe GPT {SHAPES[shape]}; {rounds} rounds"
               f" x {steps} timed steps (+{warmup} warm-up) per side, steps interleaved;"
               f" {time.perf_counter() - start:.0f} s")  # fmt: skip
     return results, pairs, header
