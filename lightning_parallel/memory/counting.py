@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = [
     "ActivationBytes",
@@ -39,8 +39,13 @@ __all__ = [
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor that owns memory on this process (a DTensor's local shard)."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    """The tensor that owns memory on this process: a DTensor's local shard, the result inside a
+    functional collective's ``AsyncCollectiveTensor`` (a tensor-parallel output), which have no storage
+    of their own."""
+    while is_traceable_wrapper_subclass(tensor):
+        inner, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+        tensor = getattr(tensor, inner[0])
+    return tensor
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
@@ -86,6 +91,9 @@ class ActivationBytes:
         recompute_inputs: keyword-argument inputs of checkpointed regions, kept to recompute them.
         recompute_kept: outputs of the ops selective checkpointing keeps instead of recomputing.
         tensors: number of saved tensors seen (before de-duplication).
+        peak: the most of ``saved`` plus the recomputation's held tensors alive at one moment of
+            the step: under pipeline stages, what the schedule's in-flight micro-batches hold
+            together (a storage leaves the count when autograd frees it after its backward).
     """
 
     saved: int = 0
@@ -94,6 +102,7 @@ class ActivationBytes:
     recompute_inputs: int = 0
     recompute_kept: int = 0
     tensors: int = 0
+    peak: int = 0
 
     @property
     def on_device(self) -> int:
@@ -115,6 +124,7 @@ class ActivationBytes:
             "on_device": self.on_device,
             "total": self.total,
             "tensors": self.tensors,
+            "peak": self.peak,
         }
 
 
@@ -131,6 +141,7 @@ class SavedTensorCounter:
     _param_keys: set[tuple[str, int]] = field(default_factory=set)
     _seen: StorageSet = field(default_factory=StorageSet)
     _held: StorageSet = field(default_factory=StorageSet)
+    _live: list[int] = field(default_factory=lambda: [0])  # a list: the finalizers hold it, not the counter
 
     def __post_init__(self) -> None:
         self._param_keys = {storage_key(p) for p in self.parameters}
@@ -141,12 +152,24 @@ class SavedTensorCounter:
         return cls(parameters=list(module.parameters()))
 
     def is_parameter(self, tensor: torch.Tensor) -> bool:
+        """A weight, not an activation: one of the module's storages as built, or a parameter (or a view of
+        one) made later: ZeRO-3 and FSDP2 gather each weight into a new storage for every forward."""
+        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
+            return True
         return storage_key(tensor) in self._param_keys
 
     def reset(self) -> None:
         self.bytes = ActivationBytes()
         self._seen.clear()
         self._held.clear()
+        self._live = [0]
+
+    def _alive(self, tensor: torch.Tensor, num_bytes: int) -> None:
+        """Count ``num_bytes`` as alive until the tensor's storage is freed; update the peak."""
+        live = self._live
+        live[0] += num_bytes
+        self.bytes.peak = max(self.bytes.peak, live[0])
+        weakref.finalize(local_tensor(tensor).untyped_storage(), _release, live, num_bytes)
 
     # ---- what the savers report ----------------------------------------------------------
 
@@ -157,6 +180,7 @@ class SavedTensorCounter:
             return False
         self._seen.add(tensor)
         self.bytes.saved += _storage_bytes(tensor)
+        self._alive(tensor, _storage_bytes(tensor))
         return True
 
     def stored(self, num_bytes: int, offloaded: bool) -> None:
@@ -172,6 +196,7 @@ class SavedTensorCounter:
             if tensor in self._held or tensor in self._seen:
                 continue
             self._held.add(tensor)
+            self._alive(tensor, _storage_bytes(tensor))
             if kind == "inputs":
                 self.bytes.recompute_inputs += _storage_bytes(tensor)
             else:
@@ -188,6 +213,10 @@ class SavedTensorCounter:
         if not self.is_parameter(tensor):
             self.kept(tensor)
         return tensor
+
+
+def _release(live: list[int], num_bytes: int) -> None:
+    live[0] -= num_bytes
 
 
 _ACTIVE: list[SavedTensorCounter] = []

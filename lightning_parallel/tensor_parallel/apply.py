@@ -6,6 +6,7 @@ import copy
 import logging
 from collections import defaultdict
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -82,6 +83,28 @@ def install_container(
     return handles
 
 
+def _to_parameter_layout(param: torch.Tensor) -> None:
+    grad = param.grad
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def keep_gradients_in_parameter_layout(model: nn.Module) -> list[RemovableHandle]:
+    """Give every sharded weight its gradient in the weight's own placements.
+
+    DTensor's sharding rule for the embedding's backward computes a vocabulary-parallel (``Shard(0)``)
+    weight's gradient replicated: every rank held the whole ``vocab x hidden`` gradient, and the
+    optimizer built its states from it at full size too (found by the planner's exactness test:
+    gradient and momentum bytes above the parameter's on every rank of tensor-parallel Llama).
+    Replicated to sharded is a local slice, no communication.
+    """
+    return [
+        param.register_post_accumulate_grad_hook(_to_parameter_layout)
+        for param in model.parameters()
+        if isinstance(param, DTensor)
+    ]
+
+
 def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceMesh) -> list[RemovableHandle]:
     """Shard ``model`` according to ``plan``; returns the hooks it installed."""
     if plan.is_empty:
@@ -94,7 +117,7 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceM
     parallelize_module(model, tp_mesh, plan.styles, src_data_rank=None)
     _retie(aliases)
     record_row_layouts(model)
-    handles: list[RemovableHandle] = []
+    handles: list[RemovableHandle] = keep_gradients_in_parameter_layout(model)
     for container in plan.containers:
         handles += install_container(model.get_submodule(container.name), container, plan, tp_mesh)
     if plan.sequence_parallel and plan.block_names:

@@ -1,0 +1,132 @@
+"""Activation bytes held for backward: per block and token from the block's real widths, and how many
+micro-batches a pipeline schedule keeps in flight.
+
+The per-layer terms of Korthikanti et al. (2022, "Reducing Activation Recomputation in Large
+Transformer Models", section 4), written from the block's widths instead of ``34 s b h + 5 a s^2 b``,
+so that grouped-query attention, gated MLPs (SwiGLU), routed experts, fused attention and the
+project's own checkpointing modes each get their own terms. Each term is a tensor autograd saves
+(what :class:`~lightning_parallel.memory.counting.SavedTensorCounter` counts, one storage once):
+
+- a norm keeps its input and its statistics (fp32: 2 per token for LayerNorm, 1 for RMSNorm),
+  and a norm written in Python also its normalised output;
+- a projection keeps its input (q, k and v share one; gate and up share one);
+- fused attention keeps q, k, v, its output (laid out as the exit projection reads it, so one
+  storage with the exit's input) and the log-sum-exp per head; eager attention the softmax
+  scores (``heads x s`` per token) and an output the exit reads through a copy;
+- the MLP keeps the activation's input and the exit projection's input (dense), or gate, up,
+  their product's inputs and the exit's input (gated: 4 widths);
+- routed experts hold those MLP terms for ``top_k`` copies of every token.
+
+Under tensor parallelism the widths split ``tp`` ways; the residual stream (norm inputs) splits too
+only under sequence parallelism. ``"full"`` checkpointing keeps each block's input; ``"selective"``
+keeps the block input and the outputs of matmuls and attention kernels (``memory/checkpointing.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_parallel.planner.layout import PRECISIONS, Layout
+from lightning_parallel.planner.shapes import BlockShape, ModelShape
+
+__all__ = ["ActivationEstimate", "block_bytes_per_token", "in_flight_micro_batches", "stage_activation_bytes"]
+
+_INDEX_BYTES = 8  # token ids kept by the embedding lookup
+
+
+def _bytes(layout: Layout) -> tuple[int, int]:
+    """(bytes of an activation, bytes of the residual stream): autocast leaves the residual stream fp32."""
+    param, activation, _, _ = PRECISIONS[layout.precision]
+    residual = 4 if layout.precision.endswith("-mixed") else activation
+    return activation, residual
+
+
+def _norm_bytes(block: BlockShape, hidden: int, residual: int) -> float:
+    """Input, statistics and (a norm written in Python) the normalised copy, per token."""
+    return hidden * residual * (1 if block.norm_fused else 2) + block.norm_statistics * 4
+
+
+def block_bytes_per_token(block: BlockShape, layout: Layout, mode: str | None = None) -> float:
+    """Bytes one token's pass through ``block`` holds for backward on one rank (``mode``: checkpointing)."""
+    tp = layout.tensor_parallel
+    act, residual = _bytes(layout)
+    sp = tp if layout.sequence_parallel else 1
+    h, q, kv = block.hidden, block.q_width / tp, block.kv_width / tp
+    heads = block.heads / tp
+    ffn = block.ffn_hidden / tp
+    experts = block.top_k if block.num_experts else 1
+    if mode == "full":
+        return h * residual / sp
+    if mode == "selective":  # block input; outputs of matmuls and attention kernels
+        attention = (q + 2 * kv) * act + q * act + heads * 4 + h * act
+        mlp = ((2 if block.gated else 1) * ffn + h) * act * experts
+        router = block.num_experts * 4 if block.num_experts else 0
+        return h * residual / sp + attention + mlp + router
+    norms = block.norms * _norm_bytes(block, h, residual) / sp
+    attention = h * act + (q + 2 * kv) * act + q * act  # entry input, q|k|v, exit input
+    if layout.attention == "flash":  # its output is laid out as the exit reads it: one storage
+        attention += heads * 4  # log-sum-exp
+    else:
+        attention += heads * layout.sequence_length * act + q * act  # softmax scores, the output
+    mlp = ((4 if block.gated else 2) * ffn) * act
+    if block.num_experts:
+        mlp = (mlp + h * act) * experts + block.num_experts * 4  # routed copies of the input, router logits
+    return norms + attention + h * act + mlp
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """Activation bytes of one pipeline stage (the whole model without stages) on one rank."""
+
+    per_micro_batch: float
+    """Held for backward by one micro-batch's forward."""
+    in_flight: int
+    """Micro-batches whose forward is done and backward not, at the schedule's peak."""
+    recompute_working_set: float
+    """Extra bytes during one block's recomputation (checkpointing): that block's full activations."""
+
+    @property
+    def peak(self) -> float:
+        return self.per_micro_batch * self.in_flight + self.recompute_working_set
+
+
+def in_flight_micro_batches(layout: Layout, pp_rank: int) -> int:
+    """Micro-batches a pipeline rank holds at its peak, per stage it owns (the schedule's warm-up depth).
+
+    GPipe runs every forward first (M). 1F1B keeps ``P - r`` (rank r). Interleaved 1F1B warms up
+    ``(V - 1) P + 2 (P - r - 1)`` chunk-forwards before its first backward (Narayanan et al. 2021),
+    spread over its V stages. Zero-bubble schedules keep what 1F1B keeps (their weight passes only
+    delay freeing what the input pass needs, which this ignores).
+    """
+    p, m, v = layout.pipeline_parallel, layout.micro_batches, layout.pipeline_virtual_stages
+    if p == 1:
+        return 1
+    name = layout.pipeline_schedule.replace("-", "_").lower()
+    if name in ("gpipe", "looped_bfs", "loopedbfs"):
+        return m
+    if v > 1:
+        warmup = min((v - 1) * p + 2 * (p - pp_rank - 1) + 1, m * v)
+        return -(-warmup // v)
+    return min(p - pp_rank, m)
+
+
+def stage_activation_bytes(
+    shape: ModelShape, layout: Layout, blocks: range, first: bool, last: bool, pp_rank: int = 0
+) -> ActivationEstimate:
+    """Activation bytes of the stage holding ``blocks`` (with the embeddings when ``first``, head when ``last``)."""
+    tokens = layout.micro_batch_size * layout.sequence_length
+    mode = layout.activation_checkpointing
+    act, residual = _bytes(layout)
+    tp = layout.tensor_parallel
+    sp = tp if layout.sequence_parallel else 1
+    per_token = sum(block_bytes_per_token(shape.blocks[i], layout, mode) for i in blocks)
+    if first:
+        per_token += _INDEX_BYTES
+    if last:  # final norm, head input, the loss's log-probabilities (gathered over the vocabulary)
+        norm = shape.blocks[-1]
+        per_token += _norm_bytes(norm, shape.hidden, residual) / sp + shape.hidden * act
+        per_token += shape.vocab_size * 4
+    working = 0.0
+    if mode and blocks:
+        working = max(block_bytes_per_token(shape.blocks[i], layout) for i in blocks) * tokens
+    return ActivationEstimate(per_token * tokens, in_flight_micro_batches(layout, pp_rank), working)

@@ -1,0 +1,165 @@
+"""A layout to plan: every degree and option the strategy takes, and whether it can exist for a model.
+
+:class:`Layout` mirrors ``HybridParallelStrategy``'s arguments (and the Trainer's precision and
+batch), so a plan printed for a layout is the plan of the job those arguments start.
+:func:`layout_problems` says why a layout cannot exist for a model on a number of devices, in the
+strategy's own words where it has them (the schedule checks of ``config/arguments.py``); a layout
+with problems is reported as such, never predicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lightning_parallel.planner.shapes import ModelShape
+
+__all__ = ["PRECISIONS", "Layout", "layout_problems"]
+
+#: Trainer precisions: (bytes of a parameter, of an activation, of a gradient, master copy kept in fp32).
+PRECISIONS: dict[str, tuple[int, int, int, bool]] = {
+    "32-true": (4, 4, 4, False),
+    "bf16-mixed": (4, 2, 4, False),
+    "16-mixed": (4, 2, 4, False),
+    "bf16-true": (2, 2, 2, False),
+    "16-true": (2, 2, 2, False),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The strategy's degrees and options, the Trainer's precision and one rank's batch."""
+
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"
+    pipeline_virtual_stages: int = 1
+    micro_batches: int = 1
+    data_parallel: int = 1
+    expert_parallel: int = 1
+    zero_stage: int = 0
+    offload: str | None = None
+    """None, ``"cpu"`` or ``"nvme"``: where ZeRO keeps the optimizer states (stage 3: parameters too)."""
+    activation_checkpointing: str | None = None
+    """None, ``"full"`` or ``"selective"``."""
+    precision: str = "32-true"
+    micro_batch_size: int = 1
+    """Sequences in one micro-batch (the DataLoader's batch size under pipeline stages: M of them)."""
+    sequence_length: int = 1024
+    attention: str = "flash"
+    """``"flash"`` (fused attention keeps no score matrix) or ``"eager"`` (keeps softmax scores)."""
+    optimizer: str = "adamw"
+    """``"adamw"``/``"adam"`` (two fp32 states), ``"sgd"`` (momentum: one), ``"adafactor"`` (factored)."""
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline_parallel * self.pipeline_virtual_stages
+
+    @property
+    def batch_per_replica(self) -> int:
+        """Sequences a data-parallel replica trains on per optimizer step."""
+        return self.micro_batch_size * max(self.micro_batches, 1)
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_per_replica * self.data_parallel
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def short(self) -> str:
+        """``tp2 sp pp4(1f1b, M=8) dp8 ep2 zero1`` and the options that are on."""
+        parts = [f"tp{self.tensor_parallel}" + (" sp" if self.sequence_parallel else "")]
+        if self.pipeline_parallel > 1:
+            virtual = f" v{self.pipeline_virtual_stages}" if self.pipeline_virtual_stages > 1 else ""
+            parts.append(
+                f"pp{self.pipeline_parallel}({self.pipeline_schedule}{virtual}, M={self.micro_batches})"
+            )
+        parts.append(f"dp{self.data_parallel}")
+        if self.expert_parallel > 1:
+            parts.append(f"ep{self.expert_parallel}")
+        if self.zero_stage:
+            parts.append(f"zero{self.zero_stage}" + (f"+{self.offload}" if self.offload else ""))
+        if self.activation_checkpointing:
+            parts.append(f"ckpt:{self.activation_checkpointing}")
+        parts.append(f"mbs{self.micro_batch_size}")
+        return " ".join(parts)
+
+
+def _divides(problems: list[str], what: str, value: int, degree: int, name: str) -> None:
+    if value and value % degree:
+        problems.append(f"{what} ({value}) is not divisible by `{name}={degree}`")
+
+
+def layout_problems(layout: Layout, shape: ModelShape, gpus: int | None = None) -> list[str]:
+    """Why ``layout`` cannot run ``shape`` (on ``gpus`` devices when given); empty when it can."""
+    from lightning_parallel.config.arguments import check_micro_batches, resolve_schedule, virtual_stages_for
+
+    problems: list[str] = []
+    for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "expert_parallel", "micro_batches",
+                 "micro_batch_size", "sequence_length", "pipeline_virtual_stages"):  # fmt: skip
+        value = getattr(layout, name)
+        if not isinstance(value, int) or value < 1:
+            problems.append(f"`{name}={value!r}` must be a positive integer")
+    if problems:
+        return problems
+    if layout.precision not in PRECISIONS:
+        problems.append(f"`precision={layout.precision!r}` is not one of {sorted(PRECISIONS)}")
+    if gpus is not None and layout.gpus != gpus:
+        problems.append(
+            f"tp x pp x dp = {layout.tensor_parallel} x {layout.pipeline_parallel} x {layout.data_parallel}"
+            f" = {layout.gpus} devices, not the {gpus} given"
+        )
+    tp, ep = layout.tensor_parallel, layout.expert_parallel
+    block = shape.blocks[0]
+    _divides(problems, "attention heads", block.heads, tp, "tensor_parallel")
+    if block.kv_heads and block.kv_heads % tp and tp % block.kv_heads:
+        problems.append(f"k/v heads ({block.kv_heads}) and `tensor_parallel={tp}`: neither divides the other")
+    _divides(problems, "MLP width", block.ffn_hidden, tp, "tensor_parallel")
+    _divides(problems, "vocabulary", shape.vocab_size, tp, "tensor_parallel")
+    if layout.sequence_parallel:
+        if tp == 1:
+            problems.append("`sequence_parallel=True` needs `tensor_parallel` > 1")
+        _divides(problems, "sequence length", layout.sequence_length, tp, "tensor_parallel")
+        if any(b.num_experts for b in shape.blocks):
+            problems.append("mixture-of-experts blocks are refused under sequence parallelism")
+    if ep > 1:
+        experts = max((b.num_experts for b in shape.blocks), default=0)
+        if not experts:
+            problems.append(f"`expert_parallel={ep}` but the model has no routed experts")
+        _divides(problems, "routed experts", experts, ep, "expert_parallel")
+        _divides(problems, "data-parallel ranks (experts are sharded over them)", layout.data_parallel, ep,
+                 "expert_parallel")  # fmt: skip
+    if layout.pipeline_parallel > 1:
+        try:
+            spec = resolve_schedule(layout.pipeline_schedule)
+            virtual = virtual_stages_for(spec, layout.pipeline_virtual_stages if spec.multi_stage else None)
+            if virtual != layout.pipeline_virtual_stages:
+                problems.append(f"the {spec.name!r} schedule holds {virtual} stages per rank")
+            check_micro_batches(spec, layout.micro_batches, layout.pipeline_parallel)
+        except ValueError as error:
+            problems.append(str(error).rstrip("."))
+        if layout.num_stages > shape.num_layers:
+            problems.append(f"{layout.num_stages} pipeline stages but only {shape.num_layers} blocks")
+    elif layout.micro_batches != 1:
+        problems.append("`micro_batches` > 1 needs `pipeline_parallel` > 1 (use accumulate_grad_batches)")
+    if layout.zero_stage not in (0, 1, 2, 3):
+        problems.append(f"`zero_stage={layout.zero_stage}` must be 0, 1, 2 or 3")
+    if layout.offload not in (None, "cpu", "nvme"):
+        problems.append(f"`offload={layout.offload!r}` must be None, 'cpu' or 'nvme'")
+    elif layout.offload and not layout.zero_stage:
+        problems.append(f"`offload={layout.offload!r}` needs `zero_stage` >= 1")
+    elif layout.offload == "nvme" and layout.zero_stage < 2:
+        problems.append("`offload='nvme'` needs `zero_stage` 2 or 3")
+    if layout.activation_checkpointing not in (None, "full", "selective"):
+        problems.append(
+            f"`activation_checkpointing={layout.activation_checkpointing!r}` must be None, 'full' or 'selective'"
+        )
+    if layout.attention not in ("flash", "eager"):
+        problems.append(f"`attention={layout.attention!r}` must be 'flash' or 'eager'")
+    return problems

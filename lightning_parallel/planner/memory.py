@@ -1,0 +1,323 @@
+"""Memory of every distinct rank of a layout: parameters, gradients, optimizer states, activations, buffers.
+
+Computed from the unchanged module (on the meta device) and a :class:`~.layout.Layout`, without
+processes, by the rules the strategy applies at setup: which parameters each pipeline stage holds
+(``pipeline/stages.py``: blocks by the balanced cut, what precedes the first block on stage 0, what
+follows the last on the last stage, a tied head on both), what each tensor-parallel rank keeps of a
+weight (the plan's styles, ``plans/auto.py``, split like ``torch.chunk``), experts split over ``ep``,
+and where ZeRO's engine puts the rest (``zero/engine.py: engine_for``): torch's FSDP2 shards every
+tensor on its first dimension over ``dp``, DeepSpeed flattens them into one padded partition per rank.
+
+Unlike Megatron's and DeepSpeed's estimators, which report the most loaded rank, every distinct rank
+is reported: each pipeline stage (first and last with embeddings and head), each tensor-parallel rank
+whose shards differ, and the spread of ZeRO's partitions over the data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+
+from torch import nn
+
+from lightning_parallel.experts import find_moe_blocks
+from lightning_parallel.planner.activations import stage_activation_bytes
+from lightning_parallel.planner.layout import PRECISIONS, Layout, layout_problems
+from lightning_parallel.planner.shapes import ModelShape, describe
+
+__all__ = ["ParameterPlacement", "RankMemory", "parameter_placements", "rank_memory"]
+
+_OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "adafactor": 0}
+_DDP_BUCKET_BYTES = 25 * 1024 * 1024  # data_parallel/buckets.py
+_DEEPSPEED_BUCKET_ELEMENTS = 25_000_000  # zero/arguments.py: BUCKET_ELEMENTS
+_DEEPSPEED_ALIGNMENT = (
+    2  # DeepSpeed pads each flat group to a multiple of 2 x dp elements (nccl_start_alignment_factor)
+)
+
+
+@dataclass(frozen=True)
+class ParameterPlacement:
+    """One parameter: its elements on each tensor-parallel rank, the stages that hold it, expert or not."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_local: tuple[tuple[int, ...], ...]
+    """Local shape on tensor-parallel rank 0, 1, ... (the whole shape when it is not sharded)."""
+    tp_dim: int | None
+    stages: frozenset[int]
+    expert: bool
+
+
+@dataclass
+class RankMemory:
+    """Bytes one rank holds. ``*_host``: in host memory (offload); ``nvme``: in files of ``offload_path``."""
+
+    label: str
+    pp_rank: int
+    tp_rank: int
+    dp_rank: int
+    parameters: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    """Held for backward at the schedule's peak: ``activations_per_micro_batch x in_flight`` summed over this
+    rank's stages, plus one block's recomputation under checkpointing."""
+    activations_per_micro_batch: int = 0
+    in_flight: int = 1
+    buffers: int = 0
+    parameters_host: int = 0
+    optimizer_host: int = 0
+    nvme: int = 0
+    elements: int = 0
+    """Parameter elements this rank holds (after every split)."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def states(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def device_total(self) -> int:
+        return self.states + self.activations + self.buffers
+
+    @property
+    def host_total(self) -> int:
+        return self.parameters_host + self.optimizer_host
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out.update(device_total=self.device_total, host_total=self.host_total)
+        return out
+
+
+def _chunks(size: int, parts: int) -> list[int]:
+    """Sizes ``torch.chunk`` (and DTensor's ``Shard``) gives ``parts`` ranks: ceil-sized, the last ones short."""
+    step = math.ceil(size / parts) if size else 0
+    return [max(0, min(step, size - i * step)) for i in range(parts)]
+
+
+def _tp_shapes(
+    shape: tuple[int, ...], dim: int | None, tp: int, num_chunks: int
+) -> tuple[tuple[int, ...], ...]:
+    if dim is None or tp == 1:
+        return (shape,) * tp
+    size = shape[dim]
+    if num_chunks > 1 and size % num_chunks == 0:  # a fused weight (q|k|v, gate|up): each part split alike
+        locals_ = [num_chunks * c for c in _chunks(size // num_chunks, tp)]
+    else:
+        locals_ = _chunks(size, tp)
+    return tuple(shape[:dim] + (n,) + shape[dim + 1 :] for n in locals_)
+
+
+def parameter_placements(
+    model: nn.Module, layout: Layout, stage_of_block: list[int]
+) -> list[ParameterPlacement]:
+    """Every parameter once (tied ones under their first name), with the stages holding it."""
+    from lightning_parallel.plans import auto_plan
+    from lightning_parallel.plans.detect import block_names
+    from lightning_parallel.tensor_parallel.styles import sharded_dims
+
+    tp = layout.tensor_parallel
+    plan = auto_plan(model, tp, layout.sequence_parallel) if tp > 1 else None
+    modules = dict(model.named_modules())
+    names = block_names(model)
+    block_of = {id(p): i for i, b in enumerate(names) for p in model.get_submodule(b).parameters()}
+    experts = {n for info in find_moe_blocks(model) for n in info.expert_param_names}
+    last = max(stage_of_block) if stage_of_block else 0
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    stages: dict[str, set[int]] = {}
+    seen_block = False
+    for _name, param in model.named_parameters(remove_duplicate=False):
+        first = canonical[id(param)]
+        if id(param) in block_of:
+            seen_block = True
+            stages.setdefault(first, set()).add(stage_of_block[block_of[id(param)]])
+        else:  # before the blocks: stage 0; after them: the last stage (a tied head: both)
+            stages.setdefault(first, set()).add(last if seen_block else 0)
+    out = []
+    for name, param in model.named_parameters():
+        owner, _, attr = name.rpartition(".")
+        style = plan.styles.get(owner) if plan is not None else None
+        dim = sharded_dims(modules[owner], style).get(attr) if style is not None else None
+        local = _tp_shapes(tuple(param.shape), dim, tp, getattr(style, "num_chunks", 1))
+        out.append(
+            ParameterPlacement(name, tuple(param.shape), local, dim if tp > 1 else None, frozenset(stages[name]), name in experts)
+        )
+    return out
+
+
+def _zero_engine(layout: Layout) -> str | None:
+    from lightning_parallel.zero.engine import engine_for
+
+    zero = SimpleNamespace(
+        enabled=layout.zero_stage > 0, offload_ratio=1.0, offload=layout.offload, stage=layout.zero_stage
+    )
+    return engine_for(
+        zero, layout.tensor_parallel, layout.pipeline_parallel, expert_parallel=layout.expert_parallel
+    )  # type: ignore[arg-type]
+
+
+def _stage_split(model: nn.Module, layout: Layout) -> tuple[list[int], list[range], list[int]]:
+    """(stage of each block, blocks of each stage, pipeline rank of each stage), as the strategy cuts."""
+    from lightning_parallel.plans.detect import block_names
+
+    if layout.pipeline_parallel == 1:
+        n = len(block_names(model))
+        return [0] * n, [range(n)], [0]
+    from lightning_parallel.config.arguments import pipeline
+    from lightning_parallel.pipeline.setup import split_stages
+
+    config = pipeline(layout.pipeline_parallel, layout.micro_batches, layout.pipeline_schedule,
+                      layout.pipeline_virtual_stages if layout.pipeline_virtual_stages > 1 else None, None)  # fmt: skip
+    assert config is not None
+    split = split_stages(model, config)
+    stage_of = [0] * len(split.block_names)
+    for stage, blocks in enumerate(split.ranges):
+        for i in blocks:
+            stage_of[i] = stage
+    return stage_of, split.ranges, split.owners
+
+
+def rank_memory(
+    model: nn.Module, layout: Layout, shape: ModelShape | None = None, distinct: bool = True
+) -> list[RankMemory]:
+    """One entry per (pipeline rank, tensor-parallel rank) and, under ZeRO, data-parallel rank; with
+    ``distinct``, ranks with equal numbers folded into one (its ``notes`` name the others)."""
+    shape = shape or describe(model)
+    problems = layout_problems(layout, shape)
+    if problems:
+        raise ValueError(
+            f"The layout {layout.short()} cannot exist for {shape.name}: " + "; ".join(problems) + "."
+        )
+    stage_of, ranges, owners = _stage_split(model, layout)
+    placements = parameter_placements(model, layout, stage_of)
+    engine = _zero_engine(layout)
+    tp, dp, ep, pp = (
+        layout.tensor_parallel,
+        layout.data_parallel,
+        layout.expert_parallel,
+        layout.pipeline_parallel,
+    )
+    param_bytes, _, grad_bytes, _ = PRECISIONS[layout.precision]
+    dp_ranks = range(dp) if engine else range(1)
+    out = []
+    for pp_rank in range(pp):
+        my_stages = {s for s, o in enumerate(owners) if o == pp_rank}
+        for tp_rank in range(tp):
+            local = [
+                (p, math.prod(p.tp_local[tp_rank]) // (ep if p.expert else 1), p.tp_local[tp_rank])
+                for p in placements
+                if p.stages & my_stages
+            ]
+            for dp_rank in dp_ranks:
+                out.append(
+                    _one_rank(layout, engine, local, pp_rank, tp_rank, dp_rank, param_bytes, grad_bytes)
+                )
+            for rank in out[-len(dp_ranks) :]:
+                _add_activations(rank, shape, layout, ranges, owners, pp_rank)
+    return _distinct(out) if distinct else out
+
+
+def _one_rank(layout: Layout, engine: str | None, local: list, pp_rank: int, tp_rank: int, dp_rank: int,
+              param_bytes: int, grad_bytes: int) -> RankMemory:  # fmt: skip
+    dp, stage = layout.data_parallel, layout.zero_stage
+    states = _OPTIMIZER_STATES.get(layout.optimizer, 2)
+    elements = sum(n for _, n, _ in local)
+    rank = RankMemory(
+        _label(layout, pp_rank, tp_rank, dp_rank, engine), pp_rank, tp_rank, dp_rank, elements=elements
+    )
+    low_precision_params = param_bytes < 4
+    if engine is None:
+        rank.parameters, rank.gradients = elements * param_bytes, elements * grad_bytes
+        rank.optimizer = (
+            elements * states * param_bytes
+        )  # torch's optimizers keep states in the parameter's dtype
+        if dp > 1:
+            rank.buffers = min(_DDP_BUCKET_BYTES, rank.gradients)
+        return rank
+    if engine == "fsdp2":  # every tensor split on its first dimension over dp
+        ep = layout.expert_parallel  # experts shard over their replicas (dp / ep), the rest over dp
+        shard = sum(
+            _fsdp_local(n, s, p.tp_dim, dp // ep, dp_rank // ep)
+            if p.expert
+            else _fsdp_local(n, s, p.tp_dim, dp, dp_rank)
+            for p, n, s in local
+        )
+        rank.parameters, rank.gradients = shard * param_bytes, shard * grad_bytes
+        rank.optimizer = shard * states * 4 + (shard * 4 if low_precision_params else 0)
+        largest_unit = max((n for _, n, _ in local), default=0)
+        rank.buffers = 2 * largest_unit * param_bytes  # a gathered unit and the next one prefetched
+    else:  # DeepSpeed: one flat partition per rank, padded
+        padded = math.ceil(elements / (_DEEPSPEED_ALIGNMENT * dp)) * _DEEPSPEED_ALIGNMENT * dp
+        shard = padded // dp
+        rank.parameters = (shard if stage == 3 else elements) * param_bytes
+        rank.gradients = (shard if stage >= 2 else elements) * grad_bytes
+        rank.optimizer = shard * (states * 4 + 4)  # fp32 states and DeepSpeed's fp32 partition of the weights
+        rank.buffers = min(elements, _DEEPSPEED_BUCKET_ELEMENTS) * grad_bytes if stage >= 2 else 0
+    if layout.offload:
+        host = rank.optimizer
+        rank.optimizer = 0
+        if layout.offload == "nvme":
+            rank.nvme = host
+        else:
+            rank.optimizer_host = host
+        if stage == 3:
+            rank.parameters_host, rank.parameters = rank.parameters, 0
+    return rank
+
+
+def _fsdp_local(numel: int, shape: tuple[int, ...], tp_dim: int | None, dp: int, dp_rank: int) -> int:
+    """Elements FSDP2 leaves on ``dp_rank`` of a tensor with ``numel`` local elements of (tp-local) ``shape``:
+    split on the first dim tensor parallelism does not cut; a vector it cuts stays whole
+    (``zero/fsdp.py: shard_placement, unsharded_parameters``)."""
+    if not shape:
+        return numel
+    if len(shape) == 1 and tp_dim is not None:
+        return numel
+    dim = next((d for d in range(len(shape)) if d != tp_dim), 0)
+    return _chunks(shape[dim], dp)[dp_rank] * (numel // shape[dim])
+
+
+def _add_activations(rank: RankMemory, shape: ModelShape, layout: Layout, ranges: list[range], owners: list[int],
+                     pp_rank: int) -> None:  # fmt: skip
+    mine = [s for s, o in enumerate(owners) if o == pp_rank]
+    last = len(ranges) - 1
+    total = per_micro_batch = 0.0
+    for s in mine:
+        estimate = stage_activation_bytes(shape, layout, ranges[s], s == 0, s == last, pp_rank)
+        working = estimate.recompute_working_set if s == mine[0] else 0
+        total += estimate.per_micro_batch * estimate.in_flight + working
+        per_micro_batch += estimate.per_micro_batch
+        rank.in_flight = estimate.in_flight
+    rank.activations, rank.activations_per_micro_batch = int(total), int(per_micro_batch)
+    if layout.pipeline_parallel > 1:  # a send and a receive buffer each way
+        act = PRECISIONS[layout.precision][1]
+        sp = layout.tensor_parallel if layout.sequence_parallel else 1
+        rank.buffers += 4 * layout.micro_batch_size * layout.sequence_length * shape.hidden * act // sp
+
+
+def _label(layout: Layout, pp_rank: int, tp_rank: int, dp_rank: int, engine: str | None) -> str:
+    parts = []
+    if layout.pipeline_parallel > 1:
+        parts.append(f"pp rank {pp_rank}")
+    if layout.tensor_parallel > 1:
+        parts.append(f"tp rank {tp_rank}")
+    if engine:
+        parts.append(f"dp rank {dp_rank}")
+    return ", ".join(parts) or "every rank"
+
+
+def _distinct(ranks: list[RankMemory]) -> list[RankMemory]:
+    """Ranks whose numbers differ; equal ones folded into the first (its label says which it stands for)."""
+    kept: list[RankMemory] = []
+    for rank in ranks:
+        key = (rank.pp_rank, rank.parameters, rank.gradients, rank.optimizer, rank.activations, rank.buffers,
+               rank.parameters_host, rank.optimizer_host, rank.nvme)  # fmt: skip
+        twin = next((k for k in kept if (k.pp_rank, k.parameters, k.gradients, k.optimizer, k.activations,
+                     k.buffers, k.parameters_host, k.optimizer_host, k.nvme) == key), None)  # fmt: skip
+        if twin is None:
+            kept.append(rank)
+        else:
+            twin.notes.append(rank.label)
+    return kept

@@ -1,0 +1,227 @@
+"""One micro-batch on one rank: its compute and the communication that runs in line with it.
+
+:func:`micro_batch` is the part of the time model (``planner/timing.py``) that repeats per micro-batch:
+
+- matmul FLOPs (forward, backward = 2 x forward, recomputation) at ``peak x matmul_efficiency``;
+- HBM traffic at ``bandwidth x memory_efficiency``: each matmul's inputs, weights and outputs (a
+  ``K x N`` matmul over ``T`` tokens moves ``K + N + K N / T`` elements per token, so thin matmuls,
+  small widths per tensor rank or few tokens, run further from the peak), and the memory-bound
+  kernels: norms, bias-dropout-residual adds, the MLP activation, fused attention's q/k/v/output,
+  eager attention's softmax and dropout over the scores, the cross-entropy over the vocabulary.
+  Matmul FLOPs grow with ``hidden^2`` per token and this traffic with ``hidden``: it is why small
+  models reach a lower MFU, with one efficiency per chip;
+- tensor-parallel collectives, expert all-to-alls and pipeline sends.
+
+Backward moves about twice the forward's bytes (it reads the gradient and the saved input and
+writes the input's gradient). ``"full"`` checkpointing reruns the forward (its tensor-parallel
+collectives too); ``"selective"`` reruns the cheap ops only (norms, activations, softmax: the
+matmul and attention outputs are kept, ``memory/checkpointing.py``), memory-bound and FLOP-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightning_parallel.pipeline.schedules import SCHEDULES, stage_owner
+from lightning_parallel.planner.cluster import Cluster
+from lightning_parallel.planner.layout import PRECISIONS, Layout
+from lightning_parallel.planner.shapes import BlockShape, ModelShape
+
+__all__ = ["STRATEGY", "Execution", "MicroBatch", "Stage", "group_bandwidth", "matmul_peak", "micro_batch",
+           "stages"]  # fmt: skip
+
+# Memory-bound traffic, in activation elements a kernel reads or writes per token (forward):
+_RESIDUAL_PASSES = 11.0  # 2 norms (read, write) + 2 bias-dropout-residual adds (2 reads, 1 write, a mask)
+_ATTENTION_PASSES = 2.0  # fused attention: reads q, k, v, writes the output (q and k/v widths)
+_MLP_PASSES = 2.0  # activation function: reads and writes the inner width (gated: 3, two inputs)
+_SCORE_PASSES = 4.5  # eager attention: softmax (read, write) + dropout (read, write, mask) per score
+_PERMUTE_PASSES = 4.0  # MoE: token permutation and its inverse (read, write) per routed copy
+_LOSS_BYTES_PER_LOGIT = 68.0  # unfused fp32 cross-entropy (Megatron's vocab-parallel one): ~17 passes of 4 bytes
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How the training code runs a layout beyond its degrees: what it overlaps and what its collectives carry.
+
+    :data:`STRATEGY` is what ``HybridParallelStrategy`` does; the published runs
+    (``planner/published.py``) pass what their sources say their code did.
+    """
+
+    overlap_tensor_parallel: bool = False
+    """Tensor-parallel collectives hidden behind the matmuls (Megatron's ``--tp-comm-overlap``)."""
+    overlap_gradient_reduction: bool = True
+    """Data-parallel gradient reduction during the last backward, all but its last bucket hidden."""
+    overlap_parameter_gather: bool = False
+    """ZeRO-1/2's parameter all-gather hidden behind the next forward (Megatron's ``--overlap-param-gather``)."""
+    overlap_pipeline_transfers: bool = False
+    """Pipeline sends and receives hidden behind compute."""
+    split_pipeline_transfers: bool = False
+    """Each tensor rank sends 1/tp of the activation between stages (Megatron's scatter/gather; implied by SP)."""
+    gradient_bytes: int | None = None
+    """Bytes per gradient element the data-parallel reduction carries (None: the precision's)."""
+    parameter_bytes: int | None = None
+    """Bytes per parameter element ZeRO's all-gathers carry (None: the precision's)."""
+    bucket_bytes: float = 25 * 2**20
+    """Gradient bucket: the last one is reduced after backward ends (DDP's 25 MiB)."""
+
+
+STRATEGY = Execution()
+
+
+def matmul_peak(cluster: Cluster, precision: str) -> float:
+    """The tensor-core peak a precision's matmuls run at: fp32 as TF32 (half of bf16 on A100 through B200)."""
+    if "8" in precision.split("-")[0] or "transformer-engine" in precision:
+        return cluster.peak_fp8_flops or cluster.peak_bf16_flops
+    if precision.startswith(("32", "64")):
+        return cluster.peak_bf16_flops / 2
+    return cluster.peak_bf16_flops
+
+
+def group_bandwidth(cluster: Cluster, size: int, stride: int) -> float:
+    """Bytes/s each member of a collective moves: ``size`` ranks ``stride`` apart, tensor ranks innermost.
+
+    NVLink when the group fits in a node; across nodes NCCL runs one ring per NIC, so a group with
+    ``k`` members in each node moves ``min(NVLink, k x NIC)``.
+    """
+    nvlink = cluster.intra_node_bandwidth * cluster.intra_node_efficiency
+    if size * stride <= cluster.gpus_per_node:
+        return nvlink
+    per_node = max(1, cluster.gpus_per_node // stride)
+    return min(nvlink, per_node * cluster.inter_node_bandwidth * cluster.inter_node_efficiency)
+
+
+def all_reduce(nbytes: float, size: int, bandwidth: float) -> float:
+    """Ring all-reduce: ``2 (d-1)/d`` of the buffer crosses each link."""
+    return 2.0 * (size - 1) / size * nbytes / bandwidth if size > 1 else 0.0
+
+
+def half_ring(nbytes: float, size: int, bandwidth: float) -> float:
+    """Reduce-scatter, all-gather or all-to-all of a ``nbytes`` buffer: ``(d-1)/d`` of it crosses a link."""
+    return (size - 1) / size * nbytes / bandwidth if size > 1 else 0.0
+
+
+@dataclass
+class Stage:
+    """The blocks a pipeline rank holds (all its chunks), and whether it holds the embedding or the head."""
+
+    blocks: list[BlockShape] = field(default_factory=list)
+    first: bool = False
+    last: bool = False
+
+
+def stages(shape: ModelShape, pipeline: int, virtual: int, schedule: str) -> list[Stage]:
+    """Per pipeline rank: ``P x V`` even chunks of blocks, placed as the schedule places them."""
+    spec = SCHEDULES[schedule]
+    chunks = pipeline * virtual
+    layers = shape.num_layers
+    sizes = [layers // chunks + (1 if c < layers % chunks else 0) for c in range(chunks)]
+    ranks = [Stage() for _ in range(pipeline)]
+    start = 0
+    for chunk, size in enumerate(sizes):
+        rank = ranks[stage_owner(spec, chunk, pipeline) if pipeline > 1 else 0]
+        rank.blocks += list(shape.blocks[start : start + size])
+        rank.first |= chunk == 0
+        rank.last |= chunk == chunks - 1
+        start += size
+    return ranks
+
+
+def _gemm_elements(block: BlockShape, layout: Layout) -> float:
+    """Elements one token's forward matmuls through ``block`` read and write in HBM, on one rank.
+
+    Column-parallel matrices (q|k|v, MLP up) are cut along ``N``, row-parallel ones along ``K``;
+    an expert's matmul sees ``tokens x top_k / experts`` rows.
+    """
+    tp, tokens = layout.tensor_parallel, layout.micro_batch_size * layout.sequence_length
+    h, ffn = block.hidden, block.ffn_hidden
+    up = ffn * (2 if block.gated else 1)
+    routed = max(block.top_k, 1) if block.num_experts else 1
+    expert_tokens = tokens * routed / max(block.num_experts, 1)
+    dense = [(h, (block.q_width + 2 * block.kv_width) / tp, tokens), (block.q_width / tp, h, tokens)]
+    mlp = [(h, up / tp, expert_tokens), (ffn / tp, h, expert_tokens)]
+    total = sum(k + n + k * n / t for k, n, t in dense)
+    return total + routed * sum(k + n + k * n / t for k, n, t in mlp)
+
+
+def _cheap_elements(block: BlockShape, layout: Layout) -> float:
+    """Elements one token's forward moves in the ops selective checkpointing reruns: norms, activation, softmax."""
+    tp = layout.tensor_parallel
+    residual = _RESIDUAL_PASSES * block.hidden / (tp if layout.sequence_parallel else 1)
+    inner = (_MLP_PASSES + (1 if block.gated else 0)) * block.ffn_hidden / tp * max(block.top_k, 1)
+    scores = _SCORE_PASSES * block.heads / tp * layout.sequence_length if layout.attention == "eager" else 0.0
+    return residual + inner + scores  # fused attention keeps its scores on chip: counted as matmul FLOPs
+
+
+def _other_elements(block: BlockShape, layout: Layout) -> float:
+    """Elements fused attention's inputs and output and the MoE permutations move, per token (forward)."""
+    attention = _ATTENTION_PASSES * (block.q_width + block.kv_width) / layout.tensor_parallel
+    permute = _PERMUTE_PASSES * block.top_k * block.hidden if block.num_experts else 0.0
+    return attention + permute
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch on one rank, in seconds (and the FLOPs its recomputation adds)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    recompute: float = 0.0
+    tensor_parallel: float = 0.0
+    expert: float = 0.0
+    transfers: float = 0.0
+    recompute_flops: float = 0.0
+
+    @property
+    def compute(self) -> float:
+        return self.forward + self.backward + self.recompute
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tensor_parallel + self.expert + self.transfers
+
+
+def micro_batch(stage: Stage, shape: ModelShape, layout: Layout, cluster: Cluster, execution: Execution,
+                virtual: int) -> MicroBatch:  # fmt: skip
+    """Time of one micro-batch on the rank holding ``stage`` (``virtual`` chunks of it under interleaving)."""
+    tp, seq = layout.tensor_parallel, layout.sequence_length
+    tokens = layout.micro_batch_size * seq
+    act = PRECISIONS[layout.precision][1]
+    flop_rate = matmul_peak(cluster, layout.precision) * cluster.matmul_efficiency
+    byte_rate = cluster.memory_bandwidth * cluster.memory_efficiency
+    checkpointing = layout.activation_checkpointing
+
+    flops = tokens * sum(b.forward_flops_per_token(seq) for b in stage.blocks) / tp
+    cheap = tokens * act * sum(_cheap_elements(b, layout) for b in stage.blocks)
+    moved = cheap + tokens * act * sum(_gemm_elements(b, layout) + _other_elements(b, layout) for b in stage.blocks)
+    head = head_moved = 0.0
+    if stage.last:  # output matmul (the vocabulary cut over tensor ranks) and the cross-entropy over its logits
+        vocab = shape.vocab_size / tp
+        head = tokens * 2.0 * shape.head_weights / tp
+        head_moved = tokens * (act * (shape.hidden + vocab) + _LOSS_BYTES_PER_LOGIT / 2 * vocab)
+        head_moved += act * shape.head_weights / tp
+
+    out = MicroBatch()
+    out.forward = (flops + head) / flop_rate + (moved + head_moved) / byte_rate
+    out.backward = 2 * (flops + head) / flop_rate + (2 * moved + head_moved) / byte_rate
+    if checkpointing == "full":
+        out.recompute_flops = flops
+        out.recompute = flops / flop_rate + moved / byte_rate
+    elif checkpointing == "selective":
+        out.recompute = cheap / byte_rate
+    matmul = (3 * (flops + head) + out.recompute_flops) / flop_rate
+
+    passes = 4 + (2 if checkpointing == "full" else 0)  # collectives per block: forward 2, backward 2
+    if tp > 1:
+        activation = tokens * shape.hidden * act
+        tensor = len(stage.blocks) * passes * all_reduce(activation, tp, group_bandwidth(cluster, tp, 1))
+        out.tensor_parallel = max(0.0, tensor - matmul) if execution.overlap_tensor_parallel else tensor
+    ep = layout.expert_parallel
+    if ep > 1:
+        routed = sum(tokens * b.top_k * b.hidden * act for b in stage.blocks if b.num_experts)
+        out.expert = passes * half_ring(routed, ep, group_bandwidth(cluster, ep, tp))
+    if layout.pipeline_parallel > 1 and not execution.overlap_pipeline_transfers:
+        split = layout.sequence_parallel or execution.split_pipeline_transfers
+        sent = tokens * shape.hidden * act / (tp if split else 1)
+        bandwidth = group_bandwidth(cluster, 2, tp * layout.data_parallel)
+        out.transfers = 2 * virtual * sent / bandwidth  # activations forward, gradients backward, per chunk
+    return out

@@ -1,0 +1,128 @@
+"""What each rank really holds, per layout, for the planner's exactness test (tests/planner/test_memory_exact.py).
+
+    python tests/strategy/scripts/planner_memory.py OUT_DIR   # RANK/WORLD_SIZE/MASTER_* from the launcher
+
+Two ranks; per layout of ``LAYOUTS`` a fit of ``STEPS`` steps. Recorded on every rank, in bytes of this
+process: the parameters it holds (DTensor local shards; DeepSpeed ZeRO-3's partitions), their gradients
+just before the optimizer steps, the optimizer's state tensors after the last step (DeepSpeed: its fp32
+partition of the weights too), and the activations of each step (``ActivationMemoryMonitor``: held in
+all, and the peak alive at once). Writes ``OUT_DIR/planner_memory.rank{r}.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from lightning_parallel import ActivationMemoryMonitor, HybridParallelStrategy
+from tests.models.families import build, make_dataloader
+
+STEPS = 2
+BATCH = 4  # per rank
+# name: (family, family overrides, strategy arguments)
+LAYOUTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "dp2": ("recipe_gpt", {"optimizer": "adamw"}, {}),
+    "dp2_full": ("recipe_gpt", {"optimizer": "adamw"}, {"activation_checkpointing": "full"}),
+    "dp2_selective": ("hf_llama", {}, {"activation_checkpointing": "selective"}),
+    "tp2": ("hf_llama", {}, {"tensor_parallel": 2}),
+    "tp2_sp": ("recipe_gpt", {"optimizer": "adamw"}, {"tensor_parallel": 2, "sequence_parallel": True}),
+    "pp2_1f1b": ("recipe_gpt", {"optimizer": "adamw", "n_layer": 4}, {"pipeline_parallel": 2, "micro_batches": 4}),
+    "pp2_gpipe": (
+        "recipe_gpt",
+        {"optimizer": "adamw", "n_layer": 4},
+        {"pipeline_parallel": 2, "micro_batches": 4, "pipeline_schedule": "gpipe"},
+    ),
+    "ep2": ("recipe_moe", {}, {"expert_parallel": 2}),
+    "zero1": ("recipe_gpt", {"optimizer": "adamw"}, {"zero_stage": 1}),
+    "zero2": ("recipe_gpt", {"optimizer": "adamw"}, {"zero_stage": 2}),
+    "zero3": ("recipe_gpt", {"optimizer": "adamw"}, {"zero_stage": 3}),
+    "ep2_zero2": ("recipe_moe", {}, {"expert_parallel": 2, "zero_stage": 2}),
+}
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def _parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in module.parameters() if p.device.type != "meta"]
+
+
+class Holdings(L.Callback):
+    """Parameter bytes and gradient bytes before each optimizer step, optimizer states after the last."""
+
+    def __init__(self) -> None:
+        self.parameters = 0
+        self.gradients = 0
+        self.optimizer = 0
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        params = _parameters(pl_module)
+        self.parameters = sum(_bytes(getattr(p, "ds_tensor", p)) for p in params)
+        self.gradients = sum(_bytes(p.grad) for p in params if p.grad is not None)
+        partitions = getattr(trainer.strategy.optimizers[0], "single_partition_of_fp32_groups", None) or []
+        self.gradients += sum(_bytes(t.grad) for t in partitions if t.grad is not None)  # DeepSpeed stage 1/2
+        import os
+        if os.environ.get("LP_DEBUG_GRADS"):
+            for n, p in pl_module.named_parameters():
+                if p.grad is not None and _bytes(p.grad) != _bytes(p):
+                    print("GRAD MISMATCH", n, tuple(p.shape), p.placements, p.grad.placements, tuple(p.grad._local_tensor.shape), tuple(p.grad.shape), _bytes(p), _bytes(p.grad), flush=True)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        optimizer = trainer.strategy.optimizers[0]
+        inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's ZeRO optimizer wraps torch's
+        seen: set[int] = set()
+        total = 0
+        for state in inner.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    local = value._local_tensor if isinstance(value, DTensor) else value
+                    if local.untyped_storage().data_ptr() not in seen:
+                        seen.add(local.untyped_storage().data_ptr())
+                        total += _bytes(value)
+        for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+            total += sum(_bytes(t) for t in getattr(optimizer, name, []) or [])
+        self.optimizer = total
+
+
+def main(out_dir: Path) -> None:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    results = {}
+    only = sys.argv[2:]  # layouts to run (all when none): for looking at one by hand
+    for name, (family, overrides, strategy_kwargs) in LAYOUTS.items():
+        if only and name not in only:
+            continue
+        L.seed_everything(0, verbose=False)
+        holdings, monitor = Holdings(), ActivationMemoryMonitor()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, max_steps=STEPS, logger=False, callbacks=[holdings, monitor],
+            strategy=HybridParallelStrategy(timeout=60, **strategy_kwargs), enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        )  # fmt: skip
+        model = build(family, **overrides)
+        trainer.fit(model, make_dataloader(BATCH, BATCH * 2 * STEPS))
+        results[name] = {
+            "parameters": holdings.parameters,
+            "gradients": holdings.gradients,
+            "optimizer": holdings.optimizer,
+            "activations": [step.total for step in monitor.steps],
+            "activation_peaks": [step.peak for step in monitor.steps],
+        }
+    (out_dir / f"planner_memory.rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
