@@ -40,7 +40,7 @@ LAYERS: list[set[str]] = [
     {"plans"},
     {"pipeline"},
     {"checkpoint", "config"},
-    {"parallelize"},
+    {"parallelize", "planner"},
     {"strategy"},
     {TOP},
 ]

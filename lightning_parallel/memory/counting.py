@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     functional collective's ``AsyncCollectiveTensor`` (a tensor-parallel output), which have no storage
     of their own."""
     while is_traceable_wrapper_subclass(tensor):
-        inner, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+        inner, _ = cast(Any, tensor).__tensor_flatten__()
         tensor = getattr(tensor, inner[0])
     return tensor
 

@@ -15,7 +15,8 @@ project's own checkpointing modes each get their own terms. Each term is a tenso
   scores (``heads x s`` per token) and an output the exit reads through a copy;
 - the MLP keeps the activation's input and the exit projection's input (dense), or gate, up,
   their product's inputs and the exit's input (gated: 4 widths);
-- routed experts hold those MLP terms for ``top_k`` copies of every token.
+- routed experts hold, for ``top_k`` copies of every token, its input, those MLP terms, the expert's
+  output and its weighted copy; the router keeps its input and per-expert scores.
 
 Under tensor parallelism the widths split ``tp`` ways; the residual stream (norm inputs) splits too
 only under sequence parallelism. ``"full"`` checkpointing keeps each block's input; ``"selective"``
@@ -69,8 +70,8 @@ def block_bytes_per_token(block: BlockShape, layout: Layout, mode: str | None = 
     else:
         attention += heads * layout.sequence_length * act + q * act  # softmax scores, the output
     mlp = ((4 if block.gated else 2) * ffn) * act
-    if block.num_experts:
-        mlp = (mlp + h * act) * experts + block.num_experts * 4  # routed copies of the input, router logits
+    if block.num_experts:  # per routed copy: its input, the expert's terms, output and weighted output
+        mlp = (mlp + 3 * h * act) * experts + h * act + block.num_experts * 16  # + router input, scores
     return norms + attention + h * act + mlp
 
 

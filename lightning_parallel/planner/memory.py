@@ -142,7 +142,14 @@ def parameter_placements(
         dim = sharded_dims(modules[owner], style).get(attr) if style is not None else None
         local = _tp_shapes(tuple(param.shape), dim, tp, getattr(style, "num_chunks", 1))
         out.append(
-            ParameterPlacement(name, tuple(param.shape), local, dim if tp > 1 else None, frozenset(stages[name]), name in experts)
+            ParameterPlacement(
+                name,
+                tuple(param.shape),
+                local,
+                dim if tp > 1 else None,
+                frozenset(stages[name]),
+                name in experts,
+            )
         )
     return out
 
@@ -291,10 +298,17 @@ def _add_activations(rank: RankMemory, shape: ModelShape, layout: Layout, ranges
         per_micro_batch += estimate.per_micro_batch
         rank.in_flight = estimate.in_flight
     rank.activations, rank.activations_per_micro_batch = int(total), int(per_micro_batch)
-    if layout.pipeline_parallel > 1:  # a send and a receive buffer each way
-        act = PRECISIONS[layout.precision][1]
-        sp = layout.tensor_parallel if layout.sequence_parallel else 1
-        rank.buffers += 4 * layout.micro_batch_size * layout.sequence_length * shape.hidden * act // sp
+    if layout.pipeline_parallel > 1:
+        rank.buffers += int(_receive_buffers(shape, layout, mine, last))
+
+
+def _receive_buffers(shape: ModelShape, layout: Layout, stages: list[int], last: int) -> float:
+    """torch's ``PipelineStage`` allocates a receive buffer per micro-batch, kept for the whole run: the
+    activations a stage after the first receives, and the gradients a stage before the last receives."""
+    act = PRECISIONS[layout.precision][1]
+    sp = layout.tensor_parallel if layout.sequence_parallel else 1
+    one = layout.micro_batch_size * layout.sequence_length * shape.hidden * act / sp
+    return sum(layout.micro_batches * one * ((s > 0) + (s < last)) for s in stages)
 
 
 def _label(layout: Layout, pp_rank: int, tp_rank: int, dp_rank: int, engine: str | None) -> str:

@@ -30,12 +30,15 @@ STEPS = 2
 BATCH = 4  # per rank
 # name: (family, family overrides, strategy arguments)
 LAYOUTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
-    "dp2": ("recipe_gpt", {"optimizer": "adamw"}, {}),
     "dp2_full": ("recipe_gpt", {"optimizer": "adamw"}, {"activation_checkpointing": "full"}),
     "dp2_selective": ("hf_llama", {}, {"activation_checkpointing": "selective"}),
     "tp2": ("hf_llama", {}, {"tensor_parallel": 2}),
     "tp2_sp": ("recipe_gpt", {"optimizer": "adamw"}, {"tensor_parallel": 2, "sequence_parallel": True}),
-    "pp2_1f1b": ("recipe_gpt", {"optimizer": "adamw", "n_layer": 4}, {"pipeline_parallel": 2, "micro_batches": 4}),
+    "pp2_1f1b": (
+        "recipe_gpt",
+        {"optimizer": "adamw", "n_layer": 4},
+        {"pipeline_parallel": 2, "micro_batches": 4},
+    ),
     "pp2_gpipe": (
         "recipe_gpt",
         {"optimizer": "adamw", "n_layer": 4},
@@ -66,17 +69,14 @@ class Holdings(L.Callback):
         self.gradients = 0
         self.optimizer = 0
 
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
         params = _parameters(pl_module)
         self.parameters = sum(_bytes(getattr(p, "ds_tensor", p)) for p in params)
         self.gradients = sum(_bytes(p.grad) for p in params if p.grad is not None)
         partitions = getattr(trainer.strategy.optimizers[0], "single_partition_of_fp32_groups", None) or []
         self.gradients += sum(_bytes(t.grad) for t in partitions if t.grad is not None)  # DeepSpeed stage 1/2
-        import os
-        if os.environ.get("LP_DEBUG_GRADS"):
-            for n, p in pl_module.named_parameters():
-                if p.grad is not None and _bytes(p.grad) != _bytes(p):
-                    print("GRAD MISMATCH", n, tuple(p.shape), p.placements, p.grad.placements, tuple(p.grad._local_tensor.shape), tuple(p.grad.shape), _bytes(p), _bytes(p.grad), flush=True)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         optimizer = trainer.strategy.optimizers[0]
