@@ -30,6 +30,8 @@ import torch
 from torch import nn
 
 from lightning_parallel.checkpoint.transfer import add_export_command, run_export
+from lightning_parallel.planner.command import add_planner_arguments, layout_from_arguments, run_planner
+from lightning_parallel.planner.report import dumps
 from lightning_parallel.plans import ParallelPlan, auto_plan, plan_from_dict
 from lightning_parallel.tensor_parallel.styles import sharded_dims
 
@@ -123,9 +125,15 @@ def read_config(path: str) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
 
 
 def build_model(class_path: str, init_args: dict[str, Any]) -> nn.Module:
+    """The model on the meta device (shapes without memory: a 405B model plans on a laptop); on the CPU
+    when its constructor needs real tensors."""
     cls = import_object(class_path)
-    with torch.device("cpu"):
-        model = cls(**init_args)
+    try:
+        with torch.device("meta"):
+            model = cls(**init_args)
+    except (RuntimeError, NotImplementedError):
+        with torch.device("cpu"):
+            model = cls(**init_args)
     if not isinstance(model, nn.Module):
         raise ValueError(f"`--model {class_path}` built a {type(model).__name__}, not a torch.nn.Module.")
     return model
@@ -162,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--pipeline-virtual-stages", type=int, default=None, help="stages per rank (interleaved)"
     )
+    add_planner_arguments(plan)
     add_export_command(commands)  # checkpoint -> one safetensors file (checkpoint/transfer.py)
     return parser
 
@@ -215,6 +224,10 @@ def run_plan(args: argparse.Namespace) -> str:
     sp = sp and tp > 1
 
     model = build_model(class_path, init_args)
+    layout = layout_from_arguments(args, strategy, tp, sp)
+    if args.search:
+        planner_lines, planner_json = run_planner(args, model, layout)
+        return dumps(planner_json) if args.json else "\n".join(planner_lines)
     patterns = _json_object(args.plan_dict, "--plan") if args.plan_dict else strategy.get("plan")
     plan = plan_from_dict(model, patterns, tp, sp) if isinstance(patterns, dict) else auto_plan(model, tp, sp)
     plan.parameter_shards = parameter_shards(plan, model, DTYPES.get(args.dtype) if args.dtype else None)
@@ -239,7 +252,8 @@ def run_plan(args: argparse.Namespace) -> str:
             args.pipeline_schedule or strategy.get("pipeline_schedule"),
             args.pipeline_virtual_stages or strategy.get("pipeline_virtual_stages"),
         )
-    return "\n".join(lines)
+    planner_lines, planner_json = run_planner(args, model, layout)
+    return dumps(planner_json) if args.json else "\n".join(lines + planner_lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

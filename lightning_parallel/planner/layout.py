@@ -36,6 +36,7 @@ class Layout:
     pipeline_schedule: str = "1f1b"
     pipeline_virtual_stages: int = 1
     micro_batches: int = 1
+    """Micro-batches per optimizer step: the pipeline's, or without stages ``accumulate_grad_batches``."""
     data_parallel: int = 1
     expert_parallel: int = 1
     zero_stage: int = 0
@@ -80,6 +81,8 @@ class Layout:
             parts.append(
                 f"pp{self.pipeline_parallel}({self.pipeline_schedule}{virtual}, M={self.micro_batches})"
             )
+        elif self.micro_batches > 1:
+            parts.append(f"acc{self.micro_batches}")
         parts.append(f"dp{self.data_parallel}")
         if self.expert_parallel > 1:
             parts.append(f"ep{self.expert_parallel}")
@@ -121,7 +124,6 @@ def layout_problems(layout: Layout, shape: ModelShape, gpus: int | None = None) 
     if block.kv_heads and block.kv_heads % tp and tp % block.kv_heads:
         problems.append(f"k/v heads ({block.kv_heads}) and `tensor_parallel={tp}`: neither divides the other")
     _divides(problems, "MLP width", block.ffn_hidden, tp, "tensor_parallel")
-    _divides(problems, "vocabulary", shape.vocab_size, tp, "tensor_parallel")
     if layout.sequence_parallel:
         if tp == 1:
             problems.append("`sequence_parallel=True` needs `tensor_parallel` > 1")
@@ -146,8 +148,6 @@ def layout_problems(layout: Layout, shape: ModelShape, gpus: int | None = None) 
             problems.append(str(error).rstrip("."))
         if layout.num_stages > shape.num_layers:
             problems.append(f"{layout.num_stages} pipeline stages but only {shape.num_layers} blocks")
-    elif layout.micro_batches != 1:
-        problems.append("`micro_batches` > 1 needs `pipeline_parallel` > 1 (use accumulate_grad_batches)")
     if layout.zero_stage not in (0, 1, 2, 3):
         problems.append(f"`zero_stage={layout.zero_stage}` must be 0, 1, 2 or 3")
     if layout.offload not in (None, "cpu", "nvme"):

@@ -187,18 +187,34 @@ def _stage_split(model: nn.Module, layout: Layout) -> tuple[list[int], list[rang
 
 
 def rank_memory(
-    model: nn.Module, layout: Layout, shape: ModelShape | None = None, distinct: bool = True
+    model: nn.Module,
+    layout: Layout,
+    shape: ModelShape | None = None,
+    distinct: bool = True,
+    cache: dict | None = None,
 ) -> list[RankMemory]:
     """One entry per (pipeline rank, tensor-parallel rank) and, under ZeRO, data-parallel rank; with
-    ``distinct``, ranks with equal numbers folded into one (its ``notes`` name the others)."""
+    ``distinct``, ranks with equal numbers folded into one (its ``notes`` name the others).
+
+    Over more than 8 data-parallel ranks only the first and the last are computed (ZeRO's partitions
+    split like ``torch.chunk``: the first holds the most, the last the least). ``cache``: a dict kept
+    across calls for one model (a search), holding the stage cuts and the tensor-parallel splits.
+    """
     shape = shape or describe(model)
     problems = layout_problems(layout, shape)
     if problems:
         raise ValueError(
             f"The layout {layout.short()} cannot exist for {shape.name}: " + "; ".join(problems) + "."
         )
-    stage_of, ranges, owners = _stage_split(model, layout)
-    placements = parameter_placements(model, layout, stage_of)
+    cache = {} if cache is None else cache
+    split_key = (layout.pipeline_parallel, layout.pipeline_schedule, layout.pipeline_virtual_stages)
+    if split_key not in cache:
+        cache[split_key] = _stage_split(model, layout)
+    stage_of, ranges, owners = cache[split_key]
+    placement_key = (layout.tensor_parallel, layout.sequence_parallel, tuple(stage_of))
+    if placement_key not in cache:
+        cache[placement_key] = parameter_placements(model, layout, stage_of)
+    placements = cache[placement_key]
     engine = _zero_engine(layout)
     tp, dp, ep, pp = (
         layout.tensor_parallel,
@@ -207,7 +223,7 @@ def rank_memory(
         layout.pipeline_parallel,
     )
     param_bytes, _, grad_bytes, _ = PRECISIONS[layout.precision]
-    dp_ranks = range(dp) if engine else range(1)
+    dp_ranks = (range(dp) if dp <= 8 else [0, dp - 1]) if engine else range(1)
     out = []
     for pp_rank in range(pp):
         my_stages = {s for s, o in enumerate(owners) if o == pp_rank}

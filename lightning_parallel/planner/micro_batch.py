@@ -27,8 +27,18 @@ from lightning_parallel.planner.cluster import Cluster
 from lightning_parallel.planner.layout import PRECISIONS, Layout
 from lightning_parallel.planner.shapes import BlockShape, ModelShape
 
-__all__ = ["STRATEGY", "Execution", "MicroBatch", "Stage", "group_bandwidth", "matmul_peak", "micro_batch",
-           "stages"]  # fmt: skip
+__all__ = [
+    "STRATEGY",
+    "Execution",
+    "MicroBatch",
+    "Stage",
+    "all_reduce",
+    "group_bandwidth",
+    "half_ring",
+    "matmul_peak",
+    "micro_batch",
+    "stages",
+]
 
 # Memory-bound traffic, in activation elements a kernel reads or writes per token (forward):
 _RESIDUAL_PASSES = 11.0  # 2 norms (read, write) + 2 bias-dropout-residual adds (2 reads, 1 write, a mask)
@@ -36,7 +46,7 @@ _ATTENTION_PASSES = 2.0  # fused attention: reads q, k, v, writes the output (q 
 _MLP_PASSES = 2.0  # activation function: reads and writes the inner width (gated: 3, two inputs)
 _SCORE_PASSES = 4.5  # eager attention: softmax (read, write) + dropout (read, write, mask) per score
 _PERMUTE_PASSES = 4.0  # MoE: token permutation and its inverse (read, write) per routed copy
-_LOSS_BYTES_PER_LOGIT = 68.0  # unfused fp32 cross-entropy (Megatron's vocab-parallel one): ~17 passes of 4 bytes
+_LOSS_BYTES_PER_LOGIT = 68.0  # unfused fp32 cross-entropy (Megatron's vocab-parallel): ~17 x 4 bytes
 
 
 @dataclass(frozen=True)
@@ -69,9 +79,10 @@ STRATEGY = Execution()
 
 
 def matmul_peak(cluster: Cluster, precision: str) -> float:
-    """The tensor-core peak a precision's matmuls run at: fp32 as TF32 (half of bf16 on A100 through B200)."""
-    if "8" in precision.split("-")[0] or "transformer-engine" in precision:
-        return cluster.peak_fp8_flops or cluster.peak_bf16_flops
+    """The tensor-core peak a precision's matmuls run at: fp32 as TF32, half of bf16 on A100 through B200.
+
+    (``PRECISIONS`` has no fp8 precision yet: ``Cluster.peak_fp8_flops`` waits for one.)
+    """
     if precision.startswith(("32", "64")):
         return cluster.peak_bf16_flops / 2
     return cluster.peak_bf16_flops
@@ -180,8 +191,9 @@ class MicroBatch:
         return self.compute + self.tensor_parallel + self.expert + self.transfers
 
 
-def micro_batch(stage: Stage, shape: ModelShape, layout: Layout, cluster: Cluster, execution: Execution,
-                virtual: int) -> MicroBatch:  # fmt: skip
+def micro_batch(
+    stage: Stage, shape: ModelShape, layout: Layout, cluster: Cluster, execution: Execution, virtual: int
+) -> MicroBatch:
     """Time of one micro-batch on the rank holding ``stage`` (``virtual`` chunks of it under interleaving)."""
     tp, seq = layout.tensor_parallel, layout.sequence_length
     tokens = layout.micro_batch_size * seq
@@ -192,9 +204,11 @@ def micro_batch(stage: Stage, shape: ModelShape, layout: Layout, cluster: Cluste
 
     flops = tokens * sum(b.forward_flops_per_token(seq) for b in stage.blocks) / tp
     cheap = tokens * act * sum(_cheap_elements(b, layout) for b in stage.blocks)
-    moved = cheap + tokens * act * sum(_gemm_elements(b, layout) + _other_elements(b, layout) for b in stage.blocks)
+    moved = cheap + tokens * act * sum(
+        _gemm_elements(b, layout) + _other_elements(b, layout) for b in stage.blocks
+    )
     head = head_moved = 0.0
-    if stage.last:  # output matmul (the vocabulary cut over tensor ranks) and the cross-entropy over its logits
+    if stage.last:  # the output matmul (vocabulary cut over tensor ranks), the cross-entropy over its logits
         vocab = shape.vocab_size / tp
         head = tokens * 2.0 * shape.head_weights / tp
         head_moved = tokens * (act * (shape.hidden + vocab) + _LOSS_BYTES_PER_LOGIT / 2 * vocab)

@@ -1,0 +1,204 @@
+"""The time model: the published tables within their targets, controls showing its terms matter, unit checks.
+
+No processes: every test is arithmetic on shapes, layouts and cluster presets (well under a second).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from lightning_parallel.pipeline.schedules import SCHEDULES, ideal_efficiency
+from lightning_parallel.planner import published
+from lightning_parallel.planner.cluster import CLUSTERS, load_cluster
+from lightning_parallel.planner.layout import Layout
+from lightning_parallel.planner.micro_batch import group_bandwidth
+from lightning_parallel.planner.shapes import ModelShape
+from lightning_parallel.planner.timing import STRATEGY, step_time
+
+TABLES = {"ptd-p": published.PTD_P, "megatron-h100": published.MEGATRON_H100}
+GPT_1_3B = ModelShape.gpt(24, 2048, 16, 50304, sequence_length=2048)
+
+
+def _misses(mae: float, worst: float) -> bool:
+    return mae > 0.10 or worst > 0.20
+
+
+@pytest.mark.parametrize("table", TABLES)
+def test_published_table_within_targets(table: str) -> None:
+    """One efficiency per chip for the whole table: mean absolute error <= 10%, no row off by more than 20%."""
+    comparisons = published.compare(TABLES[table])
+    mae, worst = published.summary(comparisons)
+    assert mae <= 0.10 and worst <= 0.20, published.markdown(comparisons)
+
+
+def test_control_ptdp_without_communication_or_bubble_misses() -> None:
+    """Leaving out the tensor-parallel collectives, the bubble and the gradient all-reduce breaks PTD-P's targets."""
+    comparisons = published.compare(published.PTD_P)
+    errors = [abs(c.without("tensor_parallel", "pipeline_bubble", "data_parallel") / c.run.tflops - 1)
+              for c in comparisons]  # fmt: skip
+    assert _misses(sum(errors) / len(errors), max(errors))
+    alone = [abs(c.without("tensor_parallel") / c.run.tflops - 1) for c in comparisons]
+    assert max(alone) > 0.15  # the 18B row (tp=8, no pipeline) spends 15% of its step in all-reduces
+
+
+def test_control_ptdp_without_memory_traffic_misses_at_every_efficiency() -> None:
+    """Without the HBM term (what makes small widths slower), no single matmul efficiency fits PTD-P."""
+    a100 = CLUSTERS["a100-80gb"]
+    for percent in range(40, 101, 2):
+        cluster = replace(a100, matmul_efficiency=percent / 100, memory_bandwidth=1e18)
+        assert _misses(*published.summary(published.compare(published.PTD_P, cluster))), percent
+
+
+def test_control_megatron_without_its_overlap_misses() -> None:
+    """Megatron's rows need its overlapped collectives: run in line (the strategy's way) the tp=8 rows fall short."""
+    comparisons = published.compare(published.MEGATRON_H100, execution=STRATEGY)
+    assert _misses(*published.summary(comparisons))
+    assert all(c.error < -0.10 for c in comparisons if c.run.tensor == 8)
+
+
+def test_megatron_strong_scaling_of_177b() -> None:
+    """The README's other figure: 177B on 96 GPUs at 47% MFU, on 2304 at 44% (ratio 0.915-0.957 after rounding)."""
+    run = next(r for r in published.MEGATRON_H100 if r.name == "177B")
+    mfu = [published.compare((replace(run, gpus=gpus, batch=1152),))[0].step.mfu for gpus in (96, 2304)]
+    assert 0.915 <= mfu[1] / mfu[0] <= 0.957
+    assert mfu[0] == pytest.approx(0.47, abs=0.03)
+
+
+def test_megatron_convention_is_the_model_convention() -> None:
+    """Megatron's 2024 count, 12 B s L h^2 (6 + s/h + V/2Lh), is 3 x ModelShape's forward FLOPs."""
+    run = published.MEGATRON_H100[0]
+    shape = ModelShape.gpt(run.layers, run.hidden, run.heads, 131_072, sequence_length=4096, tied_head=False)
+    model = 3 * shape.forward_flops_per_token(4096) * run.batch * 4096
+    assert published.published_flops(run) == pytest.approx(model, rel=1e-12)
+
+
+def test_h200_anchors() -> None:
+    """Measured on the lent H200 (ANCHORS.md): eager, full recomputation, ZeRO-2 CPU offload, GPT-2 124M."""
+    h200 = CLUSTERS["h200"]
+    batch = {"precision": "bf16-mixed", "micro_batch_size": 8, "sequence_length": 2048}
+    cases = [
+        (GPT_1_3B, Layout(**batch), 0.2827),
+        (GPT_1_3B, Layout(**batch, activation_checkpointing="full"), 0.3452),
+        (GPT_1_3B, Layout(**batch, zero_stage=2, offload="cpu"), 0.9088),
+        (ModelShape.gpt(12, 768, 12, 50304, sequence_length=1024),
+         Layout(precision="bf16-mixed", micro_batch_size=32, sequence_length=1024), 0.0845),
+    ]  # fmt: skip
+    for shape, layout, measured in cases:
+        assert step_time(shape, layout, h200).total == pytest.approx(measured, rel=0.10), layout.short()
+
+
+# ---- units ---------------------------------------------------------------------------------------
+
+
+def _pipeline(**overrides) -> Layout:
+    base = {"pipeline_parallel": 4, "micro_batches": 8, "micro_batch_size": 2, "sequence_length": 2048,
+            "precision": "bf16-mixed"}  # fmt: skip
+    return Layout(**{**base, **overrides})
+
+
+def test_doubling_data_parallel_halves_compute_per_rank_at_fixed_global_batch() -> None:
+    shape = ModelShape.gpt(16, 2048, 16, 50304)
+    one = step_time(shape, _pipeline(data_parallel=2, micro_batches=16), CLUSTERS["h100"])
+    two = step_time(shape, _pipeline(data_parallel=4, micro_batches=8), CLUSTERS["h100"])
+    assert one.tokens == two.tokens
+    assert two.compute == pytest.approx(one.compute / 2)
+    assert two.model_flops == pytest.approx(one.model_flops)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "virtual"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2)]
+)
+def test_bubble_fraction_is_the_schedules_ideal_efficiency(schedule: str, virtual: int) -> None:
+    layout = _pipeline(pipeline_schedule=schedule, pipeline_virtual_stages=virtual)
+    step = step_time(ModelShape.gpt(16, 1024, 16, 50304), layout, CLUSTERS["a100-80gb"])
+    pipeline = step.compute + step.tensor_parallel + step.pipeline_transfers + step.pipeline_bubble
+    expected = 1 - ideal_efficiency(SCHEDULES[schedule], 8, 4, virtual)
+    assert step.pipeline_bubble / pipeline == pytest.approx(expected)
+
+
+def test_mfu_and_hardware_flops() -> None:
+    cluster = CLUSTERS["h100"]
+    plain = step_time(
+        GPT_1_3B, Layout(precision="bf16-mixed", micro_batch_size=8, sequence_length=2048), cluster
+    )
+    assert plain.mfu == pytest.approx(plain.model_flops / (plain.total * 1 * cluster.peak_bf16_flops))
+    assert plain.hardware_flops == plain.model_flops and plain.recomputation == 0
+    full = step_time(GPT_1_3B, Layout(precision="bf16-mixed", micro_batch_size=8, sequence_length=2048,
+                                      activation_checkpointing="full"), cluster)  # fmt: skip
+    assert full.total > plain.total and full.recomputation > 0
+    assert (
+        1.25 < full.hardware_flops / full.model_flops < 4 / 3
+    )  # one more forward of the blocks, not the head
+    selective = step_time(GPT_1_3B, Layout(precision="bf16-mixed", micro_batch_size=8, sequence_length=2048,
+                                           activation_checkpointing="selective"), cluster)  # fmt: skip
+    assert plain.total < selective.total < full.total  # reruns the cheap ops only
+
+
+def test_tensor_parallel_beyond_a_node_uses_the_network() -> None:
+    h100 = CLUSTERS["h100"]
+    assert group_bandwidth(h100, 8, 1) == pytest.approx(450e9 * 0.8)
+    assert group_bandwidth(h100, 16, 1) == pytest.approx(8 * 50e9 * 0.85)  # eight NICs a node carry the rings
+    assert group_bandwidth(h100, 4, 8) == pytest.approx(50e9 * 0.85)  # one member a node: one NIC
+    shape = ModelShape.gpt(8, 8192, 64, 51200)
+    inside, across = (
+        step_time(shape, Layout(tensor_parallel=tp, precision="bf16-mixed", sequence_length=2048), h100)
+        for tp in (8, 16)
+    )
+    assert across.tensor_parallel > inside.tensor_parallel
+
+
+def test_zero_stages_experts_and_offload() -> None:
+    cluster = CLUSTERS["h100"]
+    base = {"data_parallel": 16, "precision": "bf16-mixed", "micro_batch_size": 4, "sequence_length": 2048}
+    steps = {z: step_time(GPT_1_3B, Layout(**base, zero_stage=z), cluster) for z in (0, 1, 3)}
+    assert steps[1].optimizer == pytest.approx(steps[0].optimizer / 16)  # 1/dp of the states a rank
+    assert steps[3].data_parallel < steps[1].data_parallel  # FSDP2 prefetches, DeepSpeed gathers after
+    slow = replace(cluster, inter_node_bandwidth=1e9)  # gathers far longer than compute: nothing hides them
+    zero1, zero3 = (step_time(GPT_1_3B, Layout(**base, zero_stage=z), slow) for z in (1, 3))
+    assert zero3.data_parallel > 1.3 * zero1.data_parallel  # 3 passes over the parameters instead of 2
+    offload = step_time(GPT_1_3B, Layout(**base, zero_stage=2, offload="cpu"), cluster)
+    assert offload.optimizer > steps[1].optimizer
+    moe = ModelShape.gpt(8, 1024, 16, 50304, num_experts=8, top_k=2)
+    dense = step_time(moe, Layout(**base), cluster)
+    sharded = step_time(moe, Layout(**base, expert_parallel=8), cluster)
+    assert dense.expert_all_to_all == 0 < sharded.expert_all_to_all
+
+
+# ---- clusters ------------------------------------------------------------------------------------
+
+
+def test_presets_and_yaml(tmp_path: Path) -> None:
+    assert set(CLUSTERS) == {"a100-40gb", "a100-80gb", "h100", "h200", "b200"}
+    assert load_cluster("H100") is CLUSTERS["h100"]
+    assert CLUSTERS["a100-40gb"].peak_fp8_flops == 0 and CLUSTERS["b200"].peak_bf16_flops == 2.25e15
+    full = tmp_path / "mine.yaml"
+    fields = {k: v for k, v in vars(CLUSTERS["h100"]).items() if k not in ("name", "source")}
+    full.write_text("name: mine\n" + "".join(f"{k}: {v!r}\n" for k, v in fields.items()))
+    assert load_cluster(full) == replace(CLUSTERS["h100"], name="mine", source="")
+    based = tmp_path / "slow-net.yaml"
+    based.write_text("base: h100\ninter_node_bandwidth: 12.5e9\n")  # YAML reads 12.5e9 as a string
+    assert load_cluster(based).inter_node_bandwidth == 12.5e9 and load_cluster(based).name == "slow-net"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("base: h100\nnvlink_bandwidth: 1\n", "nvlink_bandwidth"),
+        ("base: h1000\n", "h1000"),
+        ("name: x\npeak_bf16_flops: 1e15\n", "missing key"),
+        ("base: h100\nmatmul_efficiency: 1.5\n", "matmul_efficiency"),
+    ],
+)
+def test_bad_cluster_yaml(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_cluster(path)
+
+
+def test_unknown_preset_lists_the_presets() -> None:
+    with pytest.raises(ValueError, match=r"h1000.*a100-40gb.*a100-80gb.*b200.*h100.*h200"):
+        load_cluster("h1000")
