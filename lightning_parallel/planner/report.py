@@ -24,25 +24,39 @@ _COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer": "#55A86
            "buffers": "#8172B3"}  # fmt: skip
 
 
+def _unit(largest: float) -> tuple[str, int]:
+    """The unit a table of sizes up to ``largest`` bytes reads best in."""
+    for name, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if largest >= size:
+            return name, size
+    return "B", 1
+
+
 def memory_lines(layout: Layout, ranks: list[RankMemory], cluster: Cluster | None = None) -> list[str]:
-    """A table of bytes per distinct rank (GiB), the device total beside the device's memory."""
+    """A table of bytes per distinct rank, the device total beside the device's memory."""
+    unit, size = _unit(max(r.device_total for r in ranks))
     lines = [
-        f"memory per rank (GiB), {layout.short()}, {layout.precision}, sequence {layout.sequence_length}:"
+        f"memory per rank ({unit}), {layout.short()}, {layout.precision}, sequence {layout.sequence_length}:"
     ]
     header = f"  {'rank':<40}" + "".join(f"{k[:11]:>12}" for k in _KINDS) + f"{'device':>10}{'host':>8}"
     lines.append(header)
     for rank in ranks:
-        cells = "".join(f"{getattr(rank, k) / GIB:>12.2f}" for k in _KINDS)
+        cells = "".join(f"{getattr(rank, k) / size:>12.2f}" for k in _KINDS)
         label = rank.label + (f" (+{len(rank.notes)} alike)" if rank.notes else "")
-        lines.append(f"  {label:<40}{cells}{rank.device_total / GIB:>10.2f}{rank.host_total / GIB:>8.2f}")
+        lines.append(f"  {label:<40}{cells}{rank.device_total / size:>10.2f}{rank.host_total / size:>8.2f}")
     if cluster is not None:
         worst = max(ranks, key=lambda r: r.device_total)
         verdict = "fits" if worst.device_total <= cluster.memory_bytes else "DOES NOT FIT"
         lines.append(
-            f"  most loaded: {worst.label}, {worst.device_total / GIB:.2f} GiB of {cluster.memory_bytes / GIB:.0f} GiB"
+            f"  most loaded: {worst.label}, {_size(worst.device_total)} of {_size(cluster.memory_bytes)}"
             f" on {cluster.name}: {verdict}"
         )
     return lines
+
+
+def _size(num_bytes: float) -> str:
+    unit, size = _unit(num_bytes)
+    return f"{num_bytes / size:.1f} {unit}"
 
 
 def time_lines(time: StepTime, cluster: Cluster) -> list[str]:
@@ -59,7 +73,7 @@ def search_lines(result: SearchResult, gpus: int, cluster: Cluster) -> list[str]
     for i, c in enumerate(result.fastest, 1):
         lines.append(
             f"  {i:>2}. {c.layout.short():<48} {c.time.tokens_per_s:>12,.0f} tokens/s  MFU {c.time.mfu:>5.1%}"
-            f"  peak {c.peak.device_total / GIB:6.1f} GiB ({c.peak.label})"
+            f"  peak {_size(c.peak.device_total)} ({c.peak.label})"
         )
     if not result.fastest:
         lines.append("  none: every family below fails")

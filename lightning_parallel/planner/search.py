@@ -55,21 +55,31 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _options(
-    base: Layout, shape: ModelShape, global_batch: int, micro_batch_sizes: tuple[int, ...]
-) -> Iterator[Layout]:
+def _batches(dp: int, pp: int, global_batch: int | None, per_replica: int | None,
+             micro_batch_sizes: tuple[int, ...]) -> Iterator[tuple[int, int]]:  # fmt: skip
+    """(micro-batch size, micro-batches per step) a replica can run: for a global batch (accumulating
+    without stages), or for a fixed batch per replica (one DataLoader batch per step)."""
+    if per_replica is not None:
+        if pp == 1:
+            yield per_replica, 1
+            return
+        for mbs in micro_batch_sizes:
+            if per_replica % mbs == 0:
+                yield mbs, per_replica // mbs
+        return
+    assert global_batch is not None
+    for mbs in micro_batch_sizes:
+        if global_batch % (dp * mbs) == 0:
+            yield mbs, global_batch // (dp * mbs)
+
+
+def _options(base: Layout, shape: ModelShape, batches: Iterator[tuple[int, int]]) -> Iterator[Layout]:
     """Every option the search tries for one family of degrees."""
     dp, pp = base.data_parallel, base.pipeline_parallel
-    for mbs in micro_batch_sizes:
-        if global_batch % (dp * mbs):
-            continue
-        micro_batches = global_batch // (dp * mbs)
-        if pp > 1:
-            schedules = [("1f1b", 1)]
-            if micro_batches % pp == 0 and shape.num_layers % (2 * pp) == 0:
-                schedules.append(("interleaved_1f1b", 2))
-        else:
-            schedules = [("1f1b", 1)]
+    for mbs, micro_batches in batches:
+        schedules = [("1f1b", 1)]
+        if pp > 1 and micro_batches % pp == 0 and shape.num_layers % (2 * pp) == 0:
+            schedules.append(("interleaved_1f1b", 2))
         for schedule, virtual in schedules:
             for zero in (0, 1, 2, 3) if dp > 1 else (0,):
                 for checkpointing in (None, "selective", "full"):
@@ -83,20 +93,26 @@ def search(
     model: nn.Module,
     gpus: int,
     cluster: Cluster,
-    global_batch: int,
+    global_batch: int | None,
     sequence_length: int,
     precision: str = "bf16-mixed",
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
     top: int = 10,
     shape: ModelShape | None = None,
+    per_replica_batch: int | None = None,
 ) -> SearchResult:
     """The ``top`` fastest layouts of ``model`` on ``gpus`` devices of ``cluster`` that fit, and why the rest do not.
 
     ``global_batch`` sequences of ``sequence_length`` tokens per optimizer step, over all replicas
-    (without pipeline stages, micro-batches beyond one are gradient accumulation).
+    (without pipeline stages, micro-batches beyond one are gradient accumulation); or, instead,
+    ``per_replica_batch``: the DataLoader's batch, one per step on every replica, whatever their number.
     """
-    if gpus < 1 or global_batch < 1:
-        raise ValueError(f"`gpus={gpus}` and `global_batch={global_batch}` must be positive.")
+    if (global_batch is None) == (per_replica_batch is None):
+        raise ValueError("Give the search one of `global_batch` and `per_replica_batch`.")
+    if gpus < 1 or (global_batch or per_replica_batch or 0) < 1:
+        raise ValueError(
+            f"`gpus={gpus}` and the batch ({global_batch or per_replica_batch}) must be positive."
+        )
     shape = shape or describe(model)
     budget = USABLE_MEMORY * cluster.memory_bytes
     experts = max((b.num_experts for b in shape.blocks), default=0)
@@ -119,7 +135,8 @@ def search(
                     continue
                 best_miss: tuple[float, str] | None = None
                 found = False
-                for layout in _options(base, shape, global_batch, micro_batch_sizes):
+                batches = _batches(dp, pp, global_batch, per_replica_batch, micro_batch_sizes)
+                for layout in _options(base, shape, batches):
                     if layout_problems(layout, shape, gpus):
                         continue
                     result.tried += 1
@@ -127,15 +144,15 @@ def search(
                     worst = max(ranks, key=lambda r: r.device_total)
                     if worst.device_total > budget:
                         if best_miss is None or worst.device_total < best_miss[0]:
-                            best_miss = (worst.device_total, f"out of memory on {worst.label}: {worst.device_total / 2**30:.1f} GiB"
-                                         f" > {budget / 2**30:.1f} GiB usable, even with {layout.short()}")  # fmt: skip
+                            best_miss = (worst.device_total, f"out of memory on {worst.label}: {worst.device_total / 2**20:,.1f} MiB"
+                                         f" > {budget / 2**20:,.1f} MiB usable, even with {layout.short()}")  # fmt: skip
                         continue
                     found = True
                     fits.append(Candidate(layout, ranks, step_time(shape, layout, cluster)))
                 if not found:
                     result.rejected[family] = best_miss[1] if best_miss else (
-                        f"no micro-batch size of {micro_batch_sizes} divides the global batch {global_batch} over"
-                        f" {dp} replicas with a schedule that runs it"
+                        f"no micro-batch size of {micro_batch_sizes} divides the batch"
+                        f" ({global_batch or per_replica_batch}) over {dp} replicas with a schedule that runs it"
                     )  # fmt: skip
     fits.sort(key=lambda c: -c.time.tokens_per_s)
     result.fastest = fits[:top]

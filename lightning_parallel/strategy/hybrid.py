@@ -38,6 +38,7 @@ from lightning_parallel.memory.saved_tensors import saved_tensors_context
 from lightning_parallel.parallelize import Parallelized, parallelize, recall
 from lightning_parallel.precision import HybridPrecision
 from lightning_parallel.strategy import pipelined
+from lightning_parallel.strategy.auto_layout import auto_strategy
 from lightning_parallel.strategy.checkpointing import CheckpointingStrategy
 from lightning_parallel.strategy.data_checks import check_training_data
 from lightning_parallel.strategy.presets import PRESETS
@@ -169,6 +170,11 @@ class HybridParallelStrategy(CheckpointingStrategy):
         self._sync_blocked = False
         self._batch_idx = 0  # Lightning's, for the first batch of an accumulation window
         self._interrupt: AgreedInterrupt | None = None
+
+    @classmethod
+    def auto(cls, model: torch.nn.Module, **search: Any) -> HybridParallelStrategy:
+        """The layout the planner predicts fastest for ``model`` (``strategy/auto_layout.py: choose_layout``)."""
+        return auto_strategy(cls, model, **search)
 
     # ---- what the user asked for, and what setup made of it ------------------------------
 

@@ -19,9 +19,10 @@ import pytest
 
 from lightning_parallel.planner.layout import Layout
 from lightning_parallel.planner.memory import RankMemory, rank_memory
+from lightning_parallel.strategy.auto_layout import choose_layout
 from tests.models.families import SEQ_LEN, build
 from tests.strategy import launch_for_results
-from tests.strategy.scripts.planner_memory import BATCH, LAYOUTS
+from tests.strategy.scripts.planner_memory import BATCH, LAYOUTS, tiny_cluster
 
 pytestmark = [pytest.mark.distributed]
 
@@ -60,8 +61,11 @@ def _coordinates(layout: Layout, rank: int) -> tuple[int, int, int]:
 def _predicted(name: str, layout: Layout | None = None) -> tuple[Layout, list[RankMemory]]:
     family, overrides, strategy = LAYOUTS[name]
     optimizer = "adamw" if overrides.get("optimizer") == "adamw" else "sgd"
-    layout = layout or _layout(strategy, optimizer)
     module = build(family, **overrides)
+    if name == "auto":  # what HybridParallelStrategy.auto chose in the script, chosen again here
+        chosen, _ = choose_layout(module, 2, BATCH, SEQ_LEN, cluster=tiny_cluster(), precision="32-true")
+        layout = layout or replace(chosen.layout, optimizer=optimizer)
+    layout = layout or _layout(strategy, optimizer)
     return layout, rank_memory(module, layout, distinct=False)
 
 
@@ -76,6 +80,8 @@ def test_predicted_memory_equals_what_each_rank_holds(tmp_path: Path) -> None:
     measured = launch_for_results("planner_memory.py", tmp_path)
     for name in LAYOUTS:
         layout, ranks = _predicted(name)
+        degrees = {"pp": layout.pipeline_parallel, "dp": layout.data_parallel, "tp": layout.tensor_parallel}
+        assert all(results[name]["degrees"] == degrees for results in measured), (name, degrees)
         deepspeed = layout.zero_stage > 0 and layout.expert_parallel == 1
         for rank, results in enumerate(measured):
             held, predicted = results[name], _for_rank(layout, ranks, rank)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel import ActivationMemoryMonitor, HybridParallelStrategy
-from tests.models.families import build, make_dataloader
+from tests.models.families import SEQ_LEN, build, make_dataloader
 
 STEPS = 2
 BATCH = 4  # per rank
@@ -49,7 +49,26 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "zero2": ("recipe_gpt", {"optimizer": "adamw"}, {"zero_stage": 2}),
     "zero3": ("recipe_gpt", {"optimizer": "adamw"}, {"zero_stage": 3}),
     "ep2_zero2": ("recipe_moe", {}, {"expert_parallel": 2, "zero_stage": 2}),
+    "auto": ("recipe_gpt", {"optimizer": "adamw", "n_layer": 4}, {}),  # HybridParallelStrategy.auto on TINY
 }
+TINY_MEMORY = (
+    2.2e6  # bytes: dp2 does not fit the GPT above at BATCH x SEQ_LEN, two stages with recomputation do
+)
+
+
+def tiny_cluster() -> Any:
+    from dataclasses import replace
+
+    from lightning_parallel.planner.cluster import CLUSTERS
+
+    return replace(CLUSTERS["h100"], name="tiny", memory_bytes=int(TINY_MEMORY))
+
+
+def make_strategy(name: str, model: L.LightningModule) -> HybridParallelStrategy:
+    if name == "auto":
+        return HybridParallelStrategy.auto(model, devices=2, batch_size=BATCH, sequence_length=SEQ_LEN,
+                                           cluster=tiny_cluster(), precision="32-true", strategy={"timeout": 60})  # fmt: skip
+    return HybridParallelStrategy(timeout=60, **LAYOUTS[name][2])
 
 
 def _bytes(tensor: torch.Tensor) -> int:
@@ -102,17 +121,17 @@ def main(out_dir: Path) -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     results = {}
     only = sys.argv[2:]  # layouts to run (all when none): for looking at one by hand
-    for name, (family, overrides, strategy_kwargs) in LAYOUTS.items():
+    for name, (family, overrides, _) in LAYOUTS.items():
         if only and name not in only:
             continue
         L.seed_everything(0, verbose=False)
         holdings, monitor = Holdings(), ActivationMemoryMonitor()
+        model = build(family, **overrides)
         trainer = L.Trainer(
             accelerator="cpu", devices=2, max_steps=STEPS, logger=False, callbacks=[holdings, monitor],
-            strategy=HybridParallelStrategy(timeout=60, **strategy_kwargs), enable_checkpointing=False,
+            strategy=make_strategy(name, model), enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         )  # fmt: skip
-        model = build(family, **overrides)
         trainer.fit(model, make_dataloader(BATCH, BATCH * 2 * STEPS))
         results[name] = {
             "parameters": holdings.parameters,
@@ -120,6 +139,7 @@ def main(out_dir: Path) -> None:
             "optimizer": holdings.optimizer,
             "activations": [step.total for step in monitor.steps],
             "activation_peaks": [step.peak for step in monitor.steps],
+            "degrees": trainer.strategy.dims.degrees if trainer.strategy.dims else None,
         }
     (out_dir / f"planner_memory.rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
 
