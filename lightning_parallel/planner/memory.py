@@ -271,10 +271,14 @@ def _one_rank(layout: Layout, engine: str | None, local: list, pp_rank: int, tp_
         rank.optimizer = shard * states * 4 + (shard * 4 if low_precision_params else 0)
         largest_unit = max((n for _, n, _ in local), default=0)
         rank.buffers = 2 * largest_unit * param_bytes  # a gathered unit and the next one prefetched
-        if layout.pipeline_parallel > 1:  # zero_reshard="step": the stage's whole weights and gradients, all step
+        if (
+            layout.pipeline_parallel > 1
+        ):  # zero_reshard="step": the stage's whole weights and gradients, all step
             rank.buffers = (elements - shard) * (param_bytes + grad_bytes)
     else:  # DeepSpeed: one flat partition per rank, padded
-        if layout.precision == "16-mixed":  # DeepSpeed's fp16: half-precision weights and gradients, fp32 masters
+        if (
+            layout.precision == "16-mixed"
+        ):  # DeepSpeed's fp16: half-precision weights and gradients, fp32 masters
             param_bytes = grad_bytes = 2
         padded = math.ceil(elements / (_DEEPSPEED_ALIGNMENT * dp)) * _DEEPSPEED_ALIGNMENT * dp
         shard = padded // dp
