@@ -1,0 +1,79 @@
+"""At setup, the planner's prediction for the job that starts: memory per rank, from the same model as
+``python -m lightning_parallel plan`` (``planner/``), read from the unchanged module and the first batch.
+
+Printed on rank 0 before the module is sharded. A prediction is advice: a model the planner cannot
+read (no block stack, say) or a batch without token windows is skipped with a one-line note, never an
+error, since the strategy's own checks have already accepted the layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_parallel.planner.layout import PRECISIONS, Layout
+from lightning_parallel.planner.memory import rank_memory
+from lightning_parallel.planner.report import memory_lines
+
+__all__ = ["job_layout", "log_predicted_memory"]
+
+
+def _tokens_shape(batch: Any) -> tuple[int, int] | None:
+    """(sequences, tokens per sequence) of the first 2-D integer tensor of the batch."""
+    if isinstance(batch, torch.Tensor):
+        return (
+            (batch.shape[0], batch.shape[1]) if batch.dim() == 2 and not batch.is_floating_point() else None
+        )
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        found = _tokens_shape(value)
+        if found is not None:
+            return found
+    return None
+
+
+def job_layout(strategy: Any, precision: str, batch_shape: tuple[int, int]) -> Layout:
+    """The planner's :class:`Layout` of a set-up strategy and its first batch (one rank's DataLoader batch)."""
+    config, dims = strategy.config, strategy.dims
+    pipeline = config.pipeline
+    checkpointing = config.memory.checkpointing
+    micro_batches = pipeline.micro_batches if pipeline else 1
+    return Layout(
+        tensor_parallel=dims.tensor_parallel,
+        sequence_parallel=config.tensor.sequence_parallel,
+        pipeline_parallel=dims.pipeline_parallel,
+        pipeline_schedule=pipeline.spec.name if pipeline else "1f1b",
+        pipeline_virtual_stages=pipeline.virtual_stages if pipeline else 1,
+        micro_batches=micro_batches,
+        data_parallel=dims.data_parallel,
+        expert_parallel=dims.expert_parallel,
+        zero_stage=config.zero.stage,
+        offload=config.zero.offload,
+        activation_checkpointing=checkpointing.mode if checkpointing else None,
+        precision=precision if precision in PRECISIONS else "32-true",
+        micro_batch_size=max(batch_shape[0] // micro_batches, 1),
+        sequence_length=batch_shape[1],
+    )
+
+
+def log_predicted_memory(module: nn.Module, strategy: Any, trainer: Trainer) -> None:
+    """Print the predicted memory per rank of this job (rank 0), or why there is none."""
+    from lightning_parallel.strategy.sampling import first_batch
+
+    shape = _tokens_shape(first_batch(trainer, strategy))
+    if shape is None:
+        rank_zero_info("predicted memory: skipped, the first batch holds no (batch, tokens) tensor")
+        return
+    try:
+        layout = job_layout(strategy, str(trainer.precision), shape)
+        ranks = rank_memory(module, layout)
+    except (ValueError, RuntimeError, NotImplementedError, AttributeError) as error:
+        rank_zero_info(f"predicted memory: skipped ({error})")
+        return
+    lines = memory_lines(layout, ranks)
+    note = " (optimizer states as AdamW's: configure_optimizers has not run yet)"
+    rank_zero_info("\n".join([f"predicted {lines[0]}{note}", *lines[1:]]))
