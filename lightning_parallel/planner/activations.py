@@ -15,9 +15,12 @@ project's own checkpointing modes each get their own terms. Each term is a tenso
   scores (``heads x s`` per token) and an output the exit reads through a copy;
 - the MLP keeps the activation's input and the exit projection's input (dense), or gate, up,
   their product's inputs and the exit's input (gated: 4 widths);
+- where the module runs on the meta device, a dense MLP's and a norm's terms are instead what they
+  really save (``probe.py``): activation functions and norms written in Python keep more;
 - routed experts hold, for ``top_k`` copies of every token, its input, those MLP terms, the expert's
   output and its weighted copy; the router keeps its input and per-expert scores.
 
+Under ``*-mixed`` precision each micro-batch also holds the 16-bit copies autocast made of the weights.
 Under tensor parallelism the widths split ``tp`` ways; the residual stream (norm inputs) splits too
 only under sequence parallelism. ``"full"`` checkpointing keeps each block's input; ``"selective"``
 keeps the block input and the outputs of matmuls and attention kernels (``memory/checkpointing.py``).
@@ -43,7 +46,10 @@ def _bytes(layout: Layout) -> tuple[int, int]:
 
 
 def _norm_bytes(block: BlockShape, hidden: int, residual: int) -> float:
-    """Input, statistics and (a norm written in Python) the normalised copy, per token."""
+    """Input, statistics and (a norm written in Python) the normalised copy, per token: probed where it could be."""
+    if block.norm_saved is not None:
+        elements, other = block.norm_saved
+        return elements * residual + other
     return hidden * residual * (1 if block.norm_fused else 2) + block.norm_statistics * 4
 
 
@@ -64,15 +70,20 @@ def block_bytes_per_token(block: BlockShape, layout: Layout, mode: str | None = 
         router = block.num_experts * 4 if block.num_experts else 0
         return h * residual / sp + attention + mlp + router
     norms = block.norms * _norm_bytes(block, h, residual) / sp
-    attention = h * act + (q + 2 * kv) * act + q * act  # entry input, q|k|v, exit input
-    if layout.attention == "flash":  # its output is laid out as the exit reads it: one storage
+    copies = layout.precision.endswith("-mixed")  # autocast casts the input once per projection reading it
+    entries = (block.attention_entries if copies else 1, block.mlp_entries if copies else 1)
+    attention = entries[0] * h * act + (q + 2 * kv) * act + q * act  # entry input(s), q|k|v, exit input
+    if layout.attention == "flash" and block.attention == "flash":  # output laid out as the exit reads it
         attention += heads * 4  # log-sum-exp
     else:
         attention += heads * layout.sequence_length * act + q * act  # softmax scores, the output
+    if block.mlp_saved is not None and not block.num_experts:  # probed: its input, the rest of inner width
+        elements, other = block.mlp_saved
+        return norms + attention + (entries[1] * h + (elements - h) / tp) * act + other / tp
     mlp = ((4 if block.gated else 2) * ffn) * act
     if block.num_experts:  # per routed copy: its input, the expert's terms, output and weighted output
         mlp = (mlp + 3 * h * act) * experts + h * act + block.num_experts * 16  # + router input, scores
-    return norms + attention + h * act + mlp
+    return norms + attention + entries[1] * h * act + mlp
 
 
 @dataclass(frozen=True)
@@ -130,4 +141,20 @@ def stage_activation_bytes(
     working = 0.0
     if mode and blocks:
         working = max(block_bytes_per_token(shape.blocks[i], layout) for i in blocks) * tokens
-    return ActivationEstimate(per_token * tokens, in_flight_micro_batches(layout, pp_rank), working)
+    casts = _autocast_weight_copies(shape, layout, blocks, last) if mode != "full" else 0.0
+    return ActivationEstimate(per_token * tokens + casts, in_flight_micro_batches(layout, pp_rank), working)
+
+
+def _autocast_weight_copies(shape: ModelShape, layout: Layout, blocks: range, last: bool) -> float:
+    """Under ``*-mixed`` every matmul's weight is cast to 16 bits in each forward, and the copy is saved
+    for its backward (one set per micro-batch in flight); recomputed blocks cast again in backward."""
+    if not layout.precision.endswith("-mixed"):
+        return 0.0
+    tp, ep = layout.tensor_parallel, layout.expert_parallel
+    weights = 0.0
+    for i in blocks:
+        block = shape.blocks[i]
+        weights += (block.parameters - block.expert_parameters) / tp + block.expert_parameters / (tp * ep)
+    if last:
+        weights += shape.head_weights / tp
+    return 2.0 * weights

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from torch import nn
 
 from lightning_parallel.experts import find_moe_blocks
+from lightning_parallel.planner.probe import saved_per_token
 from lightning_parallel.plans.detect import (
     block_names,
     containers_in,
@@ -63,6 +64,17 @@ class BlockShape:
     norm_fused: bool = True
     """torch's own norm (one kernel keeps the input); a norm written in Python (Hugging Face's RMSNorm)
     also keeps its normalised output for the weight's multiply."""
+    attention: str = "flash"
+    """``"eager"`` when the model computes softmax scores itself (Hugging Face ``attn_implementation="eager"``)."""
+    mlp_saved: tuple[float, float] | None = None
+    """(float elements, other bytes) the dense MLP saves per token, probed on the meta device (``probe.py``)."""
+    norm_saved: tuple[float, float] | None = None
+    """The same for one of the block's norms."""
+    attention_entries: int = 1
+    """Projections reading the attention's input (separate q, k, v: 3; one fused q|k|v: 1). Under autocast
+    each keeps its own 16-bit copy of the input."""
+    mlp_entries: int = 1
+    """Projections reading the MLP's input (separate gate and up: 2)."""
 
     @property
     def q_width(self) -> int:
@@ -189,11 +201,13 @@ def _block_shape(block: nn.Module, expert_params: int, num_experts: int, top_k: 
         gated = len(entries) >= 2 or any(projection_dims(m)[1] == 2 * ffn for m in entries)
     skip = {c.name for c in containers}
     norm_names = norms_in(block, skip)
-    statistics, fused = 2, True
+    statistics, fused, norm_saved = 2, True, None
     if norm_names:
         norm = block.get_submodule(norm_names[0])
         statistics = 2 if isinstance(norm, nn.LayerNorm) else 1
         fused = isinstance(norm, (nn.LayerNorm, nn.RMSNorm))
+        norm_saved = _probe(norm, hidden)
+    mlp_saved = _probe(mlps[0].module, hidden) if mlps and not num_experts else None
     return BlockShape(
         hidden=hidden,
         heads=heads,
@@ -208,7 +222,26 @@ def _block_shape(block: nn.Module, expert_params: int, num_experts: int, top_k: 
         norms=max(len(norm_names), 1),
         norm_statistics=statistics,
         norm_fused=fused,
+        attention=_attention_kind(block),
+        attention_entries=len(attention.entries) if attention is not None else 1,
+        mlp_entries=len(mlps[0].entries) if mlps else 1,
+        mlp_saved=mlp_saved,
+        norm_saved=norm_saved,
     )
+
+
+def _probe(module: nn.Module, width: int) -> tuple[float, float] | None:
+    saved = saved_per_token(module, width) if width else None
+    return (saved.float_elements, saved.other_bytes) if saved is not None else None
+
+
+def _attention_kind(block: nn.Module) -> str:
+    """``"eager"`` where a Hugging Face config asks for its hand-written attention; ``"flash"`` otherwise."""
+    for module in block.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "_attn_implementation", None) == "eager":
+            return "eager"
+    return "flash"
 
 
 def describe(model: nn.Module, name: str = "") -> ModelShape:
