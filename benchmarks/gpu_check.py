@@ -16,7 +16,9 @@ a phase that would not fit is skipped, one that overruns is stopped, and what wa
    nccl process group (tensor_parallel=1, dp=1) against plain PyTorch (``benchmarks/gpu_paths.py``).
 5. ``long_context``: the longest sequence a 1.3B model trains on the one device with full
    checkpointing (``benchmarks/long_context.py``: the cp=1 baseline of context parallelism).
-6. ``memory``: the memory savers on GPT-1.3B (``benchmarks/memory_savers.py``).
+6. ``memory``: the memory savers on GPT-1.3B (``benchmarks/memory_savers.py``), and the planner's
+   predicted step time and step memory without and with full recomputation against them
+   (``benchmarks/planner_check.py``).
 7. ``compile``: ``torch.compile`` of the same step, and the strategy's compiled step with full recomputation.
 8. ``fp8``: a few steps with ``Float8Precision`` against bf16-mixed (where the GPU has fp8).
 9. ``zero_offload``: ZeRO-2 + CPU offload against on-GPU, if deepspeed was carried there.
@@ -95,6 +97,25 @@ def _ran(name: str) -> Callable[[dict[str, Any]], bool]:
     return lambda r: bool(r["results"][name]["times"]) and "error" not in r["results"][name]
 
 
+def planned(shape: str = "large") -> dict[str, dict[str, float]]:
+    from benchmarks.planner_check import predictions
+
+    return predictions(shape)
+
+
+def planner_figures() -> list[Figure]:
+    """Issue 14: the planner's step time and the memory a step adds, against the measured GPT-1.3B steps."""
+    from benchmarks.planner_check import ratio
+
+    predicted = planned()
+    source = "docs/planner.md: the planner's prediction (h200 preset)"
+    return [
+        Figure(f"{config} recomputation: measured / predicted {what}", lambda r, c=config, k=key: ratio(r, predicted, c, k),
+               "~", 1.0, source, rel)
+        for config in ("none", "full") for key, what, rel in (("step_s", "step time", 0.15), ("step_bytes", "step memory", 0.2))
+    ]  # fmt: skip
+
+
 def phases(dry_run: bool) -> list[Phase]:
     tiny_cpu = ["--tiny", "--cpu"] if dry_run else []
     readme, anchors = (
@@ -123,7 +144,9 @@ def phases(dry_run: bool) -> list[Phase]:
         Phase("memory", ["benchmarks.memory_savers", *(["--tiny", "--cpu"] if dry_run else ["--large", "--rounds", "3"]),
                          "--json", "{json}"], 150, [
             Figure("full checkpointing step time / none", lambda r: r["results"]["full"]["time_ratio"], "~", 1.22, anchors, 0.10),
-        ] if not dry_run else []),
+            *planner_figures(),
+        ] if not dry_run else [Figure("planner predicts the tiny steps", lambda r: planned("tiny")["full"]["step_s"] > 0,
+                                      "==", True, "runs")]),
         Phase("compile", ["benchmarks.gpu_step", "--compile-only", *tiny_cpu, "--json", "{json}"], 200, [
             Figure("compile GPT-1.3B ms/step", _ms("compile"), "~", 258.0, anchors, rel=0.10),
             Figure("strategy compiled with full checkpointing trains", _ran("strategy compiled, full checkpointing"),
