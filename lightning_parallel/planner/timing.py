@@ -175,13 +175,19 @@ def step_time(
     # finishes last (rank 0's first) reduce behind the backward the cool-down still holds.
     chunks = virtual if pp > 1 else 1
     window = (micro[0].backward + micro[0].recompute) / chunks
+    # ZeRO-3 gathers each unit again in backward: the last micro-batch's backward hides those gathers and
+    # the gradient reduction together, in one window (the others' backward hides only their gathers).
+    last_backward_gather = gather if zero == 3 and execution.overlap_gradient_reduction else 0.0
     if execution.overlap_gradient_reduction:
         gradient_bytes = sum(n for n, _, _ in groups) * grad_bytes
         last_bucket = reduce_grads * min(1.0, execution.bucket_bytes / max(gradient_bytes, 1.0))
-        reduce_grads = max(reduce_grads / chunks - window, last_bucket)
+        reduce_grads = max(reduce_grads / chunks + last_backward_gather - window, last_bucket)
     if zero == 3:  # gathered again in every micro-batch's forward and backward, prefetched behind compute
         first_unit = gather / max(len(ranks[0].blocks), 1)
-        gather = m * (max(0.0, gather - mb.forward) + max(0.0, gather - mb.backward) + 2 * first_unit)
+        hidden_alone = m - 1 if last_backward_gather else m  # backward windows holding only gathers
+        gather = m * (max(0.0, gather - mb.forward) + 2 * first_unit) + hidden_alone * max(
+            0.0, gather - mb.backward
+        )
     elif zero and execution.overlap_parameter_gather:  # the later chunks' gathers hide in the warm-up
         gather = max(0.0, (gather - micro[0].forward) / chunks)
 
