@@ -118,7 +118,11 @@ def read_config(path: str) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
         raise ValueError(
             f"`--config {path}`: the `model:` section must be a mapping, got {type(model).__name__}."
         )
-    strategy = _strategy_settings((config.get("trainer") or {}).get("strategy"))
+    trainer = config.get("trainer") or {}
+    strategy = _strategy_settings(trainer.get("strategy"))
+    for key in ("devices", "num_nodes", "precision"):  # what the planner needs of the Trainer (underscored)
+        if key in trainer:
+            strategy[f"_{key}"] = trainer[key]
     if "class_path" in model:
         return model["class_path"], dict(model.get("init_args") or {}), strategy
     return None, model, strategy
@@ -216,6 +220,8 @@ def run_plan(args: argparse.Namespace) -> str:
         )
     init_args.update(_json_object(args.init, "--init"))
     tp = args.tensor_parallel or strategy.get("tensor_parallel") or 2
+    if args.search and not isinstance(tp, int):
+        tp = 1  # the search chooses the degree; "auto" in the config means nothing here
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"`--tensor-parallel {tp}` must be a positive integer ('auto' needs the devices).")
     sp = bool(

@@ -58,7 +58,9 @@ def block_bytes_per_token(block: BlockShape, layout: Layout, mode: str | None = 
     tp = layout.tensor_parallel
     act, residual = _bytes(layout)
     sp = tp if layout.sequence_parallel else 1
-    h, q, kv = block.hidden, block.q_width / tp, block.kv_width / tp
+    # k/v heads fewer than ranks: each rank keeps one whole head (plans/auto.py's row layouts)
+    kv = max(block.kv_heads // tp, 1) * block.head_dim if block.kv_heads else block.kv_width / tp
+    h, q = block.hidden, block.q_width / tp
     heads = block.heads / tp
     ffn = block.ffn_hidden / tp
     experts = block.top_k if block.num_experts else 1
@@ -81,7 +83,9 @@ def block_bytes_per_token(block: BlockShape, layout: Layout, mode: str | None = 
         elements, other = block.mlp_saved
         return norms + attention + (entries[1] * h + (elements - h) / tp) * act + other / tp
     mlp = ((4 if block.gated else 2) * ffn) * act
-    if block.num_experts:  # per routed copy: its input, the expert's terms, output and weighted output
+    if block.num_experts:  # experts are whole on every tensor rank (plans/auto.py): their width is not split
+        # per routed copy: its input, the expert's terms, its output and the weighted output
+        mlp = (4 if block.gated else 2) * block.ffn_hidden * act
         mlp = (mlp + 3 * h * act) * experts + h * act + block.num_experts * 16  # + router input, scores
     return norms + attention + entries[1] * h * act + mlp
 
@@ -107,14 +111,15 @@ def in_flight_micro_batches(layout: Layout, pp_rank: int) -> int:
 
     GPipe runs every forward first (M). 1F1B keeps ``P - r`` (rank r). Interleaved 1F1B warms up
     ``(V - 1) P + 2 (P - r - 1)`` chunk-forwards before its first backward (Narayanan et al. 2021),
-    spread over its V stages. Zero-bubble schedules keep what 1F1B keeps (their weight passes only
-    delay freeing what the input pass needs, which this ignores).
+    spread over its V stages (the V-shaped zero-bubble schedules, with two, counted the same way; their
+    weight passes only delay freeing what the input pass needs, which this ignores).
     """
     p, m, v = layout.pipeline_parallel, layout.micro_batches, layout.pipeline_virtual_stages
     if p == 1:
         return 1
-    name = layout.pipeline_schedule.replace("-", "_").lower()
-    if name in ("gpipe", "looped_bfs", "loopedbfs"):
+    from lightning_parallel.config.arguments import resolve_schedule
+
+    if resolve_schedule(layout.pipeline_schedule).name in ("gpipe", "looped_bfs"):
         return m
     if v > 1:
         warmup = min((v - 1) * p + 2 * (p - pp_rank - 1) + 1, m * v)

@@ -77,6 +77,12 @@ def layout_from_arguments(args: argparse.Namespace, strategy: dict[str, Any], tp
         schedule, virtual = spec.name, virtual_stages_for(spec, virtual)
     else:
         virtual = 1
+    data_parallel = args.data_parallel or strategy.get("data_parallel")
+    devices, nodes = strategy.get("_devices"), strategy.get("_num_nodes", 1)
+    if data_parallel is None and isinstance(devices, int) and isinstance(nodes, int):
+        data_parallel = max(
+            devices * nodes // (tp * pp), 1
+        )  # the config's Trainer: what is left for replicas
     return Layout(
         tensor_parallel=tp,
         sequence_parallel=sp,
@@ -84,12 +90,12 @@ def layout_from_arguments(args: argparse.Namespace, strategy: dict[str, Any], tp
         pipeline_schedule=schedule,
         pipeline_virtual_stages=virtual,
         micro_batches=pick(args.micro_batches, "micro_batches", None) or pp * virtual,
-        data_parallel=pick(args.data_parallel, "data_parallel", 1),
+        data_parallel=data_parallel or 1,
         expert_parallel=pick(args.expert_parallel, "expert_parallel", 1),
         zero_stage=pick(args.zero_stage, "zero_stage", 0),
         offload=pick(args.offload, "offload", None),
         activation_checkpointing=pick(args.activation_checkpointing, "activation_checkpointing", None),
-        precision=args.precision or "bf16-mixed",
+        precision=args.precision or str(strategy.get("_precision") or "bf16-mixed"),
         micro_batch_size=args.micro_batch_size,
         sequence_length=args.sequence_length or 2048,
         optimizer=args.optimizer,

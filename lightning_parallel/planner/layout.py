@@ -99,6 +99,24 @@ def _divides(problems: list[str], what: str, value: int, degree: int, name: str)
         problems.append(f"{what} ({value}) is not divisible by `{name}={degree}`")
 
 
+def _zero_problems(problems: list[str], layout: Layout) -> None:
+    """The refusals of ``config/validation.py`` that need the degrees: what ZeRO cannot shard or run in."""
+    if not layout.zero_stage:
+        return
+    from lightning_parallel.zero.arguments import ZERO_PRECISIONS, ZeroArguments
+    from lightning_parallel.zero.engine import engine_for
+
+    if layout.precision not in ZERO_PRECISIONS:
+        problems.append(f"`precision={layout.precision!r}` with ZeRO: one of {sorted(ZERO_PRECISIONS)}")
+    ep, dp = layout.expert_parallel, layout.data_parallel
+    if layout.offload in (None, "cpu", "nvme") and layout.zero_stage in (1, 2, 3):
+        zero = ZeroArguments(stage=layout.zero_stage, offload=layout.offload)  # type: ignore[arg-type]
+        engine = engine_for(zero, layout.tensor_parallel, layout.pipeline_parallel, expert_parallel=ep)
+        if ep > 1 and dp // ep == 1 and engine == "deepspeed":
+            problems.append(f"`zero_stage={layout.zero_stage}` with `expert_parallel={ep}` on {dp} data-parallel ranks"
+                            " shards nothing on DeepSpeed's engine (it shards over each expert's replicas)")  # fmt: skip
+
+
 def layout_problems(layout: Layout, shape: ModelShape, gpus: int | None = None) -> list[str]:
     """Why ``layout`` cannot run ``shape`` (on ``gpus`` devices when given); empty when it can."""
     from lightning_parallel.config.arguments import check_micro_batches, resolve_schedule, virtual_stages_for
@@ -148,6 +166,7 @@ def layout_problems(layout: Layout, shape: ModelShape, gpus: int | None = None) 
             problems.append(str(error).rstrip("."))
         if layout.num_stages > shape.num_layers:
             problems.append(f"{layout.num_stages} pipeline stages but only {shape.num_layers} blocks")
+    _zero_problems(problems, layout)
     if layout.zero_stage not in (0, 1, 2, 3):
         problems.append(f"`zero_stage={layout.zero_stage}` must be 0, 1, 2 or 3")
     if layout.offload not in (None, "cpu", "nvme"):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from types import SimpleNamespace
 
 from torch import nn
 
@@ -67,6 +66,7 @@ class RankMemory:
     in_flight: int = 1
     buffers: int = 0
     parameters_host: int = 0
+    gradients_host: int = 0
     optimizer_host: int = 0
     nvme: int = 0
     elements: int = 0
@@ -83,7 +83,7 @@ class RankMemory:
 
     @property
     def host_total(self) -> int:
-        return self.parameters_host + self.optimizer_host
+        return self.parameters_host + self.gradients_host + self.optimizer_host
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -140,7 +140,13 @@ def parameter_placements(
         owner, _, attr = name.rpartition(".")
         style = plan.styles.get(owner) if plan is not None else None
         dim = sharded_dims(modules[owner], style).get(attr) if style is not None else None
-        local = _tp_shapes(tuple(param.shape), dim, tp, getattr(style, "num_chunks", 1))
+        rows = getattr(style, "row_layout", None)
+        if (
+            rows is not None and dim is not None
+        ):  # rows in another order, some on several ranks (few k/v heads)
+            local = (tuple(param.shape[:dim]) + (rows.per_rank,) + tuple(param.shape[dim + 1 :]),) * tp
+        else:
+            local = _tp_shapes(tuple(param.shape), dim, tp, getattr(style, "num_chunks", 1))
         out.append(
             ParameterPlacement(
                 name,
@@ -155,14 +161,13 @@ def parameter_placements(
 
 
 def _zero_engine(layout: Layout) -> str | None:
+    from lightning_parallel.zero.arguments import ZeroArguments
     from lightning_parallel.zero.engine import engine_for
 
-    zero = SimpleNamespace(
-        enabled=layout.zero_stage > 0, offload_ratio=1.0, offload=layout.offload, stage=layout.zero_stage
-    )
+    zero = ZeroArguments(stage=layout.zero_stage, offload=layout.offload)  # type: ignore[arg-type]
     return engine_for(
         zero, layout.tensor_parallel, layout.pipeline_parallel, expert_parallel=layout.expert_parallel
-    )  # type: ignore[arg-type]
+    )
 
 
 def _stage_split(model: nn.Module, layout: Layout) -> tuple[list[int], list[range], list[int]]:
@@ -244,58 +249,66 @@ def rank_memory(
 
 def _one_rank(layout: Layout, engine: str | None, local: list, pp_rank: int, tp_rank: int, dp_rank: int,
               param_bytes: int, grad_bytes: int) -> RankMemory:  # fmt: skip
-    dp, stage = layout.data_parallel, layout.zero_stage
+    dp, stage, ep = layout.data_parallel, layout.zero_stage, layout.expert_parallel
     states = _OPTIMIZER_STATES.get(layout.optimizer, 2)
     elements = sum(n for _, n, _ in local)
-    rank = RankMemory(
-        _label(layout, pp_rank, tp_rank, dp_rank, engine), pp_rank, tp_rank, dp_rank, elements=elements
-    )
-    low_precision_params = param_bytes < 4
+    label = _label(layout, pp_rank, tp_rank, dp_rank, engine)
+    rank = RankMemory(label, pp_rank, tp_rank, dp_rank, elements=elements)
     if engine is None:
         rank.parameters, rank.gradients = elements * param_bytes, elements * grad_bytes
         rank.optimizer = (
             elements * states * param_bytes
-        )  # torch's optimizers keep states in the parameter's dtype
+        )  # torch's optimizers keep states in the weight's dtype
         if dp > 1:
             rank.buffers = min(_DDP_BUCKET_BYTES, rank.gradients)
         return rank
-    if engine == "fsdp2":  # every tensor split on its first dimension over dp
-        ep = layout.expert_parallel  # experts shard over their replicas (dp / ep), the rest over dp
+    if (
+        engine == "fsdp2"
+    ):  # every tensor split on a dim tensor parallelism leaves alone; experts over replicas
         shard = sum(
-            _fsdp_local(n, s, p.tp_dim, dp // ep, dp_rank // ep)
-            if p.expert
-            else _fsdp_local(n, s, p.tp_dim, dp, dp_rank)
+            _fsdp_local(n, s, p.tp_dim, dp // ep, dp_rank // ep) if p.expert else _fsdp_local(n, s, p.tp_dim, dp, dp_rank)
             for p, n, s in local
-        )
+        )  # fmt: skip
         rank.parameters, rank.gradients = shard * param_bytes, shard * grad_bytes
-        rank.optimizer = shard * states * 4 + (shard * 4 if low_precision_params else 0)
-        largest_unit = max((n for _, n, _ in local), default=0)
-        rank.buffers = 2 * largest_unit * param_bytes  # a gathered unit and the next one prefetched
+        rank.optimizer = shard * states * 4 + (shard * 4 if param_bytes < 4 else 0)
         if (
             layout.pipeline_parallel > 1
         ):  # zero_reshard="step": the stage's whole weights and gradients, all step
             rank.buffers = (elements - shard) * (param_bytes + grad_bytes)
-    else:  # DeepSpeed: one flat partition per rank, padded
+        elif (
+            stage == 2
+        ):  # not resharded after forward (parallelize/gradients.py): whole weights until backward
+            rank.buffers = (elements - shard) * param_bytes
+        else:  # a gathered unit and the next one prefetched
+            rank.buffers = 2 * max((n for _, n, _ in local), default=0) * param_bytes
+    else:  # DeepSpeed: one flat partition per rank, padded, over the experts' replicas under ep (zero/groups.py)
         if (
             layout.precision == "16-mixed"
         ):  # DeepSpeed's fp16: half-precision weights and gradients, fp32 masters
             param_bytes = grad_bytes = 2
-        padded = math.ceil(elements / (_DEEPSPEED_ALIGNMENT * dp)) * _DEEPSPEED_ALIGNMENT * dp
-        shard = padded // dp
+        replicas = dp // ep
+        padded = math.ceil(elements / (_DEEPSPEED_ALIGNMENT * replicas)) * _DEEPSPEED_ALIGNMENT * replicas
+        shard = padded // replicas
         rank.parameters = (shard if stage == 3 else elements) * param_bytes
         rank.gradients = (shard if stage >= 2 else elements) * grad_bytes
         rank.optimizer = shard * (states * 4 + 4)  # fp32 states and DeepSpeed's fp32 partition of the weights
         rank.buffers = min(elements, _DEEPSPEED_BUCKET_ELEMENTS) * grad_bytes if stage >= 2 else 0
     if layout.offload:
-        host = rank.optimizer
-        rank.optimizer = 0
-        if layout.offload == "nvme":
-            rank.nvme = host
-        else:
-            rank.optimizer_host = host
-        if stage == 3:
-            rank.parameters_host, rank.parameters = rank.parameters, 0
+        _offload(rank, layout.offload, moves_weights=stage == 3 or engine == "fsdp2", fsdp2=engine == "fsdp2")
     return rank
+
+
+def _offload(rank: RankMemory, where: str, moves_weights: bool, fsdp2: bool) -> None:
+    """Optimizer states to the host (or NVMe); the sharded weights and gradients too where the engine moves them:
+    DeepSpeed at stage 3, FSDP2's offload policy always (``zero/fsdp.py``)."""
+    if where == "nvme":
+        rank.nvme, rank.optimizer = rank.optimizer, 0
+    else:
+        rank.optimizer_host, rank.optimizer = rank.optimizer, 0
+    if moves_weights:
+        rank.parameters_host, rank.parameters = rank.parameters, 0
+    if moves_weights and fsdp2:  # FSDP2 reduces the gradient shards onto the host too
+        rank.gradients_host, rank.gradients = rank.gradients, 0
 
 
 def _fsdp_local(numel: int, shape: tuple[int, ...], tp_dim: int | None, dp: int, dp_rank: int) -> int:
@@ -351,9 +364,9 @@ def _distinct(ranks: list[RankMemory]) -> list[RankMemory]:
     kept: list[RankMemory] = []
     for rank in ranks:
         key = (rank.pp_rank, rank.parameters, rank.gradients, rank.optimizer, rank.activations, rank.buffers,
-               rank.parameters_host, rank.optimizer_host, rank.nvme)  # fmt: skip
+               rank.host_total, rank.nvme)  # fmt: skip
         twin = next((k for k in kept if (k.pp_rank, k.parameters, k.gradients, k.optimizer, k.activations,
-                     k.buffers, k.parameters_host, k.optimizer_host, k.nvme) == key), None)  # fmt: skip
+                     k.buffers, k.host_total, k.nvme) == key), None)  # fmt: skip
         if twin is None:
             kept.append(rank)
         else:

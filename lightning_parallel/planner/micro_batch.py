@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_parallel.pipeline.schedules import SCHEDULES, stage_owner
+from lightning_parallel.pipeline.split import balanced_boundaries, stage_ranges
 from lightning_parallel.planner.cluster import Cluster
 from lightning_parallel.planner.layout import PRECISIONS, Layout
 from lightning_parallel.planner.shapes import BlockShape, ModelShape
@@ -121,19 +122,20 @@ class Stage:
 
 
 def stages(shape: ModelShape, pipeline: int, virtual: int, schedule: str) -> list[Stage]:
-    """Per pipeline rank: ``P x V`` even chunks of blocks, placed as the schedule places them."""
+    """Per pipeline rank: the strategy's cut (``pipeline/split.py: balanced_boundaries`` over the blocks'
+    parameters) into ``P x V`` chunks, placed as the schedule places them."""
     spec = SCHEDULES[schedule]
     chunks = pipeline * virtual
-    layers = shape.num_layers
-    sizes = [layers // chunks + (1 if c < layers % chunks else 0) for c in range(chunks)]
+    if chunks > 1:
+        starts = balanced_boundaries([b.parameters for b in shape.blocks], chunks)
+    else:
+        starts = [0]
     ranks = [Stage() for _ in range(pipeline)]
-    start = 0
-    for chunk, size in enumerate(sizes):
+    for chunk, blocks in enumerate(stage_ranges(starts, shape.num_layers)):
         rank = ranks[stage_owner(spec, chunk, pipeline) if pipeline > 1 else 0]
-        rank.blocks += list(shape.blocks[start : start + size])
+        rank.blocks += list(shape.blocks[blocks.start : blocks.stop])
         rank.first |= chunk == 0
         rank.last |= chunk == chunks - 1
-        start += size
     return ranks
 
 

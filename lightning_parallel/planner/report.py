@@ -13,7 +13,7 @@ from typing import Any
 from lightning_parallel.planner.cluster import Cluster
 from lightning_parallel.planner.layout import Layout
 from lightning_parallel.planner.memory import RankMemory
-from lightning_parallel.planner.search import SearchResult
+from lightning_parallel.planner.search import USABLE_MEMORY, SearchResult
 from lightning_parallel.planner.timing import StepTime
 
 __all__ = ["dumps", "memory_lines", "plan_json", "render_plan", "search_json", "search_lines", "time_lines"]
@@ -46,7 +46,10 @@ def memory_lines(layout: Layout, ranks: list[RankMemory], cluster: Cluster | Non
         lines.append(f"  {label:<40}{cells}{rank.device_total / size:>10.2f}{rank.host_total / size:>8.2f}")
     if cluster is not None:
         worst = max(ranks, key=lambda r: r.device_total)
-        verdict = "fits" if worst.device_total <= cluster.memory_bytes else "DOES NOT FIT"
+        usable = USABLE_MEMORY * cluster.memory_bytes  # what the search allows: the allocator needs the rest
+        verdict = (
+            "fits" if worst.device_total <= usable else f"DOES NOT FIT in the {USABLE_MEMORY:.0%} usable"
+        )
         lines.append(
             f"  most loaded: {worst.label}, {_size(worst.device_total)} of {_size(cluster.memory_bytes)}"
             f" on {cluster.name}: {verdict}"

@@ -8,7 +8,8 @@ ranked by predicted tokens per second. A family of degrees with no layout left s
 does not divide the heads, or the best option of the family is still out of memory on a named rank.
 
 What the search does not try: sequence parallelism off under tensor parallelism (on costs no time
-and saves memory), offload (slower whenever a layout fits without it), the zero-bubble schedules.
+and saves memory; off only for models with routed experts, which it does not compose with), offload
+(slower whenever a layout fits without it), the zero-bubble schedules.
 """
 
 from __future__ import annotations
@@ -125,11 +126,11 @@ def search(
             for ep in [e for e in _divisors(dp) if experts and experts % e == 0] or [1]:
                 family = f"tp{tp} pp{pp} dp{dp}" + (f" ep{ep}" if experts else "")
                 base = Layout(
-                    tensor_parallel=tp, sequence_parallel=tp > 1, pipeline_parallel=pp, data_parallel=dp,
+                    tensor_parallel=tp, sequence_parallel=tp > 1 and not experts, pipeline_parallel=pp, data_parallel=dp,
                     expert_parallel=ep, precision=precision, sequence_length=sequence_length,
                     micro_batches=pp if pp > 1 else 1,
                 )  # fmt: skip
-                problems = [p for p in layout_problems(base, shape, gpus) if "micro_batches" not in p]
+                problems = layout_problems(base, shape, gpus)
                 if problems:
                     result.rejected[family] = "; ".join(problems)
                     continue

@@ -207,7 +207,8 @@ def _block_shape(block: nn.Module, expert_params: int, num_experts: int, top_k: 
         statistics = 2 if isinstance(norm, nn.LayerNorm) else 1
         fused = isinstance(norm, (nn.LayerNorm, nn.RMSNorm))
         norm_saved = _probe(norm, hidden)
-    mlp_saved = _probe(mlps[0].module, hidden) if mlps and not num_experts else None
+    # Probed only as a module of its own: projections sitting on the block itself would probe attention too.
+    mlp_saved = _probe(mlps[0].module, hidden) if mlps and mlps[0].name and not num_experts else None
     return BlockShape(
         hidden=hidden,
         heads=heads,

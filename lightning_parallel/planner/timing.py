@@ -34,7 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_parallel.pipeline.schedules import ALIASES, SCHEDULES, ideal_efficiency
+from lightning_parallel.config.arguments import resolve_schedule
+from lightning_parallel.pipeline.schedules import ideal_efficiency
 from lightning_parallel.planner.cluster import Cluster
 from lightning_parallel.planner.layout import PRECISIONS, Layout
 from lightning_parallel.planner.micro_batch import (
@@ -144,14 +145,8 @@ def step_time(
         layout.expert_parallel,
     )
     m = max(layout.micro_batches, 1)
-    schedule = ALIASES.get(layout.pipeline_schedule.lower(), layout.pipeline_schedule.lower())
-    if schedule not in SCHEDULES:
-        raise ValueError(
-            f"Unknown `pipeline_schedule={layout.pipeline_schedule!r}`: one of {sorted(SCHEDULES)}."
-        )
-    if layout.precision not in PRECISIONS:
-        raise ValueError(f"Unknown `precision={layout.precision!r}`: one of {sorted(PRECISIONS)}.")
-    spec = SCHEDULES[schedule]
+    spec = resolve_schedule(layout.pipeline_schedule)  # a clear ValueError for an unknown name
+    schedule = spec.name
     virtual = spec.fixed_virtual_stages or (layout.pipeline_virtual_stages if spec.multi_stage else 1)
     ranks = stages(shape, pp, virtual, schedule)
     micro = [micro_batch(s, shape, layout, cluster, execution, virtual) for s in ranks]

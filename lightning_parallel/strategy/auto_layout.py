@@ -10,6 +10,7 @@ why other families were rejected are printed (rank 0), so the choice can be read
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -55,6 +56,8 @@ def choose_layout(
     machine = (
         cluster if isinstance(cluster, Cluster) else load_cluster(cluster) if cluster else detect_cluster()
     )
+    if devices < machine.gpus_per_node:  # this job's nodes: tensor groups and NVLink stop at `devices`
+        machine = replace(machine, gpus_per_node=devices)
     gpus = devices * num_nodes
     result = search(model, gpus, machine, None, sequence_length, precision, per_replica_batch=batch_size)
     if not result.fastest:
@@ -80,6 +83,8 @@ def strategy_arguments(layout: Layout) -> dict[str, Any]:
         "zero_stage": layout.zero_stage,
         "activation_checkpointing": layout.activation_checkpointing,
     }
+    if layout.offload:
+        arguments["offload"] = layout.offload
     if layout.pipeline_parallel > 1:
         arguments.update(micro_batches=layout.micro_batches, pipeline_schedule=layout.pipeline_schedule)
         if layout.pipeline_virtual_stages > 1:
@@ -92,4 +97,6 @@ def auto_strategy(cls: type, model: nn.Module, **search_arguments: Any) -> Any:
     extra = search_arguments.pop("strategy", None) or {}
     best, lines = choose_layout(model, **search_arguments)
     rank_zero_info("\n".join(lines))
-    return cls(**strategy_arguments(best.layout), **extra)
+    strategy = cls(**strategy_arguments(best.layout), **extra)
+    strategy.planned_layout = best.layout  # setup warns if the Trainer's devices or precision differ
+    return strategy

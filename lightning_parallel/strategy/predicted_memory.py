@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_parallel.planner.layout import PRECISIONS, Layout
@@ -44,7 +44,7 @@ def job_layout(strategy: Any, precision: str, batch_shape: tuple[int, int]) -> L
     micro_batches = pipeline.micro_batches if pipeline else 1
     return Layout(
         tensor_parallel=dims.tensor_parallel,
-        sequence_parallel=config.tensor.sequence_parallel,
+        sequence_parallel=config.tensor.sequence_parallel and dims.tensor_parallel > 1,
         pipeline_parallel=dims.pipeline_parallel,
         pipeline_schedule=pipeline.spec.name if pipeline else "1f1b",
         pipeline_virtual_stages=pipeline.virtual_stages if pipeline else 1,
@@ -61,9 +61,13 @@ def job_layout(strategy: Any, precision: str, batch_shape: tuple[int, int]) -> L
 
 
 def log_predicted_memory(module: nn.Module, strategy: Any, trainer: Trainer) -> None:
-    """Print the predicted memory per rank of this job (rank 0), or why there is none."""
+    """Print the predicted memory per rank of this job (rank 0), or why there is none; warn when the job is not
+    the one ``HybridParallelStrategy.auto`` planned (other devices or precision)."""
     from lightning_parallel.strategy.sampling import first_batch
 
+    if strategy.dims.context_parallel > 1:
+        rank_zero_info("predicted memory: skipped, the planner does not model context parallelism")
+        return
     shape = _tokens_shape(first_batch(trainer, strategy))
     if shape is None:
         rank_zero_info("predicted memory: skipped, the first batch holds no (batch, tokens) tensor")
@@ -71,9 +75,19 @@ def log_predicted_memory(module: nn.Module, strategy: Any, trainer: Trainer) -> 
     try:
         layout = job_layout(strategy, str(trainer.precision), shape)
         ranks = rank_memory(module, layout)
-    except (ValueError, RuntimeError, NotImplementedError, AttributeError) as error:
-        rank_zero_info(f"predicted memory: skipped ({error})")
+    except Exception as error:  # advice only: the strategy's own checks accepted this layout
+        rank_zero_info(f"predicted memory: skipped ({type(error).__name__}: {error})")
         return
     lines = memory_lines(layout, ranks)
     note = " (optimizer states as AdamW's: configure_optimizers has not run yet)"
     rank_zero_info("\n".join([f"predicted {lines[0]}{note}", *lines[1:]]))
+    planned = getattr(strategy, "planned_layout", None)
+    if planned is not None:
+        differs = {k: (getattr(planned, k), getattr(layout, k)) for k in ("precision", "data_parallel",
+                   "micro_batch_size", "sequence_length") if getattr(planned, k) != getattr(layout, k)}  # fmt: skip
+        if differs:
+            rank_zero_warn(
+                "HybridParallelStrategy.auto planned another job than this one (planned, actual): "
+                + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in differs.items())
+                + ". Pass the Trainer's precision and devices, and the DataLoader's batch, to auto()."
+            )

@@ -156,3 +156,32 @@ def test_a_layout_that_cannot_exist_is_reported_not_predicted(capsys) -> None:
     assert code == 2 and out == "" and "stages" in err
     code, _, err = _plan(capsys, "--init", '{"n_layer": 2}', "--search", "--gpus", "8")
     assert code == 2 and "`--search` needs" in err
+
+
+@pytest.mark.parametrize("family", ["recipe_gpt", "recipe_moe"])
+def test_every_layout_the_search_lists_passes_the_strategys_own_checks(family: str) -> None:
+    """The planner's refusals agree with the strategy's: each listed layout, as strategy arguments, passes
+    ``resolve_dims`` and ``check_launch`` (what ``Trainer(...)`` runs before launching) on its devices."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_parallel.config.validation import check_launch, resolve_dims
+    from lightning_parallel.strategy.auto_layout import strategy_arguments
+
+    model = build(family, n_layer=4)
+    result = search(model, 8, CLUSTERS["h100"], global_batch=32, sequence_length=32, top=200)
+    assert len(result.fastest) > 10
+    for candidate in result.fastest:
+        strategy = HybridParallelStrategy(**strategy_arguments(candidate.layout))
+        dims = resolve_dims(strategy.config, "HybridParallelStrategy", 8, 1)
+        check_launch(strategy.config, dims, MixedPrecision("bf16-mixed", "cpu"))
+        assert (dims.tensor_parallel, dims.pipeline_parallel, dims.data_parallel) == (
+            candidate.layout.tensor_parallel, candidate.layout.pipeline_parallel, candidate.layout.data_parallel,
+        )  # fmt: skip
+    if (
+        family == "recipe_moe"
+    ):  # tensor parallelism without sequence parallelism; no ZeRO-1 that shards nothing
+        layouts = [c.layout for c in result.fastest]
+        assert any(lay.tensor_parallel == 2 and not lay.sequence_parallel for lay in layouts)
+        assert not any(
+            lay.zero_stage == 1 and lay.expert_parallel == lay.data_parallel > 1 for lay in layouts
+        )
