@@ -41,9 +41,8 @@ from lightning_parallel.strategy import pipelined
 from lightning_parallel.strategy.auto_layout import auto_strategy
 from lightning_parallel.strategy.checkpointing import CheckpointingStrategy
 from lightning_parallel.strategy.data_checks import check_training_data
-from lightning_parallel.strategy.predicted_memory import log_predicted_memory
+from lightning_parallel.strategy.predicted_memory import predicting_sample
 from lightning_parallel.strategy.presets import PRESETS
-from lightning_parallel.strategy.sampling import sample_step
 from lightning_parallel.strategy.zero_setup import initialize_zero
 from lightning_parallel.tensor_parallel import ParallelPlan
 from lightning_parallel.tensor_parallel.loss_parallel import (
@@ -241,10 +240,8 @@ class HybridParallelStrategy(CheckpointingStrategy):
         )  # a module parallelized by an earlier fit/validate/...
         if parallelized is None:
             training = trainer.state.fn == TrainerFn.FITTING
-            if training and self.global_rank == 0:
-                log_predicted_memory(module, self, trainer)  # the planner's model of this job
             parallelized = parallelize(
-                module, self.config, self.dims, lambda: sample_step(trainer, self), device=self.root_device,
+                module, self.config, self.dims, predicting_sample(trainer, self, module, training), device=self.root_device,
                 training=training,
             )  # fmt: skip
             if self.config.init_weights is not None:

@@ -1,13 +1,15 @@
 """At setup, the planner's prediction for the job that starts: memory per rank, from the same model as
 ``python -m lightning_parallel plan`` (``planner/``), read from the unchanged module and the first batch.
 
-Printed on rank 0 before the module is sharded. A prediction is advice: a model the planner cannot
+Printed on rank 0 before the module is sharded, from the first batch the strategy reads to discover the
+pipeline or verify the plan (a layout without either reads none, and prints none). A prediction is advice: a model the planner cannot
 read (no block stack, say) or a batch without token windows is skipped with a one-line note, never an
 error, since the strategy's own checks have already accepted the layout.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,7 +21,7 @@ from lightning_parallel.planner.layout import PRECISIONS, Layout
 from lightning_parallel.planner.memory import rank_memory
 from lightning_parallel.planner.report import memory_lines
 
-__all__ = ["job_layout", "log_predicted_memory"]
+__all__ = ["job_layout", "log_predicted_memory", "predicting_sample"]
 
 
 def _tokens_shape(batch: Any) -> tuple[int, int] | None:
@@ -60,15 +62,32 @@ def job_layout(strategy: Any, precision: str, batch_shape: tuple[int, int]) -> L
     )
 
 
-def log_predicted_memory(module: nn.Module, strategy: Any, trainer: Trainer) -> None:
+def predicting_sample(
+    trainer: Trainer, strategy: Any, module: nn.Module, training: bool
+) -> Callable[[], Any]:
+    """The recipe's sample maker (``sampling.sample_step``), logging the prediction from the batch it reads.
+
+    The batch is the one the strategy reads anyway, on every rank: reading another (on rank 0 alone) would
+    advance that rank's data and random state, and the ranks would no longer see the same batches.
+    """
+    from lightning_parallel.strategy.sampling import sample_step
+
+    def sample() -> Any:
+        step = sample_step(trainer, strategy)
+        if step is not None and training and strategy.global_rank == 0:
+            log_predicted_memory(module, strategy, trainer, step.batch)
+        return step
+
+    return sample
+
+
+def log_predicted_memory(module: nn.Module, strategy: Any, trainer: Trainer, batch: Any) -> None:
     """Print the predicted memory per rank of this job (rank 0), or why there is none; warn when the job is not
     the one ``HybridParallelStrategy.auto`` planned (other devices or precision)."""
-    from lightning_parallel.strategy.sampling import first_batch
-
     if strategy.dims.context_parallel > 1:
         rank_zero_info("predicted memory: skipped, the planner does not model context parallelism")
         return
-    shape = _tokens_shape(first_batch(trainer, strategy))
+    shape = _tokens_shape(batch)
     if shape is None:
         rank_zero_info("predicted memory: skipped, the first batch holds no (batch, tokens) tensor")
         return

@@ -9,7 +9,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.hooks import RemovableHandle
 
@@ -85,7 +85,11 @@ def install_container(
 
 def _to_parameter_layout(param: torch.Tensor) -> None:
     grad = param.grad
-    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+    if not (isinstance(grad, DTensor) and isinstance(param, DTensor)) or grad.placements == param.placements:
+        return
+    # Only replicated to sharded, a local slice: a pending sum (Partial, the norms under sequence parallelism)
+    # is the gradient reductions' to make, once per step with the others (parallelize/gradients.py).
+    if all(isinstance(p, Replicate) for p in grad.placements):
         param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
@@ -96,7 +100,7 @@ def keep_gradients_in_parameter_layout(model: nn.Module) -> list[RemovableHandle
     weight's gradient replicated: every rank held the whole ``vocab x hidden`` gradient, and the
     optimizer built its states from it at full size too (found by the planner's exactness test:
     gradient and momentum bytes above the parameter's on every rank of tensor-parallel Llama).
-    Replicated to sharded is a local slice, no communication.
+    Replicated to sharded is a local slice, no communication; nothing else is touched.
     """
     return [
         param.register_post_accumulate_grad_hook(_to_parameter_layout)
