@@ -39,6 +39,7 @@ def test_zero_model_states_match_the_zero_paper() -> None:
     for stage, expected in published.items():
         layout = Layout(data_parallel=64, zero_stage=stage, precision="16-mixed", sequence_length=2048)
         (rank,) = rank_memory(model, layout)
+        # 2%: the paper prints its figures rounded (1.9 for 1.875 GB at stage 3 is 1.3% off); the formula is exact
         assert rank.states * 7.5e9 / psi == pytest.approx(expected, rel=0.02), (stage, rank)
 
 
@@ -114,11 +115,13 @@ def test_the_strategy_takes_the_chosen_degrees_and_says_why(monkeypatch: pytest.
     assert "HybridParallelStrategy.auto chose tp1 pp2" in "\n".join(said)
 
 
-def test_a_cluster_is_asked_for_where_none_is_detected() -> None:
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: detection answers")  # the CPU machines of the suite never skip
+def test_a_cluster_is_asked_for_where_none_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a GPU machine
     with pytest.raises(ValueError, match="Pass `cluster=`"):
         detect_cluster()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # and a chip with a preset is recognised
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H200")
+    assert detect_cluster().name == "h200"
 
 
 def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
