@@ -40,7 +40,7 @@ _INDEX_BYTES = 8  # token ids kept by the embedding lookup
 
 def _bytes(layout: Layout) -> tuple[int, int]:
     """(bytes of an activation, bytes of the residual stream): autocast leaves the residual stream fp32."""
-    param, activation, _, _ = PRECISIONS[layout.precision]
+    _, activation, _ = PRECISIONS[layout.precision]
     residual = 4 if layout.precision.endswith("-mixed") else activation
     return activation, residual
 

@@ -16,13 +16,13 @@ from lightning_parallel.planner.shapes import ModelShape
 
 __all__ = ["PRECISIONS", "Layout", "layout_problems"]
 
-#: Trainer precisions: (bytes of a parameter, of an activation, of a gradient, master copy kept in fp32).
-PRECISIONS: dict[str, tuple[int, int, int, bool]] = {
-    "32-true": (4, 4, 4, False),
-    "bf16-mixed": (4, 2, 4, False),
-    "16-mixed": (4, 2, 4, False),
-    "bf16-true": (2, 2, 2, False),
-    "16-true": (2, 2, 2, False),
+#: Trainer precisions: (bytes of a parameter, of an activation, of a gradient).
+PRECISIONS: dict[str, tuple[int, int, int]] = {
+    "32-true": (4, 4, 4),
+    "bf16-mixed": (4, 2, 4),
+    "16-mixed": (4, 2, 4),
+    "bf16-true": (2, 2, 2),
+    "16-true": (2, 2, 2),
 }
 
 

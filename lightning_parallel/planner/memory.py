@@ -20,16 +20,16 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
+from lightning_parallel.data_parallel.buckets import BUCKET_BYTES
 from lightning_parallel.experts import find_moe_blocks
 from lightning_parallel.planner.activations import stage_activation_bytes
 from lightning_parallel.planner.layout import PRECISIONS, Layout, layout_problems
 from lightning_parallel.planner.shapes import ModelShape, describe
+from lightning_parallel.zero.arguments import BUCKET_ELEMENTS
 
 __all__ = ["ParameterPlacement", "RankMemory", "parameter_placements", "rank_memory"]
 
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "adafactor": 0}
-_DDP_BUCKET_BYTES = 25 * 1024 * 1024  # data_parallel/buckets.py
-_DEEPSPEED_BUCKET_ELEMENTS = 25_000_000  # zero/arguments.py: BUCKET_ELEMENTS
 _DEEPSPEED_ALIGNMENT = (
     2  # DeepSpeed pads each flat group to a multiple of 2 x dp elements (nccl_start_alignment_factor)
 )
@@ -227,7 +227,7 @@ def rank_memory(
         layout.expert_parallel,
         layout.pipeline_parallel,
     )
-    param_bytes, _, grad_bytes, _ = PRECISIONS[layout.precision]
+    param_bytes, _, grad_bytes = PRECISIONS[layout.precision]
     dp_ranks = (range(dp) if dp <= 8 else [0, dp - 1]) if engine else range(1)
     out = []
     for pp_rank in range(pp):
@@ -260,7 +260,7 @@ def _one_rank(layout: Layout, engine: str | None, local: list, pp_rank: int, tp_
             elements * states * param_bytes
         )  # torch's optimizers keep states in the weight's dtype
         if dp > 1:
-            rank.buffers = min(_DDP_BUCKET_BYTES, rank.gradients)
+            rank.buffers = min(BUCKET_BYTES, rank.gradients)
         return rank
     if (
         engine == "fsdp2"
@@ -292,7 +292,7 @@ def _one_rank(layout: Layout, engine: str | None, local: list, pp_rank: int, tp_
         rank.parameters = (shard if stage == 3 else elements) * param_bytes
         rank.gradients = (shard if stage >= 2 else elements) * grad_bytes
         rank.optimizer = shard * (states * 4 + 4)  # fp32 states and DeepSpeed's fp32 partition of the weights
-        rank.buffers = min(elements, _DEEPSPEED_BUCKET_ELEMENTS) * grad_bytes if stage >= 2 else 0
+        rank.buffers = min(elements, BUCKET_ELEMENTS) * grad_bytes if stage >= 2 else 0
     if layout.offload:
         _offload(rank, layout.offload, moves_weights=stage == 3 or engine == "fsdp2", fsdp2=engine == "fsdp2")
     return rank

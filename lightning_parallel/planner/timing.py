@@ -155,7 +155,7 @@ def step_time(
     efficiency = ideal_efficiency(spec, m, pp, virtual) if pp > 1 else 1.0
     bubble = m * mb.total * (1.0 / efficiency - 1.0)
 
-    param_bytes, _, grad_bytes, _ = PRECISIONS[layout.precision]
+    param_bytes, _, grad_bytes = PRECISIONS[layout.precision]
     grad_bytes = execution.gradient_bytes or grad_bytes
     param_bytes = execution.parameter_bytes or param_bytes
     dense, experts = max((_parameters(s, shape, layout) for s in ranks), key=sum)
