@@ -43,6 +43,7 @@ from lightning_parallel.parallelize.gradients import plan_gradient_reductions, s
 from lightning_parallel.parallelize.memory_step import apply_memory_savers
 from lightning_parallel.parallelize.result import Parallelized
 from lightning_parallel.parallelize.sample import SampledStep, StepProbe
+from lightning_parallel.pipeline.microbatch import split_batch
 from lightning_parallel.pipeline.stages import SkippedBlock, StageLayout
 from lightning_parallel.plans.detect import block_names
 from lightning_parallel.tensor_parallel import BlockInputCapture, ParallelPlan, capture_block_inputs
@@ -167,6 +168,8 @@ def observe_one_step(
             raise ValueError(pipeline_step.NO_DATA)
         split, discovery = pipeline_step.discovery_probe(module, config.pipeline, sample.batch, training)
         probes.append(discovery)
+        if training:  # the stages run micro-batches: watch one (the whole batch's activations may not fit)
+            sample = sample.on(split_batch(sample.batch, config.pipeline.micro_batches)[0])
     capture = None
     if verifies:
         if sample is None:

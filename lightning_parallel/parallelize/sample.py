@@ -30,10 +30,17 @@ class StepProbe(Protocol):
 
 @dataclass
 class SampledStep:
-    """The first batch of the current stage's data and a zero-argument call of the user's step on it."""
+    """The first batch of the current stage's data and the user's step, called on a batch."""
 
     batch: Any
-    call: Callable[[], Any]
+    step: Callable[[Any], Any]
+
+    def call(self) -> Any:
+        return self.step(self.batch)
+
+    def on(self, batch: Any) -> SampledStep:
+        """The same step on another batch (a pipeline watches one micro-batch: the memory of one)."""
+        return SampledStep(batch, self.step)
 
     def run(self, probes: Sequence[StepProbe]) -> None:
         """Run the step once with every probe attached (autograd on if any probe needs it)."""

@@ -84,7 +84,7 @@ def sample_step(trainer: Trainer, strategy: Strategy) -> SampledStep | None:
     module = strategy.lightning_module
     assert module is not None
 
-    def run() -> Any:
+    def run(batch: Any) -> Any:
         module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
         module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
         saved = _metric_states(module)

@@ -59,9 +59,9 @@ def _observe(holder: bool, pipelined: bool = True) -> tuple[Any, Any, dict[str, 
     tokens = torch.randint(0, 16, (4, 6))
     counts = {"samples": 0, "steps": 0}
 
-    def step() -> torch.Tensor:
+    def step(batch: torch.Tensor) -> torch.Tensor:
         counts["steps"] += 1
-        return model.step(tokens)
+        return model.step(batch)
 
     def make() -> SampledStep:
         counts["samples"] += 1
@@ -88,12 +88,16 @@ def test_discovery_and_verification_share_one_run_of_the_step() -> None:
     assert list(captured) == ["blocks.0"]  # the first block of the one block class
     args, kwargs = captured["blocks.0"]
     hidden = find_hidden(args, kwargs)[1]
-    assert hidden.shape == (4, 6, 8) and not hidden.requires_grad  # as a no-grad capture would hold it
+    assert not hidden.requires_grad  # as a no-grad capture would hold it
+    # the pipelined step watches one micro-batch of the 4 rows (micro_batches=2): setup never holds the
+    # activations of the whole batch, which a pipeline exists to avoid
+    assert hidden.shape == (2, 6, 8)
 
 
 def test_tensor_parallel_alone_samples_once_without_autograd() -> None:
     layout, captured, counts = _observe(holder=False, pipelined=False)
     assert counts == {"samples": 1, "steps": 1} and layout is None and list(captured) == ["blocks.0"]
+    assert find_hidden(*captured["blocks.0"])[1].shape == (4, 6, 8)  # no pipeline: the whole batch
 
 
 def test_an_argument_that_cannot_leave_the_graph_is_captured_by_a_second_run() -> None:
