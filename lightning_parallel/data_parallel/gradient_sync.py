@@ -167,7 +167,8 @@ def all_reduce_gradients(
     ordered = [bucket for lists in buckets.values() for bucket in lists]
     mean = divisor == dist.get_world_size(group)
     for index, bucket in enumerate(ordered):
-        flat = torch._utils._flatten_dense_tensors(bucket)
+        alone = len(bucket) == 1 and bucket[0].is_contiguous()  # reduced in place: no copy in, none out
+        flat = bucket[0].view(-1) if alone else torch._utils._flatten_dense_tensors(bucket)
         if compressor is not None and mean:
             compressor.all_reduce_mean(
                 flat, [g.shape for g in bucket], group, index, index == len(ordered) - 1
@@ -177,5 +178,7 @@ def all_reduce_gradients(
                 dist.all_reduce(flat, group=group)
             if divisor != 1:
                 flat.div_(divisor)
+        if alone:
+            continue
         for grad, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True):
             grad.copy_(reduced)

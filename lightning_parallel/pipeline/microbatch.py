@@ -153,11 +153,16 @@ def replay_logs(
 
 class StepLogs:
     """The mean loss and the logs of a step, from the last stage to every stage, without a host round trip
-    of the values: they travel as one tensor on the device. What they are (names, kinds, ``self.log``
-    arguments) goes as an object only on a step where it changed; every step a 3-number header (that
-    version, the number of values, whether an ``extra`` object follows) is read on the receiving ranks:
-    their one host sync of the step. ``extra``: what an evaluation step returned, when it returned something.
+    of the values: they travel as one tensor on the device, one broadcast per step, its first three numbers a
+    header (the version of what the values are, their count, whether an ``extra`` object follows). What they
+    are (names, kinds, ``self.log`` arguments) goes as an object only on a step where it changed; reading the
+    header is the receiving ranks' one host sync of the step. ``extra``: what an evaluation step returned,
+    when it returned something.
     """
+
+    CAPACITY = (
+        32  # values that travel with the header; a step logging more sends the rest in a second broadcast
+    )
 
     def __init__(self) -> None:
         self.structure: list[tuple[str, str, Any, dict[str, Any]]] | None = None
@@ -173,31 +178,40 @@ class StepLogs:
     ) -> tuple[torch.Tensor, list[tuple[str, Any, dict[str, Any]]], Any]:
         """``payload`` (mean loss, records) and ``extra`` on the rank ``src`` of ``group``; on every rank its copy."""
         sending = dist.get_rank(group) == src
-        header = torch.zeros(3, dtype=torch.int64, device=device)
+        size = 3 + self.CAPACITY
         if sending:
             assert payload is not None
             mean, records = payload
             structure = [(n, kind, None if kind == "value" else v, kw) for n, (kind, v), kw in records]
-            values = [mean.float().reshape(1)] + [
-                v.float().reshape(1) for _, (k, v), _ in records if k == "value"
-            ]
+            values = torch.cat(
+                [mean.reshape(1)] + [v.reshape(1) for _, (k, v), _ in records if k == "value"]
+            ).double()  # float32 values and small integers, all exact in float64
             changed = not _same(structure, self.structure)
             self.version += changed
-            header[0], header[1], header[2] = self.version, len(values), extra is not None
-        dist.broadcast(header, group=group, group_src=src)
+            count, has_extra = values.numel(), extra is not None
+            header = torch.tensor([self.version, count, has_extra], dtype=torch.float64, device=device)
+            message = torch.cat([header, values[: self.CAPACITY]])
+            message = torch.cat([message, message.new_zeros(size - message.numel())])
+        else:
+            message = torch.empty(size, dtype=torch.float64, device=device)
+        dist.broadcast(message, group=group, group_src=src)
         if sending:
-            count, has_extra = len(values), extra is not None
             if changed:
                 broadcast_from(structure, src, group)
                 self.structure = structure
         else:
-            version, count, has_extra = header.tolist()
+            version, count, has_extra = (int(v) for v in message[:3].tolist())
             if version != self.version:
                 self.structure, self.version = broadcast_from(None, src, group), version
         if has_extra:
             extra = broadcast_from(extra if sending else None, src, group)
-        flat = torch.cat(values) if sending else torch.empty(count, dtype=torch.float32, device=device)
-        dist.broadcast(flat, group=group, group_src=src)
+        flat = message[3 : 3 + min(count, self.CAPACITY)]
+        if count > self.CAPACITY:
+            rest = values[self.CAPACITY :] if sending else torch.empty(count - self.CAPACITY, dtype=torch.float64,
+                                                                       device=device)  # fmt: skip
+            dist.broadcast(rest, group=group, group_src=src)
+            flat = torch.cat([flat, rest])
+        flat = flat.float()
         return flat[0], self._records(flat[1:]), extra
 
     def _records(self, flat: torch.Tensor) -> list[tuple[str, Any, dict[str, Any]]]:

@@ -60,3 +60,31 @@ def test_logs_are_averaged_over_micro_batches_and_replayed_once() -> None:
     (name, value, kwargs), (metric_name, metric, _) = module.logged
     assert name == "loss" and float(value) == pytest.approx(7 / 3) and kwargs == {"prog_bar": True}
     assert metric_name == "metric" and metric is module.metric
+
+
+def _share_worker(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    from lightning_parallel.pipeline.microbatch import StepLogs
+
+    logs, group, device = StepLogs(), dist.group.WORLD, torch.device("cpu")
+    last = world_size - 1
+    for count, extra in ((2, None), (2, None), (40, {"out": 7}), (3, None)):  # same, same, many + extra, fewer
+        values = [torch.tensor(float(i) + 0.25, dtype=torch.float32) for i in range(count)]
+        records = [(f"v{i}", ("value", v), {"prog_bar": i == 0}) for i, v in enumerate(values)]
+        payload = (torch.tensor(1.5), records) if rank == last else None
+        mean, got, got_extra = logs.share(payload, last, group, device, extra if rank == last else None)
+        assert float(mean) == 1.5 and got_extra == extra
+        assert [name for name, _, _ in got] == [f"v{i}" for i in range(count)]
+        assert [float(v) for _, (_, v), _ in got] == [float(i) + 0.25 for i in range(count)]
+        assert got[0][2] == {"prog_bar": True} and got[-1][2] == {"prog_bar": count == 1}
+    # the structure went as an object only when it changed: versions 1 (2 values), 2 (40), 3 (3)
+    assert logs.version == 3
+
+
+def test_step_logs_reach_every_stage_in_one_message_and_more_values_in_a_second() -> None:
+    """40 values exceed the 32 that travel with the header (the overflow path); repeated structures are not
+    resent (the version counts the changes). Negative control: a wrong value or name fails an assertion."""
+    from tests.precision import spawn_gloo
+
+    spawn_gloo(_share_worker, 2)
