@@ -67,7 +67,12 @@ def hand_pipeline_model(schedule: str, micro_batches: int, **gpt_kwargs: Any) ->
 def _hand_class(base: type) -> type:
     class HandPipelineGPT(base):  # type: ignore[misc,valid-type]
         def configure_model(self) -> None:
-            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+            from torch.distributed.pipelining import (
+                PipelineStage,
+                Schedule1F1B,
+                ScheduleGPipe,
+                ScheduleInterleaved1F1B,
+            )
 
             if hasattr(self, "stages"):
                 return
@@ -93,11 +98,11 @@ def _hand_class(base: type) -> type:
             self.tied = [m.wte.weight for m in modules if m.first] + [
                 m.lm_head.weight for m in modules if m.last
             ]
-            self.runner = (
-                ScheduleInterleaved1F1B(torch_stages, self.micro_batches, loss_fn=_loss)
-                if per_rank > 1
-                else Schedule1F1B(torch_stages[0], self.micro_batches, loss_fn=_loss)
-            )
+            if per_rank > 1:
+                self.runner = ScheduleInterleaved1F1B(torch_stages, self.micro_batches, loss_fn=_loss)
+            else:
+                single = ScheduleGPipe if self.pipeline_schedule == "gpipe" else Schedule1F1B
+                self.runner = single(torch_stages[0], self.micro_batches, loss_fn=_loss)
 
         def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
             x, y = batch

@@ -174,6 +174,27 @@ def _run_reference(
     return timer.times
 
 
+HAND_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # what benchmarks/hand_pipeline.py drives
+
+
+def _run_hand(
+    schedule: str, micro_batches: int, batch: int, shape: dict[str, Any], data: Any, args: argparse.Namespace,
+    baton: Baton,
+) -> dict[str, list[float]]:  # fmt: skip
+    """The same stages cut by hand and driven with torch's schedule under ``ModelParallelStrategy``."""
+    import torch.distributed as dist
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from benchmarks.hand_pipeline import hand_pipeline_model
+
+    timer = PairedStepTimer(baton, "hand", args.warmup, group=dist.group.WORLD)
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=PIPELINE_PARALLEL)
+    trainer = _trainer(PIPELINE_PARALLEL, strategy, args.warmup + args.steps, [timer])
+    model = hand_pipeline_model(schedule, micro_batches, seed=1234, **shape)
+    trainer.fit(model, datamodule=recipe_data(shape["block_size"], batch, like=data))
+    return timer.times
+
+
 def global_batch(micro_batches: int, args: argparse.Namespace) -> int:
     """Sequences per optimizer step: fixed (``--batch-size``) or M x ``--micro-batch-size``."""
     return args.batch_size if args.batch_size else micro_batches * args.micro_batch_size
@@ -218,6 +239,10 @@ def worker(args: argparse.Namespace) -> None:
                     s, m, b, shape, data, args, baton, t
                 )
             }
+            if args.hand and spec.name in HAND_SCHEDULES:
+                runs["hand"] = lambda baton, _n, s=spec.name, m=m, b=row["batch"]: _run_hand(
+                    s, m, b, shape, data, args, baton
+                )
             if rank == 0:
                 runs["reference"] = lambda baton, _n, b=row["batch"]: _run_reference(
                     b, shape, data, args, baton
@@ -231,6 +256,8 @@ def worker(args: argparse.Namespace) -> None:
                 row.update(
                     reference=measured["reference"], pipelined={**measured["pipelined"], "cpu_ranks": cpu}
                 )
+                if "hand" in measured:
+                    row["hand"] = measured["hand"]
                 if timeline is not None and (args.out / f"{timeline.stem}.json").exists():
                     row["bubble_fraction"] = json.loads((args.out / f"{timeline.stem}.json").read_text())[
                         "bubble_fraction"
@@ -271,10 +298,18 @@ def summarize(row: dict[str, Any], pipeline_parallel: int = PIPELINE_PARALLEL) -
         r / sum(ranks)
         for r, *ranks in zip(row["reference"]["cpu"], *row["pipelined"]["cpu_ranks"], strict=False)
     ]
+    hand = None
+    if "hand" in row:  # the hand-driven pipeline's efficiency, against the same reference steps
+        hand = (
+            statistics.median(
+                r / (pipeline_parallel * h) for r, h in zip(ref, row["hand"]["wall"], strict=False)
+            )
+            / ideal
+        )
     return {
         **out, "reference_s": statistics.median(ref), "pipelined_s": statistics.median(pipe), "pairs": len(pairs),
         "efficiency": efficiency, "q1": quartiles[0], "q3": quartiles[2], "of_ideal": efficiency / ideal,
-        "work": statistics.median(work), "bubble_fraction": row.get("bubble_fraction"),
+        "work": statistics.median(work), "bubble_fraction": row.get("bubble_fraction"), "hand_of_ideal": hand,
     }  # fmt: skip
 
 
@@ -288,7 +323,7 @@ def measure(
     schedules: tuple[str, ...] = ("1f1b",), micro_batches: tuple[int, ...] = DEFAULT_MICRO_BATCHES,
     shape: str = "default", steps: int = 8, warmup: int = 2, micro_batch_size: int = 2,
     batch_size: int | None = None, timeline: Path | None = None, timeline_micro_batches: int = 8,
-    timeout_s: float = 3600.0,
+    timeout_s: float = 3600.0, hand: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Launch the 2 ranks, measure every (schedule, M); rank 0's payload with :func:`summarize` rows added."""
     forwarded = ["--worker", "--shape", shape, "--steps", str(steps), "--warmup", str(warmup),
@@ -296,6 +331,8 @@ def measure(
                  "--micro-batches", *map(str, micro_batches), "--timeline-micro-batches", str(timeline_micro_batches)]  # fmt: skip
     if batch_size:
         forwarded += ["--batch-size", str(batch_size)]
+    if hand:
+        forwarded.append("--hand")
     if timeline is not None:
         forwarded += ["--timeline", str(Path(timeline).resolve())]
     out = launch("benchmarks.pipeline_efficiency", forwarded, nprocs=PIPELINE_PARALLEL, timeout_s=timeout_s)
@@ -307,6 +344,7 @@ def measure(
 def report(payload: dict[str, Any]) -> str:
     """The table, as printed (and pasted into the README)."""
     rows = []
+    hand = any(s.get("hand_of_ideal") is not None for s in payload["rows"])
     for s in payload["rows"]:
         label = [s["schedule"], s["micro_batches"], s["batch"]]
         if "skipped" in s:
@@ -319,9 +357,10 @@ def report(payload: dict[str, Any]) -> str:
             *label, f"{s['reference_s'] * 1e3:.0f} ms", f"{s['pipelined_s'] * 1e3:.0f} ms",
             f"{s['efficiency']:.3f} ({s['q1']:.2f}-{s['q3']:.2f})", f"{s['ideal']:.3f}", f"{s['of_ideal']:.3f}{verdict}",
             f"{s['work']:.3f}",
-        ])  # fmt: skip
+        ] + ([f"{s['hand_of_ideal']:.3f}" if s["hand_of_ideal"] is not None else "-"] if hand else []))  # fmt: skip
     text = table(["schedule", "M", "batch", "1 process", f"P={PIPELINE_PARALLEL} pipelined",
-                  "efficiency (quartiles)", "ideal", "measured / ideal", "CPU work ratio"], rows)  # fmt: skip
+                  "efficiency (quartiles)", "ideal", "measured / ideal", "CPU work ratio"]
+                 + (["by hand: measured / ideal"] if hand else []), rows)  # fmt: skip
     bubbles = [f"{s['schedule']} M={s['micro_batches']}: {s['bubble_fraction']:.1%}" for s in payload["rows"]
                if s.get("bubble_fraction") is not None]  # fmt: skip
     if bubbles:
@@ -343,6 +382,11 @@ def main() -> None:
     parser.add_argument(
         "--timeline", type=Path, help="folder: draw the PipelineTimeline of one step at M=8 there"
     )
+    parser.add_argument(
+        "--hand",
+        action="store_true",
+        help="also the same stages cut and driven by hand (benchmarks/hand_pipeline.py)",
+    )
     parser.add_argument("--timeline-micro-batches", type=int, default=8, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -351,7 +395,8 @@ def main() -> None:
         worker(args)
         return
     payload = measure(tuple(args.schedules), tuple(args.micro_batches), args.shape, args.steps, args.warmup,
-                      args.micro_batch_size, args.batch_size or None, args.timeline, args.timeline_micro_batches)  # fmt: skip
+                      args.micro_batch_size, args.batch_size or None, args.timeline, args.timeline_micro_batches,
+                      hand=args.hand)  # fmt: skip
     batch = (
         f"global batch {args.batch_size}"
         if args.batch_size
