@@ -81,8 +81,10 @@ TARGET = 0.9  # measured / ideal, for M >= 8 (the issue's target)
 # ---- timing --------------------------------------------------------------------------------
 
 
-def PairedStepTimer(baton: Baton, name: str, warmup: int, group: Any = None) -> Any:  # noqa: N802
+def PairedStepTimer(baton: Baton, name: str, warmup: int, group: Any = None, every: int = 1) -> Any:  # noqa: N802
     """Callback: pass ``baton`` on before every step, then time the step (barriers on ``group`` at both ends).
+
+    ``every``: pass it on before every ``every``-th batch only (the batches of one accumulated step run together).
 
     A factory so that Lightning is imported lazily (as in ``common.StepTimer``).
     """
@@ -100,7 +102,8 @@ def PairedStepTimer(baton: Baton, name: str, warmup: int, group: Any = None) -> 
                 dist.barrier(group=group)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            baton.pass_on(name)
+            if batch_idx % every == 0:
+                baton.pass_on(name)
             self._barrier()
             self._start = (time.perf_counter(), time.process_time())
 
@@ -172,6 +175,31 @@ def _run_reference(
     trainer = _trainer(1, SingleDeviceStrategy(torch.device("cpu")), args.warmup + args.steps, [timer])
     trainer.fit(_model(shape), datamodule=recipe_data(shape["block_size"], batch, like=data))
     return timer.times
+
+
+def _run_accumulated(
+    micro_batches: int, batch: int, shape: dict[str, Any], data: Any, args: argparse.Namespace, baton: Baton
+) -> dict[str, list[float]]:
+    """One process over the same micro-batches, one after the other (gradient accumulation): what cutting the
+    batch into micro-batches costs without any pipeline. Times per optimizer step (its ``M`` batches summed)."""
+    import lightning as L
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    timer = PairedStepTimer(baton, "accumulated", args.warmup * micro_batches, every=micro_batches)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=SingleDeviceStrategy(torch.device("cpu")),
+        max_steps=args.warmup + args.steps, accumulate_grad_batches=micro_batches, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
+    )  # fmt: skip
+    trainer.fit(_model(shape), datamodule=recipe_data(shape["block_size"], batch // micro_batches, like=data))
+    return {
+        key: [
+            sum(values[i : i + micro_batches])
+            for i in range(0, len(values) - micro_batches + 1, micro_batches)
+        ]
+        for key, values in timer.times.items()
+    }
 
 
 HAND_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # what benchmarks/hand_pipeline.py drives
@@ -247,6 +275,10 @@ def worker(args: argparse.Namespace) -> None:
                 runs["reference"] = lambda baton, _n, b=row["batch"]: _run_reference(
                     b, shape, data, args, baton
                 )
+            if rank == 0 and args.hand:
+                runs["accumulated"] = lambda baton, _n, m=m, b=row["batch"]: _run_accumulated(
+                    m, b, shape, data, args, baton
+                )
             measured = run_lockstep(runs)  # type: ignore[arg-type]
             # CPU seconds of every rank (a rank waiting for another is blocked, not spinning:
             # their sum is the work the pipeline did, whatever the load on the machine).
@@ -256,8 +288,7 @@ def worker(args: argparse.Namespace) -> None:
                 row.update(
                     reference=measured["reference"], pipelined={**measured["pipelined"], "cpu_ranks": cpu}
                 )
-                if "hand" in measured:
-                    row["hand"] = measured["hand"]
+                row.update({k: measured[k] for k in ("hand", "accumulated") if k in measured})
                 if timeline is not None and (args.out / f"{timeline.stem}.json").exists():
                     row["bubble_fraction"] = json.loads((args.out / f"{timeline.stem}.json").read_text())[
                         "bubble_fraction"
@@ -298,7 +329,11 @@ def summarize(row: dict[str, Any], pipeline_parallel: int = PIPELINE_PARALLEL) -
         r / sum(ranks)
         for r, *ranks in zip(row["reference"]["cpu"], *row["pipelined"]["cpu_ranks"], strict=False)
     ]
-    hand = None
+    hand = ceiling = None
+    if (
+        "accumulated" in row
+    ):  # whole batch / the same batch as M micro-batches, one process: the kernels' part
+        ceiling = statistics.median(r / a for r, a in zip(ref, row["accumulated"]["wall"], strict=False))
     if "hand" in row:  # the hand-driven pipeline's efficiency, against the same reference steps
         hand = (
             statistics.median(
@@ -310,6 +345,7 @@ def summarize(row: dict[str, Any], pipeline_parallel: int = PIPELINE_PARALLEL) -
         **out, "reference_s": statistics.median(ref), "pipelined_s": statistics.median(pipe), "pairs": len(pairs),
         "efficiency": efficiency, "q1": quartiles[0], "q3": quartiles[2], "of_ideal": efficiency / ideal,
         "work": statistics.median(work), "bubble_fraction": row.get("bubble_fraction"), "hand_of_ideal": hand,
+        "micro_batch_ceiling": ceiling,
     }  # fmt: skip
 
 
@@ -341,6 +377,10 @@ def measure(
     return payload
 
 
+def _maybe(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def report(payload: dict[str, Any]) -> str:
     """The table, as printed (and pasted into the README)."""
     rows = []
@@ -357,10 +397,11 @@ def report(payload: dict[str, Any]) -> str:
             *label, f"{s['reference_s'] * 1e3:.0f} ms", f"{s['pipelined_s'] * 1e3:.0f} ms",
             f"{s['efficiency']:.3f} ({s['q1']:.2f}-{s['q3']:.2f})", f"{s['ideal']:.3f}", f"{s['of_ideal']:.3f}{verdict}",
             f"{s['work']:.3f}",
-        ] + ([f"{s['hand_of_ideal']:.3f}" if s["hand_of_ideal"] is not None else "-"] if hand else []))  # fmt: skip
+        ] + ([_maybe(s["hand_of_ideal"]), _maybe(s["micro_batch_ceiling"])] if hand else []))  # fmt: skip
     text = table(["schedule", "M", "batch", "1 process", f"P={PIPELINE_PARALLEL} pipelined",
                   "efficiency (quartiles)", "ideal", "measured / ideal", "CPU work ratio"]
-                 + (["by hand: measured / ideal"] if hand else []), rows)  # fmt: skip
+                 + (["by hand: measured / ideal", "1 process, whole batch / M micro-batches"] if hand else []),
+                 rows)  # fmt: skip
     bubbles = [f"{s['schedule']} M={s['micro_batches']}: {s['bubble_fraction']:.1%}" for s in payload["rows"]
                if s.get("bubble_fraction") is not None]  # fmt: skip
     if bubbles:
@@ -385,7 +426,8 @@ def main() -> None:
     parser.add_argument(
         "--hand",
         action="store_true",
-        help="also the same stages cut and driven by hand (benchmarks/hand_pipeline.py)",
+        help="also the same stages cut and driven by hand (benchmarks/hand_pipeline.py), and one process over the"
+        " same micro-batches (what the smaller kernels alone cost)",
     )
     parser.add_argument("--timeline-micro-batches", type=int, default=8, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -23,7 +23,14 @@ M = 4
 def test_efficiency_runs_and_reports_sane_numbers() -> None:
     # dualpipev needs M >= 2P = 4: at M=2 it is reported as skipped, without a launch of its own.
     payload = pipeline_efficiency.measure(
-        ("1f1b", "dualpipev"), (2,), shape="tiny", steps=2, warmup=1, micro_batch_size=1, timeout_s=280
+        ("1f1b", "dualpipev"),
+        (2,),
+        shape="tiny",
+        steps=2,
+        warmup=1,
+        micro_batch_size=1,
+        timeout_s=280,
+        hand=True,
     )
     measured, skipped = payload["rows"]
     assert measured["schedule"] == "1f1b" and measured["micro_batches"] == 2 and measured["batch"] == 2
@@ -36,9 +43,12 @@ def test_efficiency_runs_and_reports_sane_numbers() -> None:
     assert measured["q1"] <= measured["efficiency"] <= measured["q3"]
     # CPU seconds of the reference / of both ranks together: also a positive, finite ratio.
     assert math.isfinite(measured["work"]) and measured["work"] > 0
+    # --hand: the hand-driven pipeline and one process over the same micro-batches ran beside them
+    assert math.isfinite(measured["hand_of_ideal"]) and measured["hand_of_ideal"] > 0
+    assert math.isfinite(measured["micro_batch_ceiling"]) and measured["micro_batch_ceiling"] > 0
     assert "skipped" in skipped and "dualpipev" in skipped["skipped"]
     text = pipeline_efficiency.report(payload)
-    assert "| 1f1b" in text and "n/a" in text
+    assert "| 1f1b" in text and "n/a" in text and "by hand" in text
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ def test_every_pair_runs_and_is_reported() -> None:
         (round_,) = measured["rounds"]
         for side in ("reference", "candidate"):
             assert len(round_[side]["step"]) == 1 and round_[side]["step"][0] > 0, (name, side)
-            assert round_[side]["setup"][0] > 0, (name, side)
+            assert 0 < round_[side]["setup"][0] < round_[side]["first_step"][0], (name, side)
             assert math.isfinite(measured["peak_rss_mb"][side]), (name, side)
     text = side_by_side.report(results, pairs, header)
     for name, pair in pairs.items():
