@@ -130,6 +130,8 @@ class _Clock(StepTimerBase):
         self.created = time.perf_counter()
         self.setup: list[float] = []  # fit -> the first step starts
         self.first_step: list[float] = []  # fit -> the first step ends (its one-time warm-ups included)
+        self.cpu: list[float] = []  # CPU seconds of this process during each timed step (waits excluded)
+        self._cpu_start = 0.0
 
     def _barrier(self) -> None:
         if self.barrier:
@@ -144,16 +146,20 @@ class _Clock(StepTimerBase):
             self.baton.pass_on(self.name)
         self._barrier()
         self._begin(_device())
+        self._cpu_start = time.process_time()
 
     def end(self) -> None:
+        cpu = time.process_time() - self._cpu_start
         self._barrier()
         self._end(_device())
+        if self._seen > self.warmup:
+            self.cpu.append(cpu)
         if not self.first_step:
             self.first_step.append(time.perf_counter() - self.created)
 
     @property
     def timings(self) -> Timings:
-        return {**self.result(), "setup": self.setup, "first_step": self.first_step}
+        return {**self.result(), "setup": self.setup, "first_step": self.first_step, "cpu": self.cpu}
 
     def callback(self) -> Any:
         from lightning.pytorch.callbacks import Callback
@@ -361,7 +367,6 @@ def _timed(side: Callable[[Baton | None, str, int], Timings], steps: int, baton:
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
 
     quiet_lightning()
     if args.accelerator == "cpu":  # one core per rank; a GPU rank keeps its threads for the host work
@@ -387,7 +392,7 @@ def worker(args: argparse.Namespace) -> None:
         memory = {
             s: _peak_rss_mb(functools.partial(sides[s], None, s, 3)) for s in ("reference", "candidate")
         }
-        dist.barrier()
+        _sum_cpu_over_ranks(rounds)
         results[pair] = {"rounds": rounds, "peak_rss_mb": memory}
         if rank == 0:
             c = compare(rounds, "reference", "candidate")
@@ -395,6 +400,21 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         (args.out / "side_by_side.json").write_text(json.dumps(results))
     finish_worker()
+
+
+def _sum_cpu_over_ranks(rounds: list[dict[str, Timings]]) -> None:
+    """Each step's CPU seconds summed over the ranks (in place): the work a configuration did, whatever
+    the wall clock (a rank waiting in a collective is blocked, not spinning, so waits add almost nothing)."""
+    import torch.distributed as dist
+
+    mine = [{side: r[side]["cpu"] for side in r} for r in rounds]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for index, measured in enumerate(rounds):
+        for side in measured:
+            measured[side]["cpu"] = [
+                sum(steps) for steps in zip(*(e[index][side] for e in every), strict=True)
+            ]
 
 
 def ratios(results: dict[str, Any]) -> dict[str, float]:
@@ -416,6 +436,7 @@ def report(results: dict[str, Any], pairs: dict[str, Pair], header: str) -> str:
     for name, measured in results.items():
         pair = pairs[name]
         c = compare(measured["rounds"], "reference", "candidate")
+        work = compare(measured["rounds"], "reference", "candidate", part="cpu")
         setups, firsts = (
             {
                 s: statistics.median([r[s][key][0] for r in measured["rounds"]])
@@ -429,12 +450,14 @@ def report(results: dict[str, Any], pairs: dict[str, Pair], header: str) -> str:
         rows.append([
             name, pair.reference, pair.candidate, f"{c['reference_s'] * 1e3:.1f}", f"{c['candidate_s'] * 1e3:.1f}",
             f"{c['ratio']:.3f} ({c['q1']:.2f}-{c['q3']:.2f})", _verdict(c["ratio"], pair.target),
+            f"{work['ratio']:.3f} ({work['q1']:.2f}-{work['q3']:.2f})",
             f"{setups['reference']:.2f} / {setups['candidate']:.2f} s = {setup_ratio:.2f}",
             f"{firsts['reference']:.2f} / {firsts['candidate']:.2f} s = {first_ratio:.2f}"
             + (f" ({_verdict(first_ratio, pair.setup_target)})" if pair.setup_target else ""),
             f"{memory['reference']:.0f} / {memory['candidate']:.0f}",
         ])  # fmt: skip
     body = table(["pair", "reference", "ours", "ref. step ms", "our step ms", "ratio (quartiles)", "target",
+                  "CPU work ratio (quartiles)",
                   "fit to first step start, ref. / ours",
                   "fit to first step end, ref. / ours", "RSS rise MB rank 0, ref. / ours"], rows)  # fmt: skip
     return f"{header}\n\n{body}\n"
