@@ -388,7 +388,10 @@ def report(payload: dict[str, Any]) -> str:
     for s in payload["rows"]:
         label = [s["schedule"], s["micro_batches"], s["batch"]]
         if "skipped" in s:
-            rows.append([*label, "-", "-", "-", f"{s['ideal']:.3f}", "n/a (needs more micro-batches)", "-"])
+            rows.append(
+                [*label, "-", "-", "-", f"{s['ideal']:.3f}", "n/a (needs more micro-batches)", "-"]
+                + ["-", "-"] * hand
+            )
             continue
         verdict = ""
         if s["micro_batches"] >= 8:
