@@ -10,10 +10,13 @@ Pairs (reference -> ours), same model, weights, batches and ranks in both:
 - ``tp``: Lightning's ``ModelParallelStrategy`` with ``parallelize_module`` and a plan written by hand
   for the recipe GPT (q|k|v and fc column-wise, the projections row-wise, the heads per rank set on
   the attention modules, embeddings and head replicated) -> ``HybridParallelStrategy(tensor_parallel=2)``
-  with its automatic plan. Target: step at most 1.02x, setup at most 1.2x: judged from ``fit`` to the end of
-  the first step, because the one-time warm-up of DTensor's sharding propagation (each operator's first
-  dispatch) happens inside the hand plan's first step and inside our plan's verification, on the same
-  shapes; the time to the start of the first step is printed too.
+  with its automatic plan (which also shards the embedding and the head over the vocabulary);
+  ``tp_same_plan``: ours given ``plan=`` the hand plan's modules only, the sharding decisions equal; ``tp_sp``: the same with sequence parallelism on both sides (torchtitan's pattern by
+  hand: ``SequenceParallel`` norms, ``PrepareModuleInput`` gathering the sequence into the attention and the
+  MLP, their output projections reduce-scattering it). Target: step at most 1.02x, setup at most 1.2x:
+  judged from ``fit`` to the end of the first step, because the one-time warm-up of DTensor's sharding
+  propagation (each operator's first dispatch) happens inside the hand plan's first step and inside our
+  plan's verification, on the same shapes; the time to the start of the first step is printed too.
 - ``pp``: the same two (or, interleaved, four) stages of the recipe GPT cut by hand and driven with torch's
   ``PipelineStage`` and schedule classes from a manual-optimization ``training_step`` under Lightning's
   ``ModelParallelStrategy`` (``benchmarks/hand_pipeline.py``: the tied embedding and head summed over the
@@ -94,6 +97,12 @@ class Pair:
 def _pairs(micro_batches: tuple[int, ...]) -> dict[str, Pair]:
     pairs = {
         "tp": Pair("ModelParallelStrategy + hand plan", "tensor_parallel=2", 1.02, 1.2),
+        "tp_same_plan": Pair(
+            "ModelParallelStrategy + hand plan", "tensor_parallel=2, plan= the hand plan's modules", 1.02, 1.2
+        ),
+        "tp_sp": Pair(
+            "ModelParallelStrategy + hand plan, sp", "tensor_parallel=2, sequence_parallel", 1.02, 1.2
+        ),
         "dp_ddp": Pair("strategy='ddp'", "HybridParallelStrategy()", 1.0),
         "dp_fsdp": Pair("ModelParallelStrategy + fully_shard", "HybridParallelStrategy()", None),
         "ep": Pair("MoE, data parallel only", "expert_parallel=2", None),
@@ -108,7 +117,7 @@ def _pairs(micro_batches: tuple[int, ...]) -> dict[str, Pair]:
 
 
 GROUPS = {
-    "tp": ("tp",),
+    "tp": ("tp", "tp_same_plan", "tp_sp"),
     "dp": ("dp_ddp", "dp_fsdp"),
     "ep": ("ep",),
     "ac": ("ac_full", "ac_selective"),
@@ -190,21 +199,64 @@ def _gpt(shape: dict[str, Any]) -> Any:
     )
 
 
-def _hand_tp_model(shape: dict[str, Any]) -> Any:
-    """The recipe GPT with the ``configure_model`` a Lightning user writes for ``ModelParallelStrategy``."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+# ``plan=`` naming the modules the hand plan shards, and nothing else (the embedding and head stay whole): the
+# strategy's own machinery against the hand plan's, the sharding decisions equal.
+HAND_PLAN = {
+    "model.transformer.h.*.attn.qkv": "fused_qkv",
+    "model.transformer.h.*.attn.proj": "rowwise",
+    "model.transformer.h.*.mlp.fc": "colwise",
+    "model.transformer.h.*.mlp.proj": "rowwise",
+}
+
+
+def _hand_tp_model(shape: dict[str, Any], sequence_parallel: bool = False) -> Any:
+    """The recipe GPT with the ``configure_model`` a Lightning user writes for ``ModelParallelStrategy``.
+
+    The fused q|k|v projection is cut column-wise as it stands (contiguous rows): the same work and
+    communication as a correct cut, which must first reorder the rows so that each rank gets its heads'
+    q, k and v; the benchmark times steps, it does not compare what they learn. With
+    ``sequence_parallel``, torchtitan's pattern: the residual stream holds each rank's part of the sequence,
+    the norms run on it, the attention and the MLP gather it and reduce-scatter their output.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     model = _gpt(shape)
 
     def configure_model() -> None:
         mesh = model.device_mesh["tensor_parallel"]
-        plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-                "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}  # fmt: skip
-        for block in model.model.transformer.h:
+        gpt = model.model
+        if sequence_parallel:
+            gather = {
+                "input_layouts": (Shard(1),),
+                "desired_input_layouts": (Replicate(),),
+                "use_local_output": True,
+            }
+            plan = {"ln_1": SequenceParallel(), "attn": PrepareModuleInput(**gather), "attn.qkv": ColwiseParallel(),
+                    "attn.proj": RowwiseParallel(output_layouts=Shard(1)), "ln_2": SequenceParallel(),
+                    "mlp": PrepareModuleInput(**gather), "mlp.fc": ColwiseParallel(),
+                    "mlp.proj": RowwiseParallel(output_layouts=Shard(1))}  # fmt: skip
+        else:
+            plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                    "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}  # fmt: skip
+        for block in gpt.transformer.h:
             parallelize_module(block, mesh, plan)
             # a user's plan must also tell the attention its heads per rank (torchtitan does the same)
             block.attn.n_head //= mesh.size()
             block.attn.n_embd //= mesh.size()
+        if sequence_parallel:  # the stream enters the blocks cut along the sequence and leaves them whole
+            split = PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+            )
+            parallelize_module(gpt.transformer.h[0], mesh, split)
+            parallelize_module(gpt.transformer.ln_f, mesh, SequenceParallel())
+            parallelize_module(gpt.lm_head, mesh, PrepareModuleInput(**gather))
 
     model.configure_model = configure_model
     return model
@@ -265,11 +317,14 @@ def _lightning_config(
 
     batch = shape["batch_size"]
     ours = side == "candidate"
-    if pair == "tp":
+    if pair in ("tp", "tp_same_plan", "tp_sp"):
+        sp = pair == "tp_sp"
         if ours:
-            return _gpt(shape), HybridParallelStrategy(tensor_parallel=2, timeout=300), batch
+            plan = HAND_PLAN if pair == "tp_same_plan" else "auto"
+            strategy = HybridParallelStrategy(tensor_parallel=2, sequence_parallel=sp, plan=plan, timeout=300)
+            return _gpt(shape), strategy, batch
         return (
-            _hand_tp_model(shape),
+            _hand_tp_model(shape, sequence_parallel=sp),
             ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
             batch,
         )
