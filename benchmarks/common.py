@@ -220,14 +220,15 @@ def run_lockstep(runs: dict[str, Callable[[Baton, str], Timings]]) -> dict[str, 
 # ---- the recipe model and data ------------------------------------------------------------
 
 
-def recipe_model(seed: int = 1234, **kwargs: Any) -> Any:
-    """``GPTLightningModule`` with the same initial weights for the same ``seed`` and shape."""
+def recipe_model(seed: int = 1234, cls: type | None = None, **kwargs: Any) -> Any:
+    """``GPTLightningModule`` (or its subclass ``cls``) with the same initial weights for the same ``seed`` and
+    shape."""
     from recipes.gpt.module import GPTLightningModule
 
     torch.manual_seed(seed)
     kwargs.setdefault("warmup_steps", 1)
     kwargs.setdefault("lr_decay_steps", 1000)
-    return GPTLightningModule(**kwargs)
+    return (cls or GPTLightningModule)(**kwargs)
 
 
 def recipe_data(block_size: int, batch_size: int, random_tokens: int | None = None, like: Any = None) -> Any:

@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from recipes.gpt.module import GPTLightningModule
+
 
 class Stage(nn.Module):
     """A slice of the recipe GPT: the embeddings (first), blocks, the final norm and head (last)."""
@@ -53,74 +55,72 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
-def hand_pipeline_model(schedule: str, micro_batches: int, **gpt_kwargs: Any) -> Any:
-    """The recipe's ``GPTLightningModule`` (same weights for the same seed) turned into a hand-cut pipeline."""
+class HandPipelineGPT(GPTLightningModule):
+    """The recipe's module, its step driving torch's schedule over stages cut in ``configure_model``."""
+
+    def __init__(self, pipeline_schedule: str = "1f1b", micro_batches: int = 4, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+        self.pipeline_schedule, self.micro_batches = pipeline_schedule, micro_batches
+
+    def configure_model(self) -> None:
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+
+        if hasattr(self, "stages"):
+            return
+        rank, world = dist.get_rank(), dist.get_world_size()
+        per_rank = 2 if self.pipeline_schedule == "interleaved_1f1b" else 1
+        num_stages = world * per_rank
+        gpt = self.model
+        n = len(gpt.transformer.h)
+        mine = [rank + world * v for v in range(per_rank)]  # loop placement: rank r holds r, r + P, ...
+        modules = [
+            Stage(copy.deepcopy(gpt), range(s * n // num_stages, (s + 1) * n // num_stages),
+                  first=s == 0, last=s == num_stages - 1)
+            for s in mine
+        ]  # fmt: skip
+        del self.model  # the optimizer sees the stages' weights only
+        self.stages = nn.ModuleList(modules)
+        device = self.device
+        torch_stages = [PipelineStage(m, s, num_stages, device) for m, s in zip(modules, mine, strict=True)]
+        self.holds_first, self.holds_last = 0 in mine, num_stages - 1 in mine
+        self.last_rank = (num_stages - 1) % world
+        self.tied = [m.wte.weight for m in modules if m.first] + [m.lm_head.weight for m in modules if m.last]
+        if per_rank > 1:
+            self.runner = ScheduleInterleaved1F1B(torch_stages, self.micro_batches, loss_fn=_loss)
+        else:
+            single = ScheduleGPipe if self.pipeline_schedule == "gpipe" else Schedule1F1B
+            self.runner = single(torch_stages[0], self.micro_batches, loss_fn=_loss)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        optimizer.zero_grad()
+        losses: list[torch.Tensor] = []
+        if self.holds_first and self.holds_last:
+            self.runner.step(x, target=y, losses=losses)
+        elif self.holds_first:
+            self.runner.step(x)
+        else:
+            self.runner.step(target=y, losses=losses)
+        for weight in self.tied:  # the embedding on the first stage, the head on the last: one matrix
+            dist.all_reduce(weight.grad)
+        optimizer.step()
+        scheduler.step()
+        loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self.device)
+        dist.broadcast(loss, src=self.last_rank)  # logged on rank 0, which holds the first stage
+        self.log("train_loss", loss, prog_bar=True)
+
+
+def hand_pipeline_model(schedule: str, micro_batches: int, **gpt_kwargs: Any) -> HandPipelineGPT:
+    """:class:`HandPipelineGPT` with the recipe model's weights for the same seed and shape."""
     from benchmarks.common import recipe_model
 
-    module = recipe_model(**gpt_kwargs)
-    module.__class__ = _hand_class(type(module))
-    module.automatic_optimization = False
-    module.pipeline_schedule, module.micro_batches = schedule, micro_batches
-    return module
-
-
-def _hand_class(base: type) -> type:
-    class HandPipelineGPT(base):  # type: ignore[misc,valid-type]
-        def configure_model(self) -> None:
-            from torch.distributed.pipelining import (
-                PipelineStage,
-                Schedule1F1B,
-                ScheduleGPipe,
-                ScheduleInterleaved1F1B,
-            )
-
-            if hasattr(self, "stages"):
-                return
-            rank, world = dist.get_rank(), dist.get_world_size()
-            per_rank = 2 if self.pipeline_schedule == "interleaved_1f1b" else 1
-            num_stages = world * per_rank
-            gpt = self.model
-            n = len(gpt.transformer.h)
-            mine = [rank + world * v for v in range(per_rank)]  # loop placement: rank r holds r, r + P, ...
-            modules = [
-                Stage(copy.deepcopy(gpt), range(s * n // num_stages, (s + 1) * n // num_stages),
-                      first=s == 0, last=s == num_stages - 1)
-                for s in mine
-            ]  # fmt: skip
-            del self.model  # the optimizer sees the stages' weights only
-            self.stages = nn.ModuleList(modules)
-            device = self.device
-            torch_stages = [
-                PipelineStage(m, s, num_stages, device) for m, s in zip(modules, mine, strict=True)
-            ]
-            self.holds_first, self.holds_last = 0 in mine, num_stages - 1 in mine
-            self.last_rank = (num_stages - 1) % world
-            self.tied = [m.wte.weight for m in modules if m.first] + [
-                m.lm_head.weight for m in modules if m.last
-            ]
-            if per_rank > 1:
-                self.runner = ScheduleInterleaved1F1B(torch_stages, self.micro_batches, loss_fn=_loss)
-            else:
-                single = ScheduleGPipe if self.pipeline_schedule == "gpipe" else Schedule1F1B
-                self.runner = single(torch_stages[0], self.micro_batches, loss_fn=_loss)
-
-        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-            x, y = batch
-            optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-            optimizer.zero_grad()
-            losses: list[torch.Tensor] = []
-            if self.holds_first and self.holds_last:
-                self.runner.step(x, target=y, losses=losses)
-            elif self.holds_first:
-                self.runner.step(x)
-            else:
-                self.runner.step(target=y, losses=losses)
-            for weight in self.tied:  # the embedding on the first stage, the head on the last: one matrix
-                dist.all_reduce(weight.grad)
-            optimizer.step()
-            scheduler.step()
-            loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self.device)
-            dist.broadcast(loss, src=self.last_rank)  # logged on rank 0, which holds the first stage
-            self.log("train_loss", loss, prog_bar=True)
-
-    return HandPipelineGPT
+    return recipe_model(
+        cls=HandPipelineGPT, pipeline_schedule=schedule, micro_batches=micro_batches, **gpt_kwargs
+    )

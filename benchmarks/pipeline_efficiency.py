@@ -120,13 +120,13 @@ def PairedStepTimer(baton: Baton, name: str, warmup: int, group: Any = None, eve
     return _PairedStepTimer()
 
 
-def _trainer(devices: int, strategy: Any, steps: int, callbacks: list[Any]) -> Any:
+def _trainer(devices: int, strategy: Any, steps: int, callbacks: list[Any], **extra: Any) -> Any:
     import lightning as L
 
     return L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, **extra,
     )  # fmt: skip
 
 
@@ -182,16 +182,11 @@ def _run_accumulated(
 ) -> dict[str, list[float]]:
     """One process over the same micro-batches, one after the other (gradient accumulation): what cutting the
     batch into micro-batches costs without any pipeline. Times per optimizer step (its ``M`` batches summed)."""
-    import lightning as L
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
     timer = PairedStepTimer(baton, "accumulated", args.warmup * micro_batches, every=micro_batches)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=SingleDeviceStrategy(torch.device("cpu")),
-        max_steps=args.warmup + args.steps, accumulate_grad_batches=micro_batches, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
-    )  # fmt: skip
+    strategy = SingleDeviceStrategy(torch.device("cpu"))
+    trainer = _trainer(1, strategy, args.warmup + args.steps, [timer], accumulate_grad_batches=micro_batches)
     trainer.fit(_model(shape), datamodule=recipe_data(shape["block_size"], batch // micro_batches, like=data))
     return {
         key: [
@@ -330,9 +325,7 @@ def summarize(row: dict[str, Any], pipeline_parallel: int = PIPELINE_PARALLEL) -
         for r, *ranks in zip(row["reference"]["cpu"], *row["pipelined"]["cpu_ranks"], strict=False)
     ]
     hand = ceiling = None
-    if (
-        "accumulated" in row
-    ):  # whole batch / the same batch as M micro-batches, one process: the kernels' part
+    if "accumulated" in row:  # whole batch / the same batch as M micro-batches in one process
         ceiling = statistics.median(r / a for r, a in zip(ref, row["accumulated"]["wall"], strict=False))
     if "hand" in row:  # the hand-driven pipeline's efficiency, against the same reference steps
         hand = (

@@ -160,9 +160,8 @@ class StepLogs:
     when it returned something.
     """
 
-    CAPACITY = (
-        32  # values that travel with the header; a step logging more sends the rest in a second broadcast
-    )
+    # Values that travel with the header; a step logging more sends the rest in a second broadcast.
+    CAPACITY = 32
 
     def __init__(self) -> None:
         self.structure: list[tuple[str, str, Any, dict[str, Any]]] | None = None
@@ -207,8 +206,7 @@ class StepLogs:
             extra = broadcast_from(extra if sending else None, src, group)
         flat = message[3 : 3 + min(count, self.CAPACITY)]
         if count > self.CAPACITY:
-            rest = values[self.CAPACITY :] if sending else torch.empty(count - self.CAPACITY, dtype=torch.float64,
-                                                                       device=device)  # fmt: skip
+            rest = values[self.CAPACITY :] if sending else message.new_empty(count - self.CAPACITY)
             dist.broadcast(rest, group=group, group_src=src)
             flat = torch.cat([flat, rest])
         flat = flat.float()

@@ -69,12 +69,8 @@ def _share_worker(rank: int, world_size: int) -> None:
 
     logs, group, device = StepLogs(), dist.group.WORLD, torch.device("cpu")
     last = world_size - 1
-    for count, extra in (
-        (2, None),
-        (2, None),
-        (40, {"out": 7}),
-        (3, None),
-    ):  # same, same, many + extra, fewer
+    # the same structure twice, then many values with an extra object, then fewer values
+    for count, extra in ((2, None), (2, None), (40, {"out": 7}), (3, None)):
         values = [torch.tensor(float(i) + 0.25, dtype=torch.float32) for i in range(count)]
         records = [(f"v{i}", ("value", v), {"prog_bar": i == 0}) for i, v in enumerate(values)]
         payload = (torch.tensor(1.5), records) if rank == last else None
