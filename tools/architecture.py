@@ -37,7 +37,7 @@ LAYERS: list[set[str]] = [
         "data_parallel",
         "tensor_parallel",
     },
-    {"plans"},
+    {"plans", "compression"},
     {"pipeline"},
     {"checkpoint", "config"},
     {"parallelize", "planner"},

@@ -101,6 +101,8 @@ class Case:
             spread from the natural order derives the low-precision tolerance.
         fault: Test-only fault injection; ``None`` in real cases.
         gradient_fault: Test-only wrong gradient (a negative control); ``None`` in real cases.
+        callbacks: Callbacks of the run, built in the worker (``StrategySpec`` also names a callback
+            class): applied to the reference too, they are part of what is compared (pruning).
         switch_off: Test-only: ``"row_copies"`` stops summing the gradient copies of rows stored on several
             tensor-parallel ranks. ``"activation_checkpointing"`` undoes the strategy's recomputation
             when training starts (same numbers, the feature silently off: a negative control of
@@ -122,6 +124,7 @@ class Case:
     fault: Fault | None = None
     gradient_fault: GradientFault | None = None
     switch_off: str | None = None
+    callbacks: tuple[StrategySpec, ...] = ()
 
     @property
     def dp(self) -> int:
@@ -149,6 +152,7 @@ class Case:
             self.seed,
             self.data,
             self.reversed_batches,
+            repr(self.callbacks),
         )
 
     def replace(self, **changes: Any) -> Case:

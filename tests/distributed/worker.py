@@ -183,6 +183,9 @@ class ParityRecorder(Callback):
             self.payload["engagement_problems"] = engagement_problems(case_rows(self.case), engagement, facts)
 
 
+CALLBACK_FACTS = ("threshold", "pruned", "selected", "sparsity")
+
+
 def _mesh_coordinates(strategy: Any) -> dict[str, int]:
     """This rank's coordinate on each named axis of the strategy's mesh (empty without one)."""
     mesh = getattr(strategy, "_device_mesh", None)
@@ -296,7 +299,8 @@ def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], 
         devices, loader = case.world_size, make_dataloader(case.batch_size, case.num_samples, data=case.data)
         strategy = case.strategy if isinstance(case.strategy, str) else case.strategy.build()
     recorder = ParityRecorder(None if reference else case)
-    callbacks: list[Callback] = [recorder]
+    extra = [spec.build() for spec in case.callbacks]
+    callbacks: list[Callback] = [recorder, *extra]
     if case.fault is not None and not reference:
         callbacks.append(FaultInjector(case.fault))
     if case.gradient_fault is not None and not reference:
@@ -322,6 +326,8 @@ def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], 
         if reference:
             recorder.payload["data_parallel"] = case.dp
         case_s = time.perf_counter() - case_start
+        for callback in extra:  # what a case's callback did (pruning: its threshold and counts)
+            recorder.payload["facts"].update({k: getattr(callback, k) for k in CALLBACK_FACTS if hasattr(callback, k)})
         recorder.payload.update(
             name=case.name, world_size=devices, wall_s=wall_s, case_s=case_s, startup_s=startup_s
         )
