@@ -1,12 +1,22 @@
-"""Making a trained model cheaper under any layout: pruning (more to come: quantization, distillation).
+"""Making a trained model cheaper under any layout: pruning and distillation (quantization to come).
 
 - :class:`MagnitudePruning`: a Lightning callback; one global magnitude threshold over the shards of
   all ranks, or 2:4 semi-structured masks; gradual schedules; masks re-applied after every
   optimizer step, carried by checkpoints and ``export`` as zeros.
+- :class:`KnowledgeDistillation`: a Lightning callback; a frozen teacher beside the user's unchanged
+  ``training_step``, the KL on vocabulary-sharded logits under tensor parallelism.
 """
 
+from lightning_parallel.compression.distillation import KnowledgeDistillation
+from lightning_parallel.compression.kd_loss import distillation_kl
 from lightning_parallel.compression.pruning import MagnitudePruning
 from lightning_parallel.compression.schedule import PruningSchedule
 from lightning_parallel.compression.threshold import kth_smallest_magnitude
 
-__all__ = ["MagnitudePruning", "PruningSchedule", "kth_smallest_magnitude"]
+__all__ = [
+    "KnowledgeDistillation",
+    "MagnitudePruning",
+    "distillation_kl",
+    "PruningSchedule",
+    "kth_smallest_magnitude",
+]

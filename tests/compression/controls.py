@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
 
-from lightning_parallel.compression import MagnitudePruning
+from lightning_parallel.compression import KnowledgeDistillation, MagnitudePruning
+from lightning_parallel.compression.kd_loss import distillation_kl, shard_like
 from lightning_parallel.precision.layout_sum import local_values
 
 
@@ -21,3 +24,26 @@ class ShardLocalPruning(MagnitudePruning):
         self.threshold = float(flat.kthvalue(k).values)
         self._masks = [m > self.threshold for m in magnitudes]
         self.sparsity = sparsity
+
+
+class DistilFromFamily(KnowledgeDistillation):
+    """A teacher built in the worker: a test family's inner model from its own seed (picklable, repr-able case data)."""
+
+    def __init__(
+        self, family: str = "recipe_gpt", seed: int = 7, teacher_kwargs: dict | None = None, **kwargs: object
+    ) -> None:
+        from tests.models.families import build
+
+        super().__init__(build(family, seed=seed, **(teacher_kwargs or {})).model, **kwargs)
+
+
+class ShardLocalKD(DistilFromFamily):
+    """The KL of each rank's vocabulary shard alone (its own log-sum-exp): what a sharded KL without the
+    cross-rank normalisation computes; under loss_parallel it must fail the parity with one process."""
+
+    def _kd_loss(self, student: Tensor, teacher: Tensor) -> Tensor:
+        if not isinstance(student, DTensor):
+            return super()._kd_loss(student, teacher)
+        local = student.to_local()
+        teacher_local = shard_like(teacher, student).to_local()
+        return distillation_kl(local, teacher_local, self.temperature)

@@ -72,7 +72,9 @@ def test_pruned_training_matches_the_one_process_pruned_run(results: dict[str, R
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", FOUR, ids=lambda c: c.name)
-def test_pruning_under_zero_matches_the_one_process_pruned_run(four_process: dict[str, Result], case: Case) -> None:
+def test_pruning_under_zero_matches_the_one_process_pruned_run(
+    four_process: dict[str, Result], case: Case
+) -> None:
     _check(four_process[case.name], reference(case))
 
 

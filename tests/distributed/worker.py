@@ -183,7 +183,11 @@ class ParityRecorder(Callback):
             self.payload["engagement_problems"] = engagement_problems(case_rows(self.case), engagement, facts)
 
 
-CALLBACK_FACTS = ("threshold", "pruned", "selected", "sparsity")
+def _number(value: Any) -> Any:
+    return float(value) if isinstance(value, torch.Tensor) else value
+
+
+CALLBACK_FACTS = ("threshold", "pruned", "selected", "sparsity", "last_kd_loss", "last_task_loss")
 
 
 def _mesh_coordinates(strategy: Any) -> dict[str, int]:
@@ -327,7 +331,9 @@ def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], 
             recorder.payload["data_parallel"] = case.dp
         case_s = time.perf_counter() - case_start
         for callback in extra:  # what a case's callback did (pruning: its threshold and counts)
-            recorder.payload["facts"].update({k: getattr(callback, k) for k in CALLBACK_FACTS if hasattr(callback, k)})
+            recorder.payload["facts"].update(
+                {k: _number(getattr(callback, k)) for k in CALLBACK_FACTS if hasattr(callback, k)}
+            )
         recorder.payload.update(
             name=case.name, world_size=devices, wall_s=wall_s, case_s=case_s, startup_s=startup_s
         )

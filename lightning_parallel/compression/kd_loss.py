@@ -1,0 +1,80 @@
+"""The distillation loss: forward KL between softened teacher and student distributions over the vocabulary.
+
+``T**2 * KL(softmax(t / T) || softmax(s / T))`` averaged over tokens (Hinton et al., 2015: the
+``T**2`` keeps the gradient's scale as ``T`` changes). Three forms of logits:
+
+- plain tensors ``(..., V)``: the whole vocabulary on every rank;
+- DTensors sharded over the vocabulary (``Shard(-1)``, the tensor-parallel head under
+  ``loss_parallel=True``): the log-softmax runs inside torch's ``loss_parallel()``, whose handler
+  takes the maximum and the sum of exponentials across the tensor-parallel ranks (three small
+  all-reduces), so the logits are never gathered;
+- ``top_k``: only the teacher's ``k`` largest logits per token are kept (the rest of its
+  distribution's mass dropped and renormalised), as when a large teacher's logits are stored
+  or sent; the student's log-probabilities are still normalised over the whole vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import loss_parallel
+
+__all__ = ["distillation_kl", "shard_like"]
+
+
+def shard_like(full: Tensor, sharded: DTensor) -> DTensor:
+    """``full`` (replicated logits) as a DTensor with ``sharded``'s vocabulary split: a local slice, no traffic."""
+    replicated = DTensor.from_local(full, sharded.device_mesh, [Replicate()] * sharded.device_mesh.ndim,
+                                    run_check=False)  # fmt: skip
+    return replicated.redistribute(placements=sharded.placements)
+
+
+def _is_vocab_sharded(logits: Tensor) -> bool:
+    return isinstance(logits, DTensor) and any(
+        isinstance(p, Shard) and p.dim in (-1, logits.dim() - 1) for p in logits.placements
+    )
+
+
+def distillation_kl(
+    student: Tensor, teacher: Tensor, temperature: float = 1.0, top_k: int | None = None
+) -> Tensor:
+    """``T**2 * KL(teacher || student)`` per token, averaged; a plain scalar tensor, differentiable in ``student``.
+
+    ``student`` and ``teacher``: logits of one shape ``(..., V)``, both plain or both sharded alike.
+    """
+    if student.shape != teacher.shape:
+        raise ValueError(
+            f"Student logits {tuple(student.shape)} and teacher logits {tuple(teacher.shape)} differ: the teacher"
+            " must see the same tokens and share the student's vocabulary."
+        )
+    teacher = teacher.detach()
+    if top_k is not None:
+        if _is_vocab_sharded(student):
+            raise ValueError(
+                "`top_k` needs the whole vocabulary of a token on one rank; with `loss_parallel=True` the logits are"
+                " sharded over it. Use top_k=None (the sharded KL), or loss_parallel=False."
+            )
+        return _top_k_kl(student, teacher, temperature, top_k)
+    if _is_vocab_sharded(student):
+        if not isinstance(teacher, DTensor):
+            teacher = shard_like(teacher, student)
+        with loss_parallel():
+            kl = _kl(student, teacher, temperature)
+        return kl.full_tensor()
+    return _kl(student, teacher, temperature)
+
+
+def _kl(student: Tensor, teacher: Tensor, temperature: float) -> Tensor:
+    log_p_student = F.log_softmax(student.float() / temperature, dim=-1)
+    log_p_teacher = F.log_softmax(teacher.float() / temperature, dim=-1)
+    per_token = (log_p_teacher.exp() * (log_p_teacher - log_p_student)).sum(-1)
+    return per_token.mean() * temperature**2
+
+
+def _top_k_kl(student: Tensor, teacher: Tensor, temperature: float, k: int) -> Tensor:
+    values, indices = teacher.float().topk(k, dim=-1)
+    log_p_teacher = F.log_softmax(values / temperature, dim=-1)  # renormalised over the kept k
+    log_p_student = F.log_softmax(student.float() / temperature, dim=-1).gather(-1, indices)
+    per_token = (log_p_teacher.exp() * (log_p_teacher - log_p_student)).sum(-1)
+    return per_token.mean() * temperature**2
