@@ -62,8 +62,14 @@ class ZeroArguments:
     def enabled(self) -> bool:
         return self.stage > 0
 
-    def deepspeed_config(self, precision: str, gradient_clip_val: float | None) -> dict[str, Any]:
+    def deepspeed_config(
+        self, precision: str, gradient_clip_val: float | None, largest_parameter: int = BUCKET_ELEMENTS
+    ) -> dict[str, Any]:
         """The config for ``deepspeed.initialize``: stage, offload, precision, clipping, user keys.
+
+        ``largest_parameter`` (elements) sizes the NVMe parameter swap buffers: each must hold the
+        largest parameter, and DeepSpeed's default (1e8 elements, five buffers: 2 GB of pinned memory
+        per rank, allocated at start-up) is sized for models of billions.
 
         ``precision`` is one of :data:`ZERO_PRECISIONS` (``config/validation.py`` refused the rest).
         """
@@ -91,7 +97,8 @@ class ZeroArguments:
         elif self.offload == "nvme":
             assert self.offload_path is not None
             zero["offload_optimizer"] = {"device": "nvme", "nvme_path": self.offload_path, "pin_memory": True}
-            zero["offload_param"] = {"device": "nvme", "nvme_path": self.offload_path, "pin_memory": True}
+            zero["offload_param"] = {"device": "nvme", "nvme_path": self.offload_path, "pin_memory": True,
+                                     "buffer_size": largest_parameter}  # fmt: skip
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,  # only used by DeepSpeed's throughput log
             "gradient_accumulation_steps": 1,

@@ -144,7 +144,11 @@ def initialize_engine(
     engine, zero_optimizer, _, _ = deepspeed.initialize(
         model=module,
         optimizer=optimizer,
-        config=zero.deepspeed_config(precision, gradient_clip_val),
+        config=zero.deepspeed_config(
+            precision,
+            gradient_clip_val,
+            largest_parameter=max((p.numel() for p in module.parameters()), default=1),
+        ),
         mpu=mpu,
         dist_init_required=False,
     )
