@@ -40,11 +40,14 @@ def test_config_follows_stage_offload_precision_and_clipping() -> None:
     assert config["fp16"]["enabled"] and config["fp16"]["loss_scale"] == 0  # dynamic loss scaling
     assert config["gradient_clipping"] == 0.0
 
-    config = zero_arguments(3, "nvme", "/tmp/swap", None).deepspeed_config("32-true", None)
+    config = zero_arguments(3, "nvme", "/tmp/swap", None).deepspeed_config(
+        "32-true", None, largest_parameter=4096
+    )
     assert config["zero_optimization"]["offload_param"] == {
         "device": "nvme",
         "nvme_path": "/tmp/swap",
         "pin_memory": True,
+        "buffer_size": 4096,  # each swap buffer holds the largest parameter, not DeepSpeed's 1e8 elements
     }
     assert "bf16" not in config and "fp16" not in config
 
