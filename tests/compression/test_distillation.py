@@ -14,7 +14,7 @@ import torch
 
 from lightning_parallel.compression import KnowledgeDistillation, distillation_kl
 from tests.distributed.cases import Case, StrategySpec, hybrid
-from tests.distributed.harness import Result, assert_parity, reference, run_cases
+from tests.distributed.harness import Result, assert_parity, reference
 
 TEACHER = {"teacher_kwargs": {"n_embd": 96}, "temperature": 2.0, "alpha": 0.7}
 
@@ -42,8 +42,8 @@ CONTROL = _case("kd_shardlocal_tp2_loss_parallel_recipe_gpt", callback=_kd("test
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, Result]:
-    return run_cases([*CASES, CONTROL], 2, timeout_s=600, references_for=[*CASES, CONTROL])
+def results(two_process_compression: dict[str, Result]) -> dict[str, Result]:
+    return two_process_compression  # tests/compression/conftest.py: with the other file's cases, one launch
 
 
 @pytest.mark.distributed

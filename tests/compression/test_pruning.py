@@ -55,8 +55,8 @@ CONTROL = _case("prune_shardlocal_tp2_nanogpt", tensor_parallel=2,
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, Result]:
-    return run_cases([*CASES, CONTROL], 2, timeout_s=600, references_for=[*CASES, CONTROL])
+def results(two_process_compression: dict[str, Result]) -> dict[str, Result]:
+    return two_process_compression  # tests/compression/conftest.py: with the other file's cases, one launch
 
 
 @pytest.fixture(scope="module")
