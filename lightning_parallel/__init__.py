@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_parallel.checkpoint.transfer import consolidate_checkpoint, export_checkpoint, load_weights
 from lightning_parallel.comm import PowerSGD
+from lightning_parallel.compression import KnowledgeDistillation, MagnitudePruning
 from lightning_parallel.launch import SLURMAutoRequeue
 from lightning_parallel.memory import ActivationMemoryMonitor
 from lightning_parallel.mesh import ParallelDims
@@ -21,6 +22,8 @@ if HybridParallelStrategy.strategy_name not in StrategyRegistry:
 __all__ = [
     "ActivationMemoryMonitor",
     "HybridParallelStrategy",
+    "KnowledgeDistillation",
+    "MagnitudePruning",
     "ParallelDims",
     "ParallelPlan",
     "PowerSGD",
