@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_parallel.checkpoint.transfer import consolidate_checkpoint, export_checkpoint, load_weights
 from lightning_parallel.comm import PowerSGD
-from lightning_parallel.compression import KnowledgeDistillation, MagnitudePruning
+from lightning_parallel.compression import KnowledgeDistillation, MagnitudePruning, QuantizationAwareTraining
 from lightning_parallel.launch import SLURMAutoRequeue
 from lightning_parallel.memory import ActivationMemoryMonitor
 from lightning_parallel.mesh import ParallelDims
@@ -27,6 +27,7 @@ __all__ = [
     "ParallelDims",
     "ParallelPlan",
     "PowerSGD",
+    "QuantizationAwareTraining",
     "SLURMAutoRequeue",
     "auto_plan",
     "consolidate_checkpoint",

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.compression import KnowledgeDistillation, MagnitudePruning
 from lightning_parallel.compression.kd_loss import distillation_kl, shard_like
+from lightning_parallel.compression.qat import QuantizationAwareTraining
 from lightning_parallel.precision.layout_sum import local_values
 
 
@@ -47,3 +50,11 @@ class ShardLocalKD(DistilFromFamily):
         local = student.to_local()
         teacher_local = shard_like(teacher, student).to_local()
         return distillation_kl(local, teacher_local, self.temperature)
+
+
+class QATOnOneProcessOnly(QuantizationAwareTraining):
+    """Prepares only in a one-process run: the distributed run trains the float model (negative control)."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if trainer.world_size == 1:
+            super().setup(trainer, pl_module, stage)
