@@ -124,9 +124,7 @@ class MagnitudePruning(Callback):
             expert_ids=getattr(plugin, "expert_ids", None),
             exclude=getattr(plugin, "norm_exclude", None),
         )
-        self.selected = int(
-            self._count([torch.ones_like(local_values(p), dtype=torch.bool) for p in self._params])[0]
-        )
+        self.selected = self._count_selected(plugin)
         if self.selected == 0:
             raise ValueError(
                 f"MagnitudePruning: `parameters={self.parameters!r}` selects no weight of"
@@ -168,6 +166,11 @@ class MagnitudePruning(Callback):
             if chosen and param.dim() >= 2:
                 self._names.append(name)
                 self._params.append(param)
+
+    def _count_selected(self, plugin: Any) -> int:
+        """How many units the amount is a fraction of, over the whole model: here weights."""
+        assert self._count is not None
+        return int(self._count([torch.ones_like(local_values(p), dtype=torch.bool) for p in self._params])[0])
 
     def _check_pattern(self) -> None:
         bad = [

@@ -44,6 +44,15 @@ CASES = [
     _case("prune_gradual_dp2_nanogpt", callback=_pruning(every_n_steps=1, end_step=3)),
     _case("prune24_tp2_nanogpt", tensor_parallel=2, callback=_pruning(pattern="2:4", amount=0.5)),
 ]
+CHANNELS = "lightning_parallel.compression.channels:ChannelPruning"
+# Whole MLP channels: rows of the up projection and columns of the down one, cut alike by tensor parallelism.
+CHANNEL_CASES = [
+    _case("prune_channels_tp2_nanogpt", tensor_parallel=2, callback=_pruning(CHANNELS)),
+    _case("prune_channels_pp2_nanogpt", pipeline_parallel=2, micro_batches=2, callback=_pruning(CHANNELS)),
+    _case(
+        "prune_channels_tp2_hf_llama", family="hf_llama", tensor_parallel=2, callback=_pruning(CHANNELS)
+    ),  # gated
+]
 # ZeRO on FSDP2: masks on the dp shards of DTensor weights; at stage 2 the whole weights are gathered
 # again after each step, after the masks were applied (the optimizer's post-step hook).
 FOUR = [
@@ -92,6 +101,21 @@ def _check(result: Result, ref: Result) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("case", CHANNEL_CASES, ids=lambda c: c.name)
+def test_channel_pruning_matches_the_one_process_run(results: dict[str, Result], case: Case) -> None:
+    result, ref = results[case.name], reference(case)
+    assert_parity(result, ref)
+    assert result.facts["pruned"] == ref.facts["pruned"] == result.facts["selected"] // 2 > 0
+    ups = [t for name, t in result.params.items() if name.endswith(("mlp.c_fc.weight", "mlp.up_proj.weight"))]
+    downs = [
+        t for name, t in result.params.items() if name.endswith(("mlp.c_proj.weight", "mlp.down_proj.weight"))
+    ]
+    zero_rows = sum(int((up == 0).all(1).sum()) for up in ups)
+    zero_columns = sum(int((down == 0).all(0).sum()) for down in downs)
+    assert zero_rows == zero_columns == result.facts["pruned"], "whole channels, both projections"
+
+
+@pytest.mark.distributed
 def test_two_four_keeps_two_of_every_four_weights(results: dict[str, Result]) -> None:
     weight = results["prune24_tp2_nanogpt"].params["model.transformer.h.0.mlp.c_fc.weight"]
     assert ((weight.reshape(-1, 4) != 0).sum(1) <= 2).all()
@@ -128,3 +152,13 @@ def test_the_gradual_schedule_reaches_its_amount_in_cubic_steps() -> None:
 def test_bad_arguments_fail_with_the_argument_named(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match.replace("(", r"\(")):
         MagnitudePruning(**kwargs)
+
+
+def test_channel_pruning_refuses_zero_at_the_start_of_training() -> None:
+    from types import SimpleNamespace
+
+    from lightning_parallel.compression.channels import ChannelPruning
+
+    strategy = SimpleNamespace(config=SimpleNamespace(zero=SimpleNamespace(enabled=True)))
+    with pytest.raises(ValueError, match="zero_stage"):
+        ChannelPruning(0.5).on_train_start(SimpleNamespace(strategy=strategy), torch.nn.Linear(2, 2))  # type: ignore[arg-type]
