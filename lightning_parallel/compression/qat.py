@@ -123,9 +123,10 @@ class QuantizationAwareTraining(Callback):
             )
         keep = selection(pl_module, self.modules)
         count = check_groups(pl_module, keep, self.scheme, self.group_size)
+        quantization = _torchao()  # a clear message if torchao is missing
         from torchao.quantization.qat import QATConfig
 
-        _torchao().quantize_(
+        quantization.quantize_(
             pl_module, QATConfig(base_config(self.scheme, self.group_size), step="prepare"), keep
         )
         self.prepared = count
@@ -134,6 +135,7 @@ class QuantizationAwareTraining(Callback):
 def convert_qat(module: nn.Module, scheme: str = "8da4w", group_size: int = 32,
                 modules: Sequence[str] | None = None) -> nn.Module:  # fmt: skip
     """The QAT-trained float ``module`` (weights loaded, one process) as torchao's quantised model, in place."""
+    _torchao()
     from torchao.quantization.qat import QATConfig
 
     keep = selection(module, modules)
