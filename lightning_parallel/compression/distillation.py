@@ -135,6 +135,14 @@ class KnowledgeDistillation(Callback):
         pl_module.training_step = self._distilling(original)  # type: ignore[method-assign]
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore(pl_module)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._restore(pl_module)  # a failed fit leaves the module as it was given
+
+    def _restore(self, pl_module: pl.LightningModule) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
