@@ -73,6 +73,10 @@ class ChannelPruning(MagnitudePruning):
         self._ups: list[nn.Linear] = []
         self._downs: list[nn.Linear] = []
 
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(channels=self.pairs)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         zero = getattr(getattr(getattr(trainer.strategy, "config", None), "zero", None), "enabled", False)
         if zero:
@@ -88,7 +92,9 @@ class ChannelPruning(MagnitudePruning):
         ups = [up.weight for up in self._ups]
         self._channels = LayoutSum(ups, getattr(plugin, "pipeline_group", None), getattr(plugin, "expert_group", None),
                                    getattr(plugin, "expert_ids", None))  # fmt: skip
-        return int(self._channels([torch.ones(local_values(w).shape[0], device=w.device) for w in ups])[0])
+        return round(
+            float(self._channels([torch.ones(local_values(w).shape[0], device=w.device) for w in ups])[0])
+        )
 
     def _select(self, module: nn.Module) -> None:
         names = mlp_pairs(module, self.pairs)
@@ -136,4 +142,4 @@ class ChannelPruning(MagnitudePruning):
             masks.append(kept[None, :])
         self._masks = masks
         self.sparsity = sparsity
-        self.pruned = self.selected - int(self._channels(keep)[0])
+        self.pruned = self.selected - round(float(self._channels(keep)[0]))

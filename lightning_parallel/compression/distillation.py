@@ -35,7 +35,13 @@ __all__ = ["KnowledgeDistillation", "find_head_and_embedding"]
 
 def find_head_and_embedding(module: nn.Module) -> tuple[str, str]:
     """Names of the output head (the last ``nn.Linear`` whose outputs number an embedding's rows) and that embedding."""
-    embeddings = {m.num_embeddings: n for n, m in module.named_modules() if isinstance(m, nn.Embedding)}
+    embeddings: dict[int, str] = {}
+    for (
+        name,
+        m,
+    ) in module.named_modules():  # the first of each size: the token embedding comes before positions
+        if isinstance(m, nn.Embedding):
+            embeddings.setdefault(m.num_embeddings, name)
     heads = [
         (n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear) and m.out_features in embeddings
     ]
@@ -101,6 +107,7 @@ class KnowledgeDistillation(Callback):
         self.last_task_loss: Tensor | None = None  # of the last step, detached (no host sync)
         self.last_kd_loss: Tensor | None = None
         self._seen: dict[str, Tensor] = {}
+        self._stepping = False
         self._hooks: list[Any] = []
         self._module: pl.LightningModule | None = None
 
@@ -112,11 +119,11 @@ class KnowledgeDistillation(Callback):
                     f"KnowledgeDistillation does not run under `{degree}={getattr(dims, degree)}` yet: the teacher"
                     " would need the student's stages or its whole sequence. Distil with tensor and data parallelism."
                 )
-        head, embedding = (
-            (self.head, self.embedding)
-            if self.head and self.embedding
-            else find_head_and_embedding(pl_module)
+        found_head, found_embedding = (
+            (None, None) if self.head and self.embedding else find_head_and_embedding(pl_module)
         )
+        head, embedding = self.head or found_head, self.embedding or found_embedding
+        assert head is not None and embedding is not None
         teacher_head, _ = find_head_and_embedding(self.teacher)
         student_vocab = pl_module.get_submodule(head).out_features
         teacher_vocab = self.teacher.get_submodule(teacher_head).out_features
@@ -150,10 +157,12 @@ class KnowledgeDistillation(Callback):
             del pl_module.training_step
 
     def _see_ids(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        self._seen["ids"] = _plain(args[0])  # a tensor-parallel embedding's input is a replicated DTensor
+        if self._stepping:  # not during validation: its logits would be kept until the next step
+            self._seen["ids"] = _plain(args[0])  # a tensor-parallel embedding's input is a replicated DTensor
 
     def _see_logits(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        self._seen["logits"] = output
+        if self._stepping:
+            self._seen["logits"] = output
 
     def _kd_loss(self, student: Tensor, teacher: Tensor) -> Tensor:
         return distillation_kl(student, teacher, self.temperature, self.top_k)
@@ -161,7 +170,11 @@ class KnowledgeDistillation(Callback):
     def _distilling(self, step: Callable[..., Any]) -> Callable[..., Any]:
         def training_step(*args: Any, **kwargs: Any) -> Any:
             self._seen.clear()
-            output = step(*args, **kwargs)
+            self._stepping = True
+            try:
+                output = step(*args, **kwargs)
+            finally:
+                self._stepping = False
             if "logits" not in self._seen or "ids" not in self._seen:
                 raise RuntimeError(
                     "KnowledgeDistillation saw no forward of the student's embedding and head in training_step;"

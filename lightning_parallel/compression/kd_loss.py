@@ -38,10 +38,12 @@ def shard_like(full: Tensor, sharded: DTensor) -> DTensor:
     return replicated.redistribute(placements=sharded.placements)
 
 
+def _on_vocabulary(placement: object, ndim: int) -> bool:
+    return isinstance(placement, Shard) and placement.dim in (-1, ndim - 1)
+
+
 def _is_vocab_sharded(logits: Tensor) -> bool:
-    return isinstance(logits, DTensor) and any(
-        isinstance(p, Shard) and p.dim in (-1, logits.dim() - 1) for p in logits.placements
-    )
+    return isinstance(logits, DTensor) and any(_on_vocabulary(p, logits.dim()) for p in logits.placements)
 
 
 def distillation_kl(
@@ -68,7 +70,7 @@ def distillation_kl(
         assert isinstance(student, DTensor)
         if not isinstance(teacher, DTensor):
             teacher = shard_like(teacher, student)
-        mesh_dim = next(i for i, p in enumerate(student.placements) if isinstance(p, Shard))
+        mesh_dim = next(i for i, p in enumerate(student.placements) if _on_vocabulary(p, student.dim()))
         group = student.device_mesh.get_group(mesh_dim)
         return _ShardedKL.apply(student.to_local(), teacher.to_local(), temperature, group)
     return _kl(student, teacher, temperature)

@@ -133,13 +133,26 @@ class MagnitudePruning(Callback):
         self._check_pattern()
         # A resume: the pruned weights are the zeros of the restored weights.
         self._masks = [local_values(p) != 0 if self.sparsity > 0 else None for p in self._params]
+        self._remove_hooks()
         self._hooks = [opt.register_step_post_hook(self._after_step) for opt in trainer.optimizers[:1]]
         self._event()  # an event before the first step (start_step=0), not again on a resume
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._remove_hooks()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._remove_hooks()  # a later fit registers its own: two would count every step twice
+
+    def _remove_hooks(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(pattern=self.pattern, parameters=self.parameters)
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps_done": self.steps_done, "last_event_step": self.last_event_step, "sparsity": self.sparsity,
@@ -170,7 +183,9 @@ class MagnitudePruning(Callback):
     def _count_selected(self, plugin: Any) -> int:
         """How many units the amount is a fraction of, over the whole model: here weights."""
         assert self._count is not None
-        return int(self._count([torch.ones_like(local_values(p), dtype=torch.bool) for p in self._params])[0])
+        return round(
+            float(self._count([torch.ones_like(local_values(p), dtype=torch.bool) for p in self._params])[0])
+        )
 
     def _check_pattern(self) -> None:
         bad = [
@@ -204,10 +219,11 @@ class MagnitudePruning(Callback):
         assert self._count is not None
         if self.pattern == "2:4":
             self._masks = [two_four_mask(local_values(p)) for p in self._params]
+            sparsity = 0.5  # whatever the schedule's ramp says: 2:4 is half of every group
         else:
             magnitudes = [local_values(p).detach().abs().float() for p in self._params]
             k = round(sparsity * self.selected)
             self.threshold = kth_smallest_magnitude(magnitudes, self._count, k) if k > 0 else -1.0
             self._masks = [m > self.threshold for m in magnitudes]
         self.sparsity = sparsity
-        self.pruned = self.selected - int(self._count(self._masks)[0])
+        self.pruned = self.selected - round(float(self._count(self._masks)[0]))

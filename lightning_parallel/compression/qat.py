@@ -48,13 +48,14 @@ def _torchao() -> Any:
 def base_config(scheme: str, group_size: int) -> Any:
     """torchao's post-training config of ``scheme``: what QAT imitates and what conversion applies."""
     quantization = _torchao()
-    if scheme == "8da4w":
-        from torchao.quantization.granularity import PerGroup
+    from torchao.quantization.granularity import PerAxis, PerGroup
 
-        return quantization.Int8DynamicActivationIntxWeightConfig(
-            weight_dtype=torch.int4, weight_granularity=PerGroup(group_size)
-        )
-    return quantization.Int8DynamicActivationInt8WeightConfig()
+    # torchao's QAT prepares only the Intx configs: int8 weights per output channel (axis 0) for 8da8w.
+    int4 = scheme == "8da4w"
+    return quantization.Int8DynamicActivationIntxWeightConfig(
+        weight_dtype=torch.int4 if int4 else torch.int8,
+        weight_granularity=PerGroup(group_size) if int4 else PerAxis(0),
+    )
 
 
 def selection(module: nn.Module, patterns: Sequence[str] | None) -> Callable[[nn.Module, str], bool]:
@@ -113,8 +114,8 @@ class QuantizationAwareTraining(Callback):
         self.prepared = 0  # layers fake-quantised
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.prepared:  # a second fit/validate on the same module: already prepared
-            return
+        if any(type(m).__name__ == "FakeQuantizedLinear" for m in pl_module.modules()):
+            return  # a second fit/validate on the same module: already prepared
         dims = getattr(trainer.strategy, "dims", None)
         if dims is not None and dims.tensor_parallel > 1:
             raise ValueError(

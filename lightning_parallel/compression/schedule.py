@@ -51,6 +51,11 @@ class PruningSchedule:
             raise ValueError(
                 f"`end_step={self.end_step}` must be at least `start_step={self.start_step}`: the last event's step."
             )
+        if (self.last_step - self.start_step) % self.every_n_steps:
+            raise ValueError(
+                f"`end_step={self.end_step}` must be `start_step` plus a multiple of `every_n_steps={self.every_n_steps}`:"
+                " the last event, where the sparsity reaches `amount`."
+            )
         if self.ramp not in RAMPS:
             raise ValueError(f"`ramp={self.ramp!r}` is not one of {RAMPS}.")
 

@@ -121,7 +121,10 @@ def qat(steps: int) -> None:
 
 def prune(steps: int, amount: float) -> None:
     _, dense = _fit(TINY, steps, tensor_parallel=2)
-    pruning = MagnitudePruning(amount, start_step=0, every_n_steps=max(1, steps // 10), end_step=steps // 2)
+    every = max(1, steps // 10)  # ten events over the first half, then fine-tuning at the final sparsity
+    pruning = MagnitudePruning(
+        amount, start_step=0, every_n_steps=every, end_step=(steps // 2 // every) * every
+    )
     _, pruned = _fit(TINY, steps, [pruning], tensor_parallel=2)
     _say(f"prune {pruning.sparsity:.0%} ({pruning.pruned} of {pruning.selected} weights): dense"
          f" {dense:.4f}, pruned {pruned:.4f}")  # fmt: skip

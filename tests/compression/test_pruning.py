@@ -147,7 +147,8 @@ def test_the_gradual_schedule_reaches_its_amount_in_cubic_steps() -> None:
 @pytest.mark.parametrize(
     "kwargs, match",
     [({"amount": 1.0}, "amount=1.0"), ({"amount": -0.1}, "amount=-0.1"), ({"pattern": "2:4", "amount": 0.7}, "amount=0.5"),
-     ({"pattern": "4:8"}, "pattern='4:8'"), ({"every_n_steps": 0}, "every_n_steps=0"), ({"start_step": 2, "end_step": 1}, "end_step=1")],
+     ({"pattern": "4:8"}, "pattern='4:8'"), ({"every_n_steps": 0}, "every_n_steps=0"), ({"start_step": 2, "end_step": 1}, "end_step=1"),
+     ({"every_n_steps": 2, "end_step": 3}, "end_step=3")],
 )  # fmt: skip
 def test_bad_arguments_fail_with_the_argument_named(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match.replace("(", r"\(")):

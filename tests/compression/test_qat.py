@@ -71,6 +71,8 @@ def test_the_converted_model_runs_and_round_trips_through_torch_save(tmp_path: P
     again = convert_qat(build("recipe_gpt", seed=3).eval(), "8da4w")
     again.load_state_dict(torch.load(tmp_path / "quantised.pt", weights_only=False), assign=True)
     assert torch.equal(again(tokens), logits)
+    int8 = convert_qat(build("recipe_gpt").eval(), "8da8w")  # int8 weights per output channel
+    assert 0 < float((int8(tokens) - float_logits).abs().max()) < float((logits - float_logits).abs().max())
     ptq = post_training_quantize(build("recipe_gpt").eval(), "8da4w")
     assert torch.equal(ptq(tokens), logits)  # untrained: QAT's conversion is the same quantisation
 
