@@ -26,32 +26,24 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from lightning_parallel.compression.kd_loss import distillation_kl
+from lightning_parallel.compression.selection import head_and_embedding
+from lightning_parallel.tensor_parallel.loss_parallel import to_plain
+from lightning_parallel.tensor_parallel.styles import projection_dims
 
 __all__ = ["KnowledgeDistillation", "find_head_and_embedding"]
 
 
 def find_head_and_embedding(module: nn.Module) -> tuple[str, str]:
-    """Names of the output head (the last ``nn.Linear`` whose outputs number an embedding's rows) and that embedding."""
-    embeddings: dict[int, str] = {}
-    for (
-        name,
-        m,
-    ) in module.named_modules():  # the first of each size: the token embedding comes before positions
-        if isinstance(m, nn.Embedding):
-            embeddings.setdefault(m.num_embeddings, name)
-    heads = [
-        (n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear) and m.out_features in embeddings
-    ]
-    if not heads:
+    """Names of the output head and the token embedding, as the tensor-parallel plan finds them."""
+    found = head_and_embedding(module)
+    if found is None:
         raise ValueError(
-            f"{type(module).__name__} has no nn.Linear whose outputs match an nn.Embedding's rows (a language"
-            " model's head and token embedding); name them with `head=` and `embedding=`."
+            f"{type(module).__name__} has no output head projecting onto a token embedding's vocabulary (a language"
+            " model's); name them with `head=` and `embedding=`."
         )
-    head, linear = heads[-1]
-    return head, embeddings[linear.out_features]
+    return found
 
 
 def _logits(output: Any) -> Tensor:
@@ -62,10 +54,6 @@ def _logits(output: Any) -> Tensor:
     if not isinstance(logits, Tensor):
         raise ValueError(f"The teacher returned {type(output).__name__}, not logits (a tensor or `.logits`).")
     return logits
-
-
-def _plain(value: Tensor) -> Tensor:
-    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 class KnowledgeDistillation(Callback):
@@ -125,8 +113,8 @@ class KnowledgeDistillation(Callback):
         head, embedding = self.head or found_head, self.embedding or found_embedding
         assert head is not None and embedding is not None
         teacher_head, _ = find_head_and_embedding(self.teacher)
-        student_vocab = pl_module.get_submodule(head).out_features
-        teacher_vocab = self.teacher.get_submodule(teacher_head).out_features
+        student_vocab = projection_dims(pl_module.get_submodule(head))[1]
+        teacher_vocab = projection_dims(self.teacher.get_submodule(teacher_head))[1]
         if student_vocab != teacher_vocab:
             raise ValueError(
                 f"The teacher's vocabulary ({teacher_vocab} logits from `{teacher_head}`) differs from the student's"
@@ -158,7 +146,9 @@ class KnowledgeDistillation(Callback):
 
     def _see_ids(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if self._stepping:  # not during validation: its logits would be kept until the next step
-            self._seen["ids"] = _plain(args[0])  # a tensor-parallel embedding's input is a replicated DTensor
+            self._seen["ids"] = to_plain(
+                args[0]
+            )  # a tensor-parallel embedding's input is a replicated DTensor
 
     def _see_logits(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self._stepping:
@@ -183,7 +173,7 @@ class KnowledgeDistillation(Callback):
             with torch.no_grad():
                 teacher_logits = _logits(self.teacher(self._seen["ids"]))
             kd = self._kd_loss(self._seen["logits"], teacher_logits)
-            task = _plain(output["loss"] if isinstance(output, dict) else output)
+            task = to_plain(output["loss"] if isinstance(output, dict) else output)
             loss = (1.0 - self.alpha) * task + self.alpha * kd
             self.last_task_loss, self.last_kd_loss = task.detach(), kd.detach()
             assert self._module is not None

@@ -34,23 +34,13 @@ from torch import Tensor, nn
 
 from lightning_parallel.comm.agreement import all_agree
 from lightning_parallel.compression.schedule import PruningSchedule
+from lightning_parallel.compression.selection import body_linears
 from lightning_parallel.compression.threshold import kth_smallest_magnitude
 from lightning_parallel.precision.layout_sum import LayoutSum, local_values
 
 __all__ = ["MagnitudePruning"]
 
 PATTERNS = ("unstructured", "2:4")
-
-
-def default_selection(module: nn.Module) -> list[str]:
-    """Names of every ``nn.Linear`` weight, except one tied to an embedding (pruning it prunes the embedding)."""
-    embedded = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
-    names = {id(p): n for n, p in module.named_parameters()}
-    return [
-        names[id(m.weight)]
-        for m in module.modules()
-        if isinstance(m, nn.Linear) and id(m.weight) not in embedded and id(m.weight) in names
-    ]
 
 
 def two_four_mask(local: Tensor) -> Tensor:
@@ -68,7 +58,7 @@ class MagnitudePruning(Callback):
         amount: the final fraction of the selected weights set to zero, in [0, 1); ``"2:4"`` needs 0.5.
         pattern: ``"unstructured"`` (one global threshold over all selected weights) or ``"2:4"``.
         parameters: ``fnmatch`` patterns of parameter names to prune (the user's names); default:
-            every ``nn.Linear`` weight but a head tied to the embedding.
+            every ``nn.Linear`` weight but the output head (``compression/selection.py``).
         start_step, every_n_steps, end_step, ramp: the gradual schedule (:class:`PruningSchedule`);
             by default one event before the first optimizer step.
     """
@@ -168,7 +158,7 @@ class MagnitudePruning(Callback):
     # ---- the work --------------------------------------------------------------------------
 
     def _select(self, module: nn.Module) -> None:
-        wanted = default_selection(module) if self.parameters is None else None
+        wanted = [f"{name}.weight" for name in body_linears(module)] if self.parameters is None else None
         self._names, self._params = [], []
         for name, param in module.named_parameters():
             chosen = (

@@ -30,6 +30,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from lightning_parallel.compression.selection import body_linears
+
 __all__ = ["SCHEMES", "QuantizationAwareTraining", "convert_qat", "post_training_quantize"]
 
 SCHEMES = ("8da4w", "8da8w")  # int8 dynamic activations with int4 (per group) or int8 (per channel) weights
@@ -59,18 +61,17 @@ def base_config(scheme: str, group_size: int) -> Any:
 
 
 def selection(module: nn.Module, patterns: Sequence[str] | None) -> Callable[[nn.Module, str], bool]:
-    """The ``filter_fn`` of ``quantize_``: the ``nn.Linear`` modules named by ``patterns`` (default all but the head).
-
-    The default leaves out a head whose weight is tied to an embedding (quantising it would quantise
-    the embedding) and the last ``nn.Linear`` (the output head: the logits' precision matters most).
-    """
-    linears = [name for name, m in module.named_modules() if isinstance(m, nn.Linear)]
-    tied = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+    """The ``filter_fn`` of ``quantize_``: the ``nn.Linear`` modules named by ``patterns``, by default all but
+    the output head (``compression/selection.py``: the logits' precision matters most, and a head tied to
+    the embedding would quantise the embedding)."""
     if patterns is None:
-        head = linears[-1] if linears else None
-        chosen = {n for n in linears if n != head and id(module.get_submodule(n).weight) not in tied}
+        chosen = set(body_linears(module))
     else:
-        chosen = {n for n in linears if any(fnmatch.fnmatch(n, p) for p in patterns)}
+        chosen = {
+            n
+            for n, m in module.named_modules()
+            if isinstance(m, nn.Linear) and any(fnmatch.fnmatch(n, p) for p in patterns)
+        }
     return lambda m, fqn: fqn in chosen
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import lightning as L
 import torch
 import yaml
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lightning_parallel import HybridParallelStrategy, consolidate_checkpoint
 from lightning_parallel.compression import (
@@ -96,10 +97,8 @@ def distil(steps: int, teacher_path: str | None, teacher_config: str | None) -> 
 
 
 def _full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every rank's full copy of the (tensor-parallel) weights, for a teacher replicated on every rank."""
-    from torch.distributed.tensor import DTensor
-
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+    """Every rank's full copy of the (tensor-parallel) weights: torch's distributed state dict, gathered."""
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
 
 
 def qat(steps: int) -> None:
