@@ -149,8 +149,11 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
     if not keep_op(op):
         return CheckpointPolicy.PREFER_RECOMPUTE
     counter = active_counter()
-    if counter is not None:
-        output = ctx.op_output
+    # torch 2.13 calls the policy once, after the op, with its output in ``ctx.op_output``; torch
+    # 2.11 calls it before the op (no ``op_output``) and again while recomputing (``is_recompute``).
+    # The decision is the same either way; only 2.13 lets the kept outputs be counted here.
+    output = getattr(ctx, "op_output", None)
+    if counter is not None and output is not None and not getattr(ctx, "is_recompute", False):
         counter.hold(output if isinstance(output, (tuple, list)) else [output], "kept")
     return CheckpointPolicy.MUST_SAVE
 

@@ -305,3 +305,27 @@ def test_offload_counts_the_weight_casts_it_leaves_alone() -> None:
     assert counted["offload"].saved == counted["counting"].saved > 0
     assert counted["offload"].stored == counted["counting"].stored
     assert 0 < counted["offload"].offloaded < counted["offload"].stored
+
+
+def test_selective_policy_takes_torch_2_11_contexts() -> None:
+    """torch 2.11's selective-checkpoint context has no ``op_output`` (the policy runs before the op, and
+    again with ``is_recompute=True`` while recomputing): the same decisions, nothing counted twice."""
+    from types import SimpleNamespace
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from lightning_parallel.memory.checkpointing import _selective_policy
+
+    mm, relu = torch.ops.aten.mm.default, torch.ops.aten.relu.default
+    keep, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    out = torch.ones(4, 4)
+    counter = SavedTensorCounter()
+    with counting(counter):
+        assert _selective_policy(SimpleNamespace(is_recompute=False), mm) == keep  # 2.11, before the op
+        assert _selective_policy(SimpleNamespace(is_recompute=True), mm) == keep  # 2.11, recomputing
+        assert _selective_policy(SimpleNamespace(is_recompute=False), relu) == recompute
+        assert counter.bytes.recompute_kept == 0
+        assert _selective_policy(SimpleNamespace(is_recompute=True, op_output=out), mm) == keep
+        assert counter.bytes.recompute_kept == 0
+        assert _selective_policy(SimpleNamespace(is_recompute=False, op_output=out), mm) == keep  # 2.13
+        assert counter.bytes.recompute_kept == out.numel() * F32
