@@ -40,6 +40,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_parallel.compat import fsdp_param_groups
+
 
 def _tensor_parallel_dims(param: nn.Parameter) -> set[int]:
     """The tensor dims tensor parallelism already cuts (plain and strided shards)."""
@@ -207,7 +209,7 @@ def _shard(module: nn.Module, kwargs: dict, kept: bool) -> nn.Module:
 
 def unit_parameters(unit: FSDPModule) -> list[nn.Parameter]:
     """The sharded parameters an FSDP2 unit manages (not those of units nested in it)."""
-    groups = unit._get_fsdp_state()._fsdp_param_groups
+    groups = fsdp_param_groups(unit._get_fsdp_state())
     return [fsdp_param.sharded_param for group in groups for fsdp_param in group.fsdp_params]
 
 
@@ -256,7 +258,7 @@ def regather(units: list[FSDPModule]) -> None:
 
     for unit in units:
         unit.unshard()
-        for group in unit._get_fsdp_state()._fsdp_param_groups:
+        for group in fsdp_param_groups(unit._get_fsdp_state()):
             for fsdp_param in group.fsdp_params:
                 mark = getattr(fsdp_param.sharded_param, SHARD_ATTR, None)
                 if mark is not None:
@@ -334,7 +336,7 @@ def reduce_accumulated(units: list[FSDPModule]) -> None:
         unit.set_reshard_after_backward(True, recurse=False)
         unit.set_is_last_backward(True)
         state = unit._get_fsdp_state()
-        for group in state._fsdp_param_groups:
+        for group in fsdp_param_groups(state):
             group.post_backward()
         if state._is_root:
             roots.append(state)

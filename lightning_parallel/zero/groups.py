@@ -101,5 +101,8 @@ def _flat(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
     name = "_".join(axes)
     try:
         return mesh[name]
-    except KeyError:
+    except (KeyError, NotImplementedError):
+        # Not flattened yet (KeyError), or torch 2.11, which cannot slice a flattened axis whose parts are
+        # not adjacent (``pp_tp`` beside ``dp``) and raises NotImplementedError: its ``_flatten`` returns
+        # the mesh it made the first time.
         return mesh[axes]._flatten(name)

@@ -1,0 +1,37 @@
+"""Every private torch and Lightning API this package leans on, in one place.
+
+torch's private modules and attributes change between releases without notice. Each one the package
+uses is imported or read here, with the torch versions it was checked on and, where they differ, a
+version gate or a feature check. The next torch upgrade is one file to read: :data:`PRIVATE_APIS`
+lists them, and ``tests/test_compat.py`` fails when a private torch import appears anywhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["TORCH_VERSION", "fsdp_param_groups"]
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+TORCH_VERSION: tuple[int, int] = _version(torch.__version__)
+"""``(major, minor)`` of the installed torch."""
+
+
+def fsdp_param_groups(state: Any) -> list[Any]:
+    """The ``FSDPParamGroup``\\ s of an FSDP2 state (``FSDPModule._get_fsdp_state()``).
+
+    torch 2.13 keeps a list, ``_fsdp_param_groups``; 2.11 has one optional group, ``_fsdp_param_group``
+    (2.13 keeps that name as a property that raises when there is more than one group).
+    """
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
