@@ -87,6 +87,7 @@ def zero(
     deepspeed_config: Mapping[str, Any] | None,
     offload_ratio: Any = 1.0,
     reshard: Any = "step",
+    engine: Any = "auto",
 ) -> ZeroArguments:
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ValueError(
@@ -135,7 +136,18 @@ def zero(
         )
     path = None if offload_path is None else str(offload_path)
     _check_reshard(reshard, stage)
-    return ZeroArguments(stage, offload, path, raw, float(offload_ratio), reshard)
+    if engine not in ("auto", "deepspeed", "fsdp2"):
+        raise ValueError(
+            f"`zero_engine={engine!r}` must be 'auto' (chosen by layout), 'deepspeed' or 'fsdp2' (torch's fully_shard)."
+        )
+    if engine != "auto" and stage == 0:
+        raise ValueError(
+            f"`zero_engine={engine!r}` needs ZeRO: set `zero_stage=1`, 2 or 3, or leave it 'auto'."
+        )
+    if engine == "fsdp2" and (stage == 1 or raw):
+        what = "`zero_stage=1` (FSDP2 shards gradients too: stage 2)" if stage == 1 else "`deepspeed_config`"
+        raise ValueError(f"`zero_engine='fsdp2'` with {what}: use `zero_engine='auto'` or 'deepspeed'.")
+    return ZeroArguments(stage, offload, path, raw, float(offload_ratio), reshard, engine)
 
 
 def _check_reshard(reshard: Any, stage: int) -> None:

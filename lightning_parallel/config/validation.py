@@ -46,6 +46,7 @@ def strategy_config(**a: Any) -> ParallelConfig:
         a["deepspeed_config"],
         a["offload_ratio"],
         a["zero_reshard"],
+        a["zero_engine"],
     )
     tp, pp, plan = a["tensor_parallel"], a["pipeline_parallel"], a["plan"]
     if not a["save_distributed_checkpoint"]:

@@ -149,7 +149,11 @@ class MeshParallelStrategy(ParallelStrategy):
             check_zero_precision(self.config.zero, self.precision_plugin)
         if self.deepspeed_zero:
             if not isinstance(self.precision_plugin, ZeroPrecision):
-                self.precision_plugin = ZeroPrecision(self.precision_plugin.precision, self.root_device.type)
+                precision = self.precision_plugin.precision
+                own_scale = self.config.zero.precision_override(precision) is None
+                self.precision_plugin = ZeroPrecision(
+                    precision, self.root_device.type, own_loss_scale=own_scale
+                )
         else:
             pp_group = self._device_mesh["pp"].get_group() if self.dims.pp_enabled else None
             self.precision_plugin = convert_precision_plugin(self.precision_plugin, pipeline_group=pp_group)

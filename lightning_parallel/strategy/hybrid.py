@@ -86,6 +86,8 @@ class HybridParallelStrategy(CheckpointingStrategy):
             ``offload_ratio``: the fraction offloaded, by FSDP2 unit (DeepSpeed's Twin-Flow ``ratio``).
         zero_reshard: ZeRO-2/3 under stages: ``"step"`` gathers and reduce-scatters once per step;
             ``"micro_batch"`` once per micro-batch, for ZeRO's memory at every moment (docs/zero.md).
+        zero_engine: ``"auto"`` (DeepSpeed's engine or torch's FSDP2, by layout: docs/zero.md), ``"fsdp2"`` or
+            ``"deepspeed"`` to insist on one (refused at setup where it cannot run the layout).
         deepspeed_config: extra raw DeepSpeed keys, merged last (not those Lightning owns: precision,
             clipping, accumulation, optimizer).
         activation_checkpointing: ``"full"`` (recompute every block from its input) or ``"selective"``
@@ -140,6 +142,7 @@ class HybridParallelStrategy(CheckpointingStrategy):
         offload_path: str | None = None,
         offload_ratio: float = 1.0,
         zero_reshard: Literal["step", "micro_batch"] = "step",
+        zero_engine: Literal["auto", "deepspeed", "fsdp2"] = "auto",
         deepspeed_config: dict[str, Any] | None = None,
         activation_checkpointing: Literal["full", "selective"] | None = None,
         activation_checkpointing_policy: Literal["ops"] | int | list[str] | None = None,

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_parallel.config.validation import check_zero_optimizers
 from lightning_parallel.strategy.checkpointing import CheckpointingStrategy
+from lightning_parallel.zero.arguments import describe_compute
 from lightning_parallel.zero.engine import announce_compilation, deepspeed_environment, initialize_engine
 
 
@@ -34,7 +35,12 @@ def initialize_zero(strategy: CheckpointingStrategy, trainer: Trainer, pipelined
     strategy.optimizers = [optimizer]
     if not pipelined:
         strategy.model = engine
+    precision = strategy.precision_plugin.precision
+    if (warning := zero.precision_override(precision)) is not None:
+        rank_zero_warn(warning)
+    compute = "as `deepspeed_config` says" if warning else describe_compute(precision)
     rank_zero_info(
-        f"{type(strategy).__name__}: ZeRO stage {zero.stage}" + (f", offload {zero.offload}" if zero.offload else "")
-        + f", sharded over {mpu.get_data_parallel_world_size()} data-parallel ranks"
-    )  # fmt: skip
+        f"{type(strategy).__name__}: ZeRO stage {zero.stage} on DeepSpeed's engine"
+        + (f", offload {zero.offload}" if zero.offload else "")
+        + f", sharded over {mpu.get_data_parallel_world_size()} data-parallel ranks; computes {compute}"
+    )

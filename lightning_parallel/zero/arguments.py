@@ -13,28 +13,34 @@ from typing import Any, Literal
 
 Offload = Literal["cpu", "nvme"]
 Reshard = Literal["step", "micro_batch"]
+EngineChoice = Literal["auto", "deepspeed", "fsdp2"]
 BUCKET_ELEMENTS = 25_000_000
 
 # Keys Lightning owns: a raw DeepSpeed value for them would disagree with the Trainer silently.
 OWNED_KEYS = {
     "gradient_accumulation_steps": "Trainer(accumulate_grad_batches=...)",
     "gradient_clipping": "Trainer(gradient_clip_val=...)",
-    "fp16": "Trainer(precision='16-mixed')",
-    "bf16": "Trainer(precision='bf16-mixed')",
     "optimizer": "LightningModule.configure_optimizers",
     "scheduler": "LightningModule.configure_optimizers",
 }
 
-# Precision names -> the DeepSpeed section that implements them (fp32 master weights in the
-# ZeRO optimizer, parameters in low precision on the device). "bf16-mixed" has none: an fp32
-# engine, the forward autocast by ZeroPrecision (zero/precision.py says why).
+# Precision names -> the DeepSpeed section that implements them. "bf16-mixed" and "16-mixed" are what
+# they are everywhere else in Lightning: fp32 parameters, gradients, reductions and master weights, the
+# forward under torch.autocast. Inside the engine that is DeepSpeed's ``torch_autocast`` section: without
+# it ``engine.forward`` switches off an autocast entered outside it (on a GPU; its check does not see the
+# CPU's autocast), and the whole step ran in fp32 (measured on an H200: 9.8x eager). No module is marked
+# for low-precision gradient communication (``lower_precision_safe_modules: []``): reductions stay fp32.
+# "bf16-true" is DeepSpeed's ``bf16`` section (the module in bf16, fp32 master weights in the optimizer).
 ZERO_PRECISIONS: dict[str, str | None] = {
     "32-true": None,
     "32": None,
-    "bf16-mixed": None,
+    "bf16-mixed": "torch_autocast",
     "bf16-true": "bf16",
-    "16-mixed": "fp16",
+    "16-mixed": "torch_autocast",
 }
+AUTOCAST_DTYPES = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
+# Raw keys that decide the compute dtype: a user's value wins over the Trainer's flag, with a warning.
+PRECISION_KEYS = ("torch_autocast", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,11 @@ class ZeroArguments:
     ``"micro_batch"`` reduce-scatters gradients after every micro-batch's backward and, at stage 3, gathers
     the parameters for every forward and backward and reshards after each (ZeRO's memory at every moment,
     at ``micro_batches`` times the communication)."""
+
+    engine: EngineChoice = "auto"
+    """``zero_engine=``: ``"auto"`` picks DeepSpeed's engine or torch's FSDP2 by layout (``zero/engine.py``);
+    ``"fsdp2"`` forces FSDP2 (e.g. to compare the engines on one layout); ``"deepspeed"`` insists on
+    DeepSpeed's, refused at setup where it cannot run the layout."""
 
     @property
     def enabled(self) -> bool:
@@ -116,9 +127,41 @@ class ZeroArguments:
         section = ZERO_PRECISIONS[precision]
         if section == "bf16":
             config["bf16"] = {"enabled": True}
-        elif section == "fp16":
-            config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+        elif section == "torch_autocast":
+            config["torch_autocast"] = {
+                "enabled": True,
+                "dtype": AUTOCAST_DTYPES[precision],
+                "lower_precision_safe_modules": [],
+            }
+        if any(key in self.raw_config for key in PRECISION_KEYS):  # the user's sections replace ours
+            for key in PRECISION_KEYS:
+                config.pop(key, None)
         return _merge(config, self.raw_config)
+
+    def precision_override(self, precision: str) -> str | None:
+        """The warning for a ``deepspeed_config`` whose precision sections replace what ``precision`` builds."""
+        keys = [key for key in PRECISION_KEYS if key in self.raw_config]
+        if not keys:
+            return None
+        return (
+            f"`deepspeed_config` sets {', '.join(map(repr, keys))}: DeepSpeed's engine computes as those sections"
+            f" say, not as `Trainer(precision={precision!r})` would ({describe_compute(precision)}); the"
+            " Trainer's precision plugin still autocasts outside the engine and owns no loss scale."
+        )
+
+
+def describe_compute(precision: str) -> str:
+    """The dtypes a ZeRO job computes and keeps in, for the setup log."""
+    if precision in AUTOCAST_DTYPES:
+        dtype = AUTOCAST_DTYPES[precision]
+        scaled = ", the loss scaled dynamically" if precision == "16-mixed" else ""
+        return (
+            f"matmuls in {dtype} under torch.autocast, parameters, gradients, reductions and master weights in"
+            f" fp32{scaled}"
+        )
+    if precision == "bf16-true":
+        return "parameters and matmuls in bfloat16, fp32 master weights in the optimizer"
+    return "everything in fp32"
 
 
 def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:

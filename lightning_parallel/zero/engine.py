@@ -67,6 +67,22 @@ def engine_for(
     """
     if not zero.enabled:
         return None
+    if zero.engine == "fsdp2":
+        return "fsdp2"
+    chosen = _engine_by_layout(zero, tensor_parallel, pipeline_parallel, expert_parallel)
+    if zero.engine == "deepspeed" and chosen != "deepspeed":
+        raise ValueError(
+            f"`zero_engine='deepspeed'` with `zero_stage={zero.stage}`, tensor_parallel={tensor_parallel},"
+            f" pipeline_parallel={pipeline_parallel}, expert_parallel={expert_parallel}, offload={zero.offload!r},"
+            f" offload_ratio={zero.offload_ratio}: DeepSpeed's engine cannot run this layout (docs/zero.md, ZeRO"
+            " engines). Use `zero_engine='auto'` (FSDP2 here)."
+        )
+    return chosen
+
+
+def _engine_by_layout(
+    zero: ZeroArguments, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int
+) -> Engine:
     if zero.offload_ratio < 1:  # partial offload: one offload policy per FSDP2 unit (zero/fsdp.py)
         return "fsdp2"
     if zero.offload == "nvme":

@@ -5,12 +5,15 @@ this subclass tells the engine that Lightning has divided the loss for accumulat
 (``scale_wrt_gas=False``: Lightning, not DeepSpeed, counts accumulated batches here) and finds
 the engine on the strategy, which also drives it when the pipeline schedule ran backward.
 
-``"bf16-mixed"`` means what it means everywhere else in Lightning's plain strategies: fp32
-parameters, gradients and reductions, the forward under ``torch.autocast``. DeepSpeed's own
-``bf16`` section (which Lightning's ``DeepSpeedStrategy`` picks for it) casts the whole module to
-bf16 instead, the forward of ``"bf16-true"`` with fp32 master weights: measured against the
-one-process bf16-mixed run, losses 5e-3 off before the first step. So the engine is an fp32 ZeRO
-engine and this plugin autocasts (``zero/arguments.py``: ``ZERO_PRECISIONS``).
+``"bf16-mixed"`` and ``"16-mixed"`` mean what they mean everywhere else in Lightning's plain
+strategies: fp32 parameters, gradients and reductions, the forward under ``torch.autocast``.
+DeepSpeed's own ``bf16`` section (which Lightning's ``DeepSpeedStrategy`` picks for it) casts the
+whole module to bf16 instead, the forward of ``"bf16-true"`` with fp32 master weights: measured
+against the one-process bf16-mixed run, losses 5e-3 off before the first step. So the engine is an
+fp32 ZeRO engine whose ``torch_autocast`` section autocasts inside ``engine.forward`` (without it the
+engine switches off this plugin's autocast on a GPU: ``zero/arguments.py``), and this plugin
+autocasts whatever runs outside the engine (pipeline stages). ``"16-mixed"``'s loss scale is this
+plugin's (``zero/loss_scale.py`` says why), handed to the engine before each backward.
 """
 
 from __future__ import annotations
@@ -22,23 +25,31 @@ import torch
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 from typing_extensions import override
 
+from lightning_parallel.zero.loss_scale import ZeroLossScale
+
+AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
 
 class ZeroPrecision(DeepSpeedPrecision):
     """``DeepSpeedPrecision`` for ``HybridParallelStrategy(zero_stage=...)``; ``device_type`` for autocast."""
 
-    def __init__(self, precision: Any, device_type: str = "cpu") -> None:
+    def __init__(self, precision: Any, device_type: str = "cpu", own_loss_scale: bool = True) -> None:
         super().__init__(precision)
         self.device_type = device_type
+        # ``deepspeed_config`` precision sections of the user's own replace ours: then DeepSpeed scales.
+        self.scaler: ZeroLossScale | None = (
+            ZeroLossScale() if self.precision == "16-mixed" and own_loss_scale else None
+        )
 
     @override
     def forward_context(self) -> Any:
-        if self.precision == "bf16-mixed":
-            return torch.autocast(self.device_type, dtype=torch.bfloat16)
+        if self.precision in AUTOCAST:
+            return torch.autocast(self.device_type, dtype=AUTOCAST[self.precision])
         return super().forward_context()
 
     @override
     def convert_input(self, data: Any) -> Any:
-        return data if self.precision == "bf16-mixed" else super().convert_input(data)  # autocast casts
+        return data if self.precision in AUTOCAST else super().convert_input(data)  # autocast casts
 
     @staticmethod
     def _engine(model: Any) -> Any:
@@ -46,7 +57,10 @@ class ZeroPrecision(DeepSpeedPrecision):
 
     @override
     def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
-        self._engine(model).backward(tensor, scale_wrt_gas=False)
+        engine = self._engine(model)
+        if self.scaler is not None:
+            self.scaler.hand_to(engine.optimizer)
+        engine.backward(tensor, scale_wrt_gas=False)
 
     @override
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
@@ -59,7 +73,21 @@ class ZeroPrecision(DeepSpeedPrecision):
             )
         engine = self._engine(model)
         prepare_reduction(engine.optimizer)
-        return engine.step(**kwargs)
+        if self.scaler is not None:
+            self.scaler.hand_to(engine.optimizer)  # pipeline stages scaled their losses by the same scale
+        result = engine.step(**kwargs)
+        if self.scaler is not None:
+            self.scaler.update(bool(getattr(engine.optimizer, "overflow", False)))
+        return result
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.scaler is None else {"zero_loss_scale": self.scaler.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and "zero_loss_scale" in state_dict:
+            self.scaler.load_state_dict(state_dict["zero_loss_scale"])
 
 
 def prepare_reduction(optimizer: Any) -> None:

@@ -28,16 +28,20 @@ def test_config_follows_stage_offload_precision_and_clipping() -> None:
     assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu"
     assert zero["offload_param"]["device"] == "cpu"
     assert config["bf16"] == {"enabled": True} and "fp16" not in config
-    # bf16-mixed: an fp32 engine, the forward autocast by ZeroPrecision (not DeepSpeed's bf16 section).
+    # bf16-mixed: an fp32 engine autocast inside engine.forward (not DeepSpeed's bf16 section), nothing
+    # marked for low-precision gradient communication.
     mixed = zero_arguments(3, "cpu", None, None).deepspeed_config("bf16-mixed", 0.5)
     assert "bf16" not in mixed and "fp16" not in mixed
+    assert mixed["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
     assert config["gradient_clipping"] == 0.5
     # Lightning counts accumulated batches; DeepSpeed must not (unmanaged mode, gas 1).
     assert config["managed_gradient_accumulation"] is False and config["gradient_accumulation_steps"] == 1
 
     config = zero_arguments(2, "cpu", None, None).deepspeed_config("16-mixed", None)
     assert "offload_param" not in config["zero_optimization"]  # parameters offload only at stage 3
-    assert config["fp16"]["enabled"] and config["fp16"]["loss_scale"] == 0  # dynamic loss scaling
+    # 16-mixed: autocast to float16 like everywhere else (ZeroPrecision owns the dynamic loss scale).
+    assert "fp16" not in config and config["torch_autocast"]["dtype"] == "float16"
+    assert config["torch_autocast"]["lower_precision_safe_modules"] == []
     assert config["gradient_clipping"] == 0.0
 
     config = zero_arguments(3, "nvme", "/tmp/swap", None).deepspeed_config(
@@ -50,6 +54,16 @@ def test_config_follows_stage_offload_precision_and_clipping() -> None:
         "buffer_size": 4096,  # each swap buffer holds the largest parameter, not DeepSpeed's 1e8 elements
     }
     assert "bf16" not in config and "fp16" not in config
+
+
+def test_raw_precision_sections_replace_ours_with_a_warning() -> None:
+    """A user's own DeepSpeed precision section wins (all of ours dropped), and the warning says what changes."""
+    arguments = zero_arguments(2, None, None, {"bf16": {"enabled": True}})
+    config = arguments.deepspeed_config("bf16-mixed", None)
+    assert config["bf16"] == {"enabled": True} and "torch_autocast" not in config
+    warning = arguments.precision_override("bf16-mixed")
+    assert warning is not None and "'bf16'" in warning and "matmuls in bfloat16 under torch.autocast" in warning
+    assert zero_arguments(2, None, None, None).precision_override("bf16-mixed") is None
 
 
 def test_raw_deepspeed_keys_are_merged_last() -> None:
@@ -69,7 +83,6 @@ def test_raw_deepspeed_keys_are_merged_last() -> None:
         ({"zero_stage": 2, "offload": "cpu", "offload_path": "/x"}, "`offload_path='/x'` is only used with `offload='nvme'`"),
         ({"deepspeed_config": {"a": 1}}, "`deepspeed_config=` is only used with ZeRO"),
         ({"zero_stage": 2, "deepspeed_config": {"gradient_clipping": 1.0}}, "use Trainer(gradient_clip_val=...) instead"),
-        ({"zero_stage": 2, "deepspeed_config": {"bf16": {"enabled": True}}}, "use Trainer(precision='bf16-mixed') instead"),
         ({"zero_stage": 2, "deepspeed_config": {"optimizer": {}}}, "use LightningModule.configure_optimizers instead"),
         ({"zero_stage": 2, "deepspeed_config": {"zero_optimization": {"stage": 3}}}, "contradicts `zero_stage=2`"),
         ({"zero_stage": 1, "gradient_compression": "bf16"}, "`gradient_compression='bf16'` with `zero_stage=1` is not supported"),
