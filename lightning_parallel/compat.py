@@ -8,11 +8,12 @@ lists them, and ``tests/test_compat.py`` fails when a private torch import appea
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
-__all__ = ["TORCH_VERSION", "fsdp_param_groups"]
+__all__ = ["FUSED_AS_ROWS_ENV", "TORCH_VERSION", "fsdp_param_groups", "strided_shard_in_ops"]
 
 
 def _version(text: str) -> tuple[int, int]:
@@ -35,3 +36,19 @@ def fsdp_param_groups(state: Any) -> list[Any]:
         return list(groups)
     group = state._fsdp_param_group
     return [] if group is None else [group]
+
+
+FUSED_AS_ROWS_ENV = "LP_FUSED_AS_ROWS"
+"""Set to ``1`` to store fused projections as row layouts on any torch (the tests run torch 2.11's path on 2.13)."""
+
+
+def strided_shard_in_ops() -> bool:
+    """Whether fused projections may be ``_StridedShard(dim, split_factor=k)`` (``tensor_parallel/styles.py``).
+
+    torch 2.11's sharding rule for ``aten.t`` leaves ``_StridedShard(0)`` on dim 0 of the transposed weight
+    inside ``F.linear``, and its redistribute plans every ``_StridedShard`` with the graph planner, which
+    raises ``unable to be interpreted into a corresponding shard_order`` for a split factor that is not a
+    product of mesh sizes (2 or 3 on the 1-D ``tp`` mesh). 2.13 fixes both (it falls back to the greedy
+    planner). Checked: 2.11.0 (broken), 2.13.0 (works).
+    """
+    return TORCH_VERSION >= (2, 13) and os.environ.get(FUSED_AS_ROWS_ENV, "") != "1"

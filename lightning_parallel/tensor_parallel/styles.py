@@ -9,7 +9,10 @@ and shard a projection as one block. Unchanged models also contain:
   rank 0 all of q and half of k. Each rank needs its own slice of *every* chunk. torch's
   ``_StridedShard(dim, split_factor=k)`` is exactly that placement: the local tensor is
   ``[q_r; k_r; v_r]`` and ``full_tensor()`` still returns the user's original layout, so
-  checkpoints and the consolidated state dict need no permutation.
+  checkpoints and the consolidated state dict need no permutation. torch before 2.13 cannot run
+  ``_StridedShard`` through ``F.linear`` and its redistributions (``lightning_parallel/compat.py``):
+  there the same local rows are stored as a row layout (``tensor_parallel/row_layout.py``), plain
+  ``Shard`` of the rows in another order, undone wherever the user's tensor is meant.
 
 Everything else (input/output redistribution, autograd of the collectives) is torch's.
 """
@@ -26,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from lightning_parallel.compat import strided_shard_in_ops
 from lightning_parallel.tensor_parallel.row_layout import ROW_LAYOUT, RowLayout
 
 
@@ -66,6 +70,20 @@ def _split_placement(dim: int, num_chunks: int) -> Placement:
     return Shard(dim) if num_chunks == 1 else _StridedShard(dim, split_factor=num_chunks)
 
 
+def fused_rows(rows: int, num_chunks: int, ranks: int) -> RowLayout:
+    """The rows of a fused projection (``num_chunks`` equal parts) as a row layout: each rank stores its slice
+    of every part, ``[q_r; k_r; v_r]``, the local tensor ``_StridedShard`` gives (for torch before 2.13)."""
+    if rows % (num_chunks * ranks):
+        raise ValueError(
+            f"a fused projection of {rows} rows in {num_chunks} parts cannot be split over {ranks}"
+            f" tensor-parallel ranks on torch {torch.__version__}: each part's {rows // num_chunks} rows must"
+            f" divide by {ranks} (torch >= 2.13 also splits them unevenly)"
+        )
+    return RowLayout.of_blocks(
+        [(rows // num_chunks, ranks)] * num_chunks, ranks, label=f"{num_chunks} fused parts"
+    )
+
+
 def _distribute_params(
     module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], src_data_rank: int | None
 ) -> None:
@@ -95,17 +113,25 @@ class ColwiseProjection(ColwiseParallel):
         self.num_chunks = num_chunks
         self.row_layout = row_layout
 
+    @property
+    def fused_as_rows(self) -> bool:
+        """A fused projection stored as a row layout, because this torch cannot run ``_StridedShard``."""
+        return self.num_chunks > 1 and self.row_layout is None and not strided_shard_in_ops()
+
     def _partition_projection_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         dims = sharded_dims(module, self)
         placements = {name: _split_placement(dim, self.num_chunks) for name, dim in dims.items()}
-        if self.row_layout is None:
+        if self.row_layout is None and not self.fused_as_rows:
             _distribute_params(module, device_mesh, placements, self.src_data_rank)
             return
         for param_name, dim in dims.items():
             param = getattr(module, param_name, None)
             if param is None:
                 continue
-            layout = self.row_layout.along(dim)
+            if self.row_layout is None:
+                layout = fused_rows(param.shape[dim], self.num_chunks, device_mesh.size()).along(dim)
+            else:
+                layout = self.row_layout.along(dim)
             stored = distribute_tensor(
                 layout.stored(param.detach()), device_mesh, [Shard(dim)], src_data_rank=None
             )

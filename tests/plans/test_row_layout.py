@@ -64,3 +64,39 @@ def test_the_planner_offers_the_layouts_of_a_fused_projection_in_order() -> None
     assert multi_query == ["q|k|v blocks"]  # a k/v group cannot be split over two ranks
     with pytest.raises(ValueError, match="unequal widths"):
         fused_layouts("qkv", 100, 4, 2, 16, 2)
+
+
+def test_fused_parts_as_rows_store_what_a_strided_shard_holds() -> None:
+    """torch before 2.13 stores a fused q|k|v (3 equal parts) as a row layout: rank r's rows are its slice of
+    each part, the local tensor ``_StridedShard(0, split_factor=3)`` gives on 2.13."""
+    from lightning_parallel.tensor_parallel.styles import fused_rows
+
+    layout = fused_rows(12, 3, 2)  # q rows 0-3, k 4-7, v 8-11
+    assert layout.index == (0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11)
+    assert not layout.duplicated and layout.per_rank == 6
+    user = torch.arange(12.0)
+    for rank in range(2):
+        strided = torch.cat([part.chunk(2)[rank] for part in user.chunk(3)])
+        assert torch.equal(layout.stored(user).chunk(2)[rank], strided)
+    with pytest.raises(ValueError, match="fused projection of 9 rows in 3 parts cannot be split over 2"):
+        fused_rows(9, 3, 2)
+
+
+def test_deepspeed_refuses_a_fused_projection_stored_as_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_parallel.compat import FUSED_AS_ROWS_ENV, TORCH_VERSION
+    from lightning_parallel.parallelize.tensor_parallel_step import check_row_layouts
+    from lightning_parallel.tensor_parallel.plan import ParallelPlan
+    from lightning_parallel.tensor_parallel.styles import ColwiseProjection
+
+    plan = ParallelPlan(tensor_parallel=2, sequence_parallel=False)
+    plan.styles["attn.qkv"] = ColwiseProjection(num_chunks=3, use_local_output=True)
+    monkeypatch.setenv(FUSED_AS_ROWS_ENV, "1")  # torch 2.11's path
+    assert plan.styles["attn.qkv"].fused_as_rows
+    check_row_layouts(plan, "fsdp2")  # FSDP2 keeps it
+    with pytest.raises(
+        ValueError, match=r"`attn.qkv` is a fused projection \(3 parts\), which torch .* Use torch >= 2.13"
+    ):
+        check_row_layouts(plan, "deepspeed")
+    monkeypatch.delenv(FUSED_AS_ROWS_ENV)
+    if TORCH_VERSION >= (2, 13):
+        check_row_layouts(plan, "deepspeed")
