@@ -8,12 +8,22 @@ lists them, and ``tests/test_compat.py`` fails when a private torch import appea
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import SelectiveCheckpointContext
 
-__all__ = ["FUSED_AS_ROWS_ENV", "TORCH_VERSION", "fsdp_param_groups", "strided_shard_in_ops"]
+__all__ = [
+    "FUSED_AS_ROWS_ENV",
+    "TORCH_VERSION",
+    "TorchDispatchMode",
+    "fsdp_param_groups",
+    "selective_policy_sees_output",
+    "strided_shard_in_ops",
+]
 
 
 def _version(text: str) -> tuple[int, int]:
@@ -52,3 +62,13 @@ def strided_shard_in_ops() -> bool:
     planner). Checked: 2.11.0 (broken), 2.13.0 (works).
     """
     return TORCH_VERSION >= (2, 13) and os.environ.get(FUSED_AS_ROWS_ENV, "") != "1"
+
+
+def selective_policy_sees_output() -> bool:
+    """Whether selective checkpointing's policy is called after the op with ``ctx.op_output`` (torch 2.13).
+
+    torch 2.11 calls it before the op (no ``op_output``), and again while recomputing with
+    ``is_recompute=True``; ``memory/checkpointing.py`` then counts the kept outputs with a dispatch mode.
+    Checked: 2.11.0 (no), 2.13.0 (yes).
+    """
+    return "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters

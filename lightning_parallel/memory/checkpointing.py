@@ -40,7 +40,8 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-from lightning_parallel.memory.counting import active_counter
+from lightning_parallel.compat import TorchDispatchMode, selective_policy_sees_output
+from lightning_parallel.memory.counting import SavedTensorCounter, active_counter
 
 __all__ = [
     "CheckpointingConfig",
@@ -151,7 +152,7 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
     counter = active_counter()
     # torch 2.13 calls the policy once, after the op, with its output in ``ctx.op_output``; torch
     # 2.11 calls it before the op (no ``op_output``) and again while recomputing (``is_recompute``).
-    # The decision is the same either way; only 2.13 lets the kept outputs be counted here.
+    # The decision is the same either way; on 2.11 ``_CountKept`` counts the kept outputs instead.
     output = getattr(ctx, "op_output", None)
     if counter is not None and output is not None and not getattr(ctx, "is_recompute", False):
         counter.hold(output if isinstance(output, (tuple, list)) else [output], "kept")
@@ -168,11 +169,40 @@ def _context_fn(ops: bool, capture: StateCapture | None) -> Callable[[], tuple[A
         forward_ctx, recompute_ctx = (
             create_selective_checkpoint_contexts(_selective_policy) if ops else (nullcontext(), nullcontext())
         )
+        counter = active_counter()
+        if ops and counter is not None and not selective_policy_sees_output():
+            forward_ctx = _CountKept(forward_ctx, counter)
         if capture is None:
             return forward_ctx, recompute_ctx
         return forward_ctx, _Both(capture(), recompute_ctx)
 
     return make
+
+
+class _CountKept(TorchDispatchMode):
+    """torch 2.11: counts the outputs selective checkpointing keeps, which its policy (run before the op)
+    cannot see. Entered inside torch's caching mode (``caching``), so each op of the forward passes here
+    first and reaches that mode from here; recomputation is not counted (this is the forward's context)."""
+
+    def __init__(self, caching: Any, counter: SavedTensorCounter) -> None:
+        super().__init__()
+        self.caching, self.counter = caching, counter
+
+    def __enter__(self) -> _CountKept:
+        self.caching.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self.caching.__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if keep_op(func):
+            self.counter.hold(out if isinstance(out, (tuple, list)) else [out], "kept")
+        return out
 
 
 class _Both:

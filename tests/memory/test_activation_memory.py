@@ -329,3 +329,25 @@ def test_selective_policy_takes_torch_2_11_contexts() -> None:
         assert counter.bytes.recompute_kept == 0
         assert _selective_policy(SimpleNamespace(is_recompute=False, op_output=out), mm) == keep  # 2.13
         assert counter.bytes.recompute_kept == out.numel() * F32
+
+
+def test_selective_kept_outputs_counted_without_op_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11's path on any torch: the policy never sees an output, a dispatch mode counts what it keeps;
+    the same bytes, and the same gradients, as where the policy is handed each kept output."""
+    from types import SimpleNamespace
+
+    from lightning_parallel.memory import checkpointing
+
+    config = checkpointing_config("selective", "ops")
+    want, want_loss, want_grads = step(gpt(), config)
+    policy = checkpointing._selective_policy
+
+    def before_the_op(ctx: object, op: object, *args: object, **kwargs: object) -> object:
+        return policy(SimpleNamespace(is_recompute=getattr(ctx, "is_recompute", False)), op, *args, **kwargs)
+
+    monkeypatch.setattr(checkpointing, "_selective_policy", before_the_op)
+    monkeypatch.setattr(checkpointing, "selective_policy_sees_output", lambda: False)
+    held, loss, grads = step(gpt(), config)
+    assert held.recompute_kept == want.recompute_kept == 2 * (10 * B * T * C + B * HEADS * T) * F32
+    assert held == want and loss == want_loss
+    assert all(torch.equal(grads[name], grad) for name, grad in want_grads.items())
