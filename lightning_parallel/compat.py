@@ -1,28 +1,46 @@
 """Every private torch and Lightning API this package leans on, in one place.
 
-torch's private modules and attributes change between releases without notice. Each one the package
-uses is imported or read here, with the torch versions it was checked on and, where they differ, a
-version gate or a feature check. The next torch upgrade is one file to read: :data:`PRIVATE_APIS`
-lists them, and ``tests/test_compat.py`` fails when a private torch import appears anywhere else.
+torch's and Lightning's private modules and attributes change between releases without notice. Each
+one the package uses is imported or read here, and :data:`PRIVATE_APIS` records where it is used,
+the versions it was checked on and how they differ; where they do, a version gate or a feature check
+below picks the right path. The next upgrade is one file to read. ``tests/test_compat.py`` resolves
+the entries on the installed versions and fails when a private torch or Lightning import appears
+anywhere else in the package.
+
+Heavy or rarely needed modules are imported inside the functions that use them, as at the call
+sites they replace (``torch.distributed._composable``, DCP's loader, Lightning's strategies).
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+import torch.nn.functional as F
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_map, tree_map_only
 from torch.utils.checkpoint import SelectiveCheckpointContext
 
 __all__ = [
     "FUSED_AS_ROWS_ENV",
+    "PRIVATE_APIS",
     "TORCH_VERSION",
+    "PrivateApi",
+    "StridedShard",
     "TorchDispatchMode",
     "fsdp_param_groups",
+    "is_traceable_wrapper_subclass",
     "selective_policy_sees_output",
     "strided_shard_in_ops",
+    "tree_map",
+    "tree_map_only",
 ]
 
 
@@ -34,19 +52,105 @@ def _version(text: str) -> tuple[int, int]:
 TORCH_VERSION: tuple[int, int] = _version(torch.__version__)
 """``(major, minor)`` of the installed torch."""
 
+TORCH_CHECKED = ("2.11.0", "2.13.0")
+LIGHTNING_CHECKED = ("2.6.6",)  # with both torch versions
 
-def fsdp_param_groups(state: Any) -> list[Any]:
-    """The ``FSDPParamGroup``\\ s of an FSDP2 state (``FSDPModule._get_fsdp_state()``).
 
-    torch 2.13 keeps a list, ``_fsdp_param_groups``; 2.11 has one optional group, ``_fsdp_param_group``
-    (2.13 keeps that name as a property that raises when there is more than one group).
-    """
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = state._fsdp_param_group
-    return [] if group is None else [group]
+@dataclass(frozen=True)
+class PrivateApi:
+    """A private API the package uses: ``name`` as its library spells it (``module:attribute.path``)."""
 
+    name: str
+    used_by: str  # the project modules, through the helper named in ``via``
+    via: str  # the name in this module the package uses instead
+    checked: tuple[str, ...] = TORCH_CHECKED  # the versions it was read or run on
+    note: str = ""  # how the versions differ, or why the private API is needed
+    resolvable: bool = True  # False: an instance attribute, not resolvable from the module
+
+
+_LT = LIGHTNING_CHECKED
+PRIVATE_APIS: tuple[PrivateApi, ...] = (
+    # ---- tensor parallelism and DTensor
+    PrivateApi("torch.distributed.tensor.placement_types:_StridedShard", "tensor_parallel/styles.py, "
+               "precision/grad_norm.py, checkpoint/layouts.py, zero/fsdp.py", "StridedShard",
+               note="2.11 cannot run it through F.linear (aten.t) or redistribute it: strided_shard_in_ops"),
+    PrivateApi("torch.distributed.tensor.parallel.style:ParallelStyle._apply", "tensor_parallel/styles.py,"
+               " norm_styles.py", "(overridden)", note="with ColwiseParallel/RowwiseParallel._prepare_input_fn"
+               " and _prepare_output_fn, static, same argument order on both"),
+    PrivateApi("torch.distributed.device_mesh:DeviceMesh._flatten", "mesh/parallel_dims.py, zero/groups.py",
+               "flatten_mesh", note="2.11 cannot slice a flattened axis of non-adjacent axes (NotImplementedError);"
+               " _flatten returns the mesh it made before"),
+    PrivateApi("torch.utils._pytree:tree_map", "tensor_parallel/verify.py, loss_parallel.py", "tree_map"),
+    PrivateApi("torch.utils._pytree:tree_map_only", "context_parallel/split.py", "tree_map_only"),
+    PrivateApi("torch.utils._python_dispatch:is_traceable_wrapper_subclass", "memory/counting.py",
+               "is_traceable_wrapper_subclass", note="__tensor_flatten__ lists one more name on 2.13; index 0 read"),
+    PrivateApi("torch.utils._python_dispatch:TorchDispatchMode", "memory/checkpointing.py",
+               "TorchDispatchMode"),
+    PrivateApi("torch.utils.checkpoint:SelectiveCheckpointContext.__init__", "memory/checkpointing.py",
+               "selective_policy_sees_output", note="op_output only on 2.13 (policy after the op)"),
+    # ---- FSDP2 and replicate
+    PrivateApi("torch.distributed.fsdp:FSDPModule._get_fsdp_state", "zero/fsdp.py", "fsdp_state"),
+    PrivateApi("torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState._fsdp_param_groups", "zero/fsdp.py",
+               "fsdp_param_groups", note="2.13 only; 2.11 has the singular _fsdp_param_group", resolvable=False),
+    PrivateApi("torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState._post_forward", "zero/fsdp.py",
+               "fsdp_close_forward", note="with ._training_state"),
+    PrivateApi("torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState._root_post_backward_final_callback",
+               "zero/fsdp.py", "fsdp_root_callback", note="with ._is_root, read by fsdp_post_backward"),
+    PrivateApi("torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup.post_backward",
+               "zero/fsdp.py", "fsdp_post_backward", note="with .fsdp_params, FSDPParam.sharded_param and"
+               " .unsharded_param (zero/fsdp.py)"),
+    PrivateApi("torch.distributed.fsdp._fully_shard._fsdp_common:TrainingState", "zero/fsdp.py",
+               "fsdp_in_forward"),
+    PrivateApi("torch.distributed._composable.replicate_with_fsdp:replicate", "data_parallel/replicate.py",
+               "fsdp_replicate", note="2.13 adds dp_mesh_dims= (unused)"),
+    PrivateApi("torch.distributed._composable.replicate:replicate", "data_parallel/replicate.py", "ddp_replicate"),
+    # ---- collectives, checkpoints, build
+    PrivateApi("torch.distributed.utils:_sync_module_states", "parallelize/recipe.py", "sync_module_states"),
+    PrivateApi("torch.distributed.distributed_c10d:_get_default_store", "launch/interrupt.py", "default_store"),
+    PrivateApi("torch._utils:_flatten_dense_tensors", "data_parallel/gradient_sync.py", "flatten_dense_tensors"),
+    PrivateApi("torch._utils:_unflatten_dense_tensors", "data_parallel/gradient_sync.py",
+               "unflatten_dense_tensors"),
+    PrivateApi("torch.distributed.algorithms.ddp_comm_hooks.default_hooks:_compress_hook", "comm/compression.py",
+               "compress_hook"),
+    PrivateApi("torch.distributed.checkpoint.state_dict_loader:_load_state_dict", "checkpoint/transfer.py",
+               "read_checkpoint_entries", note="with format_utils._EmptyStateDictLoadPlanner(keys=)"),
+    PrivateApi("torch.distributed.checkpoint.format_utils:_EmptyStateDictLoadPlanner", "checkpoint/transfer.py",
+               "read_checkpoint_entries"),
+    PrivateApi("torch.utils.cpp_extension:_get_build_directory", "zero/engine.py", "extension_build_directory"),
+    # ---- kernels (C-level names with an underscore, called as torch's own code calls them)
+    PrivateApi("torch:_grouped_mm", "experts/experts.py", "grouped_mm", note="F.grouped_mm first where present"),
+    PrivateApi("torch:_foreach_norm", "precision/grad_norm.py", "(called)", note="dtype= on both"),
+    PrivateApi("torch:_foreach_mul_", "precision/grad_norm.py", "(called)"),
+    PrivateApi("torch:_amp_foreach_non_finite_check_and_unscale_", "precision/loss_scaler.py", "(called)"),
+    PrivateApi("torch.amp:GradScaler._unscale_grads_", "precision/loss_scaler.py", "(overridden)",
+               note="with _check_inf_per_device, _per_optimizer_states, _device; _get_scale_async in"
+               " strategy/pipelined.py"),
+    # ---- Lightning
+    PrivateApi("lightning.fabric.utilities.load:_METADATA_FILENAME", "checkpoint/atomic.py, transfer.py,"
+               " strategy/checkpointing.py", "METADATA_FILENAME", _LT),
+    PrivateApi("lightning.fabric.strategies.fsdp:_distributed_checkpoint_load", "checkpoint/zero.py,"
+               " strategy/checkpointing.py", "distributed_checkpoint_load", _LT),
+    PrivateApi("lightning.fabric.strategies.model_parallel:_distributed_checkpoint_save",
+               "strategy/checkpointing.py", "(pending)", _LT),
+    PrivateApi("lightning.fabric.strategies.model_parallel:_is_full_checkpoint", "strategy/checkpointing.py",
+               "(pending)", _LT),
+    PrivateApi("lightning.fabric.strategies.model_parallel:_is_sharded_checkpoint", "strategy/checkpointing.py",
+               "(pending)", _LT),
+    PrivateApi("lightning.fabric.strategies.model_parallel:_rekey_optimizer_state_if_needed",
+               "strategy/checkpointing.py", "(pending)", _LT),
+    PrivateApi("lightning.fabric.utilities.seed:_collect_rng_states", "strategy/checkpointing.py", "(pending)", _LT),
+    PrivateApi("lightning.fabric.utilities.seed:_set_rng_states", "strategy/checkpointing.py", "(pending)", _LT),
+    PrivateApi("lightning.pytorch.strategies.model_parallel:_align_compiled_param_names_with_module",
+               "strategy/checkpointing.py", "(pending)", _LT),
+    PrivateApi("lightning.fabric.utilities.distributed:_init_dist_connection", "strategy/base.py", "(pending)", _LT),
+    PrivateApi("lightning.pytorch.trainer.connectors.checkpoint_connector:_CheckpointConnector.hpc_save_path",
+               "launch/slurm.py", "hpc_save_path", _LT),
+    PrivateApi("lightning.pytorch.trainer.trainer:Trainer._accelerator_connector", "launch/slurm.py",
+               "cluster_environment", _LT, resolvable=False),
+)  # fmt: skip
+
+
+# ---- version gates -------------------------------------------------------------------------------
 
 FUSED_AS_ROWS_ENV = "LP_FUSED_AS_ROWS"
 """Set to ``1`` to store fused projections as row layouts on any torch (the tests run torch 2.11's path on 2.13)."""
@@ -72,3 +176,157 @@ def selective_policy_sees_output() -> bool:
     Checked: 2.11.0 (no), 2.13.0 (yes).
     """
     return "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
+
+
+# ---- torch ---------------------------------------------------------------------------------------
+
+StridedShard = _StridedShard
+"""Each rank's slice of every one of ``split_factor`` equal parts (fused projections on torch >= 2.13)."""
+
+grouped_mm: Callable[..., torch.Tensor] | None = getattr(F, "grouped_mm", None) or getattr(
+    torch, "_grouped_mm", None
+)
+"""One matmul per group of rows (``offs=``), or None where torch has neither name."""
+
+
+def flatten_dense_tensors(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors copied into one flat buffer (DDP's bucket)."""
+    return torch._utils._flatten_dense_tensors(tensors)
+
+
+def unflatten_dense_tensors(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped as ``like``."""
+    return list(torch._utils._unflatten_dense_tensors(flat, like))
+
+
+def flatten_mesh(mesh: Any, axes: tuple[str, ...], name: str) -> Any:
+    """The axes ``axes`` of ``mesh`` as one axis called ``name`` (made once; later calls return it)."""
+    return mesh[axes]._flatten(name)
+
+
+def fsdp_state(unit: Any) -> Any:
+    """The ``FSDPState`` of an FSDP2 unit (``fully_shard``'s module)."""
+    return unit._get_fsdp_state()
+
+
+def fsdp_param_groups(state: Any) -> list[Any]:
+    """The ``FSDPParamGroup``\\ s of an FSDP2 state.
+
+    torch 2.13 keeps a list, ``_fsdp_param_groups``; 2.11 has one optional group, ``_fsdp_param_group``
+    (2.13 keeps that name as a property that raises when there is more than one group).
+    """
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
+def fsdp_in_forward(unit: Any) -> bool:
+    """Whether the unit's forward began and its post-forward has not run."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    return fsdp_state(unit)._training_state == TrainingState.FORWARD
+
+
+def fsdp_close_forward(unit: Any, output: torch.Tensor) -> None:
+    """Run the unit's post-forward on ``output`` (resharding, and the pre-backward hooks on ``output``)."""
+    fsdp_state(unit)._post_forward(unit, (), output)
+
+
+def fsdp_post_backward(unit: Any) -> bool:
+    """The post-backward of each of the unit's parameter groups (the reduce-scatter of what its hooks left),
+    for a unit a pipeline stage drove itself; returns whether it is a root (see :func:`fsdp_root_callback`)."""
+    state = fsdp_state(unit)
+    for group in fsdp_param_groups(state):
+        group.post_backward()
+    return bool(state._is_root)
+
+
+def fsdp_root_callback(unit: Any) -> None:
+    """A root unit's end of backward: wait for the reductions (FSDP2 queues it on autograd's engine)."""
+    fsdp_state(unit)._root_post_backward_final_callback()
+
+
+def fsdp_replicate() -> Callable[..., Any]:
+    """FSDP2's ``replicate`` (DTensor parameters replicated over a mesh)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    return replicate
+
+
+def ddp_replicate() -> Callable[..., Any]:
+    """DDP's reducer applied in place (``replicate(module, process_group=...)``)."""
+    from torch.distributed._composable.replicate import replicate
+
+    return replicate
+
+
+def sync_module_states(module: torch.nn.Module, group: Any, src: int = 0) -> None:
+    """Broadcast parameters and buffers from ``src`` (as DDP does at construction), in 250 MB buckets."""
+    from torch.distributed.utils import _sync_module_states
+
+    _sync_module_states(module, group, 250 * 1024 * 1024, src, set())
+
+
+def default_store() -> Any:
+    """The default process group's key-value store."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def compress_hook(dtype: torch.dtype, group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """torch's DDP compress hook: the mean computed in ``dtype``, the result cast back in place."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._compress_hook(dtype, group, bucket)
+
+
+def read_checkpoint_entries(checkpoint: Path, keys: set[str]) -> dict[str, Any]:
+    """The top-level ``keys`` of a sharded checkpoint folder, whole, without a process group (as torch's own
+    ``dcp_to_torch_save`` reads all of them)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(
+        state,
+        storage_reader=FileSystemReader(checkpoint),
+        planner=_EmptyStateDictLoadPlanner(keys=keys),
+        no_dist=True,
+    )
+    return state
+
+
+def extension_build_directory(name: str) -> Path:
+    """Where torch builds (or finds) the C++ extension ``name``."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
+# ---- Lightning -----------------------------------------------------------------------------------
+
+METADATA_FILENAME: str = _METADATA_FILENAME
+"""The file of a sharded checkpoint folder Lightning writes last (``lightning.fabric.utilities.load``)."""
+
+
+def distributed_checkpoint_load(state: dict[str, Any], path: Path) -> None:
+    """Lightning's DCP load into ``state`` (in place)."""
+    from lightning.fabric.strategies.fsdp import _distributed_checkpoint_load
+
+    _distributed_checkpoint_load(state, path)
+
+
+def hpc_save_path(root_dir: str) -> str:
+    """Lightning's next ``hpc_ckpt_<n>.ckpt`` under ``root_dir`` (what its SLURM requeue resumes from)."""
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    return _CheckpointConnector.hpc_save_path(root_dir)
+
+
+def cluster_environment(trainer: Any) -> Any:
+    """The Trainer's cluster environment (SLURM, torchrun, ...)."""
+    return trainer._accelerator_connector.cluster_environment

@@ -26,7 +26,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning_parallel.compat import METADATA_FILENAME
 
 __all__ = ["commit", "is_complete", "previous_path", "recover", "remove", "staging_path"]
 
@@ -53,7 +53,7 @@ def is_complete(path: Path) -> bool:
     """A consolidated file, or a sharded folder with both its metadata files (written last)."""
     if path.is_file():
         return True
-    return path.is_dir() and (path / _METADATA_FILENAME).is_file() and (path / ".metadata").is_file()
+    return path.is_dir() and (path / METADATA_FILENAME).is_file() and (path / ".metadata").is_file()
 
 
 def _fsync_dir(path: Path) -> None:

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from lightning_parallel.compat import StridedShard
 
 # Optimizer state keyed per parameter name ("param_groups.<fqn>.lr", "state.<fqn>.exp_avg"), not
 # as one list of parameter groups: under pipeline parallelism each rank holds different
@@ -43,7 +44,7 @@ def map_tensors(state: Any, fn: Callable[[Any, Any], Any], like: Any = None) -> 
 
 
 def is_strided(value: Any) -> bool:
-    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements)
+    return isinstance(value, DTensor) and any(isinstance(p, StridedShard) for p in value.placements)
 
 
 def contiguous_shards(state: Any) -> Any:
@@ -55,7 +56,7 @@ def contiguous_shards(state: Any) -> Any:
     def contiguous(value: Any, _: Any) -> Any:
         if not is_strided(value):
             return value
-        placements = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in value.placements]
+        placements = [Shard(p.dim) if isinstance(p, StridedShard) else p for p in value.placements]
         return value.redistribute(value.device_mesh, placements)
 
     return map_tensors(state, contiguous)

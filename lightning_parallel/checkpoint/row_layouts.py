@@ -40,10 +40,12 @@ def _shape(value: DTensor, dim: int, rows: int) -> tuple[torch.Size, tuple[int, 
 def to_user(value: DTensor, layout: RowLayout) -> DTensor:
     """The user's tensor of a stored one, replicated over ``tp``."""
     mesh, t = value.device_mesh, _tp_dim(value)
-    local = value.to_local().contiguous()
-    pieces = [torch.empty_like(local) for _ in range(mesh.size(t))]
-    dist.all_gather(pieces, local, group=mesh.get_group(t))
-    user = layout.user(torch.cat(pieces, dim=layout.dim))
+    local, group = value.to_local().contiguous(), mesh.get_group(t)
+    # ZeRO's checkpoints hold the masters on the CPU; NCCL gathers only on the accelerator.
+    on = torch.device(mesh.device_type) if dist.get_backend(group) == "nccl" else local.device
+    pieces = [torch.empty_like(local, device=on) for _ in range(mesh.size(t))]
+    dist.all_gather(pieces, local.to(on), group=group)
+    user = layout.user(torch.cat(pieces, dim=layout.dim).to(local.device))
     placements = list(value.placements)
     placements[t] = Replicate()
     shape, stride = _shape(value, layout.dim, layout.rows)

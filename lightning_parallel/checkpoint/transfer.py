@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.checkpoint.safe_load import load_trusted_or_weights
+from lightning_parallel.compat import METADATA_FILENAME, read_checkpoint_entries
 
 __all__ = ["consolidate_checkpoint", "export_checkpoint", "load_weights", "read_state_dict"]
 
@@ -160,29 +161,15 @@ def load_weights(
 
 
 def _read_checkpoint_weights(checkpoint: Path) -> dict[str, Any]:
-    from lightning.fabric.utilities.load import _METADATA_FILENAME
-
     if checkpoint.is_file():
         return load_trusted_or_weights(checkpoint, "export", map_location="cpu")["state_dict"]
-    if not (checkpoint / ".metadata").is_file() or not (checkpoint / _METADATA_FILENAME).is_file():
+    if not (checkpoint / ".metadata").is_file() or not (checkpoint / METADATA_FILENAME).is_file():
         raise ValueError(
             f"`{checkpoint}` is not a checkpoint: expected a sharded checkpoint folder (with `.metadata` and"
-            f" `{_METADATA_FILENAME}`, as `Trainer.save_checkpoint` writes it) or a consolidated `.ckpt` file."
+            f" `{METADATA_FILENAME}`, as `Trainer.save_checkpoint` writes it) or a consolidated `.ckpt` file."
         )
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    # As torch's own ``dcp_to_torch_save`` (no process group), but only the weights: the optimizer's
-    # states are never read.
-    state: dict[str, Any] = {}
-    _load_state_dict(
-        state,
-        storage_reader=FileSystemReader(checkpoint),
-        planner=_EmptyStateDictLoadPlanner(keys={"state_dict"}),
-        no_dist=True,
-    )
-    return state["state_dict"]
+    # Only the weights: the optimizer's states are never read.
+    return read_checkpoint_entries(checkpoint, {"state_dict"})["state_dict"]
 
 
 def _checkpoint_tensors(checkpoint: Path, prefix: str, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:

@@ -33,6 +33,8 @@ from lightning_parallel.checkpoint.layouts import (
     restore_strided,
     saved_keys,
 )
+from lightning_parallel.checkpoint.row_layouts import registry, rows_as_stored, rows_as_user
+from lightning_parallel.compat import distributed_checkpoint_load
 from lightning_parallel.zero.partitions import (
     ensure_state,
     group_of,
@@ -154,6 +156,7 @@ def zero_model_state(module: nn.Module, ep_mesh: Any) -> dict[str, Any]:
             state[name] = _as_saved(full[id(param)], to_saved)
     if owned(0):
         state.update(_buffers(module))
+    state = rows_as_user(state, registry(module), optimizer=False)  # tp peers own the same names
     return contiguous_shards(experts_as_dtensors(state, expert_layouts(module), ep_mesh, optimizer=False))
 
 
@@ -186,6 +189,7 @@ def zero_optimizer_state(module: nn.Module, optimizer: Any, engine: Any, ep_mesh
             for key, value in param_groups[group].items():
                 if key != "params":
                     state[f"param_groups.{name}.{key}"] = value
+    state = rows_as_user(state, registry(module), optimizer=True)
     state = contiguous_shards(experts_as_dtensors(state, expert_layouts(module), ep_mesh, optimizer=True))
     state[_SCALER_KEY] = loss_scaler_state(optimizer)
     state[_ENGINE_KEY] = {k: int(getattr(engine, k)) for k in _ENGINE_COUNTERS if hasattr(engine, k)}
@@ -202,9 +206,7 @@ def _zeros_like_saved(param: nn.Parameter, to_saved: Any) -> Any:
 
 
 def _read(path: Path, entry: str, template: dict[str, Any]) -> dict[str, Any]:
-    from lightning.fabric.strategies.fsdp import _distributed_checkpoint_load
-
-    _distributed_checkpoint_load({entry: template}, path)
+    distributed_checkpoint_load({entry: template}, path)
     return template
 
 
@@ -218,7 +220,7 @@ def load_zero_checkpoint(
     layouts = expert_layouts(module)
     _load_weights(module, optimizer, path, parameters, layouts, ep_mesh, strict)
     if optimizer is not None:
-        _load_optimizer(optimizer, engine, path, parameters, layouts, ep_mesh)
+        _load_optimizer(optimizer, engine, path, parameters, layouts, ep_mesh, registry(module))
 
 
 def _local(value: Any) -> torch.Tensor:
@@ -239,9 +241,12 @@ def _load_weights(
             f"The checkpoint {str(path)!r} lacks weights of the module: {missing[:5]} ({len(missing)})."
         )
     like = {k: v for k, v in like.items() if k in saved}
+    rows = registry(module)  # weights stored in a row layout: read as the user's rows, then put back
+    user = rows_as_user(like, rows, optimizer=False)
     loaded = experts_as_local(
-        restore_strided(_read(path, "state_dict", contiguous_shards(like)), like), layouts, optimizer=False
+        restore_strided(_read(path, "state_dict", contiguous_shards(user)), user), layouts, optimizer=False
     )
+    loaded = rows_as_stored(loaded, like, rows, optimizer=False)
     values: dict[int, torch.Tensor] = {}
     for name, param, _ in parameters:
         if name in loaded and id(param) not in values:
@@ -278,19 +283,21 @@ def _optimizer_template(
 
 
 def _load_optimizer(
-    optimizer: Any, engine: Any, path: Path, parameters: list, layouts: dict, ep_mesh: Any
+    optimizer: Any, engine: Any, path: Path, parameters: list, layouts: dict, ep_mesh: Any, rows: dict
 ) -> None:
     """Per-parameter states, step and hyper-parameters (the LR scheduler's state is Lightning's), loss scaler."""
     files = saved_keys(path, "optimizer_0")
     keys = sorted({k.rpartition(".")[2] for k in files if k.startswith("state.")} - {"step"})
+    stored = _optimizer_template(optimizer, files, parameters, keys)
     template = experts_as_dtensors(
-        _optimizer_template(optimizer, files, parameters, keys), layouts, ep_mesh, optimizer=True
+        rows_as_user(stored, rows, optimizer=True), layouts, ep_mesh, optimizer=True
     )
     state = experts_as_local(
         restore_strided(_read(path, "optimizer_0", contiguous_shards(template)), template),
         layouts,
         optimizer=True,
     )
+    state = rows_as_stored(state, stored, rows, optimizer=True)
     step = next((v for k, v in state.items() if k.startswith("state.") and k.endswith(".step")), None)
     ensure_state(optimizer, keys, step)
     groups, done = group_of(optimizer), set()

@@ -34,9 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.distributed.tensor import DTensor
+
+from lightning_parallel.compat import compress_hook
 
 __all__ = [
     "CASTS",
@@ -100,7 +101,7 @@ def half_precision_hook(dtype: torch.dtype) -> Callable[[Any, Any], torch.future
     """
 
     def half_precision_all_reduce(group, bucket):  # type: ignore[no-untyped-def]
-        return default_hooks._compress_hook(dtype, group, bucket)
+        return compress_hook(dtype, group, bucket)
 
     # DDP checks the hook's annotations as objects (this module's are strings): give it those.
     half_precision_all_reduce.__annotations__ = {

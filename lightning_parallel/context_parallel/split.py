@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map_only
 
+from lightning_parallel.compat import tree_map_only
 from lightning_parallel.context_parallel.traffic import TRAFFIC
 
 SEQUENCE_DIM = 1

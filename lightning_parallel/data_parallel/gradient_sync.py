@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_parallel.compat import flatten_dense_tensors, unflatten_dense_tensors
 from lightning_parallel.data_parallel.buckets import BUCKET_BYTES, BucketedReduction, local_gradient
 
 
@@ -168,7 +169,7 @@ def all_reduce_gradients(
     mean = divisor == dist.get_world_size(group)
     for index, bucket in enumerate(ordered):
         alone = len(bucket) == 1 and bucket[0].is_contiguous()  # reduced in place: no copy in, none out
-        flat = bucket[0].view(-1) if alone else torch._utils._flatten_dense_tensors(bucket)
+        flat = bucket[0].view(-1) if alone else flatten_dense_tensors(bucket)
         if compressor is not None and mean:
             compressor.all_reduce_mean(
                 flat, [g.shape for g in bucket], group, index, index == len(ordered) - 1
@@ -180,5 +181,5 @@ def all_reduce_gradients(
                 flat.div_(divisor)
         if alone:
             continue
-        for grad, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True):
+        for grad, reduced in zip(bucket, unflatten_dense_tensors(flat, bucket), strict=True):
             grad.copy_(reduced)

@@ -18,6 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+from lightning_parallel.compat import ddp_replicate, fsdp_replicate
+
 
 def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
@@ -63,14 +65,11 @@ def apply_data_parallel(
     not ``forward``, so hooks on the root would not fire. Its children are what the user's
     step calls.
     """
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-
+    replicate = fsdp_replicate()
     if not sharded_parameters:
-        from torch.distributed._composable.replicate import replicate as ddp_replicate
-
         children = _parameter_holders(root)
         for child in children:
-            ddp_replicate(
+            ddp_replicate()(
                 child, process_group=dp_mesh.get_group()
             )  # DDP's own buckets (1 MB first, then 25 MB)
         return children

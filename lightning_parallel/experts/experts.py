@@ -21,8 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_parallel.compat import grouped_mm
+
 Activation = Literal["gelu", "swiglu", "relu", "silu"]
-_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_GROUPED_MM = grouped_mm
 
 
 class _ContiguousGrad(torch.autograd.Function):

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_parallel.compat import default_store
+
 STOP_MARGIN = 2  # steps between the signal and the common stop
 
 
@@ -90,6 +92,4 @@ def _store() -> Any:
     """The default process group's key-value store (None outside a process group)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    return _get_default_store()
+    return default_store()

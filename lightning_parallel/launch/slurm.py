@@ -33,9 +33,10 @@ import lightning as L
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
+
+from lightning_parallel.compat import cluster_environment, hpc_save_path
 
 
 def _job_id() -> str:
@@ -92,7 +93,7 @@ class SLURMAutoRequeue(Callback):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # As Lightning's signal connector reads it: single-device strategies have no attribute for it.
-        environment = trainer._accelerator_connector.cluster_environment
+        environment = cluster_environment(trainer)
         if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue):
             return
         if environment.requeue_signal is None or threading.current_thread() is not threading.main_thread():
@@ -138,7 +139,7 @@ class SLURMAutoRequeue(Callback):
         return bool(flag.item())
 
     def _save_and_requeue(self, trainer: L.Trainer) -> None:
-        path = _CheckpointConnector.hpc_save_path(trainer.default_root_dir)  # Lightning's hpc_ckpt_<n+1>.ckpt
+        path = hpc_save_path(trainer.default_root_dir)  # Lightning's hpc_ckpt_<n+1>.ckpt
         rank_zero_info(
             f"{type(self).__name__}: requeue signal; saving {path} after step {trainer.global_step}"
         )

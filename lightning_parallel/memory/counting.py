@@ -25,7 +25,8 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from lightning_parallel.compat import is_traceable_wrapper_subclass
 
 __all__ = [
     "ActivationBytes",

@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lightning_parallel.compat import flatten_mesh
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -166,7 +168,7 @@ class ParallelDims:
                     self.tensor_parallel,
                 )
                 self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_AXIS_NAMES)
-                self._mesh["dp_replicate", "ep"]._flatten("dp")
+                flatten_mesh(self._mesh, ("dp_replicate", "ep"), "dp")
             elif self.cp_enabled:
                 # dp = dp_batch x cp: batches differ over "dp_batch"; gradients are averaged over "dp".
                 shape = (
@@ -176,7 +178,7 @@ class ParallelDims:
                     self.tensor_parallel,
                 )
                 self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=CONTEXT_AXIS_NAMES)
-                self._mesh["dp_batch", "cp"]._flatten("dp")
+                flatten_mesh(self._mesh, ("dp_batch", "cp"), "dp")
             else:
                 shape = tuple(self.degrees[name] for name in AXIS_NAMES)
                 self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXIS_NAMES)
@@ -202,8 +204,8 @@ class ParallelDims:
             flattened = {"cp": ("cp_mid", "ep"), "dp_replicate": ("dp_batch", "cp_mid")}
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         for name, axes in flattened.items():
-            mesh[axes]._flatten(name)
-        mesh[names[1:4]]._flatten("dp")
+            flatten_mesh(mesh, axes, name)
+        flatten_mesh(mesh, names[1:4], "dp")
         return mesh
 
     @property

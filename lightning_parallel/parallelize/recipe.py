@@ -34,6 +34,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_parallel.compat import sync_module_states
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.experts import expert_parameters
 from lightning_parallel.mesh import ParallelDims
@@ -139,9 +140,7 @@ def parallelize(
 def sync_parameters(module: nn.Module) -> None:
     """Start every rank from rank 0's weights (as DDP does), whatever each rank's init was."""
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        from torch.distributed.utils import _sync_module_states
-
-        _sync_module_states(module, torch.distributed.group.WORLD, 250 * 1024 * 1024, 0, set())
+        sync_module_states(module, torch.distributed.group.WORLD, src=0)
 
 
 def observe_one_step(

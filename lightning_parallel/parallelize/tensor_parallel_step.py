@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -59,13 +58,6 @@ def check_row_layouts(plan: ParallelPlan, zero_engine: str | None) -> None:
     stored rows; FSDP2 replaces the parameters whose copies' gradients must be summed over the ranks.
     """
     for name, style in plan.styles.items():
-        if zero_engine == "deepspeed" and getattr(style, "fused_as_rows", False):
-            raise ValueError(
-                f"`{name}` is a fused projection ({style.num_chunks} parts), which torch {torch.__version__} cannot"
-                " shard as torch 2.13 does (`_StridedShard`): it is stored in another row order, and ZeRO with"
-                " DeepSpeed's engine cannot keep that layout. Use torch >= 2.13, zero_stage=0, or zero_stage=3"
-                " (torch's FSDP2)."
-            )
         layout = getattr(style, "row_layout", None)
         if layout is None or zero_engine is None:
             continue

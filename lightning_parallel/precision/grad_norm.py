@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_parallel.compat import StridedShard
 from lightning_parallel.precision._partial import (
     GroupRanks,
     comm_device,
@@ -196,7 +196,7 @@ def _shard_groups(tensor: Tensor, groups: dict[GroupRanks, ProcessGroup]) -> fro
     for mesh_dim, placement in enumerate(tensor.placements):
         # _StridedShard (fused projections) is not a Shard subclass and answers is_shard() False
         # in torch 2.13, yet its local pieces partition the tensor like any shard.
-        if (placement.is_shard() or isinstance(placement, _StridedShard)) and mesh.size(mesh_dim) > 1:
+        if (placement.is_shard() or isinstance(placement, StridedShard)) and mesh.size(mesh_dim) > 1:
             group = mesh.get_group(mesh_dim)
             ranks = group_ranks(group)
             groups.setdefault(ranks, group)

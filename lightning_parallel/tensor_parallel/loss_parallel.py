@@ -24,9 +24,9 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
+from lightning_parallel.compat import tree_map
 from lightning_parallel.tensor_parallel.styles import ColwiseProjection
 
 

@@ -27,9 +27,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
-from lightning_parallel.compat import strided_shard_in_ops
+from lightning_parallel.compat import StridedShard, strided_shard_in_ops
 from lightning_parallel.tensor_parallel.row_layout import ROW_LAYOUT, RowLayout
 
 
@@ -67,7 +67,7 @@ def sharded_dims(module: nn.Module, style: object) -> dict[str, int]:
 
 
 def _split_placement(dim: int, num_chunks: int) -> Placement:
-    return Shard(dim) if num_chunks == 1 else _StridedShard(dim, split_factor=num_chunks)
+    return Shard(dim) if num_chunks == 1 else StridedShard(dim, split_factor=num_chunks)
 
 
 def fused_rows(rows: int, num_chunks: int, ranks: int) -> RowLayout:

@@ -22,9 +22,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.utils._pytree import tree_map
 
 from lightning_parallel.comm.agreement import all_agree, communication_device
+from lightning_parallel.compat import tree_map
 from lightning_parallel.tensor_parallel.apply import install_container, scale_attributes
 from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
 from lightning_parallel.tensor_parallel.regions import (

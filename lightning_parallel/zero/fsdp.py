@@ -38,16 +38,23 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_parallel.compat import fsdp_param_groups
+from lightning_parallel.compat import (
+    StridedShard,
+    fsdp_close_forward,
+    fsdp_in_forward,
+    fsdp_param_groups,
+    fsdp_post_backward,
+    fsdp_root_callback,
+    fsdp_state,
+)
 
 
 def _tensor_parallel_dims(param: nn.Parameter) -> set[int]:
     """The tensor dims tensor parallelism already cuts (plain and strided shards)."""
     if not isinstance(param, DTensor):
         return set()
-    return {p.dim for p in param.placements if isinstance(p, (Shard, _StridedShard))}
+    return {p.dim for p in param.placements if isinstance(p, (Shard, StridedShard))}
 
 
 def shard_placement(param: nn.Parameter) -> Shard:
@@ -209,7 +216,7 @@ def _shard(module: nn.Module, kwargs: dict, kept: bool) -> nn.Module:
 
 def unit_parameters(unit: FSDPModule) -> list[nn.Parameter]:
     """The sharded parameters an FSDP2 unit manages (not those of units nested in it)."""
-    groups = fsdp_param_groups(unit._get_fsdp_state())
+    groups = fsdp_param_groups(fsdp_state(unit))
     return [fsdp_param.sharded_param for group in groups for fsdp_param in group.fsdp_params]
 
 
@@ -258,7 +265,7 @@ def regather(units: list[FSDPModule]) -> None:
 
     for unit in units:
         unit.unshard()
-        for group in fsdp_param_groups(unit._get_fsdp_state()):
+        for group in fsdp_param_groups(fsdp_state(unit)):
             for fsdp_param in group.fsdp_params:
                 mark = getattr(fsdp_param.sharded_param, SHARD_ATTR, None)
                 if mark is not None:
@@ -284,12 +291,10 @@ def finish_interrupted_forwards(units: list[FSDPModule], output: torch.Tensor) -
     pre-backward hooks (which gather the parameters again for backward) sit on the tensor the stage's
     backward starts from. Without it a unit resharded by an earlier micro-batch's backward entered the
     next backward with freed parameters (measured: ZeRO-3 with ``zero_reshard="micro_batch"``)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-    open_units = [u for u in units if u._get_fsdp_state()._training_state == TrainingState.FORWARD]
+    open_units = [u for u in units if fsdp_in_forward(u)]
     inside = {id(u): sum(u in other.modules() for other in open_units if other is not u) for u in open_units}
     for unit in sorted(open_units, key=lambda u: -inside[id(u)]):
-        unit._get_fsdp_state()._post_forward(unit, (), output)
+        fsdp_close_forward(unit, output)
 
 
 def before_schedule(reshard: str, stage: int) -> Callable[[list[FSDPModule]], None]:
@@ -335,10 +340,7 @@ def reduce_accumulated(units: list[FSDPModule]) -> None:
         unit.set_requires_gradient_sync(True, recurse=False)
         unit.set_reshard_after_backward(True, recurse=False)
         unit.set_is_last_backward(True)
-        state = unit._get_fsdp_state()
-        for group in fsdp_param_groups(state):
-            group.post_backward()
-        if state._is_root:
-            roots.append(state)
-    for state in roots:
-        state._root_post_backward_final_callback()
+        if fsdp_post_backward(unit):
+            roots.append(unit)
+    for unit in roots:
+        fsdp_root_callback(unit)

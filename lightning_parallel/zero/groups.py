@@ -19,6 +19,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_parallel.compat import flatten_mesh
+
 
 class MeshParallelUnit:
     """The ``mpu`` interface DeepSpeed queries, answered from a ``("pp", ..., "dp", "tp")`` mesh."""
@@ -105,4 +107,4 @@ def _flat(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
         # Not flattened yet (KeyError), or torch 2.11, which cannot slice a flattened axis whose parts are
         # not adjacent (``pp_tp`` beside ``dp``) and raises NotImplementedError: its ``_flatten`` returns
         # the mesh it made the first time.
-        return mesh[axes]._flatten(name)
+        return flatten_mesh(mesh, axes, name)

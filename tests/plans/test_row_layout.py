@@ -82,21 +82,20 @@ def test_fused_parts_as_rows_store_what_a_strided_shard_holds() -> None:
         fused_rows(9, 3, 2)
 
 
-def test_deepspeed_refuses_a_fused_projection_stored_as_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_projection_stored_as_rows_on_torch_before_2_13(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only where torch cannot run ``_StridedShard`` (or the tests ask for it); both ZeRO engines keep it
+    (``checkpoint/zero.py`` saves the user's rows under DeepSpeed's engine too)."""
     from lightning_parallel.compat import FUSED_AS_ROWS_ENV, TORCH_VERSION
     from lightning_parallel.parallelize.tensor_parallel_step import check_row_layouts
     from lightning_parallel.tensor_parallel.plan import ParallelPlan
     from lightning_parallel.tensor_parallel.styles import ColwiseProjection
 
     plan = ParallelPlan(tensor_parallel=2, sequence_parallel=False)
-    plan.styles["attn.qkv"] = ColwiseProjection(num_chunks=3, use_local_output=True)
-    monkeypatch.setenv(FUSED_AS_ROWS_ENV, "1")  # torch 2.11's path
-    assert plan.styles["attn.qkv"].fused_as_rows
-    check_row_layouts(plan, "fsdp2")  # FSDP2 keeps it
-    with pytest.raises(
-        ValueError, match=r"`attn.qkv` is a fused projection \(3 parts\), which torch .* Use torch >= 2.13"
-    ):
-        check_row_layouts(plan, "deepspeed")
+    style = plan.styles["attn.qkv"] = ColwiseProjection(num_chunks=3, use_local_output=True)
+    assert not ColwiseProjection(use_local_output=True).fused_as_rows
+    monkeypatch.setenv(FUSED_AS_ROWS_ENV, "1")
+    assert style.fused_as_rows
+    for engine in ("fsdp2", "deepspeed"):
+        check_row_layouts(plan, engine)
     monkeypatch.delenv(FUSED_AS_ROWS_ENV)
-    if TORCH_VERSION >= (2, 13):
-        check_row_layouts(plan, "deepspeed")
+    assert style.fused_as_rows == (TORCH_VERSION < (2, 13))
