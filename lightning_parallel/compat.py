@@ -104,6 +104,11 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("torch.distributed._composable.replicate_with_fsdp:replicate", "data_parallel/replicate.py",
                "fsdp_replicate", note="2.13 adds dp_mesh_dims= (unused)"),
     PrivateApi("torch.distributed._composable.replicate:replicate", "data_parallel/replicate.py", "ddp_replicate"),
+    # ---- pipelining
+    PrivateApi("torch.distributed.pipelining.stage:_PipelineStageBase._get_init_p2p_neighbors_ops",
+               "pipeline/last_backward.py", "without_sends_to_self", note="(overridden) 2.11 calls it before each"
+               " schedule's first step and pairs a stage with a neighbour on its own rank (V schedules), which"
+               " gloo refuses; 2.13 warms up by a vote and calls it only for stages not PipelineStage"),
     # ---- collectives, checkpoints, build
     PrivateApi("torch.distributed.utils:_sync_module_states", "parallelize/recipe.py", "sync_module_states"),
     PrivateApi("torch.distributed.distributed_c10d:_get_default_store", "launch/interrupt.py", "default_store"),
@@ -246,6 +251,13 @@ def fsdp_post_backward(unit: Any) -> bool:
 def fsdp_root_callback(unit: Any) -> None:
     """A root unit's end of backward: wait for the reductions (FSDP2 queues it on autograd's engine)."""
     fsdp_state(unit)._root_post_backward_final_callback()
+
+
+def without_sends_to_self(ops: list[Any]) -> list[Any]:
+    """The ``dist.P2POp`` objects of ``ops`` whose peer is another rank (gloo has no pair to itself)."""
+    import torch.distributed as dist
+
+    return [op for op in ops if op.group_peer != dist.get_rank(op.group)]
 
 
 def fsdp_replicate() -> Callable[..., Any]:

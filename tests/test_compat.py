@@ -136,3 +136,10 @@ def test_flat_axis_of_a_mesh_torch_2_11_cannot_slice() -> None:
         mesh = _Mesh(error)
         assert _flat(mesh, ("pp", "tp")) == "pp_tp"  # type: ignore[arg-type]
         assert mesh.flattened == [(("pp", "tp"), "pp_tp")]
+
+
+def test_without_sends_to_self(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11 pairs a pipeline stage with a neighbour on its own rank (V schedules); gloo cannot."""
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+    ops = [SimpleNamespace(group_peer=peer, group=None) for peer in (0, 1, 0)]
+    assert compat.without_sends_to_self(ops) == [ops[0], ops[2]]

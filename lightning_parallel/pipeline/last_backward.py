@@ -25,6 +25,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from lightning_parallel.compat import without_sends_to_self
 from lightning_parallel.data_parallel.gradient_sync import GradientSync
 from lightning_parallel.zero.tensor_parallel import user_name
 
@@ -35,6 +36,11 @@ class ReducingStage(PipelineStage):
     def __init__(self, *args: Any, last_backward: Callable[[int], Any], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._last_backward = last_backward
+
+    def _get_init_p2p_neighbors_ops(self) -> list[Any]:
+        # torch 2.11 opens a pair to each neighbour stage, also to one on this rank (the V schedules: stages 1
+        # and 2 of two ranks), which gloo cannot connect; 2.13 warms up its pairs otherwise and never calls it.
+        return without_sends_to_self(super()._get_init_p2p_neighbors_ops())
 
     def backward_one_chunk(
         self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
