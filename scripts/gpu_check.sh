@@ -14,4 +14,4 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-}"
 [ -z "$PY" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
 [ -z "$PY" ] && { command -v python >/dev/null 2>&1 && PY=python || PY=python3; }
-exec env PYTHONPATH=. "$PY" -m benchmarks.gpu_check --out "${OUT:-.}" "$@"
+exec env PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m benchmarks.gpu_check --out "${OUT:-.}" "$@"

@@ -42,6 +42,8 @@ class Layout:
     zero_stage: int = 0
     offload: str | None = None
     """None, ``"cpu"`` or ``"nvme"``: where ZeRO keeps the optimizer states (stage 3: parameters too)."""
+    zero_engine: str = "auto"
+    """The strategy's ``zero_engine``: ``"auto"`` (by layout), ``"deepspeed"`` or ``"fsdp2"``."""
     activation_checkpointing: str | None = None
     """None, ``"full"`` or ``"selective"``."""
     precision: str = "32-true"
@@ -110,7 +112,7 @@ def _zero_problems(problems: list[str], layout: Layout) -> None:
         problems.append(f"`precision={layout.precision!r}` with ZeRO: one of {sorted(ZERO_PRECISIONS)}")
     ep, dp = layout.expert_parallel, layout.data_parallel
     if layout.offload in (None, "cpu", "nvme") and layout.zero_stage in (1, 2, 3):
-        zero = ZeroArguments(stage=layout.zero_stage, offload=layout.offload)  # type: ignore[arg-type]
+        zero = ZeroArguments(stage=layout.zero_stage, offload=layout.offload, engine=layout.zero_engine)  # type: ignore[arg-type]
         engine = engine_for(zero, layout.tensor_parallel, layout.pipeline_parallel, expert_parallel=ep)
         if ep > 1 and dp // ep == 1 and engine == "deepspeed":
             problems.append(f"`zero_stage={layout.zero_stage}` with `expert_parallel={ep}` on {dp} data-parallel ranks"
