@@ -18,6 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.utils import parametrize
 
+from lightning_parallel.tensor_parallel.row_layout import ROW_LAYOUT, row_layout
+
 
 class FromLocalShard(nn.Module):
     """``local shard -> DTensor`` with the placements and global shape the weight had."""
@@ -28,11 +30,17 @@ class FromLocalShard(nn.Module):
         self.placements = tuple(like.placements)
         self.shape = like.shape
         self.stride = like.stride()
+        self.row_layout = row_layout(like)
 
     def forward(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(
+        weight = DTensor.from_local(
             local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
         )
+        if (
+            self.row_layout is not None
+        ):  # rows stored in another order (tensor_parallel/row_layout.py): say so
+            setattr(weight, ROW_LAYOUT, self.row_layout)
+        return weight
 
 
 def local_shard_parameters(module: nn.Module) -> int:

@@ -99,3 +99,32 @@ def test_fused_projection_stored_as_rows_on_torch_before_2_13(monkeypatch: pytes
         check_row_layouts(plan, engine)
     monkeypatch.delenv(FUSED_AS_ROWS_ENV)
     assert style.fused_as_rows == (TORCH_VERSION < (2, 13))
+
+
+def test_a_weight_deepspeed_holds_as_its_local_shard_keeps_its_row_layout() -> None:
+    """Under DeepSpeed's engine a tensor-parallel weight is its local shard behind a parametrization
+    (``zero/tensor_parallel.py``); the weight the module sees still names its row layout, so whatever reads
+    the user's rows (the parity harness, norms) finds it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_parallel.tensor_parallel.row_layout import ROW_LAYOUT, row_layout
+    from lightning_parallel.tensor_parallel.styles import fused_rows
+    from lightning_parallel.zero.tensor_parallel import local_shard_parameters
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        layer = torch.nn.Linear(4, 12)
+        layout = fused_rows(12, 3, 1)
+        weight = torch.nn.Parameter(distribute_tensor(layout.stored(layer.weight.detach()), mesh, [Shard(0)]))
+        setattr(weight, ROW_LAYOUT, layout)
+        layer.weight = weight
+        assert local_shard_parameters(layer) == 1
+        assert row_layout(layer.weight) == layout and row_layout(layer.bias) is None
+    finally:
+        if started:
+            dist.destroy_process_group()
