@@ -152,7 +152,10 @@ class MeshParallelStrategy(ParallelStrategy):
                 precision = self.precision_plugin.precision
                 own_scale = self.config.zero.precision_override(precision) is None
                 self.precision_plugin = ZeroPrecision(
-                    precision, self.root_device.type, own_loss_scale=own_scale
+                    precision,
+                    self.root_device.type,
+                    own_loss_scale=own_scale,
+                    scaler=getattr(self.precision_plugin, "scaler", None),  # a user's GradScaler settings
                 )
         else:
             pp_group = self._device_mesh["pp"].get_group() if self.dims.pp_enabled else None

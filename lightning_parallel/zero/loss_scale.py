@@ -42,6 +42,16 @@ class ZeroLossScale:
         self._growth_tracker = 0
         self.skipped_steps = 0
 
+    @classmethod
+    def from_scaler(cls, scaler: torch.amp.GradScaler) -> ZeroLossScale:
+        """The same settings and current scale as a user's ``torch.amp.GradScaler``."""
+        return cls(
+            init_scale=scaler.get_scale(),
+            growth_factor=scaler.get_growth_factor(),
+            backoff_factor=scaler.get_backoff_factor(),
+            growth_interval=scaler.get_growth_interval(),
+        )
+
     def get_scale(self) -> float:
         return self._scale
 

@@ -33,13 +33,20 @@ AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 class ZeroPrecision(DeepSpeedPrecision):
     """``DeepSpeedPrecision`` for ``HybridParallelStrategy(zero_stage=...)``; ``device_type`` for autocast."""
 
-    def __init__(self, precision: Any, device_type: str = "cpu", own_loss_scale: bool = True) -> None:
+    def __init__(
+        self,
+        precision: Any,
+        device_type: str = "cpu",
+        own_loss_scale: bool = True,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
         super().__init__(precision)
         self.device_type = device_type
         # ``deepspeed_config`` precision sections of the user's own replace ours: then DeepSpeed scales.
-        self.scaler: ZeroLossScale | None = (
-            ZeroLossScale() if self.precision == "16-mixed" and own_loss_scale else None
-        )
+        # A user's ``GradScaler`` (``MixedPrecision("16-mixed", ..., scaler=...)``) gives its settings and scale.
+        self.scaler: ZeroLossScale | None = None
+        if self.precision == "16-mixed" and own_loss_scale:
+            self.scaler = ZeroLossScale() if scaler is None else ZeroLossScale.from_scaler(scaler)
 
     @override
     def forward_context(self) -> Any:
