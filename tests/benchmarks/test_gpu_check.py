@@ -36,7 +36,7 @@ def test_phases_fit_the_deadline_and_what_ran_is_kept(
         "late": "skipped: the deadline",
         "missing": "skipped: no_such_module_anywhere is not installed",
     }
-    assert report["seconds"] < 40 and not report["ok"]  # a stopped phase fails the check
+    assert not report["ok"]  # a stopped phase fails the check
     verdicts = [f["verdict"] for f in report["phases"][0]["figures"]]
     assert verdicts == ["pass", "miss", "not measured"]
     assert json.loads((tmp_path / "gpu_check.json").read_text())["phases"][0]["results"]["python"].startswith(
@@ -45,13 +45,28 @@ def test_phases_fit_the_deadline_and_what_ran_is_kept(
     assert "timeit" in (tmp_path / "gpu_check.txt").read_text()
 
 
-def test_every_phase_of_the_real_check_has_a_limit_that_fits_one_command() -> None:
+def test_the_real_check_runs_the_most_valuable_first_within_one_command() -> None:
     for dry_run in (False, True):
         real = gpu_check.phases(dry_run)
-        assert [p.name for p in real][:4] == [
-            "environment",
-            "paths",
-            "step",
-            "precisions",
-        ]  # most valuable first
+        assert [p.name for p in real][:4] == ["environment", "engines_deepspeed", "offload", "memory"]
         assert all(p.limit_s <= gpu_check.DEADLINE_S for p in real) and gpu_check.DEADLINE_S <= 9 * 60
+    assert [p.name for p in gpu_check.selected(False, None, quick=True)] == list(gpu_check.QUICK)
+    assert gpu_check.QUICK_DEADLINE_S <= 5 * 60
+    everything = [p.name for p in gpu_check.selected(False, None, quick=False)]
+    assert "step" not in everything and "largest" in everything  # on request only: eager vs Lightning
+    assert [p.name for p in gpu_check.selected(False, ["step"], quick=False)] == ["environment", "step"]
+
+
+def test_every_engine_is_judged_against_eager_with_the_dtype_it_computed_in() -> None:
+    """The first GPU run's ZeRO-2 read "pass" against our own offload path while both ran in fp32."""
+    from benchmarks.zero_engines import GROUPS
+
+    figures = {f.name: f for p in gpu_check.phases(False) for f in p.figures}
+    for engines in GROUPS.values():
+        for engine in engines:
+            assert figures[f"{engine} / eager step time"].compare == "<="
+            assert figures[f"{engine}: bf16 share of Linear outputs"].value == 1.0
+            assert f"{engine}: peak memory / planner" in figures
+    share = figures["deepspeed zero2: bf16 share of Linear outputs"]
+    fp32_run = {"figures": {"deepspeed zero2": {"bf16_share": 0.0}}}
+    assert share.check(fp32_run)["verdict"] == "miss"  # an fp32 step fails the check
