@@ -48,6 +48,7 @@ from lightning_parallel.compat import (
     fsdp_root_callback,
     fsdp_state,
 )
+from lightning_parallel.tensor_parallel.row_layout import ROW_LAYOUT, stamp_row_layouts
 
 
 def _tensor_parallel_dims(param: nn.Parameter) -> set[int]:
@@ -178,6 +179,8 @@ def fully_shard_modules(
 
     units = _shard_experts(root, experts, options) if experts is not None else []
     units += [_shard(module, *options(module)) for module in kept_blocks + holders]
+    # FSDP2's new parameters name their row layouts again (tensor_parallel/row_layout.py).
+    stamp_row_layouts(root)
     return Sharded(units, whole)
 
 
@@ -258,8 +261,8 @@ def _shard_experts(
 def regather(units: list[FSDPModule]) -> None:
     """ZeRO-2 between steps: gather the updated shards, so the whole parameters stay until the next backward.
 
-    The gathered parameters are other objects than the shards; expert marks are carried over to them, so
-    ``expert_parameters(module)`` answers alike between steps.
+    The gathered parameters are other objects than the shards; expert marks and row layouts are carried over
+    to them, so ``expert_parameters(module)`` and ``row_layout(param)`` answer alike between steps.
     """
     from lightning_parallel.experts.foreign import SHARD_ATTR
 
@@ -267,9 +270,10 @@ def regather(units: list[FSDPModule]) -> None:
         unit.unshard()
         for group in fsdp_param_groups(fsdp_state(unit)):
             for fsdp_param in group.fsdp_params:
-                mark = getattr(fsdp_param.sharded_param, SHARD_ATTR, None)
-                if mark is not None:
-                    setattr(fsdp_param.unsharded_param, SHARD_ATTR, mark)
+                for attribute in (SHARD_ATTR, ROW_LAYOUT):
+                    mark = getattr(fsdp_param.sharded_param, attribute, None)
+                    if mark is not None:
+                        setattr(fsdp_param.unsharded_param, attribute, mark)
 
 
 def accumulate_without_reducing(units: list[FSDPModule]) -> None:

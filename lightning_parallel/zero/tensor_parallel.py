@@ -36,9 +36,7 @@ class FromLocalShard(nn.Module):
         weight = DTensor.from_local(
             local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
         )
-        if (
-            self.row_layout is not None
-        ):  # rows stored in another order (tensor_parallel/row_layout.py): say so
+        if self.row_layout is not None:  # rows stored in another order (tensor_parallel/row_layout.py)
             setattr(weight, ROW_LAYOUT, self.row_layout)
         return weight
 
