@@ -24,7 +24,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, RichProgressBar
+from lightning.pytorch.callbacks import Callback, ModelSummary, RichModelSummary, RichProgressBar
 from torch import nn
 
 from lightning_parallel.plans.flops import forward_flops_per_token, peak_flops
@@ -79,8 +79,16 @@ class StepFlops:
     _forward_flops_per_token: float = 0.0
     _tokens_in_batch: int = 0
 
+    _flops_sequence_length: int = 0
+
     def count_flops(self, model: nn.Module, sequence_length: int) -> None:
         self._forward_flops_per_token = forward_flops_per_token(model, sequence_length)
+        self._flops_sequence_length = sequence_length
+
+    @property
+    def forward_flops_per_sequence(self) -> int:
+        """Model FLOPs of one forward pass over one full-length sequence (the model summary's ``Total FLOPs``)."""
+        return int(self._forward_flops_per_token * self._flops_sequence_length)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._tokens_in_batch = tokens_in_batch(batch)
@@ -106,13 +114,64 @@ class StepLimitedProgressBar(RichProgressBar):
             description = f"{description:{len(self.validation_description)}}"
         return description
 
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        # The rich bar formats every number as a float: the logger's version read "v_num: 0.000". It is in the
+        # run's folder name (runs/<name>/version_<n>/) already.
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
+
+
+class _SummaryWithFlops:
+    """A Lightning model summary whose ``total_flops`` is the recipe's own count."""
+
+    def __init__(self, summary: Any, total_flops: int) -> None:
+        self._summary = summary
+        self.total_flops = total_flops
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._summary, name)
+
+
+class CountedFlopsSummary:
+    """Mixin for Lightning's model summaries: ``Total FLOPs`` from the recipe's count, not 0.
+
+    Lightning counts FLOPs only by running ``example_input_array`` through the model under
+    ``FlopCounterMode``, which a parallelized model (pipeline stages, DTensor shards) cannot do on one
+    rank; the recipes count their FLOPs from the shapes (:class:`StepFlops`) and report one forward
+    pass over one full-length sequence, what Lightning's figure means for an example of one sequence.
+    """
+
+    def _summary(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
+        summary = super()._summary(trainer, pl_module)  # type: ignore[misc]
+        counted = getattr(pl_module, "forward_flops_per_sequence", 0)
+        return summary if summary.total_flops or not counted else _SummaryWithFlops(summary, counted)
+
 
 def use_step_limited_bar(trainer: L.Trainer) -> L.Trainer:
-    """Swap Lightning's default rich progress bar for :class:`StepLimitedProgressBar` (nothing else changes)."""
+    """Swap Lightning's default rich progress bar for :class:`StepLimitedProgressBar`, and its model summary
+    for the same summary with the recipe's counted FLOPs (:class:`CountedFlopsSummary`)."""
     for index, callback in enumerate(trainer.callbacks):
         if type(callback) is RichProgressBar:
             trainer.callbacks[index] = StepLimitedProgressBar()
+        elif type(callback) in _COUNTED_SUMMARIES:  # the same depth and options, the FLOPs counted
+            counted = _COUNTED_SUMMARIES[type(callback)]
+            trainer.callbacks[index] = counted(callback._max_depth, **callback._summarize_kwargs)
     return trainer
+
+
+class CountedModelSummary(CountedFlopsSummary, ModelSummary):
+    """Lightning's ``ModelSummary`` with the recipe's FLOPs."""
+
+
+class CountedRichModelSummary(CountedFlopsSummary, RichModelSummary):
+    """Lightning's ``RichModelSummary`` with the recipe's FLOPs."""
+
+
+_COUNTED_SUMMARIES: dict[type, type] = {
+    ModelSummary: CountedModelSummary,
+    RichModelSummary: CountedRichModelSummary,
+}
 
 
 class TokensPerSecond(Callback):

@@ -16,11 +16,18 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 
 import recipes.gpt.prepare as prepare_mod
 from recipes.gpt import GPT, ByteTokenizer, GPTConfig, GPTLightningModule, TokenDataModule, TokensPerSecond
 from recipes.gpt.__main__ import main
-from recipes.gpt.callbacks import data_parallel_replicas, sequences_in_batch, tokens_in_batch
+from recipes.gpt.callbacks import (
+    CountedFlopsSummary,
+    StepLimitedProgressBar,
+    data_parallel_replicas,
+    sequences_in_batch,
+    tokens_in_batch,
+)
 from recipes.gpt.data import TokenWindows, load_embedded_corpus
 from recipes.gpt.make_corpus import make_corpus
 from recipes.gpt.module import warmup_cosine
@@ -246,6 +253,13 @@ def test_cli_fit_tiny_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     with open(run_dir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert any(row["train_loss"] for row in rows) and any(row["tok/s"] for row in rows)
+    # The model summary's "Total FLOPs" is the recipe's count (Lightning's own read 0 without an example
+    # input), and the bar leaves out the logger's version (the rich bar printed it as "v_num: 0.000").
+    (summary,) = [c for c in cli.trainer.callbacks if isinstance(c, CountedFlopsSummary)]
+    flops = summary._summary(cli.trainer, cli.model).total_flops
+    assert flops == cli.model.forward_flops_per_sequence > 0
+    assert "v_num" in ProgressBar().get_metrics(cli.trainer, cli.model)  # Lightning's bar shows it
+    assert "v_num" not in StepLimitedProgressBar().get_metrics(cli.trainer, cli.model)
 
 
 def test_tflops_and_mfu_on_the_bar_and_in_the_metrics(
