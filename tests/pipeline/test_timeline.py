@@ -205,13 +205,17 @@ def _run_schedule(name: str, rank: int, group: Any, out: Path) -> dict[str, Any]
     """Two steps of the schedule ``name``, the second one recorded; what the callback saw."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
 
+    from lightning_parallel.compat import without_sends_to_self
+
+    class Stage(PipelineStage):
+        def _get_init_p2p_neighbors_ops(self) -> list[Any]:  # torch 2.11, V layout: no pair to itself
+            return without_sends_to_self(super()._get_init_p2p_neighbors_ops())
+
     if name == "1f1b":
         num_stages, indices = WORLD, [rank]
     else:  # V layout: rank r holds stages r and 2W-1-r
         num_stages, indices = 2 * WORLD, [rank, 2 * WORLD - 1 - rank]
-    stages = [
-        PipelineStage(_chunk(i, num_stages), i, num_stages, torch.device("cpu"), group=group) for i in indices
-    ]
+    stages = [Stage(_chunk(i, num_stages), i, num_stages, torch.device("cpu"), group=group) for i in indices]
     loss_fn = torch.nn.MSELoss()
     if name == "1f1b":
         schedule = Schedule1F1B(stages[0], n_microbatches=MICROBATCHES, loss_fn=loss_fn)

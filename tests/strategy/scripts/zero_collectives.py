@@ -2,7 +2,7 @@
 
     python tests/strategy/scripts/zero_collectives.py OUT_DIR   # RANK/WORLD_SIZE/MASTER_* from the launcher
 
-nanoGPT, pp=2 x dp=2, ``micro_batches=4``, three steps; ``torch.distributed.all_gather_single`` and
+nanoGPT, pp=2 x dp=2, ``micro_batches=4``, three steps; ``torch.distributed.all_gather_single`` (2.11: ``all_gather_into_tensor``) and
 ``reduce_scatter_single`` (what FSDP2 calls) are counted per training step from the second on (the
 first also gathers the initial shards). Every rank writes ``OUT_DIR/zero_collectives.rank{r}.json``:
 per stage, the FSDP2 units on the rank and the gathers and reduce-scatters of each counted step; also
@@ -59,8 +59,12 @@ def main(out_dir: Path) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    dist.all_gather_single = _counting("all_gather", dist.all_gather_single)
-    dist.reduce_scatter_single = _counting("reduce_scatter", dist.reduce_scatter_single)
+    # FSDP2's collectives: torch 2.13 calls ``*_single``, 2.11 ``all_gather_into_tensor``/``reduce_scatter_tensor``.
+    single = hasattr(dist, "all_gather_single")
+    gather, scatter = ("all_gather_single", "reduce_scatter_single") if single else (
+        "all_gather_into_tensor", "reduce_scatter_tensor")  # fmt: skip
+    setattr(dist, gather, _counting("all_gather", getattr(dist, gather)))
+    setattr(dist, scatter, _counting("reduce_scatter", getattr(dist, scatter)))
     devices = int(os.environ["WORLD_SIZE"])
     results = {}
     # zero_reshard="micro_batch": the memory asked for, at micro_batches times the communication.
