@@ -109,6 +109,9 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
                "pipeline/last_backward.py", "without_sends_to_self", note="(overridden) 2.11 calls it before each"
                " schedule's first step and pairs a stage with a neighbour on its own rank (V schedules), which"
                " gloo refuses; 2.13 warms up by a vote and calls it only for stages not PipelineStage"),
+    PrivateApi("torch.distributed.pipelining.stage:PipelineStage._shape_inference", "pipeline/last_backward.py",
+               "(overridden)", ("2.11.0",), note="2.11 only (an extra forward before the first step), run"
+               " under fork_rng; 2.13 infers metadata otherwise", resolvable=TORCH_VERSION < (2, 13)),
     # ---- collectives, checkpoints, build
     PrivateApi("torch.distributed.utils:_sync_module_states", "parallelize/recipe.py", "sync_module_states"),
     PrivateApi("torch.distributed.distributed_c10d:_get_default_store", "launch/interrupt.py", "default_store"),

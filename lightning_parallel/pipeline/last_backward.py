@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
@@ -41,6 +42,15 @@ class ReducingStage(PipelineStage):
         # torch 2.11 opens a pair to each neighbour stage, also to one on this rank (the V schedules: stages 1
         # and 2 of two ranks), which gloo cannot connect; 2.13 warms up its pairs otherwise and never calls it.
         return without_sends_to_self(super()._get_init_p2p_neighbors_ops())
+
+    def _shape_inference(self, *args: Any, **kwargs: Any) -> Any:
+        # torch 2.11 infers the shapes a stage sends by running it once more (zero inputs, no_grad) before a
+        # schedule's first step; its random draws (dropout) must not move the step's own: a resumed run would
+        # draw differently from the uninterrupted one (measured: the data order after resuming). 2.13 has no
+        # such method.
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            return super()._shape_inference(*args, **kwargs)
 
     def backward_one_chunk(
         self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
