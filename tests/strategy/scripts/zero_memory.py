@@ -156,6 +156,7 @@ def _partial_offload(trainer: L.Trainer, optimizer: Any) -> dict[str, Any]:
     with the marks the optimizer steps by (CPU Adam for the offloaded ones, torch's Adam for the rest)."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
+    from lightning_parallel.compat import fsdp_param_groups, fsdp_state
     from lightning_parallel.zero.fsdp import KEPT_ON_DEVICE, unit_parameters
 
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -164,7 +165,7 @@ def _partial_offload(trainer: L.Trainer, optimizer: Any) -> dict[str, Any]:
     agree, unit_fractions = True, []
     for unit in units:
         owned = unit_parameters(unit)
-        offloaded = isinstance(unit._get_fsdp_state()._fsdp_param_groups[0].offload_policy, CPUOffloadPolicy)
+        offloaded = isinstance(fsdp_param_groups(fsdp_state(unit))[0].offload_policy, CPUOffloadPolicy)
         agree &= all(getattr(p, KEPT_ON_DEVICE, False) != offloaded for p in owned)
         unit_fractions.append(sum(p.numel() for p in owned) / max(1, sum(p.numel() for p in params)))
     return {"kept_fraction": kept / max(1, sum(p.numel() for p in params)), "policies_agree": agree,
