@@ -28,20 +28,21 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_map, tree_map_only
 from torch.utils.checkpoint import SelectiveCheckpointContext
 
+# fmt: off
 __all__ = [
-    "FUSED_AS_ROWS_ENV",
-    "PRIVATE_APIS",
-    "TORCH_VERSION",
-    "PrivateApi",
-    "StridedShard",
-    "TorchDispatchMode",
-    "fsdp_param_groups",
-    "is_traceable_wrapper_subclass",
-    "selective_policy_sees_output",
-    "strided_shard_in_ops",
-    "tree_map",
-    "tree_map_only",
+    "FUSED_AS_ROWS_ENV", "LIGHTNING_CHECKED", "METADATA_FILENAME", "PRIVATE_APIS",
+    "PrivateApi", "StridedShard", "TORCH_CHECKED", "TORCH_VERSION",
+    "TorchDispatchMode", "align_compiled_param_names_with_module", "cluster_environment", "collect_rng_states",
+    "compress_hook", "ddp_replicate", "default_store", "distributed_checkpoint_load",
+    "distributed_checkpoint_save", "extension_build_directory", "flatten_dense_tensors", "flatten_mesh",
+    "fsdp_close_forward", "fsdp_in_forward", "fsdp_param_groups", "fsdp_post_backward",
+    "fsdp_replicate", "fsdp_root_callback", "fsdp_state", "grouped_mm",
+    "hpc_save_path", "init_dist_connection", "is_full_checkpoint", "is_sharded_checkpoint",
+    "is_traceable_wrapper_subclass", "read_checkpoint_entries", "rekey_optimizer_state_if_needed", "selective_policy_sees_output",
+    "set_rng_states", "strided_shard_in_ops", "sync_module_states", "tree_map",
+    "tree_map_only", "unflatten_dense_tensors", "without_sends_to_self",
 ]
+# fmt: on
 
 
 def _version(text: str) -> tuple[int, int]:
@@ -139,18 +140,18 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("lightning.fabric.strategies.fsdp:_distributed_checkpoint_load", "checkpoint/zero.py,"
                " strategy/checkpointing.py", "distributed_checkpoint_load", _LT),
     PrivateApi("lightning.fabric.strategies.model_parallel:_distributed_checkpoint_save",
-               "strategy/checkpointing.py", "(pending)", _LT),
+               "strategy/checkpointing.py", "distributed_checkpoint_save", _LT),
     PrivateApi("lightning.fabric.strategies.model_parallel:_is_full_checkpoint", "strategy/checkpointing.py",
-               "(pending)", _LT),
+               "is_full_checkpoint", _LT),
     PrivateApi("lightning.fabric.strategies.model_parallel:_is_sharded_checkpoint", "strategy/checkpointing.py",
-               "(pending)", _LT),
+               "is_sharded_checkpoint", _LT),
     PrivateApi("lightning.fabric.strategies.model_parallel:_rekey_optimizer_state_if_needed",
-               "strategy/checkpointing.py", "(pending)", _LT),
-    PrivateApi("lightning.fabric.utilities.seed:_collect_rng_states", "strategy/checkpointing.py", "(pending)", _LT),
-    PrivateApi("lightning.fabric.utilities.seed:_set_rng_states", "strategy/checkpointing.py", "(pending)", _LT),
+               "strategy/checkpointing.py", "rekey_optimizer_state_if_needed", _LT),
+    PrivateApi("lightning.fabric.utilities.seed:_collect_rng_states", "strategy/checkpointing.py", "collect_rng_states", _LT),
+    PrivateApi("lightning.fabric.utilities.seed:_set_rng_states", "strategy/checkpointing.py", "set_rng_states", _LT),
     PrivateApi("lightning.pytorch.strategies.model_parallel:_align_compiled_param_names_with_module",
-               "strategy/checkpointing.py", "(pending)", _LT),
-    PrivateApi("lightning.fabric.utilities.distributed:_init_dist_connection", "strategy/base.py", "(pending)", _LT),
+               "strategy/checkpointing.py", "align_compiled_param_names_with_module", _LT),
+    PrivateApi("lightning.fabric.utilities.distributed:_init_dist_connection", "strategy/base.py", "init_dist_connection", _LT),
     PrivateApi("lightning.pytorch.trainer.connectors.checkpoint_connector:_CheckpointConnector.hpc_save_path",
                "launch/slurm.py", "hpc_save_path", _LT),
     PrivateApi("lightning.pytorch.trainer.trainer:Trainer._accelerator_connector", "launch/slurm.py",
@@ -345,3 +346,50 @@ def hpc_save_path(root_dir: str) -> str:
 def cluster_environment(trainer: Any) -> Any:
     """The Trainer's cluster environment (SLURM, torchrun, ...)."""
     return trainer._accelerator_connector.cluster_environment
+
+
+# Lightning's private helpers still imported directly by strategy/base.py and strategy/checkpointing.py
+# (tests/test_compat.py: PENDING); the same functions, for those modules to import from here.
+def _lightning(module: str, name: str) -> Any:
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+def distributed_checkpoint_save(state: dict[str, Any], path: Path) -> None:
+    """Lightning's DCP save of ``state`` into the folder ``path``."""
+    _lightning("lightning.fabric.strategies.model_parallel", "_distributed_checkpoint_save")(state, path)
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    return bool(_lightning("lightning.fabric.strategies.model_parallel", "_is_sharded_checkpoint")(path))
+
+
+def is_full_checkpoint(path: Path) -> bool:
+    return bool(_lightning("lightning.fabric.strategies.model_parallel", "_is_full_checkpoint")(path))
+
+
+def rekey_optimizer_state_if_needed(state: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
+    """An optimizer state keyed by parameter ids, keyed by names (as Lightning's ModelParallelStrategy loads)."""
+    return _lightning("lightning.fabric.strategies.model_parallel", "_rekey_optimizer_state_if_needed")(
+        state, module
+    )
+
+
+def collect_rng_states() -> dict[str, Any]:
+    return _lightning("lightning.fabric.utilities.seed", "_collect_rng_states")()
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    _lightning("lightning.fabric.utilities.seed", "_set_rng_states")(states)
+
+
+def align_compiled_param_names_with_module(state: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
+    """A state dict of a compiled module (``_orig_mod.`` names) under the module's own names."""
+    name = "_align_compiled_param_names_with_module"
+    return _lightning("lightning.pytorch.strategies.model_parallel", name)(state, module)
+
+
+def init_dist_connection(*args: Any, **kwargs: Any) -> None:
+    """Lightning's process-group start (``cluster_environment, backend, global_rank, world_size, timeout=``)."""
+    _lightning("lightning.fabric.utilities.distributed", "_init_dist_connection")(*args, **kwargs)

@@ -143,3 +143,13 @@ def test_without_sends_to_self(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
     ops = [SimpleNamespace(group_peer=peer, group=None) for peer in (0, 1, 0)]
     assert compat.without_sends_to_self(ops) == [ops[0], ops[2]]
+
+
+def test_lightning_helpers_reach_lightning(tmp_path: Path) -> None:
+    states = compat.collect_rng_states()
+    assert "torch" in states
+    compat.set_rng_states(states)
+    assert not compat.is_full_checkpoint(tmp_path / "absent.ckpt") and not compat.is_sharded_checkpoint(
+        tmp_path
+    )
+    assert compat.METADATA_FILENAME == "meta.pt"
