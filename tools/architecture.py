@@ -23,8 +23,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "lightning_parallel"
 TOP = "(top)"  # the package's own modules: the public API (__init__), __main__, the command line
+COMPAT = "compat"  # lightning_parallel/compat.py, in the bottom layer: torch's and Lightning's privates
 LAYERS: list[set[str]] = [
     {
+        COMPAT,
         "mesh",
         "comm",
         "memory",
@@ -88,6 +90,8 @@ def read_imports(sources: Mapping[str, str]) -> Imports:
 
 def package_of(module: str, packages: Iterable[str]) -> str:
     parts = module.split(".")
+    if parts[1:] == [COMPAT]:
+        return COMPAT
     return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in packages) else TOP
 
 
