@@ -77,10 +77,9 @@ def _precision(trainer_kwargs: Mapping[str, Any]) -> str:
     if any(type(p).__name__ == "Float8Precision" for p in plugins):
         return "fp8"
     flag = str(trainer_kwargs.get("precision", "32-true"))
-    precision = _PRECISION_ALIASES.get(flag, flag)
-    # The harness trains on the CPU, where Lightning replaces "16-mixed" by "bf16-mixed" (fp16
-    # autocast needs a GPU): such a case covers bf16-mixed, never the fp16 loss scaler.
-    return "bf16-mixed" if precision == "16-mixed" else precision
+    # "16-mixed" is fp16 autocast with a loss scale on the CPU too: the harness's worker passes the plugin
+    # (Lightning would turn the flag into bf16-mixed there; tests/distributed/worker.py).
+    return _PRECISION_ALIASES.get(flag, flag)
 
 
 def features_of(

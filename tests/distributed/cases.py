@@ -106,7 +106,11 @@ class Case:
         switch_off: Test-only: ``"row_copies"`` stops summing the gradient copies of rows stored on several
             tensor-parallel ranks. ``"activation_checkpointing"`` undoes the strategy's recomputation
             when training starts (same numbers, the feature silently off: a negative control of
-            the engagement record); ``None`` in real cases.
+            the engagement record). ``"zero_autocast"``: DeepSpeed's engine config without its
+            ``torch_autocast`` section (as before issue 33: the engine switches autocast off), a negative
+            control of the compute-dtype record; ``None`` in real cases.
+        gpu_checks: The CUDA-only checks of DeepSpeed made to see the CPU's autocast, as they see CUDA's on a
+            GPU (tests/distributed/gpu_checks.py); ``False`` only to show what that emulation reveals.
     """
 
     name: str
@@ -125,6 +129,7 @@ class Case:
     gradient_fault: GradientFault | None = None
     switch_off: str | None = None
     callbacks: tuple[StrategySpec, ...] = ()
+    gpu_checks: bool = True
 
     @property
     def dp(self) -> int:

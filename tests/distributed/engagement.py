@@ -329,6 +329,10 @@ CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any]], str | None]] = {
         r.get("autocast_linears", 0) > 0 and "torch.float32" in r.get("parameter_dtypes", []),
         f"{r.get('autocast_linears', 0)} linears under autocast, parameters {r.get('parameter_dtypes')}",
     ),
+    "16-mixed": lambda r, f: _check(
+        r.get("autocast_linears", 0) > 0 and "torch.float32" in r.get("parameter_dtypes", []),
+        f"{r.get('autocast_linears', 0)} linears under autocast, parameters {r.get('parameter_dtypes')}",
+    ),
     "bf16-true": lambda r, f: _check(
         "torch.bfloat16" in r.get("parameter_dtypes", []), f"parameters {r.get('parameter_dtypes')}, no bf16"
     ),

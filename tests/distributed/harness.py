@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from tests.distributed.cases import ATOL, CASES, RTOL, Case
+from tests.distributed.compute_dtype import compute_dtype_problems
 from tests.environment import worker_environment
 from tests.warm_workers import WarmProcess, spawn
 
@@ -86,6 +87,11 @@ class Result:
     rank_coordinates: list[dict[str, int]] = field(default_factory=list)  # per rank, on the mesh's axes
     engagement: dict = field(default_factory=dict)  # what ran (tests/distributed/engagement.py)
     engagement_problems: list[str] = field(default_factory=list)  # rows of the case that did not engage
+    precision: str = "32-true"  # Trainer(precision=...) of the case
+    # Matrix products of the training forward and recomputed forwards, summed over ranks, by
+    # "<phase>.<kernel>.<dtype>" (tests/distributed/compute_dtype.py).
+    compute_dtypes: dict[str, int] = field(default_factory=dict)
+    initial_params: dict[str, torch.Tensor] = field(default_factory=dict)  # references: before training
 
 
 # Axes whose ranks share one batch and must report one loss: tensor and context parallel.
@@ -391,10 +397,29 @@ def reference(case: Case | str, timeout_s: float = 300.0) -> Result:
     return references([resolved], timeout_s)[resolved.name]
 
 
+def precision_problems(result: Result, ref: Result) -> list[str]:
+    """The run or its reference computed a matrix product in another dtype than the reference's precision
+    asks for (tests/distributed/compute_dtype.py); ``16-mixed`` without a loss scale."""
+    problems = compute_dtype_problems(result.compute_dtypes, ref.precision, f"{result.name!r}")
+    problems += compute_dtype_problems(ref.compute_dtypes, ref.precision, f"the reference of {result.name!r}")
+    if (
+        ref.precision == "16-mixed"
+    ):  # the scales each run ended with: loss scaling engaged, steps skipped alike
+        scales = {
+            who: run.facts.get("loss_scale") for run, who in ((result, result.name), (ref, "reference"))
+        }
+        if None in scales.values() or 1.0 in scales.values() or len(set(scales.values())) != 1:
+            problems.append(
+                f"16-mixed loss scales {scales}: none, 1 (not engaged), or different (another step skipped)"
+            )
+    return problems
+
+
 def run_problems(result: Result, ref: Result) -> list[str]:
     """What fails a run whatever the tolerance: another shape of run (replicas, steps, batches,
-    parameter names), replicas out of sync, a tp/cp group without one loss, a feature not engaged."""
-    problems = []
+    parameter names), replicas out of sync, a tp/cp group without one loss, a feature not engaged,
+    a matrix product in another dtype than the precision asks for."""
+    problems = precision_problems(result, ref)
     if result.data_parallel != ref.data_parallel:
         problems.append(f"data-parallel replicas: strategy's sampler has {result.data_parallel}, "
                         f"case declares {ref.data_parallel} (set Case.data_parallel)")  # fmt: skip

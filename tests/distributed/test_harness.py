@@ -123,7 +123,8 @@ def test_merge_replicas_reports_copies_out_of_sync() -> None:
 
 def _result(**changes) -> Result:
     base = dict(name="x", losses=[2.0, 1.0], params={"w": torch.zeros(4)}, global_step=2, world_size=2,
-                data_parallel=2, wall_s=0.0, case_s=0.0, startup_s=0.0)  # fmt: skip
+                data_parallel=2, wall_s=0.0, case_s=0.0, startup_s=0.0,
+                compute_dtypes={"forward.addmm.float32": 8})  # fmt: skip
     return Result(**{**base, **changes})
 
 
@@ -138,12 +139,29 @@ def _result(**changes) -> Result:
         ({"global_step": 1}, "optimizer steps"),
         ({"data_parallel": 4}, "data-parallel replicas"),
         ({"replica_mismatches": {"w": "rank 1 differs"}}, "replicas out of sync for w"),
+        (
+            {"compute_dtypes": {"forward.addmm.float32": 7, "forward.mm.bfloat16": 1}},
+            "1 of 8 matrix products",
+        ),
+        ({"compute_dtypes": {}}, "no matrix product recorded"),
     ],
 )
 def test_assert_parity_catches(changes: dict, expected: str) -> None:
     assert_parity(_result(losses=[2.0, 1.000005], params={"w": torch.zeros(4) + 5e-7}), _result())  # within
     with pytest.raises(AssertionError, match=expected):
         assert_parity(_result(**changes), _result())
+
+
+def test_a_16_mixed_run_needs_its_loss_scale_engaged_and_equal_to_its_references() -> None:
+    fp16 = {"precision": "16-mixed", "compute_dtypes": {"forward.addmm.float16": 8}}
+    assert_parity(
+        _result(**fp16, facts={"loss_scale": 1024.0}), _result(**fp16, facts={"loss_scale": 1024.0})
+    )
+    for run, ref in [(None, 1024.0), (1.0, 1.0), (512.0, 1024.0)]:  # none, not engaged, a step skipped apart
+        with pytest.raises(AssertionError, match="16-mixed loss scales"):
+            assert_parity(
+                _result(**fp16, facts={"loss_scale": run}), _result(**fp16, facts={"loss_scale": ref})
+            )
 
 
 def test_mismatch() -> None:

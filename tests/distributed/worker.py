@@ -27,7 +27,8 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_parallel.tensor_parallel.row_layout import row_layout
 from tests.compat import case_rows
 from tests.distributed.cases import Case, Fault, GradientFault
+from tests.distributed.compute_dtype import ComputeDtypeCounter
 from tests.distributed.engagement import (
     CollectiveCounter,
     ForwardProbe,
@@ -47,6 +49,7 @@ from tests.distributed.engagement import (
     merge_records,
     rank_record,
 )
+from tests.distributed.gpu_checks import gpu_checks_on_the_cpu
 from tests.distributed.harness import mean_over_ranks, merge_replicas, mismatch
 from tests.environment import LAUNCHER_VARIABLES
 from tests.models.families import build, make_dataloader, reference_dataloader
@@ -75,8 +78,12 @@ class ParityRecorder(Callback):
         self.case = case  # None for a reference: nothing to prove engaged
         self.probe: ForwardProbe | None = None
         self.collectives: CollectiveCounter | None = None  # active from each batch's start to its end
+        self.dtypes = ComputeDtypeCounter()  # from each batch's start to its optimizer step (or its end)
+        self.initial: dict[str, torch.Tensor] = {}  # a reference's parameters before training
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.case is None:  # one process: the parameters are whole, and tell what trained
+            self.initial = {n: p.detach().float().clone() for n, p in pl_module.named_parameters()}
         if self.case is not None:
             self.probe = ForwardProbe(pl_module)  # after setup: behind the strategy's own hooks
             if self.case.switch_off == "activation_checkpointing":  # test-only negative control
@@ -92,10 +99,23 @@ class ParityRecorder(Callback):
         if self.case is not None:
             self.collectives = self.collectives or CollectiveCounter()
             self.collectives.__enter__()
+        self.dtypes.__enter__()
+        self.dtypes.active = True
+
+    def _pause_dtypes(self) -> None:
+        if self.dtypes.active:
+            self.dtypes.__exit__(None, None, None)
+            self.dtypes.active = False
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self._pause_dtypes()  # the optimizer's own products (if any) are not the forward's
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._pause_dtypes()
         if self.collectives is not None:
             self.collectives.__exit__(None, None, None)
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
@@ -139,6 +159,7 @@ class ParityRecorder(Callback):
         )
         if self.probe is not None:
             self.probe.remove()
+        record["compute_dtypes"] = dict(self.dtypes.counts)
         mine = (self.losses, params, slices, (_mesh_coordinates(trainer.strategy), record))
         if dist.is_available() and dist.is_initialized():
             gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -151,7 +172,12 @@ class ParityRecorder(Callback):
         # name; the full tensor is their concatenation. Replicas of one slice must agree.
         by_name: dict[str, dict[int, list[torch.Tensor]]] = {}
         coordinates = [coords for *_, (coords, _) in gathered]
-        engagement = merge_records([record for *_, (_, record) in gathered])
+        records = [record for *_, (_, record) in gathered]
+        compute_dtypes: dict[str, int] = {}
+        for rank_record_ in records:
+            for key, count in rank_record_.pop("compute_dtypes").items():
+                compute_dtypes[key] = compute_dtypes.get(key, 0) + count
+        engagement = merge_records(records)
         gathered = [(losses, params, slices) for losses, params, slices, _ in gathered]
         for _, _, rank_slices in gathered:
             for name, (first, tensor) in rank_slices.items():
@@ -174,8 +200,10 @@ class ParityRecorder(Callback):
             **_with_experts(merge_replicas([p for _, p in gathered]), experts_full),
             "global_step": trainer.global_step,
             "data_parallel": int(sampler_kwargs.get("num_replicas", 1)),
-            "facts": strategy_facts(trainer.strategy),
+            "facts": {**strategy_facts(trainer.strategy), **loss_scale_facts(trainer.strategy)},
             "engagement": engagement,
+            "compute_dtypes": compute_dtypes,
+            "initial_params": self.initial,
         }
         self.payload["replica_mismatches"].update(copies_apart)  # the full tensors are alike on every rank
         if self.case is not None:
@@ -187,6 +215,7 @@ def _number(value: Any) -> Any:
     return float(value) if isinstance(value, torch.Tensor) else value
 
 
+LOSS_SCALE = {"init_scale": 2.0**8, "growth_interval": 2}  # the 16-mixed cases' GradScaler
 CALLBACK_FACTS = ("threshold", "pruned", "selected", "sparsity", "last_kd_loss", "last_task_loss")
 
 
@@ -210,6 +239,20 @@ def strategy_facts(strategy: Any) -> dict[str, int]:
         "context_calls": context.calls,
         **{f"context_{k}_bytes": v for k, v in TRAFFIC.snapshot().items()},
     }
+
+
+def loss_scale_facts(strategy: Any) -> dict[str, float]:
+    """The fp16 loss scale the run ended with (``16-mixed``): Lightning's GradScaler, ours, or ZeRO's."""
+    scaler = getattr(getattr(strategy, "precision_plugin", None), "scaler", None)
+    if scaler is None:
+        return {}
+    facts = {"loss_scale": float(scaler.get_scale())}
+    if hasattr(scaler, "skipped_steps"):  # zero/loss_scale.py: DeepSpeed's engine skipped these steps
+        facts["loss_scale_skipped_steps"] = int(scaler.skipped_steps)
+    optimizer = getattr(getattr(strategy, "zero_engine", None), "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "external_loss_scale", None) is not None:
+        facts["zero_external_loss_scale"] = float(optimizer.external_loss_scale)  # what the engine applied
+    return facts
 
 
 def gathered_zero_parameters(strategy: Any, module: torch.nn.Module) -> Any:
@@ -266,12 +309,22 @@ class GradientFaultInjector(Callback):
 
 
 def _precision_kwargs(trainer_kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The case's ``Trainer`` arguments; ``precision="fp8"`` (not a Lightning flag) becomes the plugin.
+    """The case's ``Trainer`` arguments; ``precision="fp8"`` (not a Lightning flag) becomes the plugin, and
+    ``"16-mixed"`` Lightning's ``MixedPrecision("16-mixed", "cpu")`` (fp16 autocast and a GradScaler on the
+    CPU; the flag alone would become bf16-mixed there); the strategies convert it to their own.
 
     fp8 runs in torchao's emulation (fp8 rounding of the matmul inputs, the matmuls in higher
     precision): the same numerics as fp8 hardware up to the matmul's accumulation, on a CPU.
     """
     kwargs = dict(trainer_kwargs)
+    if kwargs.get("precision") == "16-mixed":  # Lightning would run bf16 on the CPU: fp16 autocast, scaled
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        del kwargs["precision"]
+        # No overflow in any run (a rank's half batch has twice the per-token gradients of one process's
+        # whole batch: at 2**16 a rank overflowed where one process did not); doubling every 2 clean steps,
+        # so the final scale shows that every step was checked and taken alike.
+        kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", **LOSS_SCALE))]
     if kwargs.get("precision") == "fp8":
         from tests.optional_packages import use_optional_packages
 
@@ -281,6 +334,25 @@ def _precision_kwargs(trainer_kwargs: Mapping[str, Any]) -> dict[str, Any]:
         del kwargs["precision"]
         kwargs["plugins"] = [Float8Precision(emulate=True)]
     return kwargs
+
+
+@contextmanager
+def _engine_precision_switched_off(case: Case, reference: bool) -> Iterator[None]:
+    """Test-only (``Case.switch_off="zero_autocast"``): DeepSpeed's engine config as before issue 33, without
+    the ``torch_autocast`` section for the case's precision (the engine then switches Lightning's autocast
+    off on a GPU, and here, where ``gpu_checks_on_the_cpu`` makes its check see the CPU)."""
+    if reference or case.switch_off != "zero_autocast":
+        yield
+        return
+    from lightning_parallel.zero import arguments
+
+    precision = str(case.trainer_kwargs.get("precision"))
+    saved = arguments.ZERO_PRECISIONS[precision]
+    arguments.ZERO_PRECISIONS[precision] = None
+    try:
+        yield
+    finally:
+        arguments.ZERO_PRECISIONS[precision] = saved
 
 
 def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], startup_s: float) -> None:
@@ -319,7 +391,8 @@ def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], 
         raise RuntimeError(f"Trainer global_rank {trainer.global_rank} != RANK {env['RANK']}")
     group = dist.group.WORLD if dist.is_initialized() else None
     start = time.perf_counter()
-    trainer.fit(model, train_dataloaders=loader)
+    with gpu_checks_on_the_cpu(case.gpu_checks), _engine_precision_switched_off(case, reference):
+        trainer.fit(model, train_dataloaders=loader)
     wall_s = time.perf_counter() - start
     if group is not None and (not dist.is_initialized() or dist.group.WORLD is not group):
         raise RuntimeError(
@@ -329,6 +402,7 @@ def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], 
     if recorder.payload is not None:  # rank 0, or the process running this reference
         if reference:
             recorder.payload["data_parallel"] = case.dp
+        recorder.payload["precision"] = str(case.trainer_kwargs.get("precision", "32-true"))
         case_s = time.perf_counter() - case_start
         for callback in extra:  # what a case's callback did (pruning: its threshold and counts)
             recorder.payload["facts"].update(
