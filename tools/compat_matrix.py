@@ -205,7 +205,9 @@ def render(matrix: Matrix) -> str:
         "- **✓ tested**: a test asserts parity with the single-process run for a layout holding both",
         "  rows. Two layout rows count only from an fp32 run (losses within 1e-5 per step, every final",
         "  parameter); a pair with a low precision from a run in that precision on a learnable sequence (losses and"
-        ' every parameter within the tolerance measured on the one-process run: docs/testing.md, "Low precision").',
+        " every parameter within the tolerance measured on the one-process run, every randomly initialised parameter"
+        ' moved ten of its tolerances: docs/testing.md, "Low precision"). Every run computes each matrix product'
+        ' in its precision\'s dtype (docs/testing.md, "Compute dtype").',
         "- **✗ refused**: the strategy refuses the pair at setup with a `ValueError`, and a test asserts it.",
         "  **✓\\*** : tested, and refused in some settings (see the refused list).",
         "- **?** **gap**: neither tested nor refused: untested, use at your own risk.",
@@ -216,10 +218,9 @@ def render(matrix: Matrix) -> str:
         "`sp` = sequence parallelism (with tp > 1); `pp=<schedule>` = pipeline parallelism with that",
         "schedule; `ac=` = activation checkpointing mode; `32-true` ... `fp8` = the precision",
         "(`fp8`: `lightning_parallel.precision.fp8.Float8Precision`). `16-mixed` (fp16 autocast with loss",
-        "scaling) needs a GPU: on the CPU machines that run the tests Lightning turns it into `bf16-mixed`,",
-        "so its column stays a gap until a GPU suite covers it. `fp8` is tested in torchao's emulation",
-        "(fp8 rounding, matmuls in higher precision: `tests/distributed/test_parity_fp8.py`), which",
-        "checks the layouts' numerics, not fp8 hardware.",
+        'scaling) runs on the CPU through `MixedPrecision("16-mixed", "cpu")` (the flag alone becomes `bf16-mixed`',
+        "there). `fp8` runs in torchao's emulation (`tests/distributed/test_parity_fp8.py`), but its scaling noise",
+        "leaves every weight 2-4 tolerances of movement, so its runs count nowhere here.",
         "",
         f"**{len(pairs)} pairs: {len(tested)} tested, {len(refused)} refused, {len(gaps)} gaps.**",
         "",

@@ -84,10 +84,17 @@ TWO = [
 BF16 = [
     _case("cp2_ring_bf16_recipe_gpt", "recipe_gpt", 2, context_parallel=2,
           fields={"trainer_kwargs": {"precision": "bf16-mixed"}, "data": "learnable"}),
-    _case("cp2_ulysses_bf16true_hf_llama", "hf_llama", 2, context_parallel=2, context_parallel_mode="ulysses",
-          fields={"trainer_kwargs": {"precision": "bf16-true"}, "data": "learnable"}),
     _case("cp2_ring_fp16true_recipe_gpt", "recipe_gpt", 2, context_parallel=2,
           fields={"trainer_kwargs": {"precision": "16-true"}, "data": "learnable"}),
+    # Six steps: Llama's query projections move ten of their tolerances (four: 9.8, tests/distributed/tolerance.py).
+    _case("cp2_ulysses_fp16_hf_llama", "hf_llama", 2, context_parallel=2, context_parallel_mode="ulysses",
+          fields={"trainer_kwargs": {"precision": "16-mixed"}, "data": "learnable", "steps": 6}),
+]  # fmt: skip
+# Llama in bf16 weights: its query and key projections move 1-3 of their tolerances in 4-8 steps: compared
+# within the tolerance, never counted in the matrix.
+UNJUDGED = [
+    _case("cp2_ulysses_bf16true_hf_llama", "hf_llama", 2, context_parallel=2, context_parallel_mode="ulysses",
+          fields={"trainer_kwargs": {"precision": "bf16-true"}, "data": "learnable"}),
 ]  # fmt: skip
 PP = {"batch_size": 4}
 FOUR = [
@@ -126,7 +133,10 @@ FOUR = [
 @pytest.fixture(scope="module")
 def two_process_results() -> dict[str, Result]:
     return run_cases(
-        TWO + BF16, world_size=2, timeout_s=900, references_for=with_split_references(TWO + BF16 + FOUR)
+        TWO + BF16 + UNJUDGED,
+        world_size=2,
+        timeout_s=900,
+        references_for=with_split_references(TWO + BF16 + UNJUDGED + FOUR),
     )
 
 
@@ -170,6 +180,16 @@ def test_context_parallel_low_precision_losses_match_single_process(
     two_process_results: dict[str, Result], name: str
 ) -> None:
     check_low_precision(two_process_results[name], CASES[name])
+    _assert_engaged(CASES[name], two_process_results[name])
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("name", [c.name for c in UNJUDGED])
+def test_context_parallel_low_precision_within_its_tolerance_unjudged(
+    two_process_results: dict[str, Result], name: str
+) -> None:
+    """Within the tolerance and in the dtype asked for; its weights move too little to be judged: no compat mark."""
+    check_low_precision(two_process_results[name], CASES[name], judged=False)
     _assert_engaged(CASES[name], two_process_results[name])
 
 

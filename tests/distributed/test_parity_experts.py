@@ -58,11 +58,31 @@ TWO = [
 # each batch, and capacity applies per batch, so with drops it would change routing, not only rounding.
 DROPLESS = {"capacity_factor": 4.0}
 BF16 = [
-    _case(f"ep2_{name}_recipe_moe", "recipe_moe", 2, fields={"trainer_kwargs": {"precision": precision},
-                                                             "data": "learnable", "model_kwargs": DROPLESS})
-    for name, precision in [("bf16", "bf16-mixed"), ("bf16true", "bf16-true"),
-                            ("fp16true", "16-true")]
-]  # fmt: skip
+    _case(
+        f"ep2_{name}_recipe_moe",
+        "recipe_moe",
+        2,
+        fields={"trainer_kwargs": {"precision": precision}, "data": "learnable", "model_kwargs": DROPLESS},
+    )
+    for name, precision in [("bf16", "bf16-mixed"), ("fp16true", "16-true")]
+]
+# bf16 weights: the experts' input weights move 3-4 of their tolerances whatever the length (measured 4, 6,
+# 8 steps): within the tolerance, never counted in the matrix (tests/distributed/tolerance.py).
+UNJUDGED = [
+    _case(
+        "ep2_bf16true_recipe_moe",
+        "recipe_moe",
+        2,
+        fields={"trainer_kwargs": {"precision": "bf16-true"}, "data": "learnable", "model_kwargs": DROPLESS},
+    )
+]
+# 16-mixed: outside its tolerance with the loss scaled, within it at scale 1 (a bug, see the test).
+FP16_MIXED = _case(
+    "ep2_fp16_recipe_moe",
+    "recipe_moe",
+    2,
+    fields={"trainer_kwargs": {"precision": "16-mixed"}, "data": "learnable", "model_kwargs": DROPLESS},
+)
 FOUR = [
     *[_case(f"ep2_dp2_{f}", f, 4) for f in FAMILIES],
     *[_case(f"ep2_tp2_{f}", f, 4, tensor_parallel=2) for f in FAMILIES],
@@ -84,7 +104,8 @@ FOUR = [
 
 @pytest.fixture(scope="module")
 def two_process() -> dict[str, Result]:
-    return run_cases(TWO + BF16, 2, timeout_s=600, references_for=with_split_references(TWO + BF16))
+    low = BF16 + UNJUDGED + [FP16_MIXED]
+    return run_cases(TWO + low, 2, timeout_s=600, references_for=with_split_references(TWO + low))
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +128,26 @@ def test_expert_parallel_low_precision_within_its_tolerance(
 ) -> None:
     """Losses and every parameter within the tolerance measured on the one-process run (tests/distributed/tolerance.py)."""
     check_low_precision(two_process[case.name], case)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", UNJUDGED, ids=lambda c: c.name)
+def test_expert_parallel_low_precision_within_its_tolerance_unjudged(
+    two_process: dict[str, Result], case: Case
+) -> None:
+    """Within the tolerance and in the dtype asked for; its weights move too little to be judged: no compat mark."""
+    check_low_precision(two_process[case.name], case, judged=False)
+
+
+@pytest.mark.xfail(
+    strict=True, reason="16-mixed under expert parallelism: layer 0's experts 2-4% off with the loss scaled"
+)
+@pytest.mark.timeout(900)
+def test_expert_parallel_fp16_mixed_within_its_tolerance(two_process: dict[str, Result]) -> None:
+    """Measured: with the GradScaler at 2**8-2**10 the first block's expert biases end 40-80 units (fp16's) from the
+    one-process run, 10x the tolerance; the same run at loss scale 1 lies within it, as do bf16-mixed and 16-true:
+    something on the expert-parallel path depends on the scale (not found yet)."""
+    check_low_precision(two_process[FP16_MIXED.name], FP16_MIXED)
 
 
 @pytest.mark.compat  # the matrix pairs of the case parameter (tests/compat.py)

@@ -50,7 +50,9 @@ def fp8_results() -> dict[str, Result]:
     return run_cases([*CASES_FP8, *faulty], 2, timeout_s=600, references_for=with_split_references(CASES_FP8))
 
 
-@pytest.mark.compat  # the matrix pairs of the case parameter (tests/compat.py)
+# No compat mark: fp8's scaling noise (measured 9-15 units of bf16 per weight) leaves every weight 2-4 of its
+# tolerances of movement in 4-8 steps, never the ten that judge it (tests/distributed/tolerance.py): the
+# matrix does not count these runs; they are compared within the tolerance, and a wrong gradient still fails.
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize("name", [c.name for c in CASES_FP8])
 def test_fp8_matches_single_process_within_its_measured_tolerance(
@@ -58,7 +60,7 @@ def test_fp8_matches_single_process_within_its_measured_tolerance(
 ) -> None:
     result = fp8_results[name]
     assert result.engagement.get("float8_linears", 0) > 0, result.engagement
-    check_low_precision(result, CASES[name])
+    check_low_precision(result, CASES[name], judged=False)
 
 
 @pytest.mark.timeout(700)
@@ -66,5 +68,5 @@ def test_fp8_matches_single_process_within_its_measured_tolerance(
 def test_a_wrong_layer_gradient_fails_the_fp8_parity_check(fp8_results: dict[str, Result], kind: str) -> None:
     """Negative control: the first block's MLP gradient dropped, or the second's doubled."""
     with pytest.raises(AssertionError, match="outside its measured tolerance") as failure:
-        check_low_precision(fp8_results[_faulty(kind).name], CASES[GUARDED])
+        check_low_precision(fp8_results[_faulty(kind).name], CASES[GUARDED], judged=False)
     assert "parameter model." in str(failure.value)

@@ -61,13 +61,17 @@ BF16 = [
 # Every schedule in every low precision (the compatibility matrix, docs/compatibility.md): the
 # schedule runs autocast, fp16 loss scaling (overflow decided by all stages) and half-precision
 # weights per micro-batch and stage. Two carry activation checkpointing, for its precision pairs.
-# No "16-mixed": on the CPU Lightning runs it as bf16-mixed (fp16 autocast needs a GPU).
-LOW_PRECISIONS = ["bf16-mixed", "bf16-true", "16-true"]
+# "16-mixed" is fp16 autocast with the loss scaled on the CPU too (the worker passes the plugin: the flag
+# alone would become bf16-mixed there), every stage's scaled losses unscaled by one scale.
+LOW_PRECISIONS = ["bf16-mixed", "bf16-true", "16-true", "16-mixed"]
+# bf16 weights: at three times the rate every weight moves ten of its tolerances (tests/distributed/tolerance.py).
+BF16_TRUE_RATE = {**DEEP, "learning_rate": 0.3}
 AC_IN_LOW_PRECISION = {("gpipe", "bf16-true"): "full", ("looped_bfs", "bf16-mixed"): "selective"}
 LOW_PRECISION = [
     *BF16,
     *[
-        _case(f"pp2_{s}_{p}_nanogpt", "nanogpt", fields={"trainer_kwargs": {"precision": p}, "data": "learnable", "steps": 6},
+        _case(f"pp2_{s}_{p}_nanogpt", "nanogpt", fields={"trainer_kwargs": {"precision": p}, "data": "learnable", "steps": 6,
+                                                        **({"model_kwargs": BF16_TRUE_RATE} if p == "bf16-true" else {})},
               pipeline_schedule=s,
               micro_batches=4, activation_checkpointing=AC_IN_LOW_PRECISION.get((s, p)))
         for s in SCHEDULES

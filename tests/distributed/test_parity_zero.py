@@ -9,8 +9,11 @@ and expert parallelism, and on FSDP2 ZeRO-3 with tensor parallelism (CPU offload
 accumulation too) and ZeRO-2/3 under every pipeline schedule (each once with CPU offload). Eight
 ranks: ZeRO-1 and ZeRO-3 x tp2 x pp2. NVMe offload on FSDP2 (Adam's states in files) with tp, sp, ep,
 every pipeline schedule and ZeRO-2; partial offload (``offload_ratio``). Offloading runs Adam/AdamW, as DeepSpeed's CPU Adam on both
-engines (tests/zero/test_zero_memory.py asserts which optimizer stepped), the rest SGD. bf16-mixed
-and bf16-true within the low-precision tolerance (2e-2 per step).
+engines (tests/zero/test_zero_memory.py asserts which optimizer stepped), the rest SGD. bf16-mixed, bf16-true
+and 16-mixed (fp16 autocast, the loss scaled) on DeepSpeed's engine and on FSDP2, within the low-precision
+tolerance measured on the one-process run (tests/distributed/tolerance.py), every matrix product in the
+dtype asked for (tests/distributed/compute_dtype.py), DeepSpeed's CUDA-only autocast check made to see
+the CPU (tests/distributed/gpu_checks.py); its engine config before issue 33 fails that record.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.cases import CASES, Case, hybrid
+from tests.distributed.compute_dtype import summarize
+from tests.distributed.gpu_checks import patched_modules
 from tests.distributed.harness import Result, assert_parity, reference, run_cases
 from tests.distributed.tolerance import check_low_precision, with_split_references
 
@@ -77,27 +82,55 @@ TWO = [
 ]  # fmt: skip
 
 
+SHORT = {"bf16-mixed": "bf16", "bf16-true": "bf16true", "16-mixed": "fp16"}
+
+
 def _low(stage: int, precision: str, **kwargs: object) -> Case:
-    short = {"bf16-mixed": "bf16", "bf16-true": "bf16true"}[precision]
     extra = f"_{kwargs['offload']}" if kwargs.get("offload") else ""
-    # Adam (the NVMe states), eight steps: at its rate the loss needs them to move by ten tolerances
-    # (tests/distributed/tolerance.py); a larger rate amplifies the rounding as much as the movement.
-    adam = {"model_kwargs": ADAM, "steps": 8} if kwargs.get("offload") == "nvme" else {}
-    return _case(f"zero{stage}{extra}_{short}_dp2_nanogpt", "nanogpt", zero_stage=stage,
-                 fields={"trainer_kwargs": {"precision": precision}, "data": "learnable", **adam}, **kwargs)  # fmt: skip
+    extra += f"_{kwargs['zero_engine']}" if kwargs.get("zero_engine") else ""
+    fields: dict = {}
+    if kwargs.get("offload") == "nvme":  # Adam (the NVMe states), eight steps: the loss moves ten tolerances
+        fields = {"model_kwargs": ADAM, "steps": 8}
+    elif (
+        precision == "bf16-true"
+    ):  # bf16 weights: six steps at twice the rate move every weight ten of its tolerances
+        fields = {"model_kwargs": {"learning_rate": 0.2}, "steps": 6}
+    return _case(f"zero{stage}{extra}_{SHORT[precision]}_dp2_nanogpt", "nanogpt", zero_stage=stage,
+                 fields={"trainer_kwargs": {"precision": precision}, "data": "learnable", **fields}, **kwargs)  # fmt: skip
 
 
-# DeepSpeed's bf16 (fp32 master weights): losses within 2e-2. Not fp16: on the CPU Lightning turns
-# "16-mixed" into bf16-mixed, and DeepSpeed refuses fp16 on a CPU device.
+# bf16 on both engines: DeepSpeed's (ZeRO-1/2/3: bf16-mixed is an fp32 engine with a torch_autocast section,
+# bf16-true its bf16 section with fp32 master weights) and FSDP2 (zero_engine="fsdp2", ZeRO-2/3).
+# 16-mixed: fp16 autocast and a dynamic loss scale on the CPU (the worker passes MixedPrecision("16-mixed",
+# "cpu"); the flag alone would become bf16-mixed), ZeroPrecision's scale handed to DeepSpeed's engine.
 LOW_PRECISION = [
-    *[_low(stage, precision) for stage in (1, 2, 3) for precision in ("bf16-mixed", "bf16-true")],
-    _low(2, "bf16-mixed", offload="cpu"),
+    *[_low(stage, precision) for stage in (1, 2, 3) for precision in ("bf16-mixed", "bf16-true", "16-mixed")],
     *[
-        _low(3, precision, offload="nvme", offload_path=NVME_PATH)
-        for precision in ("bf16-mixed", "bf16-true")
+        _low(stage, precision, zero_engine="fsdp2")
+        for stage in (2, 3)
+        for precision in ("bf16-mixed", "bf16-true", "16-mixed")
     ],
+    _low(2, "bf16-mixed", offload="cpu"),
     _low(3, "bf16-true", offload="cpu"),
 ]
+# NVMe offload in bf16: Adam's (the states in files), whose steps of at most `lr` move a weight 2-5 of its
+# tolerances, never ten: compared within the tolerance, not counted in the matrix (tests/distributed/tolerance.py).
+NVME_LOW_PRECISION = [
+    _low(3, precision, offload="nvme", offload_path=NVME_PATH) for precision in ("bf16-mixed", "bf16-true")
+]
+# Negative controls of the compute-dtype record (tests/distributed/compute_dtype.py): ZeRO-2 bf16-mixed with
+# DeepSpeed's engine config as before issue 33 (no torch_autocast section), with DeepSpeed's CUDA-only check
+# made to see the CPU (as on a GPU: the engine switches the autocast off) and as shipped (it never fires here).
+OLD_CONFIG = CASES["zero2_bf16_dp2_nanogpt"].replace(
+    name="zero2_bf16_dp2_nanogpt~old-config", switch_off="zero_autocast"
+)
+OLD_CONFIG_AS_SHIPPED = OLD_CONFIG.replace(
+    name="zero2_bf16_dp2_nanogpt~old-config-cpu-checks", gpu_checks=False
+)
+# The same case trained in fp32 in one process, judged against the bf16-mixed reference.
+FP32_OF_BF16 = CASES["zero2_bf16_dp2_nanogpt"].replace(
+    name="zero2_dp2_nanogpt_learnable_fp32", trainer_kwargs={}
+)
 FOUR = [
     _case("zero1_tp2_dp2_nanogpt", "nanogpt", 4, zero_stage=1, tensor_parallel=2),
     _case("zero2_tp2_sp_dp2_nanogpt", "nanogpt", 4, zero_stage=2, tensor_parallel=2, sequence_parallel=True),
@@ -213,8 +246,9 @@ EIGHT = [
 @pytest.fixture(scope="module")
 def two_process() -> dict[str, Result]:
     return run_cases(
-        TWO + LOW_PRECISION, 2, timeout_s=600, references_for=with_split_references(TWO + LOW_PRECISION)
-    )
+        TWO + LOW_PRECISION + NVME_LOW_PRECISION + [OLD_CONFIG, OLD_CONFIG_AS_SHIPPED], 2, timeout_s=900,
+        references_for=[*with_split_references(TWO + LOW_PRECISION + NVME_LOW_PRECISION), FP32_OF_BF16],
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +269,44 @@ def test_zero_two_processes(two_process: dict[str, Result], case: Case) -> None:
 def test_zero_low_precision_within_its_tolerance(two_process: dict[str, Result], case: Case) -> None:
     """Losses and every parameter within the tolerance measured on the one-process run (tests/distributed/tolerance.py)."""
     check_low_precision(two_process[case.name], case)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", NVME_LOW_PRECISION, ids=lambda c: c.name)
+def test_zero_nvme_low_precision_within_its_tolerance_unjudged(
+    two_process: dict[str, Result], case: Case
+) -> None:
+    """Within the tolerance and in the dtype asked for, but its weights cannot move ten tolerances: no compat mark."""
+    check_low_precision(two_process[case.name], case, judged=False)
+
+
+@pytest.mark.timeout(900)
+def test_zero_with_the_engine_config_before_issue_33_fails_the_compute_dtype_record(
+    two_process: dict[str, Result],
+) -> None:
+    """Without ``torch_autocast`` DeepSpeed's engine switches Lightning's autocast off (on a GPU, and here with its
+    check made to see the CPU): every product in fp32. As shipped, its check sees only CUDA: the bug hides on a CPU."""
+    case = CASES["zero2_bf16_dp2_nanogpt"]
+    with pytest.raises(
+        AssertionError, match="asked for bf16-mixed computed .* in another dtype than bfloat16"
+    ):
+        check_low_precision(two_process[OLD_CONFIG.name], case)
+    dtypes = summarize(two_process[OLD_CONFIG.name].compute_dtypes)
+    assert set(dtypes["forward"]) == {"float32"}, dtypes  # all of them, not some
+    hidden = two_process[OLD_CONFIG_AS_SHIPPED.name]
+    assert set(summarize(hidden.compute_dtypes)["forward"]) == {"bfloat16"}  # the CPU never saw the bug
+    assert patched_modules() == []  # the emulation is the harness's, per case, never left behind here
+
+
+@pytest.mark.timeout(900)
+def test_a_fp32_run_fails_against_a_bf16_mixed_reference(two_process: dict[str, Result]) -> None:
+    """A one-process fp32 run of the ZeRO-2 dp2 case judged against its bf16-mixed reference: caught by the
+    compute-dtype record (its numbers alone stay within the measured tolerance: rounding is rounding)."""
+    case = CASES["zero2_bf16_dp2_nanogpt"]
+    fp32 = reference(FP32_OF_BF16)
+    assert set(summarize(fp32.compute_dtypes)["forward"]) == {"float32"}
+    with pytest.raises(AssertionError, match="computed .* in another dtype than bfloat16"):
+        check_low_precision(fp32, case)
 
 
 @pytest.mark.compat
