@@ -9,7 +9,7 @@ Four ranks, one short fit per layout (``LAYOUTS``); the explicit reductions' buc
   engine was running a backward (``torch._C._current_graph_task_id() != -1``), whether the pipeline
   schedule was still running, and how many buckets of the same reduction still waited for
   gradients (more than zero: the launch overlapped backward work still to come);
-- each FSDP2 reduce-scatter (``torch.distributed.reduce_scatter_single``), the same way;
+- each FSDP2 reduce-scatter (``torch.distributed.reduce_scatter_single``; 2.11: ``reduce_scatter_tensor``), the same way;
 - the buckets each reduction holds, and the FSDP2 units that manage parameters; the theoretical bytes
   of one reduction (every gradient once).
 
@@ -116,13 +116,15 @@ def _record_bucket_launches() -> None:
 
     buckets.BucketedReduction.final = recorded_final
     buckets.BucketedReduction.finish = recorded_finish
-    reduce_scatter = dist.reduce_scatter_single
+    # FSDP2's reduce-scatter: torch 2.13 calls ``reduce_scatter_single``, 2.11 ``reduce_scatter_tensor``.
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    reduce_scatter = getattr(dist, name)
 
     def recorded_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         _event("reduce_scatter", input.numel() * input.element_size())
         return reduce_scatter(output, input, *args, **kwargs)
 
-    dist.reduce_scatter_single = recorded_reduce_scatter
+    setattr(dist, name, recorded_reduce_scatter)
 
 
 def _local_bytes(param: torch.nn.Parameter) -> int:
