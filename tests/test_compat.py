@@ -26,21 +26,7 @@ LIBRARIES = ("torch", "lightning", "pytorch_lightning", "deepspeed")
 # Modules another engineer is changing now; their private Lightning imports (and zero/engine.py's torch one)
 # are listed in PRIVATE_APIS and move to compat when those files are next changed. Remove an entry then:
 # test_pending_entries_are_still_pending fails to say so.
-PENDING = {
-    "zero/engine.py": {"torch.utils.cpp_extension:_get_build_directory"},
-    "strategy/base.py": {"lightning.fabric.utilities.distributed:_init_dist_connection"},
-    "strategy/checkpointing.py": {
-        "lightning.fabric.strategies.model_parallel:_distributed_checkpoint_save",
-        "lightning.fabric.utilities.load:_METADATA_FILENAME",
-        "lightning.fabric.utilities.seed:_collect_rng_states",
-        "lightning.fabric.utilities.seed:_set_rng_states",
-        "lightning.pytorch.strategies.model_parallel:_align_compiled_param_names_with_module",
-        "lightning.fabric.strategies.model_parallel:_is_full_checkpoint",
-        "lightning.fabric.strategies.model_parallel:_is_sharded_checkpoint",
-        "lightning.fabric.strategies.fsdp:_distributed_checkpoint_load",
-        "lightning.fabric.strategies.model_parallel:_rekey_optimizer_state_if_needed",
-    },
-}
+PENDING: dict[str, set[str]] = {}
 
 
 def private_imports(path: Path) -> set[str]:

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_parallel import compat
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.config.validation import check_launch, check_zero_precision, resolve_dims
 from lightning_parallel.launch.placement import check_tensor_parallel_placement
@@ -104,7 +104,7 @@ class MeshParallelStrategy(ParallelStrategy):
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
+        compat.init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
 

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_parallel import compat
 from lightning_parallel.checkpoint.layouts import (
     FLAT,
     contiguous_shards,
@@ -120,9 +121,6 @@ class CheckpointingStrategy(MeshParallelStrategy):
     ) -> None:
         """Sharded (one folder, ``torch.distributed.checkpoint``) or consolidated (one file), written to a
         hidden folder beside it and moved into place only when complete (``checkpoint/atomic.py``)."""
-        from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_save
-        from lightning.fabric.utilities.load import _METADATA_FILENAME
-        from lightning.fabric.utilities.seed import _collect_rng_states
 
         from lightning_parallel.checkpoint import atomic
         from lightning_parallel.checkpoint.dataloader import gather_objects
@@ -138,7 +136,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
         # saved after max_steps cut an epoch short: resume inside it
         reopen_cut_epoch(checkpoint, self.last_loader_states)
         checkpoint[STATE_KEY] = {
-            "rng_states": gather_objects(portable_rng_states(_collect_rng_states())),
+            "rng_states": gather_objects(portable_rng_states(compat.collect_rng_states())),
             "layout": self.dims.layout if self.dims is not None else None,
         }
         staging = atomic.staging_path(path)
@@ -152,9 +150,11 @@ class CheckpointingStrategy(MeshParallelStrategy):
             converted.update(
                 {f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))}
             )
-            _distributed_checkpoint_save(converted, staging)  # returns once every rank's shard is written
+            compat.distributed_checkpoint_save(
+                converted, staging
+            )  # returns once every rank's shard is written
             if self.global_rank == 0:
-                torch.save(checkpoint, staging / _METADATA_FILENAME)  # last: marks the folder complete
+                torch.save(checkpoint, staging / compat.METADATA_FILENAME)  # last: marks the folder complete
         elif self.global_rank == 0:
             self.checkpoint_io.save_checkpoint(checkpoint, staging)
         self.barrier("lightning_parallel.save_checkpoint.written")
@@ -165,14 +165,13 @@ class CheckpointingStrategy(MeshParallelStrategy):
     def _restore_random_states(self, checkpoint: dict[str, Any]) -> None:
         """Each rank's random state as it was at the save (dropout, random samplers): the exact-resume part
         Lightning does not store. With another number of ranks, rank 0's state (ranks seeded alike)."""
-        from lightning.fabric.utilities.seed import _set_rng_states
 
         from lightning_parallel.checkpoint.random_states import native_rng_states
 
         states = (checkpoint.get(STATE_KEY) or {}).get("rng_states")
         if not states:
             return
-        _set_rng_states(
+        compat.set_rng_states(
             native_rng_states(states[self.global_rank] if len(states) == self.world_size else states[0])
         )
 
@@ -246,7 +245,6 @@ class CheckpointingStrategy(MeshParallelStrategy):
         if not rows:
             return super().optimizer_state(optimizer)
         from lightning.pytorch.core.optimizer import LightningOptimizer
-        from lightning.pytorch.strategies.model_parallel import _align_compiled_param_names_with_module
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
         from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
 
@@ -258,7 +256,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
             get_optimizer_state_dict(self.model, optimizer, options=options), rows
         )
         if self.global_rank == 0:
-            state = _align_compiled_param_names_with_module(state, self.model)
+            state = compat.align_compiled_param_names_with_module(state, self.model)
             state = FullyShardedDataParallel.rekey_optim_state_dict(
                 state, OptimStateKeyType.PARAM_ID, self.model
             )
@@ -266,7 +264,6 @@ class CheckpointingStrategy(MeshParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        from lightning.fabric.strategies.model_parallel import _is_full_checkpoint, _is_sharded_checkpoint
 
         from lightning_parallel.checkpoint import atomic
 
@@ -274,9 +271,9 @@ class CheckpointingStrategy(MeshParallelStrategy):
         if self.global_rank == 0:
             atomic.recover(path, log=rank_zero_info)  # a crash in the middle of moving a save into place
         self.barrier("lightning_parallel.load_checkpoint.recover")
-        if _is_sharded_checkpoint(path):
+        if compat.is_sharded_checkpoint(path):
             checkpoint = self._load_sharded_checkpoint(path, weights_only)
-        elif _is_full_checkpoint(path):
+        elif compat.is_full_checkpoint(path):
             checkpoint = self._load_full_checkpoint(path, weights_only)
         else:
             # Lightning's error for a bad path
@@ -307,8 +304,6 @@ class CheckpointingStrategy(MeshParallelStrategy):
 
     def _read_sharded_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         """As Lightning's loader, but fused projections are read as Shard(dim) (see contiguous_shards)."""
-        from lightning.fabric.strategies.fsdp import _distributed_checkpoint_load
-        from lightning.fabric.utilities.load import _METADATA_FILENAME
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
@@ -322,14 +317,14 @@ class CheckpointingStrategy(MeshParallelStrategy):
             optimizer = self.optimizers[0] if self.zero_engine is not None else None  # none: validate/test
             load_zero_checkpoint(self.lightning_module, optimizer, self.zero_engine, path, self._ep_mesh(),
                                  strict=self.lightning_module.strict_loading)  # fmt: skip
-            return load_trusted_or_weights(path / _METADATA_FILENAME, RESUME, weights_only)
+            return load_trusted_or_weights(path / compat.METADATA_FILENAME, RESUME, weights_only)
         layouts, ep_mesh, replicas = expert_layouts(self.model), self._ep_mesh(), self._expert_replicas_mesh()
         rows = registry(self.model)
         stored = get_model_state_dict(self.model)
         original = rows_as_user(stored, rows, optimizer=False)
         model_state = experts_as_dtensors(original, layouts, ep_mesh, optimizer=False, replicas_mesh=replicas)
         readable = contiguous_shards(model_state)
-        _distributed_checkpoint_load({"state_dict": readable}, path)
+        compat.distributed_checkpoint_load({"state_dict": readable}, path)
         loaded = experts_as_local(
             restore_strided(readable, model_state), layouts, optimizer=False, like=original
         )
@@ -344,7 +339,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
             )
             shards = contiguous_shards(optimizer_state)
             readable = hyper_parameters_to_read(shards, saved_keys(path, f"optimizer_{idx}"))
-            _distributed_checkpoint_load({f"optimizer_{idx}": readable}, path)
+            compat.distributed_checkpoint_load({f"optimizer_{idx}": readable}, path)
             restored = experts_as_local(
                 restore_strided({**shards, **readable}, optimizer_state),
                 layouts,
@@ -353,13 +348,12 @@ class CheckpointingStrategy(MeshParallelStrategy):
             )
             restored = rows_as_stored(restored, stored, rows, optimizer=True)
             set_optimizer_state_dict(self.model, optimizer, restored, options=FLAT)
-        return load_trusted_or_weights(path / _METADATA_FILENAME, RESUME, weights_only)
+        return load_trusted_or_weights(path / compat.METADATA_FILENAME, RESUME, weights_only)
 
     def _load_full_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         """One consolidated file. Lightning's loader cuts each rank's shard out of the full tensor as one
         box (torch's ``broadcast_from_rank0`` path), which silently loads the wrong rows of a fused
         projection; ``distribute_tensor`` (``broadcast_from_rank0=False``) is right for every placement."""
-        from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -376,7 +370,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
         )
         for idx, optimizer in enumerate(self.optimizers):
             optimizer_state = full_optimizer_rows_as_stored(
-                _rekey_optimizer_state_if_needed(checkpoint["optimizer_states"][idx], self.model), rows
+                compat.rekey_optimizer_state_if_needed(checkpoint["optimizer_states"][idx], self.model), rows
             )
             set_optimizer_state_dict(self.model, optimizer, optimizer_state, options=options)
         return checkpoint

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_parallel import compat
 from lightning_parallel.zero.arguments import ZeroArguments
 from lightning_parallel.zero.groups import MeshParallelUnit
 from lightning_parallel.zero.optimizer import offload_optimizer
@@ -112,13 +112,11 @@ _OPS = {
 
 def ops_to_compile(zero: ZeroArguments, device_type: str) -> list[str]:
     """The ops this job needs that torch's extension cache does not hold yet (they compile on first use)."""
-    from torch.utils.cpp_extension import _get_build_directory
-
     needed = (["cpu_adam"] if zero.offload else []) + (["async_io"] if zero.offload == "nvme" else [])
     needed += ["deepspeed_shm_comm"] if device_type == "cpu" else []
     missing = []
     for name in needed:
-        if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
+        if not (compat.extension_build_directory(name) / f"{name}.so").exists():
             missing.append(name)
     return missing
 
