@@ -113,6 +113,16 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("torch.distributed.pipelining.stage:PipelineStage._shape_inference", "pipeline/last_backward.py",
                "(overridden)", ("2.11.0",), note="2.11 only (an extra forward before the first step), run"
                " under fork_rng; 2.13 infers metadata otherwise", resolvable=TORCH_VERSION < (2, 13)),
+    PrivateApi("torch.distributed.pipelining.stage:_make_tensor_from_meta", "pipeline/receive_buffers.py",
+               "(swapped while a stage prepares)", note="the factory of every receive buffer on both (2.13 imports"
+               " it from _utils); placeholders instead, a pooled buffer per receive posted"),
+    PrivateApi("torch.distributed.pipelining.stage:_PipelineStageBase._prepare_forward_infra",
+               "pipeline/last_backward.py", "(overridden)", note="where receive buffers are made, on both"),
+    PrivateApi("torch.distributed.pipelining.stage:_PipelineStageBase._prepare_backward_infra",
+               "pipeline/last_backward.py", "(overridden)", note="where gradient receive buffers are made, on both"),
+    PrivateApi("torch.distributed.pipelining.schedules:_PipelineScheduleRuntime.pipeline_order_with_comms",
+               "pipeline/receive_buffers.py", "(read)", note="the planner counts receive buffers on torch's own"
+               " action lists (built with stand-in stages); an estimate where that fails", resolvable=False),
     # ---- collectives, checkpoints, build
     PrivateApi("torch.distributed.utils:_sync_module_states", "parallelize/recipe.py", "sync_module_states"),
     PrivateApi("torch.distributed.distributed_c10d:_get_default_store", "launch/interrupt.py", "default_store"),

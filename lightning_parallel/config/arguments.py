@@ -28,6 +28,15 @@ def tensor_parallel(value: Any) -> None:
         raise ValueError(f"`tensor_parallel={value!r}` must be a positive integer or 'auto'.")
 
 
+def loss_parallel(value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(
+            f"`loss_parallel={value!r}` must be None (the default: F.cross_entropy on the logits of a sharded"
+            " output head runs on the vocabulary shards, any other use of them sees them gathered), False (always"
+            " gather the logits) or True (the logits stay a DTensor through the whole training step)."
+        )
+
+
 def plan(value: Any) -> None:
     if not (value == "auto" or isinstance(value, (dict, ParallelPlan))):
         raise ValueError(

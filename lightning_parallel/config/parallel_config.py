@@ -41,8 +41,10 @@ class TensorParallelConfig:
     """``plan=``: ``"auto"``, a dict of module-name patterns (without ``pipeline_boundaries``), or a plan."""
     verify_plan: bool = True
     """``verify_plan=``: run one block of each class sharded and unsharded at setup."""
-    loss_parallel: bool = False
-    """``loss_parallel=``: keep the head's logits vocabulary-sharded through the loss."""
+    loss_parallel: bool | None = None
+    """``loss_parallel=``: None (default) computes ``F.cross_entropy`` on a sharded head's logits on the
+    vocabulary shards (``tensor_parallel/vocab_loss.py``); False gathers the logits; True keeps them a
+    DTensor for the whole training step (torch's ``loss_parallel()``)."""
 
 
 @dataclass(frozen=True)

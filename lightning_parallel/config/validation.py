@@ -57,11 +57,12 @@ def strategy_config(**a: Any) -> ParallelConfig:
     if a["sequence_parallel"] and tp == 1:
         rank_zero_warn("`sequence_parallel=True` has no effect with `tensor_parallel=1`; it is ignored.")
     arguments.plan(plan)
-    if a["loss_parallel"] and isinstance(pp, int) and pp > 1:
+    arguments.loss_parallel(a["loss_parallel"])
+    if a["loss_parallel"] is True and isinstance(pp, int) and pp > 1:
         raise ValueError(
             "`loss_parallel=True` with `pipeline_parallel` > 1 is not supported: the vocabulary-parallel loss"
-            " needs its own backward context, which the pipeline schedule does not enter. Leave"
-            " `loss_parallel=False` (the head's logits are gathered on the last stage)."
+            " needs its own backward context, which the pipeline schedule does not enter. Leave the default"
+            " `loss_parallel=None` (F.cross_entropy on the head's logits runs on the vocabulary shards there too)."
         )
     boundaries = plan.get(PIPELINE_BOUNDARIES_KEY) if isinstance(plan, dict) else None
     pipeline = arguments.pipeline(

@@ -23,6 +23,7 @@ from lightning_parallel.tensor_parallel.loss_parallel import (
 )
 from lightning_parallel.tensor_parallel.plan import record_parameter_shards
 from lightning_parallel.tensor_parallel.verify import Captured
+from lightning_parallel.tensor_parallel.vocab_loss import ShardedLogitsMode
 
 
 def build_plan(module: nn.Module, config: TensorParallelConfig, tensor_parallel: int) -> ParallelPlan:
@@ -79,22 +80,32 @@ def shard(
 ) -> tuple[list[Any], bool, LossParallelState]:
     """Shard what this rank holds (after a pipeline cut, other stages' modules are dropped from the plan).
 
-    Returns the hooks it installed, whether the loss stays vocabulary-parallel (``loss_parallel``
-    without a sharded head falls back to gathered logits) and the state the head hook fills.
+    Returns the hooks it installed, whether the loss stays vocabulary-parallel as asked
+    (``loss_parallel=True``; without a sharded head it falls back to gathered logits) and the state the
+    head hook fills; by default (``loss_parallel=None``) that state holds the mode that computes
+    ``F.cross_entropy`` on the head's shards (``tensor_parallel/vocab_loss.py``).
     """
     if pipelined:
         filter_plan_to_kept_modules(plan, module)
-    loss_parallel = config.loss_parallel
-    if loss_parallel and plan.head is not None:
+    loss_parallel = config.loss_parallel is True
+    automatic = config.loss_parallel is None and plan.head is not None
+    if (loss_parallel or automatic) and plan.head is not None:
         plan.styles[plan.head] = sharded_head_style()
     elif loss_parallel:
         rank_zero_warn("`loss_parallel=True`: no sharded output head was found; logits stay gathered.")
         loss_parallel = False
     hooks = apply_tensor_parallel(module, plan, tp_mesh)
-    state = LossParallelState()
-    if loss_parallel:
+    state = LossParallelState(mode=ShardedLogitsMode() if automatic else None)
+    if loss_parallel or automatic:
         assert plan.head is not None
         hooks.append(install_head_hook(module.get_submodule(plan.head), state))
+    if automatic:
+        rank_zero_info(
+            f"Output head `{plan.head}` sharded over the vocabulary: F.cross_entropy on its logits runs on the"
+            f" shards in training steps (each tensor-parallel rank keeps its 1/{tp_mesh.size()} of the logits for"
+            " backward, not fp32 log-probabilities over the whole vocabulary); other uses of the logits see them"
+            " gathered. Opt out: `loss_parallel=False`."
+        )
     record_parameter_shards(plan, module)
     rank_zero_info(str(plan))
     return hooks, loss_parallel, state

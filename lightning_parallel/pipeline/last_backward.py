@@ -28,15 +28,51 @@ from torch.distributed.pipelining import PipelineStage
 
 from lightning_parallel.compat import without_sends_to_self
 from lightning_parallel.data_parallel.gradient_sync import GradientSync
+from lightning_parallel.pipeline.receive_buffers import ReceiveBuffers
 from lightning_parallel.zero.tensor_parallel import user_name
 
 
 class ReducingStage(PipelineStage):
-    """torch's stage, with its last backward of each batch (as the schedule says) announced."""
+    """torch's stage, with its last backward of each batch (as the schedule says) announced, and its receive
+    buffers held only while a micro-batch needs them (``pipeline/receive_buffers.py``)."""
 
     def __init__(self, *args: Any, last_backward: Callable[[int], Any], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._last_backward = last_backward
+        self.receive_buffers = ReceiveBuffers()
+
+    # ---- receive buffers: placeholders from setup on, a pooled buffer per receive posted ----
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        with self.receive_buffers.placeholders():
+            prepared = super()._prepare_forward_infra(*args, **kwargs)
+        self.receive_buffers.adopt(_infos(self.args_recv_info))
+        return prepared
+
+    def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        with self.receive_buffers.placeholders():
+            prepared = super()._prepare_backward_infra(*args, **kwargs)
+        self.receive_buffers.adopt(_infos(self.grad_recv_info))
+        return prepared
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[Any]:
+        self.receive_buffers.take(self.args_recv_info.get(fwd_chunk_id, ()))
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[Any]:
+        self.receive_buffers.take(self.grad_recv_info.get(bwd_chunk_id, ()))
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+        # torch 2.13 zeroes the buffer of a gradient the next stage did not produce: it must be a real one
+        infos = self.grad_recv_info.get(mb_index, ())
+        self.receive_buffers.take(i for i, g in zip(infos, next_stage_bwd_outputs, strict=False) if g is None)
+        return super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    def _done_with(self, chunk: int) -> None:
+        self.receive_buffers.give_back(
+            [*self.args_recv_info.get(chunk, ()), *self.grad_recv_info.get(chunk, ())]
+        )
 
     def _get_init_p2p_neighbors_ops(self) -> list[Any]:
         # torch 2.11 opens a pair to each neighbour stage, also to one on this rank (the V schedules: stages 1
@@ -56,15 +92,25 @@ class ReducingStage(PipelineStage):
         self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
     ) -> None:
         if not (last_backward and full_backward):
-            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-        with self._last_backward(self.stage_index):
-            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+            super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        else:
+            with self._last_backward(self.stage_index):
+                super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        if full_backward:  # a split backward's weight pass still reads the stage's input
+            self._done_with(bwd_chunk_id)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
         if not last_backward:
-            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
-        with self._last_backward(self.stage_index):
-            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        else:
+            with self._last_backward(self.stage_index):
+                super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        self._done_with(bwd_chunk_id)
+
+
+def _infos(recv_info: dict[int, Any]) -> Iterator[Any]:
+    for infos in recv_info.values():
+        yield from infos
 
 
 class LastBackward:

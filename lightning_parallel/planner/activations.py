@@ -20,7 +20,10 @@ project's own checkpointing modes each get their own terms. Each term is a tenso
 - routed experts hold, for ``top_k`` copies of every token, its input, those MLP terms, the expert's
   output and its weighted copy; the router keeps its input and per-expert scores.
 
-Under ``*-mixed`` precision each micro-batch also holds the 16-bit copies autocast made of the weights.
+Under ``*-mixed`` precision a projection keeps the 16-bit copy autocast made of its input; projections
+reading one input (q, k, v; gate, up) share one copy, and no copy of a weight is kept (``memory/casts.py``).
+The last stage keeps, for the loss, fp32 log-probabilities over the whole vocabulary, or under tensor
+parallelism (the default ``loss_parallel``) its shard of the logits and a log-sum-exp per token.
 Under tensor parallelism the widths split ``tp`` ways; the residual stream (norm inputs) splits too
 only under sequence parallelism. ``"full"`` checkpointing keeps each block's input; ``"selective"``
 keeps the block input and the outputs of matmuls and attention kernels (``memory/checkpointing.py``).
@@ -33,9 +36,16 @@ from dataclasses import dataclass
 from lightning_parallel.planner.layout import PRECISIONS, Layout
 from lightning_parallel.planner.shapes import BlockShape, ModelShape
 
-__all__ = ["ActivationEstimate", "block_bytes_per_token", "in_flight_micro_batches", "stage_activation_bytes"]
+__all__ = [
+    "ActivationEstimate",
+    "block_bytes_per_token",
+    "in_flight_micro_batches",
+    "loss_bytes_per_token",
+    "stage_activation_bytes",
+]
 
 _INDEX_BYTES = 8  # token ids kept by the embedding lookup
+_SHARDED_LOSS_PER_TOKEN = 4 + 8 + 1 + 1  # log-sum-exp, local target index, on-this-rank and valid flags
 
 
 def _bytes(layout: Layout) -> tuple[int, int]:
@@ -72,8 +82,8 @@ def block_bytes_per_token(block: BlockShape, layout: Layout, mode: str | None = 
         router = block.num_experts * 4 if block.num_experts else 0
         return h * residual / sp + attention + mlp + router
     norms = block.norms * _norm_bytes(block, h, residual) / sp
-    copies = layout.precision.endswith("-mixed")  # autocast casts the input once per projection reading it
-    entries = (block.attention_entries if copies else 1, block.mlp_entries if copies else 1)
+    # Each projection keeps its input; under autocast a 16-bit copy of it, one shared by all reading it.
+    entries = (1, 1)
     attention = entries[0] * h * act + (q + 2 * kv) * act + q * act  # entry input(s), q|k|v, exit input
     if layout.attention == "flash" and block.attention == "flash":  # output laid out as the exit reads it
         attention += heads * 4  # log-sum-exp
@@ -139,27 +149,24 @@ def stage_activation_bytes(
     per_token = sum(block_bytes_per_token(shape.blocks[i], layout, mode) for i in blocks)
     if first:
         per_token += _INDEX_BYTES
-    if last:  # final norm, head input, the loss's log-probabilities (gathered over the vocabulary)
+    if last:  # final norm, head input, what the loss keeps
         norm = shape.blocks[-1]
         per_token += _norm_bytes(norm, shape.hidden, residual) / sp + shape.hidden * act
-        per_token += shape.vocab_size * 4
+        per_token += loss_bytes_per_token(shape, layout)
     working = 0.0
     if mode and blocks:
         working = max(block_bytes_per_token(shape.blocks[i], layout) for i in blocks) * tokens
-    casts = _autocast_weight_copies(shape, layout, blocks, last) if mode != "full" else 0.0
-    return ActivationEstimate(per_token * tokens + casts, in_flight_micro_batches(layout, pp_rank), working)
+    return ActivationEstimate(per_token * tokens, in_flight_micro_batches(layout, pp_rank), working)
 
 
-def _autocast_weight_copies(shape: ModelShape, layout: Layout, blocks: range, last: bool) -> float:
-    """Under ``*-mixed`` every matmul's weight is cast to 16 bits in each forward, and the copy is saved
-    for its backward (one set per micro-batch in flight); recomputed blocks cast again in backward."""
-    if not layout.precision.endswith("-mixed"):
-        return 0.0
-    tp, ep = layout.tensor_parallel, layout.expert_parallel
-    weights = 0.0
-    for i in blocks:
-        block = shape.blocks[i]
-        weights += (block.parameters - block.expert_parameters) / tp + block.expert_parameters / (tp * ep)
-    if last:
-        weights += shape.head_weights / tp
-    return 2.0 * weights
+def loss_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
+    """What the cross-entropy keeps per token: fp32 log-probabilities over the whole vocabulary (one rank, or
+    logits gathered); on the shards of a sharded head (``loss_parallel`` not False), its ``V / tp`` logits
+    as the head made them, one fp32 log-sum-exp and the target's place (``tensor_parallel/vocab_loss.py``);
+    with ``loss_parallel=True``, torch's fp32 log-probabilities of the shard."""
+    tp, vocab = layout.tensor_parallel, shape.vocab_size
+    if tp == 1 or vocab % tp or layout.loss_parallel is False:
+        return vocab * 4.0
+    if layout.loss_parallel:
+        return vocab / tp * 4.0
+    return vocab / tp * _bytes(layout)[0] + _SHARDED_LOSS_PER_TOKEN

@@ -54,6 +54,9 @@ class Layout:
     """``"flash"`` (fused attention keeps no score matrix) or ``"eager"`` (keeps softmax scores)."""
     optimizer: str = "adamw"
     """``"adamw"``/``"adam"`` (two fp32 states), ``"sgd"`` (momentum: one), ``"adafactor"`` (factored)."""
+    loss_parallel: bool | None = None
+    """The strategy's ``loss_parallel``: None (default) and True keep the loss on the vocabulary shards of a
+    sharded head (``tensor_parallel/vocab_loss.py``); False gathers the logits for it."""
 
     @property
     def gpus(self) -> int:
@@ -181,6 +184,8 @@ def layout_problems(layout: Layout, shape: ModelShape, gpus: int | None = None) 
         problems.append(
             f"`activation_checkpointing={layout.activation_checkpointing!r}` must be None, 'full' or 'selective'"
         )
+    if layout.loss_parallel not in (None, True, False):
+        problems.append(f"`loss_parallel={layout.loss_parallel!r}` must be None, True or False")
     if layout.attention not in ("flash", "eager"):
         problems.append(f"`attention={layout.attention!r}` must be 'flash' or 'eager'")
     return problems

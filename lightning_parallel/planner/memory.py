@@ -340,12 +340,20 @@ def _add_activations(rank: RankMemory, shape: ModelShape, layout: Layout, ranges
 
 
 def _receive_buffers(shape: ModelShape, layout: Layout, stages: list[int], last: int) -> float:
-    """torch's ``PipelineStage`` allocates a receive buffer per micro-batch, kept for the whole run: the
-    activations a stage after the first receives, and the gradients a stage before the last receives."""
+    """Pipeline receive buffers, reused (``pipeline/receive_buffers.py``): as many per stage as the schedule has
+    receives outstanding or micro-batches in flight there (counted on torch's own schedule), each one
+    micro-batch's hidden state (the activations a stage after the first receives, the gradients one before
+    the last receives); they stay allocated between steps."""
+    from lightning_parallel.config.arguments import resolve_schedule
+    from lightning_parallel.pipeline.receive_buffers import buffers_in_flight
+
     act = PRECISIONS[layout.precision][1]
+    residual = 4 if layout.precision.endswith("-mixed") else act  # autocast leaves the residual stream fp32
     sp = layout.tensor_parallel if layout.sequence_parallel else 1
-    one = layout.micro_batch_size * layout.sequence_length * shape.hidden * act / sp
-    return sum(layout.micro_batches * one * ((s > 0) + (s < last)) for s in stages)
+    one = layout.micro_batch_size * layout.sequence_length * shape.hidden * residual / sp
+    held = buffers_in_flight(resolve_schedule(layout.pipeline_schedule), layout.pipeline_parallel,
+                             layout.pipeline_virtual_stages, layout.micro_batches)  # fmt: skip
+    return sum(held[s] * one for s in stages)
 
 
 def _label(layout: Layout, pp_rank: int, tp_rank: int, dp_rank: int, engine: str | None) -> str:

@@ -33,11 +33,12 @@ from typing_extensions import override
 from lightning_parallel.config import PathLike, PlanArg
 from lightning_parallel.config.validation import check_manual_optimization, strategy_config
 from lightning_parallel.launch.interrupt import AgreedInterrupt, start_agreed_interrupt
+from lightning_parallel.memory.casts import CastSaver
 from lightning_parallel.memory.counting import SavedTensorCounter
-from lightning_parallel.memory.saved_tensors import saved_tensors_context
 from lightning_parallel.parallelize import Parallelized, parallelize, recall
 from lightning_parallel.precision import HybridPrecision
 from lightning_parallel.strategy import pipelined
+from lightning_parallel.strategy import training as steps
 from lightning_parallel.strategy.auto_layout import auto_strategy
 from lightning_parallel.strategy.checkpointing import CheckpointingStrategy
 from lightning_parallel.strategy.data_checks import check_training_data
@@ -45,11 +46,6 @@ from lightning_parallel.strategy.predicted_memory import predicting_sample
 from lightning_parallel.strategy.presets import PRESETS
 from lightning_parallel.strategy.zero_setup import initialize_zero
 from lightning_parallel.tensor_parallel import ParallelPlan
-from lightning_parallel.tensor_parallel.loss_parallel import (
-    sharded_loss_backward,
-    sharded_loss_step,
-    to_plain,
-)
 from lightning_parallel.zero.engine import offload_sharded_optimizers
 
 
@@ -111,10 +107,11 @@ class HybridParallelStrategy(CheckpointingStrategy):
         compile: ``torch.compile`` each transformer block after sharding (as torchtitan does):
             per-block compilation keeps compile time flat in depth and leaves the
             communication hooks between blocks in eager mode.
-        loss_parallel: keep the output head's logits sharded over the vocabulary during the
-            training step and compute ``F.cross_entropy`` on the shards (Megatron's vocab-parallel
-            loss: no all-gather of the logits). Opt-in: the training step may only reshape the
-            logits and pass them to ``F.cross_entropy``.
+        loss_parallel: ``None`` (default): with a sharded output head, ``F.cross_entropy`` on its
+            logits runs on the vocabulary shards (Megatron's vocab-parallel loss: no all-gather of the
+            logits, no fp32 log-probabilities over the whole vocabulary); any other use of the logits
+            in the step sees them gathered. ``False``: always gather. ``True``: the logits stay a
+            DTensor through the whole step (the step may only reshape them for ``F.cross_entropy``).
         timeout: collective timeout: a rank that dies ends the job after this long.
         init_weights: a single-file state dict (``.safetensors``, or ``torch.save``'d ``.pt``/``.bin``;
             e.g. a pretrained model, or the unparallelised module's ``state_dict()``) loaded after
@@ -152,7 +149,7 @@ class HybridParallelStrategy(CheckpointingStrategy):
         plan: PlanArg = "auto",
         verify_plan: bool = True,
         compile: bool = False,
-        loss_parallel: bool = False,
+        loss_parallel: bool | None = None,
         save_distributed_checkpoint: bool = True,
         init_weights: PathLike | None = None,
         process_group_backend: str | None = None,
@@ -170,6 +167,8 @@ class HybridParallelStrategy(CheckpointingStrategy):
         )
         self.activation_counter: SavedTensorCounter | None = None
         """Set (e.g. by :class:`~lightning_parallel.memory.monitor.ActivationMemoryMonitor`) to count each step's activation bytes."""
+        self.casts: CastSaver | None = None
+        """Set at setup under ``*-mixed`` precision: the 16-bit casts a step keeps once or not at all (``memory/casts.py``)."""
         self._sync_blocked = False
         self._batch_idx = 0  # Lightning's, for the first batch of an accumulation window
         self._interrupt: AgreedInterrupt | None = None
@@ -197,9 +196,11 @@ class HybridParallelStrategy(CheckpointingStrategy):
     memory_savers = property(lambda self: self.config.memory)
 
     @property
-    def loss_parallel(self) -> bool:
-        """Whether the loss is vocabulary-parallel: as asked, until setup finds no sharded head."""
-        return self.parallelized.loss_parallel if self.parallelized else self.config.tensor.loss_parallel
+    def loss_parallel(self) -> bool | None:
+        """Whether the loss is vocabulary-parallel: as asked (None: where a head is sharded) until setup
+        decides, by the sharded head it found (or not)."""
+        p = self.parallelized
+        return (p.loss_parallel or p.loss_state.mode is not None) if p else self.config.tensor.loss_parallel
 
     @property
     def plan(self) -> ParallelPlan | None:
@@ -251,6 +252,7 @@ class HybridParallelStrategy(CheckpointingStrategy):
                 self._load_init_weights(module, self.config.init_weights)
             parallelized.remember(module)
         self.parallelized = parallelized
+        self.casts = steps.cast_saver(self.precision_plugin)
         if isinstance(self.precision_plugin, HybridPrecision):
             ep_group = self.device_mesh["ep"].get_group() if parallelized.experts.parameter_ids else None
             self.precision_plugin.set_norm_layout(
@@ -297,52 +299,13 @@ class HybridParallelStrategy(CheckpointingStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        p = self._parallelized()
         self.remember_loader_states()
-        saver = p.activation_saver if self.config.memory.saves_tensors else None
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        aux = p.experts.aux_losses
-        with saved_tensors_context(saver, self.activation_counter):
-            if p.pipeline is not None:
-                assert self.lightning_module is not None
-                return pipelined.training_step(
-                    p.pipeline, self.lightning_module, scaler, aux, self.precision_plugin.train_step_context,
-                    args, kwargs, final=not self._sync_blocked, batch_idx=self._batch_idx,
-                )  # fmt: skip
-            if aux is not None:
-                aux.start_step(pipelined.loss_scale(self.lightning_module, scaler, micro_batches=1))
-            if not p.loss_parallel:
-                output = super().training_step(*args, **kwargs)
-            else:
-                with sharded_loss_step(self.lightning_module, p.loss_state):
-                    output = to_plain(super().training_step(*args, **kwargs))
-            return aux.with_injected(output) if aux is not None else output
+        return steps.training_step(self, self._parallelized(), super().training_step, args, kwargs)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         p = self._parallelized()
-        if (
-            p.pipeline is not None
-        ):  # the schedule already ran backward: Lightning's hooks around its gradients
-            module = self.lightning_module
-            self.pre_backward(closure_loss)
-            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-            p.pipeline.add_held_gradients()
-            if not self._sync_blocked:
-                p.gradients.reduce()
-            closure_loss = self.precision_plugin.post_backward(closure_loss, module)
-            self.post_backward(closure_loss)
-            return closure_loss
-        if not self._sync_blocked:
-            p.gradients.begin_final_backward()  # the explicit reductions launch their buckets during it
-        if not p.loss_parallel:
-            result = super().backward(closure_loss, optimizer, *args, **kwargs)
-        else:
-            with sharded_loss_backward():
-                result = super().backward(closure_loss, optimizer, *args, **kwargs)
-        if not self._sync_blocked:
-            p.gradients.reduce()  # the explicit reductions (experts; under ZeRO the part before its step)
-        return result
+        return steps.backward(self, p, super().backward, closure_loss, (optimizer, *args), kwargs)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

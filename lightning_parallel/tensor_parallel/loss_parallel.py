@@ -1,4 +1,4 @@
-"""Vocabulary-parallel loss for unchanged training steps (opt-in: ``loss_parallel=True``).
+"""Vocabulary-parallel loss for unchanged training steps: the head's hook, and the opt-in ``loss_parallel=True``.
 
 By default the output head gathers its logits so that any user code can read them, at the
 cost of one all-gather of ``batch x sequence x vocabulary`` values per step. Megatron instead
@@ -12,6 +12,10 @@ the step returns or logs is turned back into plain tensors. Outside the training
 (validation, prediction) the head gathers its logits as usual, so metrics see plain tensors.
 The training step must only reshape the logits and pass them to ``F.cross_entropy``; other
 uses of the logits inside it fail with DTensor's error, which is why this is opt-in.
+
+The default (``loss_parallel=None``) needs no such promise: the head returns its sharded logits to
+:class:`~lightning_parallel.tensor_parallel.vocab_loss.ShardedLogitsMode`, which computes
+``F.cross_entropy`` on the shards and gathers the logits for any other use (``vocab_loss.py``).
 """
 
 from __future__ import annotations
@@ -28,13 +32,16 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.compat import tree_map
 from lightning_parallel.tensor_parallel.styles import ColwiseProjection
+from lightning_parallel.tensor_parallel.vocab_loss import ShardedLogitsMode
 
 
 @dataclass
 class LossParallelState:
-    """Whether the current forward belongs to a training step run with a sharded loss."""
+    """Whether the current forward belongs to a training step run with a sharded loss; ``mode``: the
+    default's follower of the sharded logits (None under ``loss_parallel=True``)."""
 
     active: bool = False
+    mode: ShardedLogitsMode | None = None
 
 
 def sharded_head_style() -> ColwiseProjection:
@@ -45,8 +52,10 @@ def install_head_hook(head: nn.Module, state: LossParallelState) -> RemovableHan
     """Outside the sharded training step, gather the logits into a plain tensor."""
 
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
-        if state.active or not isinstance(output, DTensor):
+        if not isinstance(output, DTensor):
             return None
+        if state.active:
+            return state.mode.track(output) if state.mode is not None else None
         return output.redistribute(placements=[Replicate()]).to_local()
 
     return head.register_forward_hook(hook)
@@ -82,6 +91,19 @@ def sharded_loss_step(module: nn.Module, state: LossParallelState) -> Iterator[N
     finally:
         state.active = False
         del module.log, module.log_dict
+
+
+@contextmanager
+def followed_logits(state: LossParallelState) -> Iterator[None]:
+    """A training step (under pipelines: a whole schedule) whose head logits ``state.mode`` follows."""
+    assert state.mode is not None
+    state.mode.start_step()
+    state.active = True
+    try:
+        with state.mode:
+            yield
+    finally:
+        state.active = False
 
 
 @contextmanager

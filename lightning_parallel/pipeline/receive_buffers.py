@@ -1,0 +1,217 @@
+"""Pipeline receive buffers for the micro-batches in flight only, reused (torch allocates one per micro-batch).
+
+torch's ``PipelineStage`` makes, when a schedule first runs, one receive buffer per micro-batch and keeps
+them for the whole run: the activation each stage after the first receives, and the gradient each stage
+before the last receives. That is M hidden states (twice on middle stages) whatever the schedule keeps
+in flight: GPT-530B on 35 stages with 240 micro-batches, 37.5 GiB of a rank. Megatron receives into
+tensors it allocates per transfer and frees after the micro-batch's backward.
+
+:class:`ReceiveBuffers` does that for a stage. At setup torch's buffers are made empty placeholders (the
+factory it calls is swapped for one that records what it would have made); a buffer is taken from a
+pool when its receive is posted and given back when its micro-batch no longer needs it: after the
+micro-batch's backward (under the zero-bubble schedules, after its weight pass, which still reads the
+stage's input). So a stage holds as many buffers as the schedule has receives outstanding or
+micro-batches in flight (1F1B on stage s: P - s activations and one gradient), and the same buffers
+serve every step. What the schedule passes between two stages of one rank (the V schedules) is the
+other stage's tensor, not a buffer; it is let go at the same moment.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.distributed.pipelining import stage as torch_stage
+
+from lightning_parallel.pipeline.schedules import ScheduleSpec, stages_of_rank
+
+__all__ = ["ReceiveBuffers", "buffers_in_flight", "receive_buffer_bytes"]
+
+_FACTORY = "_make_tensor_from_meta"  # torch.distributed.pipelining.stage's, on torch 2.11 and 2.13
+
+
+class ReceiveBuffers:
+    """The receive buffers of one stage: placeholders between uses, pooled tensors while in use."""
+
+    enabled: bool = True
+    """Class-wide switch: off, torch's one-buffer-per-micro-batch (the tests' negative control)."""
+
+    def __init__(self) -> None:
+        self._templates: dict[int, tuple[torch.Tensor, Callable[..., torch.Tensor], Any, Any]] = {}
+        self._home: dict[int, tuple[Any, torch.Tensor]] = {}  # id(recv info) -> (info, its placeholder)
+        self._pooled: dict[int, torch.Tensor] = {}  # id(buffer in use) -> the buffer
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self.allocated = 0
+        """Buffers made (the rest of the receives were served from the pool)."""
+        self.peak_bytes = 0
+        """Most bytes of buffers held at once (in use and pooled), over the run."""
+
+    # ---- setup: torch makes placeholders -------------------------------------------------
+
+    @contextmanager
+    def placeholders(self) -> Iterator[None]:
+        """While torch prepares a stage's receive information: empty placeholders instead of buffers."""
+        if not self.enabled:
+            yield
+            return
+        original = getattr(torch_stage, _FACTORY)
+
+        def placeholder(meta: Any, device: Any) -> torch.Tensor:
+            made = torch.empty(0, dtype=meta.dtype, device=device)
+            self._templates[id(made)] = (made, original, meta, device)
+            return made
+
+        setattr(torch_stage, _FACTORY, placeholder)
+        try:
+            yield
+        finally:
+            setattr(torch_stage, _FACTORY, original)
+
+    def adopt(self, infos: Iterable[Any]) -> None:
+        """Remember each receive information's placeholder (after torch made them)."""
+        for info in infos:
+            buffer = getattr(info, "buffer", None)
+            if isinstance(buffer, torch.Tensor) and id(buffer) in self._templates:
+                self._home[id(info)] = (info, buffer)
+
+    # ---- while the schedule runs ---------------------------------------------------------
+
+    def take(self, infos: Iterable[Any]) -> None:
+        """A receive is about to be posted into ``infos``: real buffers in place of their placeholders."""
+        for info in infos:
+            home = self._home.get(id(info))
+            if home is None or info.buffer is not home[1]:
+                continue
+            placeholder = home[1]
+            _, factory, meta, device = self._templates[id(placeholder)]
+            buffer = self._from_pool(factory, meta, device)
+            buffer.requires_grad_(placeholder.requires_grad)  # torch 2.11 marks its buffers at creation
+            buffer.grad = None
+            self._pooled[id(buffer)] = buffer
+            info.buffer = buffer
+            self._note_peak()
+
+    def give_back(self, infos: Iterable[Any]) -> None:
+        """The micro-batch of ``infos`` is done: its buffers return to the pool, the placeholders to their place."""
+        for info in infos:
+            home = self._home.get(id(info))
+            if home is None or info.buffer is home[1]:
+                continue
+            buffer = info.buffer
+            info.buffer = home[1]
+            pooled = self._pooled.pop(id(buffer), None) if isinstance(buffer, torch.Tensor) else None
+            if pooled is not None:
+                pooled.grad = None  # its gradient lives on where the schedule sends it from
+                pooled.requires_grad_(False)
+                _, _, meta, device = self._templates[id(home[1])]
+                self._free.setdefault(_key(meta, device), []).append(pooled)
+
+    def _from_pool(self, factory: Callable[..., torch.Tensor], meta: Any, device: Any) -> torch.Tensor:
+        free = self._free.get(_key(meta, device))
+        if free:
+            return free.pop()
+        self.allocated += 1
+        return factory(meta, device)  # exactly the buffer torch would have made
+
+    def _note_peak(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of buffers held now: in use and pooled."""
+        in_use = sum(_nbytes(b) for b in self._pooled.values())
+        return in_use + sum(_nbytes(b) for free in self._free.values() for b in free)
+
+
+def _key(meta: Any, device: Any) -> tuple:
+    """Buffers of equal shape, strides, dtype and device serve each other (torch 2.13 describes a buffer with
+    a ``_TensorMeta``, 2.11 with an example tensor)."""
+    shape = getattr(meta, "shape", None)
+    stride = getattr(meta, "stride", None)
+    return (
+        tuple(shape if shape is not None else meta.size()),
+        stride if isinstance(stride, tuple) else None,
+        meta.dtype,
+        str(torch.device(device)),
+    )
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def receive_buffer_bytes(stage: Any) -> int:
+    """Bytes a stage's receive buffers hold now (with the gradients torch leaves on them, and the pool's idle
+    buffers): what stays allocated between steps, whichever way the buffers are managed."""
+    seen: dict[int, int] = {}
+    for recv_info in (getattr(stage, "args_recv_info", {}), getattr(stage, "grad_recv_info", {})):
+        for info in _all(recv_info):
+            for tensor in (
+                getattr(info, "buffer", None),
+                getattr(getattr(info, "buffer", None), "grad", None),
+            ):
+                if isinstance(tensor, torch.Tensor) and tensor.numel():
+                    seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    pool = getattr(stage, "receive_buffers", None)
+    idle = sum(_nbytes(b) for free in pool._free.values() for b in free) if pool is not None else 0
+    return sum(seen.values()) + idle
+
+
+def _all(recv_info: dict[int, Any]) -> Iterator[Any]:
+    for infos in recv_info.values():
+        yield from infos
+
+
+def buffers_in_flight(
+    spec: ScheduleSpec, pipeline_parallel: int, virtual_stages: int, micro_batches: int
+) -> list[int]:
+    """Receive buffers each stage holds at once with reuse (by stage index): the planner's count.
+
+    GPipe: every activation a stage receives is in flight before the first backward (M), one gradient at a
+    time. 1F1B: ``P - s`` activations on stage s, one gradient. The multi-stage schedules: counted on torch's
+    own action list for the layout (a buffer from its receive to its micro-batch's backward, or weight pass),
+    built with stand-in stages; where that fails (another torch), the stage's in-flight micro-batches and one.
+    """
+    p, m, n = pipeline_parallel, micro_batches, pipeline_parallel * virtual_stages
+    if not spec.multi_stage:
+        held = [m if spec.name == "gpipe" else min(p - s, m) for s in range(n)]
+        return [held[s] * (s > 0) + (s < n - 1) for s in range(n)]
+    try:
+        return list(_simulated(spec, p, virtual_stages, m))
+    except Exception:  # noqa: BLE001 - an estimate is better than no plan
+        return [min(m, 2 * p) * (s > 0) + (s < n - 1) for s in range(n)]
+
+
+@functools.lru_cache(maxsize=256)
+def _simulated(spec: ScheduleSpec, p: int, v: int, m: int) -> list[int]:
+    from types import SimpleNamespace
+
+    from torch import nn
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    n = p * v
+    stages = [SimpleNamespace(stage_index=s, num_stages=n, group_size=p, group_rank=0, is_first=s == 0,
+                              is_last=s == n - 1, submod=nn.Identity(), stage_index_to_group_rank={},
+                              has_backward=True, group=None)
+              for s in stages_of_rank(spec, 0, p, v)]  # fmt: skip
+    schedule = get_schedule_class(spec.torch_name)(stages, n_microbatches=m, loss_fn=lambda a, b: a)
+    order = getattr(schedule, "pipeline_order_with_comms", None) or schedule.pipeline_order
+    held, peak = [0] * n, [0] * n
+    live: set[tuple[int, int, str]] = set()
+    for rank in range(p):  # torch orders every rank's actions, comms included
+        for outer in order[rank]:
+            for action in getattr(outer, "sub_actions", None) or [outer]:  # DualPipe-V's overlapped F and B
+                kind, s, mb = action.computation_type.name, action.stage_index, action.microbatch_index
+                if kind in ("RECV_F", "RECV_B"):
+                    live.add((s, mb, kind))
+                    held[s] += 1
+                    peak[s] = max(peak[s], held[s])
+                elif kind in ("FULL_BACKWARD", "BACKWARD_WEIGHT"):
+                    for recv in ("RECV_F", "RECV_B"):
+                        if (s, mb, recv) in live:
+                            live.discard((s, mb, recv))
+                            held[s] -= 1
+    return peak
