@@ -18,12 +18,11 @@ forward.
 
 - A storage is counted once, however many saved tensors view it (q, k and v are views of one
   projection output; ``linear`` saves ``weight.t()``, a view of the weight).
-- Not counted, because they are held whatever the schedule does: parameters (autograd saves
-  weights too), the batch (micro-batches are views of it), and the receive buffers torch
-  allocates per micro-batch on every stage but the first (the received activation is saved
-  by the first block's norm). Those buffers are listed separately: torch keeps one per
-  micro-batch (activations on later stages, gradients on earlier ones) for the whole run, so
-  they are M x one hidden state per stage under any schedule.
+- Not counted: parameters (autograd saves weights too), the batch (micro-batches are views of
+  it), and the receive buffers (the received activation is saved by the first block's norm).
+  Those buffers are listed separately: the strategy keeps one per receive the schedule has
+  outstanding or micro-batch in flight (activations on later stages, gradients on earlier ones),
+  reused from step to step (``pipeline/receive_buffers.py``; torch's own stage kept M of them).
 - Not seen by the hooks: the stage's output, which torch keeps per micro-batch until its
   backward (one hidden state per micro-batch in flight; small beside the saved tensors).
 """
@@ -53,6 +52,7 @@ from benchmarks.common import (
     table,
 )
 from benchmarks.pipeline_efficiency import PIPELINE_PARALLEL, SHAPES
+from lightning_parallel.pipeline.receive_buffers import receive_buffer_bytes
 
 DEFAULT_MICRO_BATCHES = 16
 
@@ -147,19 +147,10 @@ def _storages(value: Any) -> set[int]:
     return set()
 
 
-def receive_buffers(stage: Any) -> dict[str, int]:
-    """Bytes of the per-micro-batch receive buffers torch holds on ``stage`` (activations, gradients)."""
-    out = {}
-    for label, infos in (("activations", stage.args_recv_info), ("gradients", stage.grad_recv_info)):
-        seen: dict[int, int] = {}
-        for recv in infos.values():
-            for info in recv:
-                buffer = getattr(info, "buffer", None)
-                if isinstance(buffer, torch.Tensor):
-                    pointer, nbytes = _storage_key(buffer)
-                    seen[pointer] = nbytes
-        out[label] = sum(seen.values())
-    return out
+def receive_buffers(stage: Any) -> int:
+    """Bytes of the receive buffers ``stage`` holds after the step: reused from step to step, as many as the
+    schedule had receives outstanding or micro-batches in flight (``pipeline/receive_buffers.py``)."""
+    return receive_buffer_bytes(stage)
 
 
 def ActivationMemory(step: int) -> Any:  # noqa: N802 (a factory: Lightning is imported lazily)
@@ -177,7 +168,8 @@ def ActivationMemory(step: int) -> Any:  # noqa: N802 (a factory: Lightning is i
                 return
             stages = list(trainer.strategy.pipeline_stages)
             excluded = {_storage_key(p)[0] for p in pl_module.parameters()} | _storages(batch)
-            for stage in stages:
+            for stage in stages:  # the buffers the last step left in the pool serve this one
+                excluded |= {_storage_key(b)[0] for b in stage.receive_buffers.tensors()}
                 for recv in stage.args_recv_info.values():
                     excluded |= {
                         _storage_key(i.buffer)[0] for i in recv if getattr(i, "buffer", None) is not None
@@ -325,14 +317,13 @@ def report(results: list[dict[str, Any]]) -> str:
         for stage, s in sorted(result["stages"].items()):
             one = max(s["per_micro_batch"]) if s["per_micro_batch"] else 0
             expected = expected_in_flight(result["schedule"], stage, m, PIPELINE_PARALLEL)
-            recv = s["receive_buffers"]
             rows.append([
                 result["schedule"], f"{stage} (rank {result['owners'][stage]})", _size(s["peak"]), _size(one),
                 f"{s['peak'] / one:.2f}" if one else "-", "-" if expected is None else expected,
-                _size(recv["activations"] + recv["gradients"]),
+                _size(s["receive_buffers"]),
             ])  # fmt: skip
     return table(["schedule", "stage", "peak saved for backward", "one micro-batch", "peak / micro-batch",
-                  "expected", "torch receive buffers (any schedule)"], rows)  # fmt: skip
+                  "expected", "receive buffers (reused)"], rows)  # fmt: skip
 
 
 def main() -> None:

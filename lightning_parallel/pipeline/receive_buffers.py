@@ -119,6 +119,10 @@ class ReceiveBuffers:
     def _note_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer held now: in use and pooled."""
+        return [*self._pooled.values(), *(b for free in self._free.values() for b in free)]
+
     @property
     def held_bytes(self) -> int:
         """Bytes of buffers held now: in use and pooled."""
