@@ -28,6 +28,7 @@ from collections import Counter
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
@@ -45,6 +46,10 @@ MATMUL_OPS = frozenset({
     "convolution", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
 })  # fmt: skip
+
+_MATMUL_PACKETS = frozenset(
+    getattr(torch.ops.aten, name) for name in MATMUL_OPS if hasattr(torch.ops.aten, name)
+)
 
 # What a precision computes its products in.
 EXPECTED_DTYPES = {
@@ -84,23 +89,26 @@ class ComputeDtypeCounter(TorchDispatchMode):
     """Counts the matrix products of the forward and of recomputed forwards, by phase, kernel and dtype.
 
     ``counts`` keys are ``"<phase>.<kernel>.<dtype>"`` (``"forward.addmm.bfloat16"``); see the module
-    docstring. Enter it at a batch's start, leave it before the optimizer steps (``pause``) and at the
-    batch's end; the same instance accumulates over the run.
+    docstring. Counts while ``counting`` is set (the worker sets it at a batch's start and clears it before
+    the optimizer steps); the same instance accumulates over the run. ``collectives``: a
+    ``CollectiveCounter`` (tests/distributed/engagement.py) fed every operator while this mode is entered,
+    so that a distributed run pays one dispatch mode for both records (each costs about half a step).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, collectives: Any = None) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
-        self.active = False
+        self.counting = False
+        self.collectives = collectives
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        from torch.distributed.tensor import DTensor
-
-        if any(issubclass(t, DTensor) for t in types):
+        if any(t is not torch.Tensor and issubclass(t, DTensor) for t in types):
             return NotImplemented
-        out = func(*args, **(kwargs or {}))
-        name = func.__name__.split(".")[0]
-        if name in MATMUL_OPS:
+        kwargs = kwargs or {}
+        if self.collectives is not None:
+            self.collectives.observe(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if self.counting and func.overloadpacket in _MATMUL_PACKETS:
             in_node = torch._C._current_autograd_node() is not None
             if not in_node or torch.is_grad_enabled():  # the backward's own products are not counted
                 first = out[0] if isinstance(out, (tuple, list)) else out
@@ -108,7 +116,7 @@ class ComputeDtypeCounter(TorchDispatchMode):
                 phase = "recomputed" if in_node else "forward"
                 if dtype == "float32" and _by_design() is not None:
                     phase = "fp32_by_design"
-                self.counts[f"{phase}.{name}.{dtype}"] += 1
+                self.counts[f"{phase}.{func.overloadpacket.__name__}.{dtype}"] += 1
         return out
 
 

@@ -99,11 +99,16 @@ class CollectiveCounter(TorchDispatchMode):
 
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
+        self.observe(func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+    def observe(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Count ``func`` if it is a collective (also called by another mode that carries this count:
+        the harness's ``ComputeDtypeCounter``, one dispatch mode for both records)."""
         if func.namespace in COLLECTIVE_NAMESPACES:
             name = func.__name__.split(".")[0]
             if name not in NOT_COLLECTIVES:
-                self.counts[(self._group_ranks(func, args, kwargs or {}), name)] += 1
-        return func(*args, **(kwargs or {}))
+                self.counts[(self._group_ranks(func, args, kwargs), name)] += 1
 
     def _group_ranks(self, func: Any, args: tuple, kwargs: dict) -> tuple[int, ...]:
         import torch.distributed as dist

@@ -34,6 +34,7 @@ class _Block(nn.Module):
 def _record(module: nn.Module, dtype: torch.dtype | None, recompute: bool = False) -> dict[str, int]:
     x = torch.randn(2, 4, 8, dtype=next(module.parameters()).dtype)  # "-true": inputs cast as the plugin does
     counter = ComputeDtypeCounter()
+    counter.counting = True
     with counter, torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         y = checkpoint(module, x, use_reentrant=False) if recompute else module(x)
         y.float().sum().backward()

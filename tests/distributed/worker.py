@@ -77,8 +77,10 @@ class ParityRecorder(Callback):
         self.payload: dict[str, Any] | None = None
         self.case = case  # None for a reference: nothing to prove engaged
         self.probe: ForwardProbe | None = None
-        self.collectives: CollectiveCounter | None = None  # active from each batch's start to its end
-        self.dtypes = ComputeDtypeCounter()  # from each batch's start to its optimizer step (or its end)
+        # One dispatch mode from each batch's start to its end: matrix products counted until the optimizer
+        # steps; a distributed run's collectives counted throughout.
+        self.collectives: CollectiveCounter | None = CollectiveCounter() if case is not None else None
+        self.dtypes = ComputeDtypeCounter(self.collectives)
         self.initial: dict[str, torch.Tensor] = {}  # a reference's parameters before training
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -96,28 +98,31 @@ class ParityRecorder(Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.case is not None:
-            self.collectives = self.collectives or CollectiveCounter()
-            self.collectives.__enter__()
         self.dtypes.__enter__()
-        self.dtypes.active = True
+        self.dtypes.counting = True
 
-    def _pause_dtypes(self) -> None:
-        if self.dtypes.active:
+    def on_before_backward(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
+    ) -> None:
+        if (
+            self.case is None
+        ):  # a reference recomputes nothing and counts no collective: skip the backward's ops
             self.dtypes.__exit__(None, None, None)
-            self.dtypes.active = False
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.case is None:
+            self.dtypes.__enter__()
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        self._pause_dtypes()  # the optimizer's own products (if any) are not the forward's
+        self.dtypes.counting = False  # the optimizer's own products (if any) are not the forward's
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._pause_dtypes()
-        if self.collectives is not None:
-            self.collectives.__exit__(None, None, None)
+        self.dtypes.counting = False
+        self.dtypes.__exit__(None, None, None)
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         self.losses.append(
             None if loss is None else float(loss.detach().float()) * trainer.accumulate_grad_batches
