@@ -160,7 +160,8 @@ class PipelineRunner:
             raise PipelineSetupError(
                 f"Pipeline stage {stage} finished the step without reaching the end of its blocks."
             )
-        ctx.outputs[mb_index] = output
+        if not ctx.training:  # evaluation merges the outputs; a training step's (logits in a dict) would
+            ctx.outputs[mb_index] = output  # stay alive for every micro-batch until the step ends
         return (
             extract_loss(output) if ctx.training else output
         )  # a dict with "loss" (and more) is Lightning's

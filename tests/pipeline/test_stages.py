@@ -158,3 +158,21 @@ def test_a_step_without_a_loss_is_refused() -> None:
     batch = _batch()
     with pytest.raises(PipelineSetupError, match="not a scalar loss tensor"):
         discover(model, find_block_names(model), lambda: model.model(batch[0]))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_training_step_s_outputs_are_not_kept_per_micro_batch(training: bool) -> None:
+    """A step that returns its logits with the loss (a dict) would keep them for every micro-batch until the
+    step ends; evaluation merges what its steps return, training needs only the loss (issue 34)."""
+    from types import SimpleNamespace
+
+    from lightning_parallel.pipeline.runner import PipelineRunner, _StepContext
+
+    logits = torch.zeros(2, 4, 16)
+    loss = logits.sum()
+    ctx = _StepContext(lambda mb: {"loss": loss, "logits": logits}, [0], (), training=training)
+    runner = SimpleNamespace(
+        _ctx=ctx, runtime=StageRuntime(), aux_collector=None, fsdp_units=[], last_stage=0
+    )
+    PipelineRunner.run_stage(runner, 0, None, 0)  # type: ignore[arg-type]
+    assert (ctx.outputs == {}) is training
