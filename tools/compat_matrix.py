@@ -261,7 +261,9 @@ def render(matrix: Matrix) -> str:
             lines.append(f"- `{a}` with " + ", ".join(f"`{b}`" for b in by_row[a]))
     if not gaps:
         lines.append("None.")
-    return "\n".join(lines + _zoo_section(matrix)) + "\n"
+    from tools.hf_sweep_report import section
+
+    return "\n".join(lines + _zoo_section(matrix) + section()) + "\n"
 
 
 def _zoo_section(matrix: Matrix) -> list[str]:

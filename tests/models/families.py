@@ -144,6 +144,13 @@ def _zoo_families() -> dict[str, Callable[..., L.LightningModule]]:
     return {f"zoo_{name}": _zoo(name) for name in ZOO}
 
 
+def _hf_tiny(model_type: str, **overrides: Any) -> L.LightningModule:
+    """Any decoder family of the installed ``transformers`` from its tiny config (``tools/hf_sweep.py``)."""
+    from tests.models.hf import HFTinyModule
+
+    return HFTinyModule(model_type, **{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
+
+
 def _recipe_gpt_dict(**overrides: Any) -> L.LightningModule:
     """The GPT recipe whose step returns a dict (``{"loss": ..., "tokens": ...}``), as Lightning allows."""
     model = _recipe_gpt(**overrides)
@@ -168,6 +175,7 @@ FAMILIES: dict[str, Callable[..., L.LightningModule]] = {
     "hf_gpt_oss": _hf_gpt_oss,
     "recipe_moe": _recipe_moe,
     "hf_mixtral_aux": _hf_mixtral_aux,
+    "hf_tiny": _hf_tiny,
     **_zoo_families(),
 }
 

@@ -239,3 +239,23 @@ class HFZooModule(_CausalLMModule):
         self.model = AutoModelForCausalLM.from_config(
             zoo_config(family, vocab_size, block_size, n_layer, **config_overrides)
         )
+
+
+class HFTinyModule(_CausalLMModule):
+    """Any decoder family of the installed ``transformers``: ``AutoModelForCausalLM`` of its tiny config
+    (``tests/models/tiny_configs.py``, from the family's own defaults), unchanged; the sweep's module."""
+
+    def __init__(
+        self,
+        model_type: str,
+        vocab_size: int = 128,
+        block_size: int = 32,
+        learning_rate: float | None = None,
+        optimizer: str = "sgd",
+        **config_overrides: object,
+    ) -> None:
+        from tests.models.tiny_configs import tiny_config
+
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = AutoModelForCausalLM.from_config(tiny_config(model_type, **config_overrides))
