@@ -3,7 +3,7 @@
 On a GPU a step crawls when the host waits for the device: a scalar read (``.item()``, ``int()``,
 ``bool()``), an output whose size depends on the data (``nonzero``, boolean indexing, ``bincount``,
 ``repeat_interleave`` without ``output_size``, ``masked_select``, ``unique``), or a copy to the host
-(``.cpu()``, ``.tolist()``, ``.numpy()``, ``.to("cpu")``). On CPU none of them costs anything, so they
+(``.cpu()``, ``.tolist()``, ``.numpy()``, ``.to("cpu")``, ``.to(torch.device("cpu"))``). On CPU none of them costs anything, so they
 are counted instead: a dispatch mode sees the kernels, a function mode the host copies (which never
 reach a kernel on the CPU), and each is charged to the project's code when the nearest caller outside
 torch is in ``lightning_parallel`` (a user's model or Lightning may sync on its own; not ours to
@@ -22,7 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.device_guard import HostMarking, is_host_tensor, project_line
+from tests.device_guard import HostMarking, is_host_tensor, project_frame, project_line, spelled_host
 
 aten = torch.ops.aten
 SIZE_FROM_DATA = {
@@ -102,6 +102,9 @@ class _Functions(TorchFunctionMode):
 
 
 def _to_host(args: tuple, kwargs: dict) -> bool:
-    """``.to("cpu")`` spelled out (a ``torch.device`` may be a parameter's, which on a GPU is the GPU)."""
+    """``.to("cpu")`` or ``.to(torch.device("cpu"))`` spelled out in the project's code (a ``torch.device`` it
+    read from a parameter is the GPU on a GPU: :func:`tests.device_guard.spelled_host`)."""
     target = kwargs.get("device", args[1] if len(args) > 1 else None)
-    return isinstance(target, str) and target.startswith("cpu")
+    if isinstance(target, str):
+        return target.startswith("cpu")
+    return isinstance(target, torch.device) and spelled_host(target, project_frame())

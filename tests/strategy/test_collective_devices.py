@@ -3,8 +3,10 @@
 Two ranks over gloo, where every tensor is on the CPU and such a mistake passes silently; the guard
 (``tests/device_guard.py``) marks the tensors the project's code puts on the host and checks every
 collective's arguments during fit, validation and a checkpoint save, in each layout of
-``tests/strategy/scripts/collective_devices.py``. Negative control: the vote helper's flag made on
-the default device is reported, at its line.
+``tests/strategy/scripts/collective_devices.py`` (tp, pp, ep with its data-parallel buckets, cp ring and
+Ulysses, PowerSGD, ZeRO on DeepSpeed's engine and on FSDP2). Negative controls: the vote helper's flag made on
+the default device is reported, at its line; ``tests/test_host_counters.py``: every spelling of the host
+(``torch.device("cpu")`` included) marked, a parameter's device not.
 """
 
 from __future__ import annotations

@@ -47,6 +47,8 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "cp2_ulysses": ("recipe_gpt", {"context_parallel": 2, "context_parallel_mode": "ulysses"}, {}),
     "dp2_powersgd": ("nanogpt", {"gradient_compression": "powersgd"}, {}),
     "zero2_ep2": ("hf_mixtral", {"zero_stage": 2, "expert_parallel": 2}, {"gradient_clip_val": 0.1}),
+    "zero1": ("nanogpt", {"zero_stage": 1}, {"gradient_clip_val": 0.1}),  # DeepSpeed's engine on dp2
+    "zero3_fsdp2": ("nanogpt", {"zero_stage": 3, "zero_engine": "fsdp2"}, {"gradient_clip_val": 0.1}),
     "control_host_flag": ("nanogpt", {"tensor_parallel": 2}, {}),
 }
 

@@ -4,8 +4,8 @@
 
 Two ranks; per layout (``LAYOUTS``) a fit of ``STEPS`` steps under ``tests/sync_counter.SyncCounter``.
 Each step is counted from the start of its batch to its end (the first step, which also sets up, is
-left out). Writes ``OUT_DIR/host_syncs.rank{r}.json``: per layout, the MoE layers and per counted step
-the syncs by ``kind @ file:line``; and the negative control: the syncs counted while the grouped
+left out). Writes ``OUT_DIR/host_syncs.rank{r}.json``: per layout, the MoE layers, the data-parallel buckets
+launched, and per counted step the syncs by ``kind @ file:line``; and the negative control: the syncs counted while the grouped
 experts' fallback (``_padded_bmm``, which reads its group sizes) runs once.
 """
 
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_parallel import HybridParallelStrategy
+from lightning_parallel.data_parallel.buckets import _Bucket
 from lightning_parallel.experts.experts import _padded_bmm
 from lightning_parallel.experts.layer import MoE
 from lightning_parallel.optim import Adafactor
@@ -40,6 +41,10 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         {"gradient_clip_val": 0.1},
     ),  # validates
     "ep2": ("recipe_moe", {"expert_parallel": 2, "moe_aux_loss_coef": 0.01}, {"gradient_clip_val": 0.1}),
+    # ZeRO on each engine, and context parallelism (their own paths: DeepSpeed's step, FSDP2's hooks, the ring).
+    "zero2": ("nanogpt", {"zero_stage": 2}, {"gradient_clip_val": 0.1}),
+    "zero3_fsdp2": ("nanogpt", {"zero_stage": 3, "zero_engine": "fsdp2"}, {"gradient_clip_val": 0.1}),
+    "cp2_ring": ("recipe_gpt", {"context_parallel": 2}, {}),
 }
 
 
@@ -66,12 +71,27 @@ class PerStep(L.Callback):
         return {f"{kind} @ {where}": n for (kind, where), n in sorted(counts.items())}
 
 
+def _count_bucket_launches() -> list[int]:
+    """Counts the data-parallel buckets launched (``data_parallel/buckets.py``): the layout took that path."""
+    launched = [0]
+    original = _Bucket.launch
+
+    def launch(self: _Bucket, group: Any) -> None:
+        launched[0] += 1
+        original(self, group)
+
+    _Bucket.launch = launch  # type: ignore[method-assign]
+    return launched
+
+
 def main(out_dir: Path) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     results = {}
+    launched = _count_bucket_launches()
     for name, (family, strategy_kwargs, trainer_kwargs) in LAYOUTS.items():
+        launched[0] = 0
         L.seed_everything(0, verbose=False)
         counter = SyncCounter()
         probe = PerStep(counter)
@@ -87,7 +107,8 @@ def main(out_dir: Path) -> None:
         with counter.counting():
             trainer.fit(model, make_dataloader(4, 4 * STEPS), make_dataloader(4, 8, seed=1))
         moe_layers = sum(isinstance(m, MoE) for m in model.modules())
-        results[name] = {"moe_layers": moe_layers, "steps": probe.steps[1:], "eval_steps": probe.eval_steps}
+        results[name] = {"moe_layers": moe_layers, "steps": probe.steps[1:], "eval_steps": probe.eval_steps,
+                         "bucket_launches": launched[0]}  # fmt: skip
     control = SyncCounter()
     with control.counting():
         _padded_bmm(torch.ones(3, 2), torch.ones(2, 2, 2), torch.tensor([1, 2]))
