@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import shutil
 import sys
-import time
 
 import pytest
 import torch
@@ -67,14 +66,13 @@ def test_parity_fails_against_a_different_learning_rate(ddp_results: dict[str, R
 @pytest.mark.timeout(120)
 def test_rank_that_raises_fails_the_launch_fast() -> None:
     case = Case("fault_raise", "nanogpt", DDP, world_size=2, steps=3, fault=Fault(rank=1, kind="raise"))
-    start = time.monotonic()
     with pytest.raises(HarnessError) as info:
         run_cases([case], world_size=2, timeout_s=100, pg_timeout_s=10)
     message = str(info.value)
-    assert "rank 1 exited with status 1" in message
+    # Failed by rank 1's exit, not by the launch's deadline: the harness reacts to the first rank that fails.
+    assert "rank 1 exited with status 1" in message and "timed out after" not in message
     assert "rank 1, case fault_raise" in message and "injected fault on rank 1 at batch 1" in message
     assert "===== rank 0 (killed by the harness) =====" in message or "===== rank 0 (status 1)" in message
-    assert time.monotonic() - start < 90
     assert (info.value.directory / "error.rank1.txt").exists()
     shutil.rmtree(info.value.directory)
 
@@ -97,11 +95,9 @@ def test_rank_that_exits_zero_without_finishing_fails() -> None:
 @pytest.mark.timeout(30)
 def test_hung_launch_is_killed_at_the_timeout() -> None:
     launch = _fake_launch("print('stuck', flush=True); import time; time.sleep(60)")
-    start = time.monotonic()
     with pytest.raises(HarnessError, match="timed out after 2 s") as info:
         launch.wait(timeout_s=2)
-    assert time.monotonic() - start < 10
-    assert all(p.returncode == -9 for p in launch.procs)
+    assert all(p.returncode == -9 for p in launch.procs)  # killed at the deadline, not left to finish
     assert "stuck" in str(info.value)  # each rank's output tail is in the report
     shutil.rmtree(info.value.directory)
 

@@ -98,24 +98,36 @@ def test_render_timeline_writes_png(tmp_path: Path) -> None:
 # The callback in one process, on stand-in stages
 
 
-class _FakeStage:
-    """The three compute methods of a ``PipelineStage``, with torch 2.13's signatures."""
+class _FakeClock:
+    """Stands in for ``time.perf_counter`` in the timeline module: time moves only when a stage computes."""
 
-    def __init__(self, stage_index: int) -> None:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class _FakeStage:
+    """The three compute methods of a ``PipelineStage``, with torch 2.13's signatures; each takes a known
+    time on the fake clock (forward 2, backward 2, weight 1), so the spans are exact."""
+
+    def __init__(self, stage_index: int, clock: _FakeClock | None = None) -> None:
         self.stage_index = stage_index
         self.calls: list[str] = []
+        self.clock = clock or _FakeClock()
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):  # noqa: ANN001
-        time.sleep(0.002)
+        self.clock.now += 2
         self.calls.append(f"f{fwd_chunk_id}")
         return fwd_chunk_id
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):  # noqa: ANN001
-        time.sleep(0.002)
+        self.clock.now += 2
         self.calls.append(f"b{bwd_chunk_id}")
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):  # noqa: ANN001
-        time.sleep(0.001)
+        self.clock.now += 1
         self.calls.append(f"w{bwd_chunk_id}")
 
 
@@ -133,8 +145,12 @@ def _trainer(global_step: int, stages: list[Any], group: Any = None, global_rank
 
 
 @pytest.mark.timeout(30)
-def test_callback_single_process(tmp_path: Path) -> None:
-    stages = [_FakeStage(0), _FakeStage(1)]
+def test_callback_single_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_parallel.pipeline import timeline
+
+    clock = _FakeClock()
+    monkeypatch.setattr(timeline, "time", clock)  # the recorder's stamps read the fake clock
+    stages = [_FakeStage(0, clock), _FakeStage(1, clock)]
     callback = PipelineTimeline(step=2, path=tmp_path / "t.png", json_path=tmp_path / "t.json")
     module = _LogStub()
 
@@ -156,8 +172,9 @@ def test_callback_single_process(tmp_path: Path) -> None:
     assert [(s.stage, s.microbatch, s.kind) for s in callback.spans] == [
         (0, 0, "forward"), (1, 0, "forward"), (1, 0, "backward_input"), (1, 0, "weight"), (0, 0, "backward"),
     ]  # fmt: skip
-    assert all(s.rank == 0 and s.end > s.start for s in callback.spans)
-    assert 0 <= callback.bubble_fraction < 0.5  # one rank, calls back to back
+    assert [(s.start, s.end) for s in callback.spans] == [(0, 2), (2, 4), (4, 6), (6, 7), (7, 9)]
+    assert all(s.rank == 0 for s in callback.spans)
+    assert callback.bubble_fraction == 0.0  # one rank, calls back to back
     value, kwargs = module.logged["pipeline_bubble_fraction"]
     assert value == callback.bubble_fraction and kwargs["sync_dist"] is False
     assert (tmp_path / "t.png").read_bytes().startswith(PNG_MAGIC)

@@ -248,8 +248,9 @@ def test_sequence_parallel_without_tensor_parallel_warns() -> None:
 
 
 # ---- at setup, on every rank (2 processes) ----------------------------------------------------
-
-BOUND_S = 60
+# Every rank must raise the error itself: none waits in a collective for a peer that already failed
+# (its process group would time out after the scripts' 30 s, or the launcher kill it 20 s after the first
+# failure), so each rank's own output carries the message and no timeout.
 
 
 @pytest.mark.distributed
@@ -357,8 +358,7 @@ BOUND_S = 60
     ],
 )  # fmt: skip
 def test_unusable_plan_fails_on_every_rank(case: str, fragments: list[str], tmp_path: Path) -> None:
-    result = launch("bad_plan.py", [case], tmp_path, timeout_s=2 * BOUND_S, grace_s=20)
-    print(f"{case}: all ranks ended in {result.wall_s:.1f} s")
+    result = launch("bad_plan.py", [case], tmp_path, timeout_s=120, grace_s=20)
     for rank in result.ranks:
         assert not rank.killed, f"rank {rank.rank} had to be killed (it hung):\n{result.summary()}"
         assert rank.returncode not in (0, None), f"rank {rank.rank} did not fail:\n{result.summary()}"
@@ -366,7 +366,9 @@ def test_unusable_plan_fails_on_every_rank(case: str, fragments: list[str], tmp_
         for fragment in fragments:
             assert fragment in rank.output, f"rank {rank.rank}: {fragment!r} missing:\n{result.summary()}"
         assert "fit finished" not in rank.output
-    assert result.wall_s < BOUND_S, f"took {result.wall_s:.1f} s (bound {BOUND_S} s):\n{result.summary()}"
+        assert "timed out" not in rank.output.lower(), (
+            f"rank {rank.rank} waited for a peer:\n{result.summary()}"
+        )
 
 
 # ZeRO on DeepSpeed's engine under expert parallelism shards over each expert's replicas only:

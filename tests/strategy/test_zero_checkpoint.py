@@ -190,16 +190,35 @@ def test_consolidated_save_is_refused_under_zero() -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-def test_bf16_checkpoint_holds_the_fp32_masters(runs: Path) -> None:
-    """bf16-mixed under ZeRO: the module computes with bf16 weights, the checkpoint holds DeepSpeed's fp32
-    masters (a bf16 copy would lose the small updates of the first steps)."""
+def test_bf16_checkpoint_holds_what_bf16_training_made(runs: Path) -> None:
+    """bf16-mixed under ZeRO (an fp32 engine under autocast): every linear of the run and of its resume computed
+    in bf16 (DeepSpeed's autocast check sees the CPU, as on a GPU, so an engine config that switched Lightning's
+    autocast off would show), and the checkpoint holds the fp32 weights of that training: they load strictly
+    into the plain module, moved from the initial ones, and differ from the same steps trained in fp32 beyond
+    fp32 parity (the bf16 rounding is in them). Negative control: the fp32 ZeRO-2 run of the same layout
+    computed every linear in fp32, and its checkpoint is the fp32 run's (test_consolidated_checkpoint_...)."""
     from lightning_parallel import consolidate_checkpoint
+    from tests.distributed.harness import mismatch
     from tests.models.families import build
 
+    for run in ("straight", "resumed"):
+        for rank in _read(runs / "zero2_bf16", run):
+            assert set(rank["linear_dtypes"]) == {"torch.bfloat16"}, (run, rank["linear_dtypes"])
+        for rank in _read(runs / "zero2", run):  # the same layout in fp32
+            assert set(rank["linear_dtypes"]) == {"torch.float32"}, (run, rank["linear_dtypes"])
+    _, family, overrides = LAYOUTS["zero2_bf16"]
     consolidated = consolidate_checkpoint(runs / "zero2_bf16" / "step2.ckpt")
-    build(*LAYOUTS["zero2_bf16"][1:2]).load_state_dict(consolidated, strict=True)
-    weight = consolidated["model.transformer.h.0.mlp.c_fc.weight"]
-    assert weight.dtype == torch.float32 and not torch.equal(weight, weight.bfloat16().float())
+    assert all(v.dtype == torch.float32 for v in consolidated.values())
+    fresh = build(family, **overrides)
+    fresh.load_state_dict(consolidated, strict=True)
+    initial = build(family, **overrides).state_dict()
+    assert all(
+        not torch.equal(initial[k], consolidated[k]) for k in consolidated if "weight" in k and "ln" not in k
+    )
+    fp32 = _single_process(family, tuple(sorted(overrides.items())), data_parallel("zero2_bf16"))
+    assert mismatch(
+        consolidated["model.transformer.h.0.mlp.c_fc.weight"], fp32["model.transformer.h.0.mlp.c_fc.weight"]
+    )
 
 
 def test_zero3_partition_of_an_uneven_weight() -> None:

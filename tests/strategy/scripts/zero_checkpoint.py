@@ -14,7 +14,8 @@ data-parallel ranks, so the test can train the same steps in one process with
 ``reference_dataloader``. An epoch has at least 4 batches per rank;
 ``ModelCheckpoint(every_n_train_steps=2)`` saves ``step2.ckpt`` mid-epoch while the run goes on
 to step 4 (the uninterrupted run), and the resumed run must continue with batch 2 and reproduce
-its steps 3-4. Writes ``OUT_DIR/<layout>/<run>.rank<r>.json``: the per-step losses of that rank.
+its steps 3-4. Writes ``OUT_DIR/<layout>/<run>.rank<r>.json``: the per-step losses of that rank and the
+dtypes of its ``nn.Linear`` outputs in training (DeepSpeed's CUDA-only autocast check made to see the CPU).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_parallel import HybridParallelStrategy
+from tests.distributed.gpu_checks import gpu_checks_on_the_cpu
 from tests.models.families import build, make_dataloader
 
 BATCH_SIZE, STEPS, FIRST_HALF, SEED = 2, 4, 2, 0
@@ -129,8 +131,20 @@ def samples(world_size: int) -> int:
 
 
 class RecordLosses(L.Callback):
+    """The per-step losses, and the dtypes the ``nn.Linear`` outputs of the training forwards had."""
+
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.linear_dtypes: dict[str, int] = {}
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        for sub in module.modules():
+            if isinstance(sub, torch.nn.Linear):
+                sub.register_forward_hook(self._linear)
+
+    def _linear(self, module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+        if torch.is_grad_enabled():
+            self.linear_dtypes[str(output.dtype)] = self.linear_dtypes.get(str(output.dtype), 0) + 1
 
     def on_train_batch_end(
         self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, i: int
@@ -162,8 +176,13 @@ def fit(
         deterministic=True, callbacks=callbacks, logger=False, enable_checkpointing=save, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
-    trainer.fit(model, make_dataloader(BATCH_SIZE, samples(world_size)), ckpt_path=ckpt_path)
-    result = {"losses": recorder.losses, "global_step": trainer.global_step}
+    with gpu_checks_on_the_cpu():  # DeepSpeed's autocast check sees the CPU's, as it sees CUDA's on a GPU
+        trainer.fit(model, make_dataloader(BATCH_SIZE, samples(world_size)), ckpt_path=ckpt_path)
+    result = {
+        "losses": recorder.losses,
+        "global_step": trainer.global_step,
+        "linear_dtypes": recorder.linear_dtypes,
+    }
     (out / f"{run}.rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
