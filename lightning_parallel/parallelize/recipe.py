@@ -48,6 +48,7 @@ from lightning_parallel.pipeline.microbatch import split_batch
 from lightning_parallel.pipeline.stages import SkippedBlock, StageLayout
 from lightning_parallel.plans.detect import block_names
 from lightning_parallel.tensor_parallel import BlockInputCapture, ParallelPlan, capture_block_inputs
+from lightning_parallel.tensor_parallel.block_kinds import first_block_of_each_kind
 from lightning_parallel.tensor_parallel.verify import Captured
 from lightning_parallel.zero.engine import config_engine
 from lightning_parallel.zero.fsdp import before_schedule
@@ -177,7 +178,7 @@ def observe_one_step(
                     "No batch available before training: the tensor-parallel plan was not verified."
                 )
         else:
-            capture = BlockInputCapture(tensor_parallel_step.first_block_of_each_class(module, blocks))
+            capture = BlockInputCapture(first_block_of_each_kind(module, blocks))  # alternating kinds: each
             probes.append(capture)
     if sample is None or not probes:
         return None, None

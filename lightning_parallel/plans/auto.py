@@ -16,6 +16,18 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 
 from lightning_parallel.experts import find_moe_blocks
+from lightning_parallel.plans.attention import (
+    UnsupportedLayout,
+    attention_norm_styles,
+    choose_exit,
+    heads_of,
+    helper_styles,
+    local_kv_heads,
+    make_container,
+    own_tensor_styles,
+    plan_attention_entries,
+    require_divisible,
+)
 from lightning_parallel.plans.detect import (
     HEAD_COUNT_ATTRS,
     KV_GROUP_ATTRS,
@@ -26,28 +38,13 @@ from lightning_parallel.plans.detect import (
     find_block_stack,
     find_output_head,
     find_token_embedding,
-    head_count,
-    head_dim_of,
     join,
-    kv_head_count,
     norms_in,
+    sequence_mixer,
 )
-from lightning_parallel.tensor_parallel.norm_styles import GatheredNorm, HeadShardedNorm
+from lightning_parallel.tensor_parallel.norm_styles import GatheredNorm
 from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
-from lightning_parallel.tensor_parallel.row_layout import RowLayout
 from lightning_parallel.tensor_parallel.styles import ColwiseProjection, RowwiseProjection, projection_dims
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _require_divisible(value: int, tp: int, what: str, module: str) -> None:
-    if value % tp != 0:
-        raise ValueError(
-            f"`tensor_parallel={tp}` does not divide the {value} {what} of `{module}`."
-            f" Choose tensor_parallel among {_divisors(value)}, or exclude the module with `plan=`."
-        )
 
 
 def exit_style(sequence_parallel: bool) -> RowwiseProjection:
@@ -56,11 +53,6 @@ def exit_style(sequence_parallel: bool) -> RowwiseProjection:
         output_layouts=Shard(1) if sequence_parallel else Replicate(),
         use_local_output=True,
     )
-
-
-def local_kv_heads(kv_heads: int, tp: int) -> int:
-    """K/V heads a rank holds: its share, or one when there are fewer than ranks (each shared by ``tp / kv_heads``)."""
-    return max(kv_heads // tp, 1)
 
 
 def scaled_attributes(module: nn.Module, tp: int, known: dict) -> dict[str, tuple[int, int]]:
@@ -105,158 +97,48 @@ def _forward_source(module: nn.Module) -> str:
 
 
 def plan_attention(
-    full_name: str, cand: ContainerCandidate, tp: int, sp: bool
+    full_name: str, cand: ContainerCandidate, tp: int, sp: bool, model_width: int | None = None
 ) -> tuple[ShardedContainer, dict]:
+    """Entries column parallel, exit row parallel, head counts divided (``plans/attention.py``)."""
     module = cand.module
-    exit_in, hidden = projection_dims(cand.exit[1])
-    heads = head_count(module)
-    head_dim = head_dim_of(module)
-    if heads is None and head_dim:
-        heads = exit_in // head_dim
-    if heads is None:
-        raise ValueError(
-            f"Cannot find the number of attention heads of `{full_name}` ({type(module).__name__}): it has no"
-            " attribute such as `n_head`, `num_heads` or `head_dim`. Pass `plan=` with explicit styles."
-        )
-    head_dim = head_dim or exit_in // heads
-    kv_heads = kv_head_count(module)
-    if kv_heads is None and len(cand.entries) == 3:
-        kv_heads = projection_dims(cand.entries[1][1])[1] // head_dim  # from the key projection's width
-    if (
-        kv_heads is None and len(cand.entries) == 1
-    ):  # a fused q|k|v: its width tells (multi-query GPT-BigCode)
-        fused = projection_dims(cand.entries[0][1])[1] // head_dim - heads
-        kv_heads = fused // 2 if fused > 0 and fused % 2 == 0 and fused // 2 != heads else None
-    kv_heads = kv_heads or heads
-    _require_divisible(heads, tp, "attention heads", full_name)
-    if kv_heads >= tp or tp % kv_heads:
-        _require_divisible(kv_heads, tp, "key/value heads", full_name)
-    styles: dict = {}
-    variants: list[tuple[str, dict]] = []
+    exit_name, exit_module = choose_exit(cand, model_width)
+    exit_in, hidden = projection_dims(exit_module)
+    heads, head_dim = heads_of(full_name, module, exit_in)
+    styles, variants, kv_heads, makers = plan_attention_entries(
+        full_name, cand, exit_name, tp, hidden, heads, head_dim
+    )
+    styles[join(full_name, exit_name)] = exit_style(sp)
     kv_width = kv_heads * head_dim
-    for name, entry in cand.entries:
-        entry_in, entry_out = projection_dims(entry)
-        if entry_in != hidden:
-            _refuse_latent_attention(full_name, name, entry_in, cand, hidden)
-            raise ValueError(
-                f"`{join(full_name, name)}` reads {entry_in} features but the attention output is {hidden} wide;"
-                " lightning_parallel cannot tell how to split it. Pass `plan=` with explicit styles."
-            )
+    latents = {projection_dims(m)[0] for _, m in cand.projections} - {hidden, exit_in}
+    norms = attention_norm_styles(module, full_name, head_dim, {exit_in, kv_width})
+    for name in norms_in(module, set()):  # norms of the latents or the shared rotary key: whole, grads summed
+        norm = module.get_submodule(name)
+        weight = getattr(norm, "weight", None)
         if (
-            len(cand.entries) == 1 and entry_out != exit_in
-        ):  # a fused projection: its layouts, by verification
-            layouts = fused_layouts(join(full_name, name), entry_out, heads, kv_heads, head_dim, tp)
-            variants = [(label, {join(full_name, name): style}) for label, style in layouts]
-            styles.update(variants[0][1])
-        elif kv_heads < tp and entry_out == kv_width and kv_width != exit_in:  # k/v of fewer heads than ranks
-            layout = RowLayout.of_blocks(
-                [(kv_width, kv_heads)], tp, label=f"{kv_heads} k/v heads, each on {tp // kv_heads} ranks"
-            )
-            styles[join(full_name, name)] = ColwiseProjection(row_layout=layout, use_local_output=True)
-        else:
-            styles[join(full_name, name)] = ColwiseProjection(use_local_output=True)
-    styles[join(full_name, cand.exit[0])] = exit_style(sp)
-    styles.update(attention_norm_styles(module, full_name, head_dim, {exit_in, kv_heads * head_dim}))
+            makers
+            and isinstance(weight, torch.Tensor)
+            and (weight.numel() in latents or join(full_name, name) not in norms)
+        ):
+            norms.pop(join(full_name, name), None)
+            norms.update(own_tensor_styles(norm, join(full_name, name), {}))
+    styles.update(norms)
+    handled = set(styles) | {join(full_name, n) for n in makers}
+    handled |= {join(full_name, n) for n in norms_in(module, set())}
+    per_head = {heads: "heads"} if heads > 1 else {}
+    styles.update(own_tensor_styles(module, full_name, per_head))
+    styles.update(helper_styles(module, full_name, per_head, handled))
     widths = {hidden, exit_in, 3 * exit_in} | ({kv_width} if kv_heads >= tp else set())
     scaled = scaled_attributes(module, tp, {"heads": heads, "kv_heads": kv_heads, "widths": widths})
-    container = ShardedContainer(
-        name=full_name,
-        kind="attention",
-        entries=[join(full_name, n) for n, _ in cand.entries],
-        exit=join(full_name, cand.exit[0]),
-        scaled_attributes=scaled,
-        hidden_size=hidden,
-        variants=variants,
-        heads=heads,
+    container = make_container(
+        full_name, cand, exit_name, makers, hidden, heads, scaled_attributes=scaled, variants=variants
     )
     return container, styles
 
 
-def _refuse_latent_attention(
-    full_name: str, name: str, width: int, cand: ContainerCandidate, hidden: int
-) -> None:
-    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): per-head projections read a low-rank latent that
-    another projection makes from the hidden state; not sharded yet (a clear refusal, not a guess)."""
-    latent = [
-        n for n, m in cand.entries if projection_dims(m)[0] == hidden and projection_dims(m)[1] >= width
-    ]
-    if latent:
-        raise ValueError(
-            f"`{full_name}` ({type(cand.module).__name__}) is multi-head latent attention: `{name}` reads a"
-            f" {width}-wide latent made by `{latent[0]}` from the hidden state, which tensor parallelism does not"
-            " shard yet. Train it with tensor_parallel=1 (expert, pipeline, data parallelism and ZeRO apply), or"
-            " pass `plan=` with styles for its other modules only."
-        )
-
-
-def fused_layouts(
-    name: str, width: int, heads: int, kv_heads: int, head_dim: int, tp: int
-) -> list[tuple[str, object]]:
-    """How a fused q|k|v projection of ``width`` outputs may lay its rows out, in the order the verification
-    tries them (it keeps the first that reproduces the unsharded block).
-
-    - ``q|k|v``: three equal blocks (GPT-2's ``c_attn``, nanoGPT): each rank takes its slice of each
-      (torch's ``_StridedShard``);
-    - ``per head``/``per k/v group``: the rows of each head's (or each k/v group's) q, k and v next to each
-      other (GPT-NeoX, Bloom, Persimmon; Falcon's grouped layout): each rank takes a contiguous block of
-      whole heads (groups);
-    - ``q|k|v blocks``: a block of query rows, then fewer key and value rows (Phi-3's ``qkv_proj``;
-      GPT-BigCode's multi-query ``c_attn``): each rank stores its query heads and the k/v heads they use,
-      in another row order than the user's (``tensor_parallel/row_layout.py``); with fewer k/v heads than
-      ranks a k/v head is on several ranks.
-    """
-    if width == 3 * heads * head_dim and kv_heads == heads:
-        return [
-            ("q|k|v", ColwiseProjection(num_chunks=3, use_local_output=True)),
-            ("per head", ColwiseProjection(use_local_output=True)),
-        ]
-    if width == (heads + 2 * kv_heads) * head_dim:
-        blocks = [(heads * head_dim, heads), (kv_heads * head_dim, kv_heads), (kv_heads * head_dim, kv_heads)]
-        rows = RowLayout.of_blocks(blocks, tp, label="q|k|v blocks")
-        layouts = [("q|k|v blocks", ColwiseProjection(row_layout=rows, use_local_output=True))]
-        if kv_heads % tp == 0:
-            layouts.insert(0, ("per k/v group", ColwiseProjection(use_local_output=True)))
-        return layouts
-    raise ValueError(
-        f"`{name}` fuses projections of unequal widths ({width} outputs for {heads} query and {kv_heads}"
-        f" key/value heads of {head_dim}); this split is not supported."
-    )
-
-
-# Where a per-head norm's input is marked sharded: the heads' dimension of (batch, sequence, heads,
-# head_dim). Any dimension but the last gives the same local arithmetic (the norm reduces over the last).
-HEADS_DIM = -2
-
-
-def attention_norm_styles(attention: nn.Module, full_name: str, head_dim: int, widths: set[int]) -> dict:
-    """Norms inside an attention (query/key norms), by the shape of their weight (``tensor_parallel/norm_styles.py``).
-
-    - ``head_dim`` entries, shared by every head (Qwen3's, Gemma 3's): each rank normalises its own heads
-      with the one weight, whose gradient is then a partial sum over the ranks. Torch's
-      ``SequenceParallel`` style over the heads' dimension makes the weight a replicated DTensor and
-      the input a head-sharded one, so that gradient is summed (as for sequence-parallel norms).
-    - ``(heads, head_dim)``, a weight per head (Cohere's): cut along the heads like the input.
-    - a whole projection's width (``widths``: OLMo 2's, OLMoE's): its statistics span heads other ranks
-      hold; the input is gathered and the norm runs whole.
-    """
-    styles: dict = {}
-    for name in norms_in(attention, set()):
-        norm = attention.get_submodule(name)
-        weight = getattr(norm, "weight", None)
-        if not isinstance(weight, torch.Tensor):
-            continue
-        if weight.dim() == 1 and weight.numel() == head_dim:
-            styles[join(full_name, name)] = SequenceParallel(sequence_dim=HEADS_DIM, use_local_output=True)
-        elif weight.dim() == 2 and weight.shape[-1] == head_dim:
-            styles[join(full_name, name)] = HeadShardedNorm()
-        elif weight.dim() == 1 and weight.numel() in widths:
-            styles[join(full_name, name)] = GatheredNorm(dim=-1)
-    return styles
-
-
 def plan_mlp(full_name: str, cand: ContainerCandidate, tp: int, sp: bool) -> tuple[ShardedContainer, dict]:
+    """Entries (up, gate, or a fused gate|up) column parallel, the exit row parallel; a norm over the hidden
+    units before the exit (BitNet's ``ffn_sub_norm``) gathered, a learnable activation's weights summed."""
     ffn, hidden = projection_dims(cand.exit[1])
-    _require_divisible(ffn, tp, "hidden units", full_name)
     styles: dict = {}
     for name, entry in cand.entries:
         entry_in, entry_out = projection_dims(entry)
@@ -265,13 +147,21 @@ def plan_mlp(full_name: str, cand: ContainerCandidate, tp: int, sp: bool) -> tup
             or entry_out not in (ffn, 2 * ffn)
             or (entry_out == 2 * ffn and len(cand.entries) > 1)
         ):
-            raise ValueError(
+            raise UnsupportedLayout(
                 f"`{join(full_name, name)}` ({entry_in}->{entry_out}) does not fit the MLP pattern around"
-                f" `{join(full_name, cand.exit[0])}` ({ffn}->{hidden}). Pass `plan=` with explicit styles."
+                f" `{join(full_name, cand.exit[0])}` ({ffn}->{hidden})"
             )
         chunks = 2 if entry_out == 2 * ffn else 1  # fused gate|up
         styles[join(full_name, name)] = ColwiseProjection(num_chunks=chunks, use_local_output=True)
+    require_divisible(ffn, tp, "hidden units", full_name)
     styles[join(full_name, cand.exit[0])] = exit_style(sp)
+    norms = norms_in(cand.module, set())
+    for name in norms:
+        weight = getattr(cand.module.get_submodule(name), "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.numel() == ffn:
+            styles[join(full_name, name)] = GatheredNorm(dim=-1)
+    handled = set(styles) | {join(full_name, n) for n in norms}
+    styles.update(helper_styles(cand.module, full_name, {ffn: "hidden units"}, handled))
     container = ShardedContainer(
         name=full_name,
         kind="mlp",
@@ -297,6 +187,35 @@ def _refuse_experts_under_sequence_parallelism(blocks: nn.ModuleList, names: lis
             )
 
 
+def _model_width(model: nn.Module, stack: str) -> int | None:
+    """The width of the residual stream: the token embedding's (the exit of an attention writes it)."""
+    embedding = find_token_embedding(model, stack)
+    return embedding[1].embedding_dim if embedding is not None else None
+
+
+def _check_replicated(model: nn.Module, plan: ParallelPlan, replicated: list[tuple[str, str]]) -> None:
+    """Modules of the blocks left whole: noted in the plan; a refusal when nothing of the blocks is split (a
+    state-space model: tensor parallelism would only copy it), or under sequence parallelism (they would run
+    on a slice of the sequence)."""
+    if not replicated:
+        return
+    first, why = replicated[0]
+    if not plan.containers:
+        raise ValueError(
+            f"`tensor_parallel={plan.tensor_parallel}`: no block of {type(model).__name__} has an attention or MLP"
+            f" that tensor parallelism can split: `{first}` ({why}) is not one. Use tensor_parallel=1 (pipeline,"
+            " expert and data parallelism and ZeRO apply), or pass `plan=` with styles of your own."
+        )
+    if plan.sequence_parallel:
+        raise ValueError(
+            f"`sequence_parallel=True`: `{first}` ({why}) is neither attention nor an MLP, so tensor parallelism"
+            " keeps it whole, and under sequence parallelism it would see only this rank's slice of the sequence."
+            " Use sequence_parallel=False (tensor parallelism still splits the attention and MLPs)."
+        )
+    for name, reason in replicated:
+        plan.notes.append(f"{name}: left replicated ({reason})")
+
+
 def auto_plan(model: nn.Module, tensor_parallel: int, sequence_parallel: bool) -> ParallelPlan:
     """Discover the Megatron-style plan of ``model`` for ``tensor_parallel`` ranks."""
     tp, sp = tensor_parallel, sequence_parallel
@@ -311,21 +230,36 @@ def auto_plan(model: nn.Module, tensor_parallel: int, sequence_parallel: bool) -
     plan.block_names = stack.names
     if sp:
         _refuse_experts_under_sequence_parallelism(stack.blocks, stack.names)
+    width = _model_width(model, stack.name)
+    replicated: list[tuple[str, str]] = []  # (module, why): what tensor parallelism leaves whole
     for index, block in enumerate(stack.blocks):
         block_name = plan.block_names[index]
         candidates = containers_in(block)
         if not candidates:
             plan.notes.append(f"{block_name}: no attention/MLP projections found; left replicated")
+        mixers = [c.name for c in candidates if sequence_mixer(c.module)]
         for cand in candidates:
             full = join(block_name, cand.name)
-            planner = plan_attention if cand.looks_like_attention() else plan_mlp
-            container, styles = planner(full, cand, tp, sp)
+            why = sequence_mixer(cand.module)
+            if why is None and any(cand.name.startswith(m + ".") for m in mixers):
+                continue  # inside a mixer that stays whole
+            try:
+                if why is not None:
+                    raise UnsupportedLayout(why)
+                if cand.looks_like_attention():
+                    container, styles = plan_attention(full, cand, tp, sp, width)
+                else:
+                    container, styles = plan_mlp(full, cand, tp, sp)
+            except UnsupportedLayout as error:
+                replicated.append((full, f"{type(cand.module).__name__}: {error}"))
+                continue
             plan.containers.append(container)
             plan.styles.update(styles)
         if sp:
             for norm in norms_in(block, {c.name for c in candidates}):
                 plan.norms.append(join(block_name, norm))
                 plan.styles[join(block_name, norm)] = SequenceParallel(use_local_output=True)
+    _check_replicated(model, plan, replicated)
     embedding = find_token_embedding(model, stack.name)
     if embedding is not None:
         name, emb = embedding

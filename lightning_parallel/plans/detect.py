@@ -127,6 +127,19 @@ def norms_in(block: nn.Module, skip: set[str]) -> list[str]:
     return names
 
 
+def sequence_mixer(module: nn.Module) -> str | None:
+    """Why ``module`` mixes tokens otherwise than attention over heads (None: nothing says so).
+
+    A convolution along the sequence is the mark of state-space layers (Mamba's ``conv1d``), linear
+    attention (gated delta nets) and convolution blocks (LFM's ``ShortConv``): tensor parallelism leaves
+    them whole, and sequence parallelism, which splits the sequence, cannot run them.
+    """
+    for name, child in module.named_modules():
+        if isinstance(child, nn.Conv1d):
+            return f"a token mixer with a convolution along the sequence, `{name or 'itself'}`"
+    return None
+
+
 def _int_attr(module: nn.Module, pattern: re.Pattern[str]) -> tuple[str, int] | None:
     for key, value in vars(module).items():
         if pattern.match(key) and isinstance(value, int) and not isinstance(value, bool):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_parallel.plans.auto import fused_layouts, local_kv_heads
+from lightning_parallel.plans.attention import fused_layouts, local_kv_heads
 from lightning_parallel.tensor_parallel.row_layout import RowLayout
 
 HEAD = 2  # rows per head in these examples

@@ -1,0 +1,87 @@
+"""Parameters an attention or MLP uses directly in its own code, on activations split over the ranks.
+
+Projections and norms have styles of their own. What is left are tensors the module's ``forward`` reads as
+attributes and combines with its local shard of heads or features:
+
+- one entry per head (GPT-OSS's attention sinks ``(heads,)``, Doge's ``A``; MiniMax's decay buffers
+  ``(heads, 1, 1)``): each rank needs its own heads' entries, so the tensor is cut along that dimension
+  like the heads (``Shard(dim)``; a buffer is cut once, as it has no gradient);
+- anything else (the scalars of a learnable activation, xIELU's ``alpha_p``; differential attention's
+  ``lambda_q1``): every rank uses the whole tensor on its part of the activations, so its gradient on each
+  rank is a share of the true one; it is kept whole (``Replicate``) and its gradient marked ``Partial``, the
+  sum the gradient reductions make once per step (as for norms under sequence parallelism).
+
+The module's unchanged code must keep seeing a plain tensor: a pre-forward hook puts the local tensor
+(``to_local``, differentiable) in place of the parameter and the post-forward hook puts the parameter back,
+so the optimizer, checkpoints and gradient clipping see one DTensor parameter as everywhere else. Which
+tensors, and along which dimension, is decided by ``plans/`` from their shapes; the block verification
+checks the choice like every other part of the plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+_SAVED = "_lp_local_parameters"
+
+
+class LocalParameters(ParallelStyle):
+    """Direct parameters and buffers of one module: ``{name: dim}`` cut along ``dim``, ``{name: None}`` whole
+    with a ``Partial`` gradient; the module's code sees the local tensors while it runs."""
+
+    def __init__(self, dims: dict[str, int | None]) -> None:
+        super().__init__()
+        self.dims = dict(dims)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rank, size = device_mesh.get_local_rank(), device_mesh.size()
+        parameters = []
+        for name, dim in self.dims.items():
+            if name in module._buffers and module._buffers[name] is not None:
+                buffer = module._buffers[name]
+                if dim is not None:  # no gradient: cut once, the module keeps a plain tensor
+                    piece = buffer.shape[dim] // size
+                    module._buffers[name] = buffer.narrow(dim, rank * piece, piece).clone()
+                continue
+            param = module._parameters.get(name)
+            if param is None or isinstance(param, DTensor):
+                continue
+            placement = Replicate() if dim is None else Shard(dim % param.dim())
+            dist = distribute_tensor(param.detach(), device_mesh, [placement], src_data_rank=None)
+            module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+            parameters.append(name)
+        if parameters:
+            module.register_forward_pre_hook(_show_local(parameters, self.dims))
+            module.register_forward_hook(_restore, always_call=True)  # also when the forward raises
+        return module
+
+    def __repr__(self) -> str:
+        parts = [f"{n}={'Partial grad' if d is None else f'S({d})'}" for n, d in self.dims.items()]
+        return f"LocalParameters({', '.join(parts)})"
+
+
+def _show_local(names: list[str], dims: dict[str, int | None]) -> Any:
+    def hook(module: nn.Module, args: Any) -> None:
+        saved = {}
+        for name in names:
+            param = module._parameters[name]
+            if not isinstance(param, DTensor):  # a re-entrant call (recomputation inside forward)
+                continue
+            saved[name] = param
+            grad = [Partial()] if dims[name] is None else None
+            module._parameters[name] = param.to_local(grad_placements=grad)  # type: ignore[assignment]
+        module.__dict__.setdefault(_SAVED, []).append(saved)
+
+    return hook
+
+
+def _restore(module: nn.Module, args: Any, output: Any) -> None:
+    stack = module.__dict__.get(_SAVED) or []
+    if stack:
+        for name, param in stack.pop().items():
+            module._parameters[name] = param
