@@ -7,8 +7,7 @@ below picks the right path. The next upgrade is one file to read. ``tests/test_c
 the entries on the installed versions and fails when a private torch or Lightning import appears
 anywhere else in the package.
 
-Heavy or rarely needed modules are imported inside the functions that use them, as at the call
-sites they replace (``torch.distributed._composable``, DCP's loader, Lightning's strategies).
+Heavy or rarely needed modules (DCP's loader, Lightning's strategies) are imported where used.
 """
 
 from __future__ import annotations
@@ -50,8 +49,7 @@ def _version(text: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-TORCH_VERSION: tuple[int, int] = _version(torch.__version__)
-"""``(major, minor)`` of the installed torch."""
+TORCH_VERSION: tuple[int, int] = _version(torch.__version__)  # (major, minor) of the installed torch
 
 TORCH_CHECKED = ("2.11.0", "2.13.0")
 LIGHTNING_CHECKED = ("2.6.6",)  # with both torch versions
@@ -358,8 +356,6 @@ def cluster_environment(trainer: Any) -> Any:
     return trainer._accelerator_connector.cluster_environment
 
 
-# Lightning's private helpers still imported directly by strategy/base.py and strategy/checkpointing.py
-# (tests/test_compat.py: PENDING); the same functions, for those modules to import from here.
 def _lightning(module: str, name: str) -> Any:
     import importlib
 
@@ -381,9 +377,8 @@ def is_full_checkpoint(path: Path) -> bool:
 
 def rekey_optimizer_state_if_needed(state: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
     """An optimizer state keyed by parameter ids, keyed by names (as Lightning's ModelParallelStrategy loads)."""
-    return _lightning("lightning.fabric.strategies.model_parallel", "_rekey_optimizer_state_if_needed")(
-        state, module
-    )
+    rekey = _lightning("lightning.fabric.strategies.model_parallel", "_rekey_optimizer_state_if_needed")
+    return rekey(state, module)
 
 
 def collect_rng_states() -> dict[str, Any]:
