@@ -40,8 +40,9 @@ class ReducingStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self._last_backward = last_backward
         self.receive_buffers = ReceiveBuffers()
+        self._losses: dict[int, torch.Tensor] = {}  # the last stage's loss per micro-batch, until it is done
 
-    # ---- receive buffers: placeholders from setup on, a pooled buffer per receive posted ----
+    # ---- receive buffers: placeholders from setup on, a buffer per receive posted ----
 
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
         with self.receive_buffers.placeholders():
@@ -73,6 +74,11 @@ class ReducingStage(PipelineStage):
         self.receive_buffers.give_back(
             [*self.args_recv_info.get(chunk, ()), *self.grad_recv_info.get(chunk, ())]
         )
+        # The schedule keeps every micro-batch's loss until the step ends; its graph would keep the stage's
+        # received input alive with it (the input's AccumulateGrad holds it). The value is all it needs now.
+        loss = self._losses.pop(chunk, None)
+        if loss is not None and not loss._is_view():
+            loss.detach_()
 
     def _get_init_p2p_neighbors_ops(self) -> list[Any]:
         # torch 2.11 opens a pair to each neighbour stage, also to one on this rank (the V schedules: stages 1
@@ -91,6 +97,8 @@ class ReducingStage(PipelineStage):
     def backward_one_chunk(
         self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
     ) -> None:
+        if isinstance(loss, torch.Tensor):
+            self._losses[bwd_chunk_id] = loss
         if not (last_backward and full_backward):
             super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
         else:

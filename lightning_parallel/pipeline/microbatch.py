@@ -102,7 +102,10 @@ class LogRecorder:
 
         def log(name: str, value: Any, **kwargs: Any) -> None:
             # A later call for the same micro-batch (torch's shape inference runs micro-batch 0
-            # once more) replaces the earlier one.
+            # once more) replaces the earlier one. Detached: a logged loss would keep its micro-batch's
+            # graph, and with it the stage's received input, until the step ends (issue 34).
+            if isinstance(value, torch.Tensor):
+                value = value.detach()
             self.calls[micro_batch()][name] = (value, kwargs)
 
         module.log = log  # type: ignore[method-assign]

@@ -1,19 +1,22 @@
-"""Pipeline receive buffers for the micro-batches in flight only, reused (torch allocates one per micro-batch).
+"""Pipeline receive buffers for the micro-batches in flight only (torch allocates one per micro-batch).
 
 torch's ``PipelineStage`` makes, when a schedule first runs, one receive buffer per micro-batch and keeps
 them for the whole run: the activation each stage after the first receives, and the gradient each stage
 before the last receives. That is M hidden states (twice on middle stages) whatever the schedule keeps
-in flight: GPT-530B on 35 stages with 240 micro-batches, 37.5 GiB of a rank. Megatron receives into
-tensors it allocates per transfer and frees after the micro-batch's backward.
+in flight: GPT-530B on 35 stages with 280 micro-batches, 2.7 GiB of a rank; Llama-3-70B interleaved, 18 GiB.
+Megatron receives into tensors it allocates per transfer and frees after the micro-batch's backward.
 
 :class:`ReceiveBuffers` does that for a stage. At setup torch's buffers are made empty placeholders (the
-factory it calls is swapped for one that records what it would have made); a buffer is taken from a
-pool when its receive is posted and given back when its micro-batch no longer needs it: after the
-micro-batch's backward (under the zero-bubble schedules, after its weight pass, which still reads the
-stage's input). So a stage holds as many buffers as the schedule has receives outstanding or
-micro-batches in flight (1F1B on stage s: P - s activations and one gradient), and the same buffers
-serve every step. What the schedule passes between two stages of one rank (the V schedules) is the
-other stage's tensor, not a buffer; it is let go at the same moment.
+factory it calls is swapped for one that records what it would have made); the buffer is made when its
+receive is posted and let go when its micro-batch no longer needs it: after the micro-batch's backward
+(under the zero-bubble schedules, after its weight pass, which still reads the stage's input). So a
+stage holds as many buffers as the schedule has receives outstanding or micro-batches in flight (1F1B on
+stage s: P - s activations and one gradient). The memory is the allocator's to reuse (on a GPU its
+cache); the tensor is a new one each time, because a storage reused while the step runs would be taken
+for the previous micro-batch's by whatever knows a saved tensor by its storage (the activation offload,
+the counter: a pool did that, and offload restored one micro-batch's input for another). What the
+schedule passes between two stages of one rank (the V schedules) is the other stage's tensor, not a
+buffer; it is let go at the same moment.
 """
 
 from __future__ import annotations
@@ -34,20 +37,19 @@ _FACTORY = "_make_tensor_from_meta"  # torch.distributed.pipelining.stage's, on 
 
 
 class ReceiveBuffers:
-    """The receive buffers of one stage: placeholders between uses, pooled tensors while in use."""
+    """The receive buffers of one stage: placeholders between uses, a fresh buffer while a micro-batch needs one."""
 
     enabled: bool = True
-    """Class-wide switch: off, torch's one-buffer-per-micro-batch (the tests' negative control)."""
+    """Off (per stage, before its first step): torch's one buffer per micro-batch (the tests' negative control)."""
 
     def __init__(self) -> None:
         self._templates: dict[int, tuple[torch.Tensor, Callable[..., torch.Tensor], Any, Any]] = {}
         self._home: dict[int, tuple[Any, torch.Tensor]] = {}  # id(recv info) -> (info, its placeholder)
-        self._pooled: dict[int, torch.Tensor] = {}  # id(buffer in use) -> the buffer
-        self._free: dict[tuple, list[torch.Tensor]] = {}
-        self.allocated = 0
-        """Buffers made (the rest of the receives were served from the pool)."""
+        self._live: dict[int, torch.Tensor] = {}  # id(buffer in use) -> the buffer
+        self.peak = 0
+        """Most buffers held at once, over the run."""
         self.peak_bytes = 0
-        """Most bytes of buffers held at once (in use and pooled), over the run."""
+        """Most bytes of buffers held at once, over the run."""
 
     # ---- setup: torch makes placeholders -------------------------------------------------
 
@@ -87,47 +89,32 @@ class ReceiveBuffers:
                 continue
             placeholder = home[1]
             _, factory, meta, device = self._templates[id(placeholder)]
-            buffer = self._from_pool(factory, meta, device)
+            buffer = factory(meta, device)  # exactly the buffer torch would have made
             buffer.requires_grad_(placeholder.requires_grad)  # torch 2.11 marks its buffers at creation
-            buffer.grad = None
-            self._pooled[id(buffer)] = buffer
+            self._live[id(buffer)] = buffer
             info.buffer = buffer
-            self._note_peak()
+            self.peak = max(self.peak, len(self._live))
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
     def give_back(self, infos: Iterable[Any]) -> None:
-        """The micro-batch of ``infos`` is done: its buffers return to the pool, the placeholders to their place."""
+        """The micro-batch of ``infos`` is done: its buffers are let go, the placeholders back in their place."""
         for info in infos:
             home = self._home.get(id(info))
             if home is None or info.buffer is home[1]:
                 continue
-            buffer = info.buffer
+            buffer = info.buffer  # ours, or what a stage of this rank passed (V schedules): let go of both
             info.buffer = home[1]
-            pooled = self._pooled.pop(id(buffer), None) if isinstance(buffer, torch.Tensor) else None
-            if pooled is not None:
-                pooled.grad = None  # its gradient lives on where the schedule sends it from
-                pooled.requires_grad_(False)
-                _, _, meta, device = self._templates[id(home[1])]
-                self._free.setdefault(_key(meta, device), []).append(pooled)
-
-    def _from_pool(self, factory: Callable[..., torch.Tensor], meta: Any, device: Any) -> torch.Tensor:
-        free = self._free.get(_key(meta, device))
-        if free:
-            return free.pop()
-        self.allocated += 1
-        return factory(meta, device)  # exactly the buffer torch would have made
-
-    def _note_peak(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every buffer held now: in use and pooled."""
-        return [*self._pooled.values(), *(b for free in self._free.values() for b in free)]
+            ours = self._live.pop(id(buffer), None) if isinstance(buffer, torch.Tensor) else None
+            if ours is not None:  # its memory now: the schedule's finished receive op still holds the tensor
+                with torch.no_grad():
+                    ours.grad = None
+                    ours.requires_grad_(False)
+                    ours.set_()
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of buffers held now: in use and pooled."""
-        in_use = sum(_nbytes(b) for b in self._pooled.values())
-        return in_use + sum(_nbytes(b) for free in self._free.values() for b in free)
+        """Bytes of the buffers in use now."""
+        return sum(_nbytes(b) for b in self._live.values())
 
 
 def _key(meta: Any, device: Any) -> tuple:
@@ -148,8 +135,8 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def receive_buffer_bytes(stage: Any) -> int:
-    """Bytes a stage's receive buffers hold now (with the gradients torch leaves on them, and the pool's idle
-    buffers): what stays allocated between steps, whichever way the buffers are managed."""
+    """Bytes a stage's receive buffers hold now, with the gradients torch leaves on them: between steps torch's
+    own stage holds one per micro-batch; with :class:`ReceiveBuffers`, none (its peak is ``peak_bytes``)."""
     seen: dict[int, int] = {}
     for recv_info in (getattr(stage, "args_recv_info", {}), getattr(stage, "grad_recv_info", {})):
         for info in _all(recv_info):
@@ -159,9 +146,7 @@ def receive_buffer_bytes(stage: Any) -> int:
             ):
                 if isinstance(tensor, torch.Tensor) and tensor.numel():
                     seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-    pool = getattr(stage, "receive_buffers", None)
-    idle = sum(_nbytes(b) for free in pool._free.values() for b in free) if pool is not None else 0
-    return sum(seen.values()) + idle
+    return sum(seen.values())
 
 
 def _all(recv_info: dict[int, Any]) -> Iterator[Any]:

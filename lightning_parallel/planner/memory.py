@@ -340,10 +340,10 @@ def _add_activations(rank: RankMemory, shape: ModelShape, layout: Layout, ranges
 
 
 def _receive_buffers(shape: ModelShape, layout: Layout, stages: list[int], last: int) -> float:
-    """Pipeline receive buffers, reused (``pipeline/receive_buffers.py``): as many per stage as the schedule has
+    """Pipeline receive buffers (``pipeline/receive_buffers.py``): as many per stage as the schedule has
     receives outstanding or micro-batches in flight there (counted on torch's own schedule), each one
     micro-batch's hidden state (the activations a stage after the first receives, the gradients one before
-    the last receives); they stay allocated between steps."""
+    the last receives)."""
     from lightning_parallel.config.arguments import resolve_schedule
     from lightning_parallel.pipeline.receive_buffers import buffers_in_flight
 

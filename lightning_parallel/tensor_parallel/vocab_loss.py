@@ -46,6 +46,10 @@ _KEEPS_SHARDS = {
 }  # fmt: skip
 _METADATA = {"size", "dim", "numel", "ndimension", "__get__", "__len__", "stride", "is_contiguous", "element_size",
              "is_floating_point", "get_device", "nelement"}  # fmt: skip
+# Hooks on the logits themselves: FSDP2 registers its pre-backward hook on a module's outputs, and a hook put
+# on a gathered copy would never run (the loss on the shards does not reach it): ZeRO-3 then meets freed
+# weights in the head's backward.
+_HOOKS = {"register_hook", "register_post_accumulate_grad_hook"}
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -169,7 +173,11 @@ class ShardedLogitsMode(TorchFunctionMode):
             if loss is not None:
                 self.sharded_losses += 1
                 return loss
-        elif name in _METADATA or (name in _KEEPS_SHARDS and not _cuts_vocabulary(name, args)):
+        elif (
+            name in _METADATA
+            or name in _HOOKS
+            or (name in _KEEPS_SHARDS and not _cuts_vocabulary(name, args))
+        ):
             out = func(*args, **kwargs)
             if not isinstance(out, DTensor):
                 return out

@@ -35,11 +35,8 @@ WORLD = {"tp4": 4, "tp2 x dp2": 4}
 # The families whose attention needs more than plain column/row parallelism: also with sequence parallelism.
 ATTENTION_CLASSES = ("gpt_neox", "bloom", "falcon", "phi3", "gemma", "gpt_bigcode", "olmo2", "cohere")
 REFUSED = {
-    ("deepseek_v3", "tp2"): "is multi-head latent attention",
-    **{
-        (f, "tp2+sp"): "`sequence_parallel=True` with the Mixture-of-Experts block"
-        for f in ("olmoe", "qwen3_moe")
-    },
+    (f, "tp2+sp"): "`sequence_parallel=True` with the Mixture-of-Experts block"
+    for f in ("olmoe", "qwen3_moe")
 }
 
 

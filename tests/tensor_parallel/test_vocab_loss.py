@@ -78,6 +78,30 @@ def _mode_follows_the_logits(rank: int, world_size: int) -> None:
     assert mode.sharded_losses == 0 and not mode.gathered
 
 
+def _hooks_land_on_the_sharded_logits(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    full, y = torch.randn(8, V), torch.randint(0, V, (8,))
+    fired: list[str] = []
+    mode = ShardedLogitsMode()
+    with mode:
+        logits = mode.track(distribute_tensor(full, mesh, [Shard(1)]).requires_grad_())
+        # FSDP2 registers its pre-backward hook on a module's output tensors like this.
+        logits.register_hook(lambda grad: fired.append("on the logits"))
+        # The negative control: a hook on a gathered copy, which the loss on the shards never reaches.
+        logits.full_tensor().register_hook(lambda grad: fired.append("on a gathered copy"))
+        loss = F.cross_entropy(logits, y)
+    assert mode.sharded_losses == 1 and not mode.gathered
+    loss.backward()
+    assert fired == ["on the logits"], fired
+
+
+@pytest.mark.timeout(120)
+def test_hooks_on_the_logits_run_in_the_backward_of_the_sharded_loss() -> None:
+    """Found under ZeRO-3 x tp2: FSDP2's pre-backward hook went to a gathered copy, its weights stayed freed."""
+    spawn_gloo(_hooks_land_on_the_sharded_logits, 2)
+
+
 @pytest.mark.timeout(120)
 def test_vocab_parallel_cross_entropy_equals_torch() -> None:
     spawn_gloo(_loss_against_torch, 2)

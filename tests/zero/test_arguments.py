@@ -32,7 +32,11 @@ def test_config_follows_stage_offload_precision_and_clipping() -> None:
     # marked for low-precision gradient communication.
     mixed = zero_arguments(3, "cpu", None, None).deepspeed_config("bf16-mixed", 0.5)
     assert "bf16" not in mixed and "fp16" not in mixed
-    assert mixed["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
+    assert mixed["torch_autocast"] == {
+        "enabled": True,
+        "dtype": "bfloat16",
+        "lower_precision_safe_modules": [],
+    }
     assert config["gradient_clipping"] == 0.5
     # Lightning counts accumulated batches; DeepSpeed must not (unmanaged mode, gas 1).
     assert config["managed_gradient_accumulation"] is False and config["gradient_accumulation_steps"] == 1
@@ -62,7 +66,9 @@ def test_raw_precision_sections_replace_ours_with_a_warning() -> None:
     config = arguments.deepspeed_config("bf16-mixed", None)
     assert config["bf16"] == {"enabled": True} and "torch_autocast" not in config
     warning = arguments.precision_override("bf16-mixed")
-    assert warning is not None and "'bf16'" in warning and "matmuls in bfloat16 under torch.autocast" in warning
+    assert (
+        warning is not None and "'bf16'" in warning and "matmuls in bfloat16 under torch.autocast" in warning
+    )
     assert zero_arguments(2, None, None, None).precision_override("bf16-mixed") is None
 
 
