@@ -18,11 +18,11 @@ forward.
 
 - A storage is counted once, however many saved tensors view it (q, k and v are views of one
   projection output; ``linear`` saves ``weight.t()``, a view of the weight).
-- Not counted: parameters (autograd saves weights too), the batch (micro-batches are views of
-  it), and the receive buffers (the received activation is saved by the first block's norm).
-  Those buffers are listed separately: the strategy keeps one per receive the schedule has
-  outstanding or micro-batch in flight (activations on later stages, gradients on earlier ones),
-  reused from step to step (``pipeline/receive_buffers.py``; torch's own stage kept M of them).
+- Not counted: parameters (autograd saves weights too) and the batch (micro-batches are views of
+  it). The received activation of a later stage is counted with its micro-batch (the first block's
+  norm saves it): the strategy makes it when the receive is posted and lets it go after the
+  micro-batch's backward (``pipeline/receive_buffers.py``; torch's own stage kept M buffers for the
+  whole run). The most bytes of receive buffers a stage held at once are listed separately.
 - Not seen by the hooks: the stage's output, which torch keeps per micro-batch until its
   backward (one hidden state per micro-batch in flight; small beside the saved tensors).
 """
@@ -148,9 +148,10 @@ def _storages(value: Any) -> set[int]:
 
 
 def receive_buffers(stage: Any) -> int:
-    """Bytes of the receive buffers ``stage`` holds after the step: reused from step to step, as many as the
-    schedule had receives outstanding or micro-batches in flight (``pipeline/receive_buffers.py``)."""
-    return receive_buffer_bytes(stage)
+    """Most bytes of receive buffers ``stage`` held at once: as many as the schedule had receives outstanding
+    or micro-batches in flight (``pipeline/receive_buffers.py``); torch's own stage: one per micro-batch."""
+    pool = stage.receive_buffers
+    return pool.peak_bytes if pool.enabled else receive_buffer_bytes(stage)
 
 
 def ActivationMemory(step: int) -> Any:  # noqa: N802 (a factory: Lightning is imported lazily)
@@ -168,8 +169,7 @@ def ActivationMemory(step: int) -> Any:  # noqa: N802 (a factory: Lightning is i
                 return
             stages = list(trainer.strategy.pipeline_stages)
             excluded = {_storage_key(p)[0] for p in pl_module.parameters()} | _storages(batch)
-            for stage in stages:  # the buffers the last step left in the pool serve this one
-                excluded |= {_storage_key(b)[0] for b in stage.receive_buffers.tensors()}
+            for stage in stages:
                 for recv in stage.args_recv_info.values():
                     excluded |= {
                         _storage_key(i.buffer)[0] for i in recv if getattr(i, "buffer", None) is not None

@@ -81,7 +81,7 @@ def _buffers(trainer: L.Trainer) -> list[dict[str, Any]]:
         predicted = buffers_in_flight(config.spec, config.pipeline_parallel, config.virtual_stages,
                                       config.micro_batches)  # fmt: skip
         out.append({
-            "stage": stage.stage_index, "made": stage.receive_buffers.allocated, "predicted": predicted[stage.stage_index],
+            "stage": stage.stage_index, "made": stage.receive_buffers.peak, "predicted": predicted[stage.stage_index],
             "held_bytes": receive_buffer_bytes(stage), "enabled": stage.receive_buffers.enabled,
         })  # fmt: skip
     return out

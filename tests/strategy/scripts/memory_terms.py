@@ -12,7 +12,7 @@ and on (after), the recipe GPT:
 - ``loss``: tp2, bf16-mixed, vocabulary 128 and 256: the loss on the vocabulary shards (off: ``loss_parallel=False``).
 
 Recorded per run, of the second step: the saved-tensor counter's peak and total (``ActivationMemoryMonitor``),
-the bytes the receive buffers hold after it, and the peak of every storage made during the step and alive at
+the most bytes the receive buffers held at once (torch's: held all run), and the peak of every storage made during the step and alive at
 once (:class:`LiveBytes`, a dispatch mode standing in for a CPU allocator's statistics). Writes
 ``OUT_DIR/memory_terms.rank{r}.json``.
 """
@@ -113,7 +113,8 @@ class Recorder(L.Callback):
         if self.mode is not None:
             self.mode.__exit__(None, None, None)
             self.allocator_peak, self.mode = self.mode.peak, None
-            self.buffers = sum(receive_buffer_bytes(s) for s in trainer.strategy.pipeline_stages)
+            self.buffers = sum(s.receive_buffers.peak_bytes if s.receive_buffers.enabled else receive_buffer_bytes(s)
+                               for s in trainer.strategy.pipeline_stages)  # fmt: skip
 
 
 def main(out_dir: Path) -> None:
