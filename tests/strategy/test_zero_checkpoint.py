@@ -91,11 +91,17 @@ def test_resume_under_zero_continues_the_same_run(runs: Path, layout: str) -> No
 def test_zero_checkpoint_resumes_in_another_layout(runs: Path, name: str) -> None:
     """The checkpoint holds the user's layout, so another stage, or no ZeRO at all, resumes it: the first
     step (the weights) exactly, the next within fp32 parity (another reduction order, or another Adam kernel)."""
-    source, _ = RESHARDS[name]
+    source, target = RESHARDS[name]
+    # Under tensor parallelism the loss runs on the vocabulary shards (another summation order than one
+    # F.cross_entropy): the same weights then give a first loss equal to the last fp32 bits or two, not bitwise.
+    same_loss = (LAYOUTS[source][0].get("tensor_parallel", 1) > 1) == (target.get("tensor_parallel", 1) > 1)
     straight, resumed = _read(runs / source, "straight"), _read(runs / name, "resumed")
     for rank in range(2):
         want, got = straight[rank]["losses"][FIRST_HALF:], resumed[rank]["losses"]
-        assert got[0] == want[0], f"{name}, rank {rank}: the restored weights differ ({got} vs {want})"
+        ulps = 0 if same_loss else 2
+        assert abs(got[0] - want[0]) <= ulps * float(torch.finfo(torch.float32).eps) * abs(want[0]), (
+            f"{name}, rank {rank}: the restored weights differ ({got} vs {want})"
+        )
         assert all(abs(g - w) / abs(w) < RTOL for g, w in zip(got, want, strict=True)), (got, want)
 
 
