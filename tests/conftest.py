@@ -68,6 +68,9 @@ def pytest_sessionstart(session) -> None:
 
 
 def pytest_configure(config) -> None:
+    from tests.compat_results import register
+
+    register(config)  # LP_COMPAT_RESULTS=<file>: the passed coverage tests, for tools/compat_matrix.py
     config.addinivalue_line(
         "markers", "distributed: launches worker processes over gloo (tests/distributed/harness.py); slow"
     )

@@ -100,6 +100,8 @@ class ComputeDtypeCounter(TorchDispatchMode):
         self.counts: Counter[str] = Counter()
         self.counting = False
         self.collectives = collectives
+        self.recomputed_ops = 0
+        """Every operator run again in backward (any kind): selective recomputation's cheap ops show here."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if any(t is not torch.Tensor and issubclass(t, DTensor) for t in types):
@@ -108,6 +110,12 @@ class ComputeDtypeCounter(TorchDispatchMode):
         if self.collectives is not None:
             self.collectives.observe(func, args, kwargs)
         out = func(*args, **kwargs)
+        if self.counting and torch.is_grad_enabled():
+            node = torch._C._current_autograd_node()
+            # A forward op run again: inside a node that unpacks what it saved (a gradient hook runs in
+            # AccumulateGrad: DeepSpeed's views of the parameters it reduces are no recomputation).
+            if node is not None and "AccumulateGrad" not in node.name():
+                self.recomputed_ops += 1
         if self.counting and func.overloadpacket in _MATMUL_PACKETS:
             in_node = torch._C._current_autograd_node() is not None
             if not in_node or torch.is_grad_enabled():  # the backward's own products are not counted

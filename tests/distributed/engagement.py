@@ -22,6 +22,17 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.distributed.engagement_evidence import (
+    fsdp2_sharding_problem,
+    host_optimizer_problem,
+    offload_record,
+    recomputation_problem,
+    recomputation_record,
+    state_sharding_record,
+    tensor_parallel_problem,
+    tensor_parallel_record,
+)
+
 __all__ = [
     "CollectiveCounter",
     "ForwardProbe",
@@ -248,6 +259,10 @@ def rank_record(
         **(probe.counts if probe is not None else {}),
         "collectives": collectives.by_axis(mesh_axes(strategy)) if collectives is not None else {},
         "optimizer_steps": optimizer_steps,
+        **tensor_parallel_record(module, set(getattr(experts, "parameter_ids", ()) or ())),
+        **offload_record(strategy),
+        **state_sharding_record(strategy),
+        **recomputation_record(strategy),
     }
     return record
 
@@ -255,6 +270,8 @@ def rank_record(
 COUNTS = {
     "tp_sharded_parameters", "dp_sharded_parameters", "checkpointed_modules", "expert_parameters",
     "sequence_sharded_norm_inputs", "autocast_linears", "linears", "nvme_bytes_written", "float8_linears",
+    "recomputed_ops", "recomputed_matmuls", "tp_block_matrix_numel", "tp_block_matrix_sharded_numel",
+    "host_state_bytes", "state_numel", "state_dp_sharded_numel",
 }  # fmt: skip
 
 
@@ -294,7 +311,7 @@ def _partition_problem(record: dict[str, Any]) -> str | None:
 
 CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any]], str | None]] = {
     "dp": lambda r, f: _check(f.get("data_parallel", 0) > 1, "the sampler did not split the data"),
-    "tp": lambda r, f: _check(r.get("tp_sharded_parameters", 0) > 0, "no parameter is sharded over tp"),
+    "tp": lambda r, f: tensor_parallel_problem(r),
     "sp": lambda r, f: _check(
         r.get("sequence_sharded_norm_inputs", 0) > 0, "no norm saw a sequence-sharded input"
     ),
@@ -307,25 +324,28 @@ CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any]], str | None]] = {
     "zero2": lambda r, f: (
         _check(r.get("zero_stage") == 2, f"ZeRO stage {r.get('zero_stage')} ran, not 2")
         or _partition_problem(r)
+        or fsdp2_sharding_problem(r)
     ),
-    "zero3": lambda r, f: _check(
-        r.get("zero_stage") == 3
-        and (r.get("zero_engine") == "deepspeed" or r.get("dp_sharded_parameters", 0) > 0)
-        and _partition_problem(r) is None,
-        f"ZeRO stage {r.get('zero_stage')} ran (engine {r.get('zero_engine')}), not 3 with sharded parameters",
+    "zero3": lambda r, f: (
+        _check(
+            r.get("zero_stage") == 3
+            and (r.get("zero_engine") == "deepspeed" or r.get("dp_sharded_parameters", 0) > 0)
+            and _partition_problem(r) is None,
+            f"ZeRO stage {r.get('zero_stage')} ran (engine {r.get('zero_engine')}), not 3 with sharded parameters",
+        )
+        or fsdp2_sharding_problem(r)
     ),
-    "offload=cpu": lambda r, f: _check(
-        r.get("offload") == "cpu", f"offload {r.get('offload')!r} ran, not 'cpu'"
+    "offload=cpu": lambda r, f: (
+        _check(r.get("offload") == "cpu", f"offload {r.get('offload')!r} ran, not 'cpu'")
+        or host_optimizer_problem(r)
     ),
     "offload=nvme": lambda r, f: _check(
         r.get("offload") == "nvme"
         and (r.get("zero_engine") == "deepspeed" or r.get("nvme_bytes_written", 0) > 0),
         f"offload {r.get('offload')!r} ran ({r.get('nvme_bytes_written', 0)} bytes written), not 'nvme'",
     ),
-    "ac=full": lambda r, f: _check(r.get("checkpointed_modules", 0) > 0, "no module recomputes its forward"),
-    "ac=selective": lambda r, f: _check(
-        r.get("checkpointed_modules", 0) > 0, "no module recomputes its forward"
-    ),
+    "ac=full": lambda r, f: recomputation_problem(r, "full"),
+    "ac=selective": lambda r, f: recomputation_problem(r, "selective"),
     "32-true": lambda r, f: _check(
         r.get("parameter_dtypes") == ["torch.float32"] and r.get("autocast_linears", 0) == 0,
         f"parameters {r.get('parameter_dtypes')}, {r.get('autocast_linears', 0)} linears under autocast",

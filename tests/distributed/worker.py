@@ -165,6 +165,11 @@ class ParityRecorder(Callback):
         if self.probe is not None:
             self.probe.remove()
         record["compute_dtypes"] = dict(self.dtypes.counts)
+        if self.case is not None:  # what backward ran again: every op, and the matrix products among them
+            record["recomputed_ops"] = self.dtypes.recomputed_ops
+            record["recomputed_matmuls"] = sum(
+                n for key, n in self.dtypes.counts.items() if key.startswith("recomputed.")
+            )
         mine = (self.losses, params, slices, (_mesh_coordinates(trainer.strategy), record))
         if dist.is_available() and dist.is_initialized():
             gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
