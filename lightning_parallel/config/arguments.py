@@ -306,6 +306,8 @@ def checkpointing(mode: Any, policy: Any) -> CheckpointingConfig | None:
         return CheckpointingConfig("full")
     if policy is None or policy == "ops":
         return CheckpointingConfig("selective", ops=True)
+    if policy == "ops_alternate_matmuls":
+        return CheckpointingConfig("selective", ops=True, alternate_matmuls=True)
     if isinstance(policy, int) and not isinstance(policy, bool):
         if policy < 1:
             raise ValueError(f"`activation_checkpointing_policy={policy!r}`: every k-th block needs k >= 1.")
@@ -314,7 +316,8 @@ def checkpointing(mode: Any, policy: Any) -> CheckpointingConfig | None:
         return CheckpointingConfig("selective", patterns=tuple(policy))
     raise ValueError(
         f"`activation_checkpointing_policy={policy!r}` is not supported: use 'ops' (Megatron-style selective"
-        " recomputation inside every block), an integer k (recompute every k-th block), or a list of"
+        " recomputation inside every block), 'ops_alternate_matmuls' (the same, every second projection matmul"
+        " recomputed too), an integer k (recompute every k-th block), or a list of"
         " module-name patterns such as ['model.transformer.h.*.mlp']."
     )
 

@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 Mode = Literal["full", "selective"]
-Policy = Literal["ops"] | int | Sequence[str] | None
+Policy = Literal["ops", "ops_alternate_matmuls"] | int | Sequence[str] | None
 # Called at forward time; returns a context manager factory that restores that state for the recomputation.
 StateCapture = Callable[[], Callable[[], AbstractContextManager[Any]]]
 
@@ -67,9 +67,10 @@ def _ops(*names: str) -> set[Any]:
     return found
 
 
-# Expensive to recompute, so kept by selective checkpointing (torchtitan's list, as packets).
+# Expensive to recompute, so kept by selective checkpointing (torchtitan's list, as packets; the experts'
+# grouped matmul too: found recomputed in backward by the engagement record of ep2 with "selective").
 KEEP_OPS = _ops(
-    "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm", "aten.linear",
+    "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm", "aten.linear", "aten._grouped_mm",
     "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
     "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
     "aten._flash_attention_forward", "aten._efficient_attention_forward",
@@ -91,10 +92,15 @@ class CheckpointingConfig:
     every: int | None = None  # every k-th block, recomputed fully
     patterns: tuple[str, ...] = ()  # modules recomputed fully
     ops: bool = False  # op-level selective recomputation in every block
+    alternate_matmuls: bool = (
+        False  # ... recomputing every second projection matmul too (torchtitan's op policy)
+    )
 
     def describe(self) -> str:
         if self.mode == "full":
             return "full (every block recomputed)"
+        if self.ops and self.alternate_matmuls:
+            return "selective (every second projection matmul and the cheap ops recomputed)"
         if self.ops:
             return "selective (matmul/attention/collective outputs kept, other ops recomputed)"
         if self.every is not None:
@@ -159,19 +165,55 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
     return CheckpointPolicy.MUST_SAVE
 
 
-def _context_fn(ops: bool, capture: StateCapture | None) -> Callable[[], tuple[Any, Any]]:
+# Projection matmuls (a linear's kernel): the ones ``"ops_alternate_matmuls"`` keeps only every second of.
+PROJECTION_OPS = _ops("aten.mm", "aten.addmm", "aten._scaled_mm")
+
+
+class _AlternateMatmuls:
+    """The op policy, except that of the projection matmuls of one region only the 1st, 3rd, ... are kept.
+
+    torchtitan's selective policy does the same: a block's matmul outputs are most of what op-level
+    selective recomputation keeps, and rerunning half of them costs about a sixth of the block's forward
+    again. The policy is asked once per op in forward and once per op while recomputing (2.11 also
+    before the forward op); counting each pass apart keeps the two decisions aligned, and a region
+    recomputed twice (zero-bubble schedules) counts again from its first matmul.
+    """
+
+    def __init__(self) -> None:
+        self.forward = 0
+        self.recompute = 0
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if getattr(op, "overloadpacket", op) not in PROJECTION_OPS:
+            return _selective_policy(ctx, op, *args, **kwargs)
+        if getattr(ctx, "is_recompute", False):
+            self.recompute += 1
+            index = (self.recompute - 1) % max(self.forward, 1)
+        else:
+            if getattr(ctx, "op_output", None) is not None or not selective_policy_sees_output():
+                self.forward += 1  # 2.13: once, after the op; 2.11: once, before it
+            index = self.forward - 1
+        if index % 2 == 1:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return _selective_policy(ctx, op, *args, **kwargs)
+
+
+def _context_fn(
+    ops: bool, capture: StateCapture | None, alternate: bool = False
+) -> Callable[[], tuple[Any, Any]]:
     if not ops and capture is None:
         # torch's own no-op, by identity: under torch.compile any other context_fn must return
         # dispatch modes (the selective ones are), so nullcontexts would fail compilation.
         return noop_context_fn
 
     def make() -> tuple[Any, Any]:
+        policy = _AlternateMatmuls() if alternate else _selective_policy
         forward_ctx, recompute_ctx = (
-            create_selective_checkpoint_contexts(_selective_policy) if ops else (nullcontext(), nullcontext())
+            create_selective_checkpoint_contexts(policy) if ops else (nullcontext(), nullcontext())
         )
         counter = active_counter()
         if ops and counter is not None and not selective_policy_sees_output():
-            forward_ctx = _CountKept(forward_ctx, counter)
+            forward_ctx = _CountKept(forward_ctx, counter, policy if alternate else None)
         if capture is None:
             return forward_ctx, recompute_ctx
         return forward_ctx, _Both(capture(), recompute_ctx)
@@ -184,9 +226,11 @@ class _CountKept(TorchDispatchMode):
     cannot see. Entered inside torch's caching mode (``caching``), so each op of the forward passes here
     first and reaches that mode from here; recomputation is not counted (this is the forward's context)."""
 
-    def __init__(self, caching: Any, counter: SavedTensorCounter) -> None:
+    def __init__(
+        self, caching: Any, counter: SavedTensorCounter, alternate: _AlternateMatmuls | None = None
+    ) -> None:
         super().__init__()
-        self.caching, self.counter = caching, counter
+        self.caching, self.counter, self.alternate = caching, counter, alternate
 
     def __enter__(self) -> _CountKept:
         self.caching.__enter__()
@@ -199,8 +243,13 @@ class _CountKept(TorchDispatchMode):
             self.caching.__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if keep_op(func):
+        out = func(*args, **(kwargs or {}))  # the policy (in the caching mode) has counted it by now
+        skipped = (
+            self.alternate is not None
+            and func.overloadpacket in PROJECTION_OPS
+            and self.alternate.forward % 2 == 0
+        )
+        if keep_op(func) and not skipped:
             self.counter.hold(out if isinstance(out, (tuple, list)) else [out], "kept")
         return out
 
@@ -232,8 +281,10 @@ class _Both:
             self._entered.pop().__exit__(*exc)
 
 
-def _recomputed(forward: Callable[..., Any], ops: bool, capture: StateCapture | None) -> Callable[..., Any]:
-    context_fn = _context_fn(ops, capture)
+def _recomputed(
+    forward: Callable[..., Any], ops: bool, capture: StateCapture | None, alternate: bool = False
+) -> Callable[..., Any]:
+    context_fn = _context_fn(ops, capture, alternate)
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -281,6 +332,8 @@ def apply_activation_checkpointing(
         if skip(module) or is_checkpointed(module):
             continue
         whole = not config.ops
-        module.forward = _recomputed(module.forward, ops=not whole, capture=capture_state)  # type: ignore[method-assign]
+        module.forward = _recomputed(  # type: ignore[method-assign]
+            module.forward, ops=not whole, capture=capture_state, alternate=config.alternate_matmuls
+        )
         done.append(name)
     return done

@@ -26,7 +26,9 @@ The last stage keeps, for the loss, fp32 log-probabilities over the whole vocabu
 parallelism (the default ``loss_parallel``) its shard of the logits and a log-sum-exp per token.
 Under tensor parallelism the widths split ``tp`` ways; the residual stream (norm inputs) splits too
 only under sequence parallelism. ``"full"`` checkpointing keeps each block's input; ``"selective"``
-keeps the block input and the outputs of matmuls and attention kernels (``memory/checkpointing.py``).
+keeps the block input and the outputs of matmuls and attention kernels (``memory/checkpointing.py``), with
+policy ``"ops_alternate_matmuls"`` only every second projection's output (dense blocks; routed experts run
+their matmuls in the order the router sends tokens, and are counted as under ``"ops"``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = [
     "block_bytes_per_token",
     "in_flight_micro_batches",
     "loss_bytes_per_token",
+    "projection_outputs",
     "stage_activation_bytes",
 ]
 
@@ -63,6 +66,17 @@ def _norm_bytes(block: BlockShape, hidden: int, residual: int) -> float:
     return hidden * residual * (1 if block.norm_fused else 2) + block.norm_statistics * 4
 
 
+def projection_outputs(block: BlockShape, q: float, kv: float, ffn: float) -> list[float]:
+    """The widths of a block's projection matmul outputs on one rank, in forward order (what the
+    ``"ops_alternate_matmuls"`` policy keeps every second of, from the first)."""
+    entries = [q, kv, kv] if block.attention_entries >= 3 else [q + 2 * kv]
+    if block.gated:
+        inner = [ffn, ffn] if block.mlp_entries >= 2 else [2 * ffn]
+    else:
+        inner = [ffn]
+    return [*entries, block.hidden, *inner, block.hidden]
+
+
 def block_bytes_per_token(block: BlockShape, layout: Layout, mode: str | None = None) -> float:
     """Bytes one token's pass through ``block`` holds for backward on one rank (``mode``: checkpointing)."""
     tp = layout.tensor_parallel
@@ -77,9 +91,12 @@ def block_bytes_per_token(block: BlockShape, layout: Layout, mode: str | None = 
     if mode == "full":
         return h * residual / sp
     if mode == "selective":  # block input; outputs of matmuls and attention kernels
-        attention = (q + 2 * kv) * act + q * act + heads * 4 + h * act
-        mlp = ((2 if block.gated else 1) * ffn + h) * act * experts
         router = block.num_experts * 4 if block.num_experts else 0
+        kernel = q * act + heads * 4  # the attention kernel's output and log-sum-exp
+        if layout.activation_checkpointing_policy == "ops_alternate_matmuls" and not block.num_experts:
+            return h * residual / sp + kernel + sum(projection_outputs(block, q, kv, ffn)[::2]) * act
+        attention = (q + 2 * kv) * act + kernel + h * act
+        mlp = ((2 if block.gated else 1) * ffn + h) * act * experts
         return h * residual / sp + attention + mlp + router
     norms = block.norms * _norm_bytes(block, h, residual) / sp
     # Each projection keeps its input; under autocast a 16-bit copy of it, one shared by all reading it.

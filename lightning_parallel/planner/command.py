@@ -40,6 +40,12 @@ def add_planner_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3))
     group.add_argument("--offload", choices=("cpu", "nvme"), default=None)
     group.add_argument("--activation-checkpointing", choices=("full", "selective"), default=None)
+    group.add_argument(
+        "--activation-checkpointing-policy",
+        choices=("ops", "ops_alternate_matmuls"),
+        default=None,
+        help="with selective: keep every matmul output (ops) or every second projection's (ops_alternate_matmuls)",
+    )
     group.add_argument("--precision", choices=sorted(PRECISIONS), default=None, help="default bf16-mixed")
     group.add_argument(
         "--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)"
@@ -95,6 +101,9 @@ def layout_from_arguments(args: argparse.Namespace, strategy: dict[str, Any], tp
         zero_stage=pick(args.zero_stage, "zero_stage", 0),
         offload=pick(args.offload, "offload", None),
         activation_checkpointing=pick(args.activation_checkpointing, "activation_checkpointing", None),
+        activation_checkpointing_policy=_policy(
+            pick(args.activation_checkpointing_policy, "activation_checkpointing_policy", None)
+        ),
         precision=args.precision or str(strategy.get("_precision") or "bf16-mixed"),
         micro_batch_size=args.micro_batch_size,
         sequence_length=args.sequence_length or 2048,
@@ -129,3 +138,9 @@ def run_planner(
     if args.png:
         lines.append(f"picture: {render_plan(args.png, layout, ranks, time, cluster)}")
     return lines, plan_json(layout, ranks, time, cluster)
+
+
+def _policy(value: object) -> str:
+    """A strategy's ``activation_checkpointing_policy`` as the planner models it: the op policies by name;
+    None (and block-level policies, which the planner does not tell apart) as ``"ops"``."""
+    return value if value in ("ops", "ops_alternate_matmuls") else "ops"  # type: ignore[return-value]

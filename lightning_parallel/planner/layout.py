@@ -46,6 +46,9 @@ class Layout:
     """The strategy's ``zero_engine``: ``"auto"`` (by layout), ``"deepspeed"`` or ``"fsdp2"``."""
     activation_checkpointing: str | None = None
     """None, ``"full"`` or ``"selective"``."""
+    activation_checkpointing_policy: str = "ops"
+    """With ``"selective"``: ``"ops"`` (every matmul output kept) or ``"ops_alternate_matmuls"`` (every second
+    projection matmul of a block recomputed, as torchtitan): the strategy's argument of the same name."""
     precision: str = "32-true"
     micro_batch_size: int = 1
     """Sequences in one micro-batch (the DataLoader's batch size under pipeline stages: M of them)."""
@@ -94,7 +97,10 @@ class Layout:
         if self.zero_stage:
             parts.append(f"zero{self.zero_stage}" + (f"+{self.offload}" if self.offload else ""))
         if self.activation_checkpointing:
-            parts.append(f"ckpt:{self.activation_checkpointing}")
+            alternate = self.activation_checkpointing_policy == "ops_alternate_matmuls"
+            parts.append(
+                f"ckpt:{self.activation_checkpointing}" + ("(alternate matmuls)" if alternate else "")
+            )
         parts.append(f"mbs{self.micro_batch_size}")
         return " ".join(parts)
 
@@ -183,6 +189,11 @@ def layout_problems(layout: Layout, shape: ModelShape, gpus: int | None = None) 
     if layout.activation_checkpointing not in (None, "full", "selective"):
         problems.append(
             f"`activation_checkpointing={layout.activation_checkpointing!r}` must be None, 'full' or 'selective'"
+        )
+    if layout.activation_checkpointing_policy not in ("ops", "ops_alternate_matmuls"):
+        problems.append(
+            f"`activation_checkpointing_policy={layout.activation_checkpointing_policy!r}` must be 'ops' or"
+            " 'ops_alternate_matmuls' (the planner models these two selective policies)"
         )
     if layout.loss_parallel not in (None, True, False):
         problems.append(f"`loss_parallel={layout.loss_parallel!r}` must be None, True or False")

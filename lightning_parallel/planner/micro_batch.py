@@ -156,6 +156,21 @@ def _gemm_elements(block: BlockShape, layout: Layout) -> float:
     return total + routed * sum(k + n + k * n / t for k, n, t in mlp)
 
 
+def _alternate_recompute_flops(block: BlockShape) -> float:
+    """FLOPs per token (whole width) of the projections ``"ops_alternate_matmuls"`` reruns in backward: every
+    second one, except a last one whose output nothing in backward reads (torch's recomputation stops before)."""
+    if block.num_experts:
+        return 0.0  # routed experts are kept as under "ops" (planner/activations.py)
+    h, q, kv, ffn = block.hidden, block.q_width, block.kv_width, block.ffn_hidden
+    entries = [(h, q), (h, kv), (h, kv)] if block.attention_entries >= 3 else [(h, q + 2 * kv)]
+    inner = (
+        ([(h, ffn), (h, ffn)] if block.mlp_entries >= 2 else [(h, 2 * ffn)]) if block.gated else [(h, ffn)]
+    )
+    shapes = [*entries, (q, h), *inner, (ffn, h)]
+    rerun = shapes[1::2] if len(shapes) % 2 == 1 else shapes[1:-1:2]
+    return sum(2.0 * k * n for k, n in rerun)
+
+
 def _cheap_elements(block: BlockShape, layout: Layout) -> float:
     """Elements one token's forward moves in the ops selective checkpointing reruns: norms, activation, softmax."""
     tp = layout.tensor_parallel
@@ -224,6 +239,9 @@ def micro_batch(
         out.recompute = flops / flop_rate + moved / byte_rate
     elif checkpointing == "selective":
         out.recompute = cheap / byte_rate
+        if layout.activation_checkpointing_policy == "ops_alternate_matmuls":
+            out.recompute_flops = tokens * sum(_alternate_recompute_flops(b) for b in stage.blocks) / tp
+            out.recompute += out.recompute_flops / flop_rate
     matmul = (3 * (flops + head) + out.recompute_flops) / flop_rate
 
     passes = 4 + (2 if checkpointing == "full" else 0)  # collectives per block: forward 2, backward 2

@@ -74,6 +74,16 @@ def _batches(dp: int, pp: int, global_batch: int | None, per_replica: int | None
             yield mbs, global_batch // (dp * mbs)
 
 
+# Recomputation the search tries, least recomputed first: none, selective ("ops", then every second
+# projection matmul too), full.
+_CHECKPOINTING = (
+    (None, "ops"),
+    ("selective", "ops"),
+    ("selective", "ops_alternate_matmuls"),
+    ("full", "ops"),
+)
+
+
 def _options(base: Layout, shape: ModelShape, batches: Iterator[tuple[int, int]]) -> Iterator[Layout]:
     """Every option the search tries for one family of degrees."""
     dp, pp = base.data_parallel, base.pipeline_parallel
@@ -83,10 +93,11 @@ def _options(base: Layout, shape: ModelShape, batches: Iterator[tuple[int, int]]
             schedules.append(("interleaved_1f1b", 2))
         for schedule, virtual in schedules:
             for zero in (0, 1, 2, 3) if dp > 1 else (0,):
-                for checkpointing in (None, "selective", "full"):
+                for checkpointing, policy in _CHECKPOINTING:
                     yield replace(
                         base, micro_batch_size=mbs, micro_batches=micro_batches, pipeline_schedule=schedule,
                         pipeline_virtual_stages=virtual, zero_stage=zero, activation_checkpointing=checkpointing,
+                        activation_checkpointing_policy=policy,
                     )  # fmt: skip
 
 

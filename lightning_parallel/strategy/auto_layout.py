@@ -83,6 +83,8 @@ def strategy_arguments(layout: Layout) -> dict[str, Any]:
         "zero_stage": layout.zero_stage,
         "activation_checkpointing": layout.activation_checkpointing,
     }
+    if layout.activation_checkpointing == "selective" and layout.activation_checkpointing_policy != "ops":
+        arguments["activation_checkpointing_policy"] = layout.activation_checkpointing_policy
     if layout.offload:
         arguments["offload"] = layout.offload
     if layout.pipeline_parallel > 1:

@@ -56,6 +56,9 @@ def job_layout(strategy: Any, precision: str, batch_shape: tuple[int, int]) -> L
         zero_stage=config.zero.stage,
         offload=config.zero.offload,
         activation_checkpointing=checkpointing.mode if checkpointing else None,
+        activation_checkpointing_policy="ops_alternate_matmuls"
+        if checkpointing and checkpointing.alternate_matmuls
+        else "ops",
         precision=precision if precision in PRECISIONS else "32-true",
         micro_batch_size=max(batch_shape[0] // micro_batches, 1),
         sequence_length=batch_shape[1],

@@ -176,6 +176,7 @@ def mesh_axes(strategy: Any) -> dict[str, tuple[int, ...]]:
 def _placements(module: nn.Module) -> dict[str, int]:
     from torch.distributed.tensor import DTensor, Shard
 
+    from lightning_parallel.compat import StridedShard
     from lightning_parallel.zero.tensor_parallel import user_named_parameters
 
     counts = {"tp_sharded_parameters": 0, "dp_sharded_parameters": 0}
@@ -184,7 +185,7 @@ def _placements(module: nn.Module) -> dict[str, int]:
             continue
         names = param.device_mesh.mesh_dim_names or ()
         for name, placement in zip(names, param.placements, strict=True):
-            if isinstance(placement, Shard):
+            if isinstance(placement, (Shard, StridedShard)):
                 key = "tp_sharded_parameters" if name == "tp" else "dp_sharded_parameters"
                 counts[key] += 1
     return counts

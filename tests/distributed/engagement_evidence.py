@@ -40,10 +40,15 @@ def _dtensor_shard_axes(tensor: torch.Tensor) -> set[str]:
     """The mesh axes a DTensor is sharded over (empty for a plain tensor)."""
     from torch.distributed.tensor import DTensor, Shard
 
+    from lightning_parallel.compat import StridedShard
+
     if not isinstance(tensor, DTensor):
         return set()
     names = tensor.device_mesh.mesh_dim_names or ()
-    return {name for name, p in zip(names, tensor.placements, strict=True) if isinstance(p, Shard)}
+    # A fused projection's shards are _StridedShard, no Shard on torch 2.13 (one slice of each part).
+    return {
+        name for name, p in zip(names, tensor.placements, strict=True) if isinstance(p, (Shard, StridedShard))
+    }
 
 
 def _expert_weight(name: str) -> bool:
@@ -145,15 +150,29 @@ def offload_record(strategy: Any) -> dict[str, Any]:
     return {}
 
 
-def state_sharding_record(strategy: Any) -> dict[str, Any]:
-    """Optimizer-state elements on this rank, and those sharded over a data-parallel axis (FSDP2's DTensors)."""
+def _dp_sharded(tensors: list[torch.Tensor]) -> tuple[int, int]:
+    """Local elements of ``tensors``, and of those sharded over a data-parallel axis (dp, or dp carved with ep
+    or cp)."""
     total = sharded = 0
+    for tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        total += local.numel()
+        sharded += local.numel() if _dtensor_shard_axes(tensor) - {"tp", "pp"} else 0
+    return total, sharded
+
+
+def state_sharding_record(strategy: Any) -> dict[str, Any]:
+    """Optimizer-state elements on this rank, and those sharded over a data-parallel axis (FSDP2's DTensors);
+    where the states live in files (NVMe offload), the parameters the optimizer steps, whose shards they follow."""
+    states: list[torch.Tensor] = []
+    stepped: list[torch.Tensor] = []
     for optimizer in getattr(strategy, "optimizers", []):
-        for state in _states(getattr(optimizer, "_optimizer", optimizer)):
-            local = state.to_local() if hasattr(state, "to_local") else state
-            total += local.numel()
-            axes = _dtensor_shard_axes(state)
-            sharded += local.numel() if axes - {"tp", "pp"} else 0  # dp, or dp carved with ep or cp
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        states += _states(optimizer)
+        stepped += [p for group in optimizer.param_groups for p in group["params"]]
+    total, sharded = _dp_sharded(states)
+    if total == 0:
+        total, sharded = _dp_sharded(stepped)
     return {"state_numel": total, "state_dp_sharded_numel": sharded}
 
 
@@ -162,7 +181,9 @@ def recomputation_record(strategy: Any) -> dict[str, Any]:
     checkpointing = getattr(getattr(getattr(strategy, "config", None), "memory", None), "checkpointing", None)
     if checkpointing is None:
         return {}
-    return {"recompute_policy": "ops" if checkpointing.ops else str(checkpointing.mode)}
+    if checkpointing.ops:
+        return {"recompute_policy": "ops_alternate_matmuls" if checkpointing.alternate_matmuls else "ops"}
+    return {"recompute_policy": str(checkpointing.mode)}
 
 
 def _check(condition: bool, message: str) -> str | None:

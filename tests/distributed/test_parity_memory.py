@@ -87,6 +87,11 @@ EXACT.append(_case("mem_ep2_full", "ep2", EXPERTS, activation_checkpointing="ful
 EXACT += [
     _case("mem_tp2_sp_selective", "tp2", sequence_parallel=True, activation_checkpointing="selective"),
     _case("mem_ep2_selective", "ep2", EXPERTS, activation_checkpointing="selective"),
+    # Every second projection matmul recomputed too (torchtitan's policy): under tp with sp, and across stages.
+    _case("mem_tp2_sp_selective_alternate", "tp2", sequence_parallel=True, activation_checkpointing="selective",
+          activation_checkpointing_policy="ops_alternate_matmuls"),
+    _case("mem_pp2_selective_alternate", "pp2", MULTI_STAGE, activation_checkpointing="selective",
+          activation_checkpointing_policy="ops_alternate_matmuls", micro_batches=4),
     *[
         _case(f"mem_pp2_{schedule}_{mode}", "pp2", MULTI_STAGE, activation_checkpointing=mode,
               pipeline_schedule=schedule, micro_batches=4)

@@ -88,6 +88,9 @@ def test_every_option_against_the_baseline() -> None:
     options = {
         "none": {},
         "selective (ops)": {"checkpointing": checkpointing_config("selective", "ops")},
+        "selective (alternate matmuls)": {
+            "checkpointing": checkpointing_config("selective", "ops_alternate_matmuls")
+        },
         "selective (every 2nd block)": {"checkpointing": checkpointing_config("selective", 2)},
         "full": {"checkpointing": checkpointing_config("full", None)},
         "offload": {"offload": True},
@@ -109,6 +112,11 @@ def test_every_option_against_the_baseline() -> None:
     selective = held["selective (ops)"]
     assert selective.recompute_kept == 2 * (10 * B * T * C + B * HEADS * T) * F32
     assert selective.total == held["full"].total + selective.recompute_kept
+    # Every second projection matmul recomputed: of qkv, proj, fc and the MLP projection (the block's order),
+    # proj and the MLP projection (C each) are not kept; the attention kernel's outputs still are.
+    alternate = held["selective (alternate matmuls)"]
+    assert alternate.recompute_kept == 2 * (8 * B * T * C + B * HEADS * T) * F32
+    assert alternate.total == held["full"].total + alternate.recompute_kept
     assert held["selective (every 2nd block)"].total == outside_blocks_bytes() + B * T * C * F32 + per_block
     # Offload keeps the last block and what follows it (backward needs them first); the rest goes to the host.
     after_blocks = outside_blocks_bytes() - (B * T + T) * I64  # all but the embeddings' ids and positions
@@ -127,6 +135,7 @@ def test_every_option_against_the_baseline() -> None:
     [
         ("full", {"checkpointing": CheckpointingConfig("full")}),
         ("selective", {"checkpointing": CheckpointingConfig("selective", ops=True)}),
+        ("alternate", {"checkpointing": CheckpointingConfig("selective", ops=True, alternate_matmuls=True)}),
         ("every 2nd", {"checkpointing": CheckpointingConfig("selective", every=2)}),
         ("patterns", {"checkpointing": CheckpointingConfig("selective", patterns=("transformer.h.*.mlp",))}),
         ("offload", {"offload": True}),
@@ -351,3 +360,55 @@ def test_selective_kept_outputs_counted_without_op_output(monkeypatch: pytest.Mo
     assert held.recompute_kept == want.recompute_kept == 2 * (10 * B * T * C + B * HEADS * T) * F32
     assert held == want and loss == want_loss
     assert all(torch.equal(grads[name], grad) for name, grad in want_grads.items())
+
+
+def test_alternate_matmuls_recompute_every_second_projection() -> None:
+    """What backward runs again: under "ops" no matrix product, under "ops_alternate_matmuls" the attention's
+    exit projection of each block, once (the MLP projection, 4th, is not kept either, but nothing in backward
+    reads its output: torch's recomputation stops before it); the gradients stay bitwise equal (above)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RecomputedMatmuls(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if torch.is_grad_enabled() and torch._C._current_autograd_node() is not None:
+                self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm)
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for policy in ("ops", "ops_alternate_matmuls"):
+        model = gpt()
+        apply_activation_checkpointing(model, checkpointing_config("selective", policy), block_names(model))
+        x = torch.randint(V, (B, T), generator=torch.Generator().manual_seed(1))
+        with RecomputedMatmuls() as mode:
+            model(x).sum().backward()
+        counts[policy] = mode.count
+    assert counts == {"ops": 0, "ops_alternate_matmuls": 2}  # 2 blocks x the attention's exit projection
+
+
+@pytest.mark.parametrize("sees_output", [False, True], ids=["torch 2.11", "torch 2.13"])
+def test_alternate_matmuls_policy_counts_each_pass_apart(
+    monkeypatch: pytest.MonkeyPatch, sees_output: bool
+) -> None:
+    """2.11 asks the policy before each op (no ``op_output``), 2.13 after it (with it); both ask again while
+    recomputing. The passes count apart, and a region recomputed twice (zero-bubble schedules) starts again."""
+    from types import SimpleNamespace
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from lightning_parallel.memory import checkpointing
+
+    monkeypatch.setattr(checkpointing, "selective_policy_sees_output", lambda: sees_output)
+    mm, keep, recompute = (
+        torch.ops.aten.mm.default,
+        CheckpointPolicy.MUST_SAVE,
+        CheckpointPolicy.PREFER_RECOMPUTE,
+    )
+    output = {"op_output": torch.ones(2, 2)} if sees_output else {}
+    policy = checkpointing._AlternateMatmuls()
+    forward = [policy(SimpleNamespace(is_recompute=False, **output), mm) for _ in range(4)]
+    again = [policy(SimpleNamespace(is_recompute=True), mm) for _ in range(8)]
+    assert forward == [keep, recompute, keep, recompute] and again == forward + forward

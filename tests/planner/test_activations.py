@@ -52,3 +52,35 @@ def _count(family: str, precision: str, casts: CastSaver) -> SavedTensorCounter:
         logits = getattr(logits, "logits", logits)
         F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
     return counter
+
+
+@pytest.mark.parametrize("policy", ["ops", "ops_alternate_matmuls"])
+@pytest.mark.parametrize("family", ["recipe_gpt", "hf_llama"])
+def test_selective_recomputation_of_one_micro_batch(family: str, policy: str) -> None:
+    """The kept outputs of each selective policy against the count, in fp32: every matmul's (``ops``), every
+    second projection's (``ops_alternate_matmuls``: Llama's k, o, up; GPT's o and MLP projection not kept)."""
+    from lightning_parallel.config.arguments import checkpointing
+    from lightning_parallel.memory.checkpointing import apply_activation_checkpointing
+    from lightning_parallel.plans.detect import find_block_stack
+
+    torch.manual_seed(0)
+    module = build(family)
+    stack = find_block_stack(module)
+    assert stack is not None
+    names = [f"{stack.name}.{i}" for i in range(len(stack.blocks))]
+    apply_activation_checkpointing(module, checkpointing("selective", policy), names)
+    x, y = torch.randint(0, 128, (4, 32)), torch.randint(0, 128, (4, 32))
+    counter = SavedTensorCounter.for_module(module)
+    with saved_tensors_context(None, counter, None):
+        logits = module.model(x) if hasattr(module, "model") else module(x)
+        logits = getattr(logits, "logits", logits)
+        F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+    shape = describe(build(family))
+    layout = Layout(micro_batch_size=4, sequence_length=32, activation_checkpointing="selective",
+                    activation_checkpointing_policy=policy)  # fmt: skip
+    predicted = stage_activation_bytes(shape, layout, range(shape.num_layers), True, True).per_micro_batch
+    assert predicted == pytest.approx(counter.bytes.total, rel=0.05), (counter.bytes.as_dict(), predicted)
+    other = Layout(micro_batch_size=4, sequence_length=32, activation_checkpointing="selective",
+                   activation_checkpointing_policy="ops" if policy != "ops" else "ops_alternate_matmuls")  # fmt: skip
+    wrong = stage_activation_bytes(shape, other, range(shape.num_layers), True, True).per_micro_batch
+    assert wrong != pytest.approx(counter.bytes.total, rel=0.05)  # negative control: the other policy's terms
