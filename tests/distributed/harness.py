@@ -402,15 +402,16 @@ def precision_problems(result: Result, ref: Result) -> list[str]:
     asks for (tests/distributed/compute_dtype.py); ``16-mixed`` without a loss scale."""
     problems = compute_dtype_problems(result.compute_dtypes, ref.precision, f"{result.name!r}")
     problems += compute_dtype_problems(ref.compute_dtypes, ref.precision, f"the reference of {result.name!r}")
-    if (
-        ref.precision == "16-mixed"
-    ):  # the scales each run ended with: loss scaling engaged, steps skipped alike
-        scales = {
-            who: run.facts.get("loss_scale") for run, who in ((result, result.name), (ref, "reference"))
-        }
-        if None in scales.values() or 1.0 in scales.values() or len(set(scales.values())) != 1:
+    if ref.precision == "16-mixed":
+        # The scales each run ended with: loss scaling engaged, steps skipped alike. The reference starts at
+        # data_parallel times the run's scale (the same fp16 gradients: tests/distributed/worker.py).
+        replicas = max(result.data_parallel, 1)
+        scales = {result.name: result.facts.get("loss_scale"), "reference": ref.facts.get("loss_scale")}
+        run_scale, ref_scale = scales.values()
+        if None in scales.values() or 1.0 in scales.values() or run_scale * replicas != ref_scale:
             problems.append(
-                f"16-mixed loss scales {scales}: none, 1 (not engaged), or different (another step skipped)"
+                f"16-mixed loss scales {scales}: none, 1 (not engaged), or not {replicas} times the run's in the"
+                " reference (another step skipped)"
             )
     return problems
 

@@ -148,12 +148,14 @@ def test_assert_parity_catches(changes: dict, expected: str) -> None:
         assert_parity(_result(**changes), _result())
 
 
-def test_a_16_mixed_run_needs_its_loss_scale_engaged_and_equal_to_its_references() -> None:
+def test_a_16_mixed_run_needs_its_loss_scale_engaged_and_matching_its_references() -> None:
+    """The reference of a run over 2 replicas scales by 2 times the run's (the same fp16 gradients)."""
     fp16 = {"precision": "16-mixed", "compute_dtypes": {"forward.addmm.float16": 8}}
     assert_parity(
-        _result(**fp16, facts={"loss_scale": 1024.0}), _result(**fp16, facts={"loss_scale": 1024.0})
+        _result(**fp16, facts={"loss_scale": 1024.0}), _result(**fp16, facts={"loss_scale": 2048.0})
     )
-    for run, ref in [(None, 1024.0), (1.0, 1.0), (512.0, 1024.0)]:  # none, not engaged, a step skipped apart
+    # none, not engaged, the reference at the run's own scale or a step skipped apart
+    for run, ref in [(None, 2048.0), (1.0, 2.0), (1024.0, 1024.0), (512.0, 2048.0)]:
         with pytest.raises(AssertionError, match="16-mixed loss scales"):
             assert_parity(
                 _result(**fp16, facts={"loss_scale": run}), _result(**fp16, facts={"loss_scale": ref})

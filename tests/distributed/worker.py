@@ -318,13 +318,20 @@ class GradientFaultInjector(Callback):
                 param.grad.mul_(self.fault.factor)
 
 
-def _precision_kwargs(trainer_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+def _precision_kwargs(trainer_kwargs: Mapping[str, Any], data_parallel: int = 1) -> dict[str, Any]:
     """The case's ``Trainer`` arguments; ``precision="fp8"`` (not a Lightning flag) becomes the plugin, and
     ``"16-mixed"`` Lightning's ``MixedPrecision("16-mixed", "cpu")`` (fp16 autocast and a GradScaler on the
     CPU; the flag alone would become bf16-mixed there); the strategies convert it to their own.
 
     fp8 runs in torchao's emulation (fp8 rounding of the matmul inputs, the matmuls in higher
     precision): the same numerics as fp8 hardware up to the matmul's accumulation, on a CPU.
+
+    ``data_parallel``: a one-process reference of a run whose batch is split over that many replicas. Each
+    replica's loss is the mean over its share, so its per-token gradients are ``data_parallel`` times the
+    one process's (the replicas' mean is taken after backward). fp16 rounds those numbers apart where they
+    are tiny (subnormals: measured on ep2, layer 0's expert biases 80 fp16 units off after 4 steps, bitwise
+    equal after one step at the scale below); a loss scale ``data_parallel`` times the run's gives the
+    reference the very fp16 gradients each replica computes. Scaling is exact in either run.
     """
     kwargs = dict(trainer_kwargs)
     if kwargs.get("precision") == "16-mixed":  # Lightning would run bf16 on the CPU: fp16 autocast, scaled
@@ -334,7 +341,8 @@ def _precision_kwargs(trainer_kwargs: Mapping[str, Any]) -> dict[str, Any]:
         # No overflow in any run (a rank's half batch has twice the per-token gradients of one process's
         # whole batch: at 2**16 a rank overflowed where one process did not); doubling every 2 clean steps,
         # so the final scale shows that every step was checked and taken alike.
-        kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", **LOSS_SCALE))]
+        scale = {**LOSS_SCALE, "init_scale": LOSS_SCALE["init_scale"] * data_parallel}
+        kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", **scale))]
     if kwargs.get("precision") == "fp8":
         from tests.optional_packages import use_optional_packages
 
@@ -396,7 +404,8 @@ def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], 
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=True, deterministic=True, num_sanity_val_steps=0, callbacks=callbacks,
     )  # fmt: skip
-    trainer = L.Trainer(**{**trainer_kwargs, **_precision_kwargs(case.trainer_kwargs)})
+    precision = _precision_kwargs(case.trainer_kwargs, case.dp if reference else 1)
+    trainer = L.Trainer(**{**trainer_kwargs, **precision})
     if not reference and trainer.global_rank != int(env["RANK"]):
         raise RuntimeError(f"Trainer global_rank {trainer.global_rank} != RANK {env['RANK']}")
     group = dist.group.WORLD if dist.is_initialized() else None
