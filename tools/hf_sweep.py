@@ -43,6 +43,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "ep2": {"expert_parallel": 2},
 }
 STEPS = 3
+NOISE_FACTOR = 4  # a layout further from one process than this many times the control's spread is a mismatch
 PEER_LOST = re.compile(r"Connection (closed|reset) by peer|DistBackendError|gloo|Broken pipe|timed out", re.I)
 
 
@@ -130,9 +131,40 @@ def judge(result: Any, ref: Any) -> str:
     try:
         assert_parity(result, ref)
     except AssertionError as error:
-        problems = str(error).splitlines()[1:4]
-        return "failed: mismatch: " + " ".join(p.lstrip("- ") for p in problems)
+        problems = " ".join(p.lstrip("- ") for p in str(error).splitlines()[1:4])
+        if problems.startswith("not engaged"):  # it trained like one process, but the layout did not split it
+            return "failed: " + problems
+        return "failed: mismatch: " + problems
     return "parity"
+
+
+def largest_spread(got: Any, want: Any) -> float:
+    """The largest relative difference of two runs: per loss, and per parameter as the norm of the difference
+    over the reference's norm."""
+    losses = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got.losses, want.losses, strict=True)]
+    params = [float((got.params[n] - p).norm() / max(float(p.norm()), 1e-30)) for n, p in want.params.items()]
+    return max(losses + params)
+
+
+def with_noise_control(row: str, case: Any, result: Any, ref: Any, timeout_s: float) -> str:
+    """A mismatch, told apart from a family the fp32 rule cannot judge: the one-process run again with each
+    batch's samples in reverse order (the same sums in another order). Where that alone breaks the rule, the
+    tiny model amplifies rounding and the row says so, with both spreads, instead of a mismatch (unless the
+    layout is ``NOISE_FACTOR`` times further off than the control, or copies of one weight disagree)."""
+    from tests.distributed.harness import references
+
+    if "out of sync" in row:  # copies of one weight that disagree: wrong whatever the rounding
+        return row
+    control = case.replace(name=f"{case.name}~reversed", reversed_batches=True)
+    noise = references([control], timeout_s=timeout_s)[control.name]
+    if judge(noise, ref) == "parity" or largest_spread(result, ref) > NOISE_FACTOR * largest_spread(
+        noise, ref
+    ):
+        return row
+    return (
+        f"unjudged: the one-process run with only its samples' order reversed differs by up to"
+        f" {largest_spread(noise, ref):.2g} (relative), this layout by {largest_spread(result, ref):.2g}; {row}"
+    )
 
 
 def sweep_family(family: str, layouts: list[str], timeout_s: float) -> dict[str, str]:
@@ -154,6 +186,8 @@ def sweep_family(family: str, layouts: list[str], timeout_s: float) -> dict[str,
     for layout, case in zip(layouts, cases, strict=True):
         got = results.get(case.name, "failed: no result")
         rows[layout] = got if isinstance(got, str) else judge(got, refs[case.name])
+        if rows[layout].startswith("failed: mismatch") and not isinstance(got, str):
+            rows[layout] = with_noise_control(rows[layout], case, got, refs[case.name], timeout_s)
     return rows
 
 

@@ -8,7 +8,13 @@ so we run it once on a real batch (before anything is sharded) and watch:
 - which parameters outside the blocks feed the *first* block (embeddings: stage 0) and which
   feed the loss *after* the last block (final norm, head: last stage). Autograd answers this
   exactly, including weights used directly (``x @ self.wte.weight.T``) and weights tied
-  between the two ends (GPT's embedding and head), which then live on both end stages.
+  between the two ends (GPT's embedding and head), which then live on both end stages;
+- which parameters outside the blocks reach a block through its *other* arguments (a learned
+  relative-position bias or per-layer embeddings made once at model level and handed to every
+  block): they live on every stage whose blocks read them, each stage computes them as the
+  one-process model does, and their gradients are summed over those stages like a tied weight's;
+- whether a block's other arguments carry what an earlier block computed (keys and values shared
+  across layers): a cut between them would hand the later stage nothing, so it is refused.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_parallel.compat import tree_map_only
 from lightning_parallel.tensor_parallel.regions import find_hidden
 
 
@@ -87,6 +94,9 @@ class Discovery:
         default_factory=set
     )  # canonical names feeding the loss after the blocks
     other_parameters: set[str] = field(default_factory=set)  # outside the blocks, unused by the step
+    side_parameters: dict[int, set[str]] = field(
+        default_factory=dict
+    )  # block index -> canonical names reaching it through its arguments other than the hidden state
 
 
 class DiscoveryProbe:
@@ -111,6 +121,9 @@ class DiscoveryProbe:
         self.outside = [p for _, p in module.named_parameters() if id(p) not in block_param_ids]
         self.calls: list[int] = []
         self.seen: dict[str, Any] = {}
+        self.side_inputs: dict[
+            int, list[torch.Tensor]
+        ] = {}  # block index -> its other differentiable arguments
         self.result: Discovery | None = None
         self._handles: list[Any] = []
         self._frozen: list[nn.Parameter] = []
@@ -118,8 +131,11 @@ class DiscoveryProbe:
     def _pre_hook(self, index: int) -> Callable[..., Any]:
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self.calls.append(index)
+            hidden = find_hidden(args, kwargs)[1]
             if index == 0 and "first_input" not in self.seen:
-                self.seen["first_input"] = find_hidden(args, kwargs)[1]
+                self.seen["first_input"] = hidden
+            if index not in self.side_inputs:
+                self.side_inputs[index] = _other_tensors((args, kwargs), hidden)
 
         return hook
 
@@ -170,15 +186,41 @@ class DiscoveryProbe:
             template=self.seen["template"],
         )
         param_names = {id(p): n for n, p in self.module.named_parameters()}
+        side = self._side_parameters()
         for param, is_pre, is_post in zip(outside, pre, post, strict=True):
             name = param_names[id(param)]
             if is_pre:
                 result.pre_parameters.add(name)
             if is_post:
                 result.post_parameters.add(name)
-            if not (is_pre or is_post):
+            if not (is_pre or is_post or any(name in names for names in side.values())):
                 result.other_parameters.add(name)
+        result.side_parameters = side
         self.result = result
+
+    def _side_parameters(self) -> dict[int, set[str]]:
+        """Per block, the parameters outside the blocks its other arguments depend on; refused where those
+        arguments depend on an earlier block's parameters (state one block hands a later one)."""
+        param_names = {id(p): n for n, p in self.module.named_parameters()}
+        out: dict[int, set[str]] = {}
+        for index, tensors in sorted(self.side_inputs.items()):
+            if not tensors:
+                continue
+            total = sum(t.float().sum() for t in tensors)
+            earlier = [p for block in self.blocks[:index] for p in block.parameters()]
+            if any(_reached(total, earlier)):
+                raise PipelineSetupError(
+                    f"Block {self.block_names[index]} receives, besides the hidden state, a tensor computed by an"
+                    " earlier block (keys and values shared across layers, or another state one layer hands a"
+                    " later one). Pipeline stages pass on only the hidden state, so a cut between them would"
+                    " lose it. Use pipeline_parallel=1 for this model (tensor, expert and data parallelism and"
+                    " ZeRO apply)."
+                )
+            reached = _reached(total, self.outside)
+            names = {param_names[id(p)] for p, hit in zip(self.outside, reached, strict=True) if hit}
+            if names:
+                out[index] = names
+        return out
 
 
 def discover(
@@ -194,6 +236,20 @@ def discover(
         probe.detach()
     assert probe.result is not None
     return probe.result
+
+
+def _other_tensors(arguments: Any, hidden: torch.Tensor) -> list[torch.Tensor]:
+    """The differentiable tensors among a block's arguments, the hidden state aside (also inside
+    containers: a dict of per-layer states, a cache object's lists are not searched)."""
+    found: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        if t is not hidden and t.requires_grad and t.is_floating_point():
+            found.append(t)
+        return t
+
+    tree_map_only(torch.Tensor, keep, arguments)
+    return found
 
 
 def _reached(output: torch.Tensor, params: list[nn.Parameter]) -> list[bool]:

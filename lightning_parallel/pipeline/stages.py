@@ -84,6 +84,9 @@ class StageLayout:
             out.setdefault(pname, set()).add(0)
         for pname in d.post_parameters:
             out.setdefault(pname, set()).add(last)
+        for index, pnames in d.side_parameters.items():  # made at model level, read by these blocks
+            for pname in pnames:
+                out.setdefault(pname, set()).add(layout.stage_of_block(index))
         return layout
 
     def tied_across_ranks(self) -> dict[str, tuple[int, ...]]:

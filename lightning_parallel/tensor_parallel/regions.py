@@ -64,22 +64,33 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return wait() if callable(wait) else local
 
 
-def local_heads(value: Any, batch: int, heads: int, tensor_parallel: int, rank: int) -> Any:
+def local_heads(value: Any, batch: int, heads: int, mesh: DeviceMesh) -> Any:
     """``value`` cut to this rank's block of heads when it carries one entry per head, else as it is.
 
-    Attention biases made once at model level and handed to every block (Bloom's, MPT's ALiBi) come as
-    ``(batch * heads, ...)`` or ``(batch or 1, heads, ...)``; under tensor parallelism the block holds
-    ``heads / tensor_parallel`` of the heads, the ``rank``-th contiguous block of them.
+    Attention biases made once at model level and handed to every block (Bloom's, MPT's ALiBi, CPM-Ant's
+    learned relative-position bias) come as ``(batch * heads, ...)`` or ``(batch or 1, heads, ...)``; under
+    tensor parallelism the block holds ``heads / tensor_parallel`` of the heads, the rank's contiguous block of
+    them. A learned bias gets from each rank the gradient of its heads only: the cut's backward gathers the
+    ranks' pieces, so the model-level weights that made it get the whole gradient on every rank.
     """
     if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.dim() < 2:
         return value
-    size = heads // tensor_parallel
     if heads > 1 and value.shape[0] == batch * heads:
-        grouped = value.view(batch, heads, *value.shape[1:])
-        return grouped.narrow(1, rank * size, size).reshape(batch * size, *value.shape[1:])
+        grouped = _heads_of(value.view(batch, heads, *value.shape[1:]), heads, mesh)
+        return grouped.reshape(-1, *value.shape[1:])
     if value.dim() >= 3 and value.shape[1] == heads and value.shape[0] in (1, batch):
-        return value.narrow(1, rank * size, size)
+        return _heads_of(value, heads, mesh)
     return value
+
+
+def _heads_of(value: torch.Tensor, heads: int, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's block of ``value``'s dimension 1; its backward all-gathers the blocks when ``value`` needs a
+    gradient (a replicated tensor redistributed to a shard: torch's own backward of that is the gather)."""
+    if not value.requires_grad:
+        size = heads // mesh.size()
+        return value.narrow(1, mesh.get_local_rank() * size, size)
+    replicated = DTensor.from_local(value, mesh, [Replicate()], run_check=False)
+    return replicated.redistribute(mesh, [Shard(1)]).to_local()
 
 
 def install_container_hooks(
@@ -100,7 +111,7 @@ def install_container_hooks(
 
     def cut_heads(args: tuple[Any, ...], kwargs: dict[str, Any], where: str | int, batch: int) -> Any:
         def cut(value: Any) -> Any:
-            return local_heads(value, batch, slice_heads, mesh.size(), rank)
+            return local_heads(value, batch, slice_heads, mesh)
 
         args = tuple(a if i == where else cut(a) for i, a in enumerate(args))
         return args, {k: v if k == where else cut(v) for k, v in kwargs.items()}

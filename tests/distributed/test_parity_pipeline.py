@@ -50,6 +50,14 @@ TWO = [
     _case("pp2_boundaries_nanogpt", "nanogpt", plan={"pipeline_boundaries": [1]}),
     # The step returns a dict with "loss" and more (Lightning allows it): the schedule takes the loss.
     _case("pp2_dict_output_recipe_gpt", "recipe_gpt_dict", pipeline_schedule="1f1b"),
+    # Per-layer embeddings made at model level and read by every block (Gemma 3n's and 4's kind): the weights
+    # live on both stages, each computes them, their gradients are summed (tests/pipeline/test_stages.py).
+    _case(
+        "pp2_per_layer_inputs",
+        "per_layer_inputs",
+        pipeline_schedule="interleaved_1f1b",
+        pipeline_virtual_stages=2,
+    ),
 ]
 BF16 = [
     _case(

@@ -151,6 +151,12 @@ def _hf_tiny(model_type: str, **overrides: Any) -> L.LightningModule:
     return HFTinyModule(model_type, **{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
 
 
+def _per_layer_inputs(**overrides: Any) -> L.LightningModule:
+    from tests.models.per_layer_inputs import PerLayerInputsModule
+
+    return PerLayerInputsModule(**{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
+
+
 def _recipe_gpt_dict(**overrides: Any) -> L.LightningModule:
     """The GPT recipe whose step returns a dict (``{"loss": ..., "tokens": ...}``), as Lightning allows."""
     model = _recipe_gpt(**overrides)
@@ -176,6 +182,7 @@ FAMILIES: dict[str, Callable[..., L.LightningModule]] = {
     "recipe_moe": _recipe_moe,
     "hf_mixtral_aux": _hf_mixtral_aux,
     "hf_tiny": _hf_tiny,
+    "per_layer_inputs": _per_layer_inputs,
     **_zoo_families(),
 }
 

@@ -176,3 +176,39 @@ def test_a_training_step_s_outputs_are_not_kept_per_micro_batch(training: bool) 
     )
     PipelineRunner.run_stage(runner, 0, None, 0)  # type: ignore[arg-type]
     assert (ctx.outputs == {}) is training
+
+
+def test_weights_that_make_every_block_s_inputs_live_on_every_stage_and_sum_their_gradients() -> None:
+    torch.manual_seed(0)
+    model = _quiet(FAMILIES["per_layer_inputs"]())
+    batch = _batch()
+    layout = _layout(model, batch, "1f1b", 2, 1)
+    assert layout.discovery.side_parameters == {i: {"model.per_layer.weight"} for i in range(4)}
+    assert layout.tied_across_ranks() == {"model.per_layer.weight": (0, 1)}
+    loss, grads = _chain(model, batch, "1f1b", 2, 1)
+    reference = model.training_step(batch, 0)
+    model.zero_grad()
+    reference.backward()
+    torch.testing.assert_close(loss, reference.detach())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_negative_control_without_them_the_later_stage_reads_a_zero_placeholder(monkeypatch: Any) -> None:
+    from lightning_parallel.pipeline.discover import DiscoveryProbe
+
+    monkeypatch.setattr(DiscoveryProbe, "_side_parameters", lambda self: {})
+    torch.manual_seed(0)
+    model = _quiet(FAMILIES["per_layer_inputs"]())
+    batch = _batch()
+    loss, _ = _chain(model, batch, "1f1b", 2, 1)
+    assert not torch.allclose(loss, model.training_step(batch, 0).detach(), rtol=1e-5)
+
+
+def test_a_block_reading_what_an_earlier_block_computed_is_refused() -> None:
+    model = _quiet(FAMILIES["per_layer_inputs"](share_state=True))
+    batch = _batch()
+    with pytest.raises(
+        PipelineSetupError, match=r"Block model\.blocks\.1 receives, besides the hidden state, a tensor"
+    ):
+        discover(model, find_block_names(model), lambda: model.training_step(batch, 0))

@@ -1,0 +1,69 @@
+"""A model whose blocks read, besides the hidden state, inputs made once at model level from weights outside
+the blocks (Gemma 3n's and 4's per-layer embeddings; CPM-Ant's learned position bias is the same kind): under
+pipeline parallelism those weights live on every stage that reads them, and their gradients are summed.
+
+``share_state=True`` instead hands each block, through a dict, what the block before it computed (keys and
+values shared across layers): pipeline stages pass on only the hidden state, so that model is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.models.optim import parity_optimizer
+
+
+class SideInputBlock(nn.Module):
+    def __init__(self, width: int, side: int) -> None:
+        super().__init__()
+        self.mix, self.side = nn.Linear(width, width), nn.Linear(side, width)
+
+    def forward(
+        self, hidden: torch.Tensor, per_layer: torch.Tensor, shared: dict | None = None
+    ) -> torch.Tensor:
+        out = hidden + torch.tanh(self.mix(hidden)) + self.side(per_layer)
+        if shared is not None:
+            if "kv" in shared:
+                out = out + shared["kv"]
+            shared["kv"] = self.mix(hidden)
+        return out
+
+
+class PerLayerInputs(nn.Module):
+    def __init__(self, vocab: int, layers: int, width: int, side: int = 4, share_state: bool = False) -> None:
+        super().__init__()
+        self.embed, self.per_layer = nn.Embedding(vocab, width), nn.Embedding(vocab, layers * side)
+        self.blocks = nn.ModuleList(SideInputBlock(width, side) for _ in range(layers))
+        self.head, self.side, self.share_state = nn.Linear(width, vocab), side, share_state
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(ids)
+        per_layer = self.per_layer(ids).view(*ids.shape, len(self.blocks), self.side)
+        shared: dict | None = {} if self.share_state else None
+        for index, block in enumerate(self.blocks):
+            hidden = block(hidden, per_layer[:, :, index], shared=shared)
+        return self.head(hidden)
+
+
+class PerLayerInputsModule(L.LightningModule):
+    def __init__(
+        self, vocab_size: int = 128, block_size: int = 32, n_layer: int = 4, n_embd: int = 16,
+        share_state: bool = False, learning_rate: float | None = None, optimizer: str = "sgd",
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = PerLayerInputs(vocab_size, n_layer, n_embd, share_state=share_state)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return parity_optimizer(self.parameters(), self.hparams.optimizer, self.hparams.learning_rate)
