@@ -17,7 +17,7 @@ MESSAGE_CHARS = 240
 
 def kind(row: str | None) -> str:
     """``parity``, ``refused``, ``mismatch`` (trained, but not like one process), ``unjudged`` (the one-process
-    run itself moves beyond the fp32 rule when only its summation order changes), ``failed`` or ``""``."""
+    fp32 run is itself further than the rule from float64), ``failed`` or ``""``."""
     if not row:
         return ""
     if row == "parity":
@@ -64,8 +64,8 @@ def render(data: dict[str, Any]) -> list[str]:
         " mixes, vocabulary 128, no dropout, eager attention), 3 SGD steps in one process and in two: ✓ fp32"
         " parity (losses within 1e-5 per step, every final parameter), ✗ R refused at setup with the message"
         " below, ✗ F failed (error below), ✗ **M** trained but did not match (a silent mismatch), ? not judged:"
-        " the one-process run, with only the order of each batch's samples reversed, already differs beyond the"
-        " fp32 rule (the tiny model amplifies rounding; both spreads are in the message); `ep2` (expert"
+        " the one-process fp32 run is itself further than the rule from the same run in float64 (the tiny model"
+        " amplifies rounding; both spreads are in the message); `ep2` (expert"
         " parallelism over both data-parallel ranks) only for families with experts. Families that need"
         " `trust_remote_code` are not in the mapping, so not here.",
         "",

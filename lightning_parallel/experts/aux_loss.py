@@ -81,6 +81,9 @@ class AuxLossCollector:
         coef: Weight of the load-balancing loss of foreign blocks.
         z_loss_coef: Weight of the router z-loss of foreign blocks.
         token_group: Count routing over this group's global batch (the data-parallel group).
+        sequence_group: Under sequence parallelism, the tensor-parallel ranks, each routing its slice of the
+            sequence: counted with ``token_group``, and since their gradients are summed (not averaged)
+            each injects its share divided by their number.
         mode: ``"loss"``: ``add_to_loss`` adds them; ``"backward"``: injected into each block's
             backward with ``grad_scale``.
 
@@ -94,6 +97,7 @@ class AuxLossCollector:
         z_loss_coef: float = 0.0,
         token_group: ProcessGroup | None = None,
         mode: Literal["loss", "backward"] = "loss",
+        sequence_group: ProcessGroup | None = None,
     ) -> None:
         if mode not in ("loss", "backward"):
             raise ValueError(f"AuxLossCollector: `mode={mode!r}` must be 'loss' or 'backward'.")
@@ -104,6 +108,7 @@ class AuxLossCollector:
             )
         self.coef, self.z_loss_coef, self.mode = coef, z_loss_coef, mode
         self.token_group = token_group if group_size(token_group) > 1 else None
+        self.sequence_group = sequence_group if group_size(sequence_group) > 1 else None
         self.grad_scale: float | torch.Tensor = 1.0
         # backward mode: the (detached) weighted losses injected since ``reset``, for reporting
         self.injected: list[torch.Tensor] = []
@@ -136,9 +141,10 @@ class AuxLossCollector:
             # backward mode: attach to an output that the block's combine step differentiates
             # (HF routers return (logits, weights, indices) and the block discards the logits)
             self.injected.append(loss.detach().reshape(()))
+            scale = self.grad_scale / group_size(self.sequence_group)  # summed over the sequence's ranks
             if isinstance(output, tuple) and len(output) >= 2:
-                return (output[0], _InjectAuxGrad.apply(output[1], loss, self.grad_scale), *output[2:])
-            return _InjectAuxGrad.apply(output, loss, self.grad_scale)
+                return (output[0], _InjectAuxGrad.apply(output[1], loss, scale), *output[2:])
+            return _InjectAuxGrad.apply(output, loss, scale)
 
         return hook
 
@@ -146,8 +152,8 @@ class AuxLossCollector:
         routing = route_topk(logits_NE.detach(), top_k)
         probs_NE = torch.softmax(logits_NE.float(), dim=-1)
         counts_E = count_values(routing.experts_NK, logits_NE.shape[-1])
-        counts_E = sum_over_group(counts_E, self.token_group)
-        replicas = group_size(self.token_group)
+        counts_E = sum_over_group(sum_over_group(counts_E, self.token_group), self.sequence_group)
+        replicas = group_size(self.token_group) * group_size(self.sequence_group)
         total = logits_NE.shape[0] if replicas == 1 else int(counts_E.sum()) // top_k
         aux = load_balancing_loss(probs_NE, counts_E, total, top_k, replicas)
         loss = self.coef * aux
@@ -191,7 +197,8 @@ class AuxLossCollector:
         """
         if not self.injected:
             return output
-        extra = report_group_mean(torch.stack(self.injected).sum(), self.token_group)
+        share = report_group_mean(torch.stack(self.injected).sum(), self.token_group)
+        extra = report_group_mean(share, self.sequence_group)
         if isinstance(output, torch.Tensor):
             return output + extra.to(output.dtype).detach()
         if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):

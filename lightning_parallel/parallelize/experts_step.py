@@ -31,7 +31,11 @@ class ExpertState:
 
 
 def apply_experts(
-    module: nn.Module, config: ExpertConfig, dims: ParallelDims, mesh: DeviceMesh
+    module: nn.Module,
+    config: ExpertConfig,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    sequence_parallel: bool = False,
 ) -> ExpertState:
     """Shard the experts of every MoE block this rank holds; set up the auxiliary-loss collector."""
     state = ExpertState()
@@ -53,8 +57,10 @@ def apply_experts(
     own_layers = dims.pp_enabled and any(b.kind == "lightning_parallel" for b in moe_blocks)
     if moe_blocks and (config.aux_loss_coef is not None or own_layers):
         group = mesh["dp"].get_group() if mesh["dp"].size() > 1 else None
+        # under sequence parallelism each tp rank routes its own slice of the sequence (plans/auto.py)
+        sequence = mesh["tp"].get_group() if sequence_parallel and dims.tp_enabled else None
         state.aux_losses = AuxLossCollector(
             module, coef=config.aux_loss_coef or 0.0, z_loss_coef=config.z_loss_coef, token_group=group,
-            mode="backward",
+            mode="backward", sequence_group=sequence,
         )  # fmt: skip
     return state

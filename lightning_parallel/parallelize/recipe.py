@@ -92,7 +92,7 @@ def parallelize(
     if context is not None:
         context_parallel_step.verify(module, context, blocks, captured, dims.tensor_parallel)
     cut = pipeline_step.cut_pipeline(module, layout, config.pipeline, mesh) if layout is not None else None
-    experts = apply_experts(module, config.experts, dims, mesh)
+    experts = apply_experts(module, config.experts, dims, mesh, plan is not None and plan.sequence_parallel)
     result = Parallelized(dims.layout, blocks, plan=plan, experts=experts, context=context)
     if (
         context is not None

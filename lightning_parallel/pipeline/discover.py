@@ -121,9 +121,8 @@ class DiscoveryProbe:
         self.outside = [p for _, p in module.named_parameters() if id(p) not in block_param_ids]
         self.calls: list[int] = []
         self.seen: dict[str, Any] = {}
-        self.side_inputs: dict[
-            int, list[torch.Tensor]
-        ] = {}  # block index -> its other differentiable arguments
+        # block index -> its other differentiable arguments
+        self.side_inputs: dict[int, list[torch.Tensor]] = {}
         self.result: Discovery | None = None
         self._handles: list[Any] = []
         self._frozen: list[nn.Parameter] = []

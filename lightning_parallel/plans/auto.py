@@ -43,6 +43,7 @@ from lightning_parallel.plans.detect import (
     sequence_mixer,
 )
 from lightning_parallel.tensor_parallel.norm_styles import GatheredNorm
+from lightning_parallel.tensor_parallel.param_styles import LocalParameters
 from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
 from lightning_parallel.tensor_parallel.styles import ColwiseProjection, RowwiseProjection, projection_dims
 
@@ -173,18 +174,44 @@ def plan_mlp(full_name: str, cand: ContainerCandidate, tp: int, sp: bool) -> tup
     return container, styles
 
 
-def _refuse_experts_under_sequence_parallelism(blocks: nn.ModuleList, names: list[str]) -> None:
-    """MoE blocks are not tensor-parallel (their experts are replicated over ``tp``); under sequence parallelism
-    each rank would route and train them on its slice of the sequence only (gradients partial over ``tp``)."""
-    for name, block in zip(names, blocks, strict=True):
-        found = find_moe_blocks(block)
-        if found:
-            raise ValueError(
-                f"`sequence_parallel=True` with the Mixture-of-Experts block `{join(name, found[0].name)}`: MoE"
-                " blocks are not tensor-parallel, and under sequence parallelism each rank would route only its"
-                " slice of the sequence through them. Use sequence_parallel=False (tensor parallelism still shards"
-                " the attention), and `expert_parallel=` to spread the experts."
+def _experts_on_sequence_shards(plan: ParallelPlan, blocks: nn.ModuleList, names: list[str]) -> list[str]:
+    """Under sequence parallelism each rank routes its own slice of the sequence through the MoE blocks, whose
+    router and experts stay whole on every tensor-parallel rank (Megatron's expert tensor parallelism of 1:
+    the tp ranks are more token shards for the experts). Routing is per token, so each token meets the
+    experts it meets in one process; the weights' gradients, each rank's tokens' share, are summed over
+    ``tp`` (``LocalParameters``: a ``Partial`` gradient). Shared experts planned as MLPs keep their styles.
+    Returns the MoE blocks' names."""
+    found = []
+    for block_name, block in zip(names, blocks, strict=True):
+        for info in find_moe_blocks(block):
+            moe = join(block_name, info.name)
+            if info.kind == "lightning_parallel":
+                raise ValueError(
+                    f"`sequence_parallel=True` with the MoE layer `{moe}`: this library's MoE counts expert capacity"
+                    " and its auxiliary loss over the tokens it sees, which under sequence parallelism would be each"
+                    " rank's slice of the sequence. Use sequence_parallel=False (tensor parallelism still splits"
+                    " the attention), or expert_parallel= with data parallelism."
+                )
+            found.append(moe)
+            planned = [c.name for c in plan.containers] + list(plan.styles)
+            for sub_name, sub in info.block.named_modules():
+                full = join(moe, sub_name)
+                if any(full == p or full.startswith(p + ".") for p in planned):
+                    continue
+                dims: dict[str, int | None] = {n: None for n, _ in sub.named_parameters(recurse=False)}
+                if dims:
+                    plan.styles[full] = LocalParameters(dims)
+            plan.notes.append(
+                f"{moe}: experts and router whole on every tp rank, each routing its sequence slice"
             )
+    return found
+
+
+def _adds_its_own_aux_loss(model: nn.Module) -> bool:
+    """A Hugging Face MoE model set to add its routers' load-balancing loss to the loss it returns."""
+    return any(
+        getattr(getattr(m, "config", None), "output_router_logits", False) is True for m in model.modules()
+    )
 
 
 def _model_width(model: nn.Module, stack: str) -> int | None:
@@ -228,8 +255,6 @@ def auto_plan(model: nn.Module, tensor_parallel: int, sequence_parallel: bool) -
         )
     plan.block_list = stack.name
     plan.block_names = stack.names
-    if sp:
-        _refuse_experts_under_sequence_parallelism(stack.blocks, stack.names)
     width = _model_width(model, stack.name)
     replicated: list[tuple[str, str]] = []  # (module, why): what tensor parallelism leaves whole
     for index, block in enumerate(stack.blocks):
@@ -259,6 +284,19 @@ def auto_plan(model: nn.Module, tensor_parallel: int, sequence_parallel: bool) -
             for norm in norms_in(block, {c.name for c in candidates}):
                 plan.norms.append(join(block_name, norm))
                 plan.styles[join(block_name, norm)] = SequenceParallel(use_local_output=True)
+    if sp:  # the MoE blocks run whole on each rank's slice of the sequence: not left replicated
+        moe = _experts_on_sequence_shards(plan, stack.blocks, plan.block_names)
+        if moe and _adds_its_own_aux_loss(model):
+            raise ValueError(
+                f"`sequence_parallel=True` with the Mixture-of-Experts block `{moe[0]}`: the model adds its own"
+                " router auxiliary loss (config.output_router_logits=True), which under sequence parallelism each"
+                " rank would compute from its slice of the sequence only. Set output_router_logits=False and pass"
+                " `moe_aux_loss_coef=` to the strategy (it counts routing over the whole batch), or use"
+                " sequence_parallel=False."
+            )
+        replicated = [
+            (n, why) for n, why in replicated if not any(n == m or n.startswith(m + ".") for m in moe)
+        ]
     _check_replicated(model, plan, replicated)
     embedding = find_token_embedding(model, stack.name)
     if embedding is not None:

@@ -123,7 +123,9 @@ def install_container_hooks(
         if isinstance(hidden, DTensor):
             shared = hidden.redistribute(mesh, [Replicate()])
         else:
-            shared = DTensor.from_local(hidden, mesh, [input_placement], run_check=False)
+            # tokens flattened to (tokens, width) (an MoE's shared expert): the sequence shards are along dim 0
+            placement = Shard(0) if sequence_parallel and hidden.dim() == 2 else input_placement
+            shared = DTensor.from_local(hidden, mesh, [placement], run_check=False)
             if sequence_parallel:
                 shared = shared.redistribute(mesh, [Replicate()])
         body_input = _local(shared)

@@ -172,7 +172,20 @@ class ColwiseProjection(ColwiseParallel):
 
 
 class RowwiseProjection(RowwiseParallel):
-    """Row parallelism for ``nn.Linear`` and ``Conv1D`` (Conv1D's input dim is its weight's dim 0)."""
+    """Row parallelism for ``nn.Linear`` and ``Conv1D`` (Conv1D's input dim is its weight's dim 0).
+
+    Under sequence parallelism the output is scattered along the sequence, dimension 1 of ``(batch, seq,
+    width)``; an MLP that runs on the tokens flattened to ``(tokens, width)`` (a shared expert inside an MoE
+    block) has its sequence shards along dimension 0, and gets them back there."""
+
+    @staticmethod
+    def _prepare_output_fn(
+        output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: DTensor, device_mesh: DeviceMesh
+    ) -> Any:
+        layouts = tuple(output_layouts) if isinstance(output_layouts, (tuple, list)) else (output_layouts,)
+        if outputs.dim() == 2 and layouts == (Shard(1),):
+            layouts = (Shard(0),)
+        return RowwiseParallel._prepare_output_fn(layouts, use_local_output, mod, outputs, device_mesh)
 
     def _partition_conv1d_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         placements = {name: Shard(dim) for name, dim in sharded_dims(module, self).items()}

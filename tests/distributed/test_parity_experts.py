@@ -53,6 +53,21 @@ TWO = [
     # GPT-OSS: per-expert biases (E, F) beside the stacked weights, sliced with them (were kept whole: each
     # ep rank read expert 0's bias rows; measured 2.5e-3 off at the first step).
     _case("ep2_hf_gpt_oss", "hf_gpt_oss", 2),
+    # Sequence parallelism over MoE blocks (ep=1): each tp rank routes its slice of the sequence through whole
+    # experts, their gradients summed over tp; the strategy's aux loss counts routing over the whole batch.
+    *[
+        hybrid(
+            f"tp2_sp_{f}",
+            f,
+            world_size=2,
+            tensor_parallel=2,
+            sequence_parallel=True,
+            timeout=60,
+            case_fields=FIELDS,
+            **(AUX if f.endswith("_aux") else {}),
+        )
+        for f in ("hf_mixtral", "hf_mixtral_aux")
+    ],
 ]
 # Capacity large enough to drop no token: the measuring run (tests/distributed/tolerance.py) splits
 # each batch, and capacity applies per batch, so with drops it would change routing, not only rounding.

@@ -382,3 +382,52 @@ def test_printing_the_plan_with_parameter_sizes() -> None:
     plan = auto_plan(recipe_gpt(), 2, False)
     plan.parameter_shards = {"a": (100, 50, 4), "b": (28, 28, 4)}
     assert "parameters per rank: 312 B of 512 B unsharded (60.9%)" in str(plan)
+
+
+# ---- Mixture-of-Experts blocks under sequence parallelism --------------------------------------
+
+
+def _qwen2_moe(**overrides: object) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.tiny_configs import tiny_config
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config("qwen2_moe", **overrides))
+
+
+def test_moe_blocks_route_each_rank_s_sequence_slice_with_summed_gradients() -> None:
+    from lightning_parallel.tensor_parallel.param_styles import LocalParameters
+
+    plan = auto_plan(_qwen2_moe(), 2, True)
+    mlp = "model.layers.0.mlp"
+    # router and experts whole on every tp rank, their gradients summed over tp (Partial)
+    for name in (f"{mlp}.gate", f"{mlp}.experts", f"{mlp}.shared_expert_gate"):
+        assert isinstance(plan.styles[name], LocalParameters) and set(plan.styles[name].dims.values()) == {
+            None
+        }
+    # the shared expert is an MLP like any other: column then row parallel
+    assert isinstance(plan.styles[f"{mlp}.shared_expert.gate_proj"], ColwiseProjection)
+    assert isinstance(plan.styles[f"{mlp}.shared_expert.down_proj"], RowwiseProjection)
+    # negative control: without sequence parallelism the experts see the whole sequence and stay plain
+    assert f"{mlp}.experts" not in auto_plan(_qwen2_moe(), 2, False).styles
+
+
+def test_a_model_adding_its_own_router_loss_is_refused_under_sequence_parallelism() -> None:
+    with pytest.raises(ValueError, match=r"output_router_logits=True.*moe_aux_loss_coef="):
+        auto_plan(_qwen2_moe(output_router_logits=True), 2, True)
+    auto_plan(
+        _qwen2_moe(output_router_logits=True), 2, False
+    )  # whole sequence on every rank: its loss is right
+
+
+def test_this_library_s_moe_layer_is_refused_under_sequence_parallelism() -> None:
+    from recipes.moe.model import MoEGPT, MoEGPTConfig
+
+    torch.manual_seed(0)
+    model = MoEGPT(MoEGPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64, num_experts=4))
+    with pytest.raises(
+        ValueError, match=r"this library's MoE counts expert capacity.*sequence_parallel=False"
+    ):
+        auto_plan(model, 2, True)
+    auto_plan(model, 2, False)
