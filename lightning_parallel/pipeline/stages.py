@@ -15,6 +15,7 @@ The user's forward runs unchanged on every stage, from its first line, once per 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,18 +38,53 @@ class StageExit(Exception):  # noqa: N818 - control flow, not an error
 
 
 class SkippedBlock(nn.Module):
-    """Stands in for a block held by another rank: returns the hidden state it was given."""
+    """Stands in for a block held by another rank: returns the hidden state it was given.
 
-    def __init__(self, name: str, template: OutputTemplate) -> None:
+    Model-level code may read a block's attributes while it loops over the blocks (Nemotron-H's
+    ``layer.block_type``, RecurrentGemma's ``layer.temporal_block``, a layer's attention type): those reads
+    answer from a copy of the block on the meta device (no memory; never registered, so its weights are not
+    this module's)."""
+
+    def __init__(self, name: str, template: OutputTemplate, block: nn.Module | None = None) -> None:
         super().__init__()
         self.held_elsewhere = name
         self.template = template
+        if block is not None:
+            self.__dict__["_lp_shadow"] = _meta_copy(block)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            shadow = self.__dict__.get("_lp_shadow")
+            if shadow is None or name.startswith("__"):
+                raise
+            return getattr(shadow, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.template.build(find_hidden(args, kwargs)[1])
 
     def extra_repr(self) -> str:
         return f"{self.held_elsewhere!r} runs on another pipeline stage"
+
+
+def _meta_copy(block: nn.Module) -> nn.Module | None:
+    """``block`` copied with every tensor it holds (weights, buffers, tensor attributes) on the meta device;
+    None where a copy cannot be made (then attribute reads fail as they would have)."""
+    memo: dict[int, Any] = {}
+    for module in block.modules():
+        held = [*module._parameters.values(), *module._buffers.values()]
+        held += [v for v in module.__dict__.values() if isinstance(v, torch.Tensor)]
+        for tensor in held:
+            if tensor is not None and id(tensor) not in memo:
+                meta = torch.empty_like(tensor, device="meta")
+                memo[id(tensor)] = (
+                    nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+                )
+    try:
+        return copy.deepcopy(block, memo)
+    except (RuntimeError, TypeError):
+        return None
 
 
 @dataclass
@@ -128,7 +164,7 @@ def cut_into_stages(
         if stage not in my_stages:
             parent_name, _, child = name.rpartition(".")
             parent = module.get_submodule(parent_name) if parent_name else module
-            setattr(parent, child, SkippedBlock(name, d.template))
+            setattr(parent, child, SkippedBlock(name, d.template, module.get_submodule(name)))
         elif len(my_stages) > 1:
             _gate(module.get_submodule(name), stage, d.template, runtime)
     for stage in my_stages:
@@ -168,7 +204,8 @@ def _injector(stage: int, runtime: StageRuntime) -> Any:
 def _exiter(stage: int, runtime: StageRuntime) -> Any:
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         if runtime.active_stage == stage:
-            raise StageExit(OutputTemplate.hidden_of(output))
+            # contiguous: a point-to-point send needs it (a hidden state made by a transpose keeps its strides)
+            raise StageExit(OutputTemplate.hidden_of(output).contiguous())
 
     return hook
 

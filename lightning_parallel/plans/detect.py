@@ -81,18 +81,24 @@ def _numel(module: nn.Module) -> int:
 
 
 def find_block_stack(model: nn.Module) -> BlockStack | None:
-    """The repeated layer list: the ``ModuleList`` of same-class children holding most parameters."""
+    """The repeated layer list: the ``ModuleList`` of same-class children holding most parameters; failing
+    that, a hybrid stack (Jamba's attention and Mamba layers, Zamba's): the ``ModuleList`` of several layer
+    classes holding most parameters, when it holds most of the model's (each of its layers still takes and
+    returns the hidden state: the pipeline's discovery checks that every one is called once, in order)."""
     best: BlockStack | None = None
-    best_size = 0
+    hybrid: BlockStack | None = None
+    best_size = hybrid_size = 0
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
-        classes = {type(child) for child in module}
-        if len(classes) != 1:
-            continue
         size = _numel(module)
-        if size > best_size:
-            best, best_size = BlockStack(name, module), size
+        if len({type(child) for child in module}) == 1:
+            if size > best_size:
+                best, best_size = BlockStack(name, module), size
+        elif len(module) >= 2 and size > hybrid_size:
+            hybrid, hybrid_size = BlockStack(name, module), size
+    if hybrid is not None and hybrid_size > max(best_size, _numel(model) / 2):
+        return hybrid
     return best
 
 

@@ -58,6 +58,10 @@ TWO = [
         pipeline_schedule="interleaved_1f1b",
         pipeline_virtual_stages=2,
     ),
+    # A hidden state handed on as a transposed view: the stage sends it contiguous, receives into contiguous buffers.
+    _case(
+        "pp2_strided_hidden", "per_layer_inputs", fields={"model_kwargs": {**DEEP, "strided_hidden": True}}
+    ),
 ]
 BF16 = [
     _case(

@@ -4,6 +4,9 @@ pipeline parallelism those weights live on every stage that reads them, and thei
 
 ``share_state=True`` instead hands each block, through a dict, what the block before it computed (keys and
 values shared across layers): pipeline stages pass on only the hidden state, so that model is refused.
+``strided_hidden=True``: each block returns its hidden state as a transposed view (the values unchanged, the
+strides not), which a point-to-point send and receive cannot take as it is. The model's loop reads each
+block's ``kind`` attribute, as Nemotron-H's reads ``block_type``: a stage must answer it for blocks it skips.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ from tests.models.optim import parity_optimizer
 
 
 class SideInputBlock(nn.Module):
-    def __init__(self, width: int, side: int) -> None:
+    kind = "side input"
+
+    def __init__(self, width: int, side: int, strided_hidden: bool = False) -> None:
         super().__init__()
         self.mix, self.side = nn.Linear(width, width), nn.Linear(side, width)
+        self.strided_hidden = strided_hidden
 
     def forward(
         self, hidden: torch.Tensor, per_layer: torch.Tensor, shared: dict | None = None
@@ -31,14 +37,22 @@ class SideInputBlock(nn.Module):
             if "kv" in shared:
                 out = out + shared["kv"]
             shared["kv"] = self.mix(hidden)
-        return out
+        return out.transpose(0, 1).contiguous().transpose(0, 1) if self.strided_hidden else out
 
 
 class PerLayerInputs(nn.Module):
-    def __init__(self, vocab: int, layers: int, width: int, side: int = 4, share_state: bool = False) -> None:
+    def __init__(
+        self,
+        vocab: int,
+        layers: int,
+        width: int,
+        side: int = 4,
+        share_state: bool = False,
+        strided_hidden: bool = False,
+    ) -> None:
         super().__init__()
         self.embed, self.per_layer = nn.Embedding(vocab, width), nn.Embedding(vocab, layers * side)
-        self.blocks = nn.ModuleList(SideInputBlock(width, side) for _ in range(layers))
+        self.blocks = nn.ModuleList(SideInputBlock(width, side, strided_hidden) for _ in range(layers))
         self.head, self.side, self.share_state = nn.Linear(width, vocab), side, share_state
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -46,6 +60,8 @@ class PerLayerInputs(nn.Module):
         per_layer = self.per_layer(ids).view(*ids.shape, len(self.blocks), self.side)
         shared: dict | None = {} if self.share_state else None
         for index, block in enumerate(self.blocks):
+            if block.kind != "side input":  # model-level code reading a block's attribute
+                raise RuntimeError(f"block {index} is of kind {block.kind!r}")
             hidden = block(hidden, per_layer[:, :, index], shared=shared)
         return self.head(hidden)
 
@@ -53,11 +69,14 @@ class PerLayerInputs(nn.Module):
 class PerLayerInputsModule(L.LightningModule):
     def __init__(
         self, vocab_size: int = 128, block_size: int = 32, n_layer: int = 4, n_embd: int = 16,
-        share_state: bool = False, learning_rate: float | None = None, optimizer: str = "sgd",
+        share_state: bool = False, strided_hidden: bool = False, learning_rate: float | None = None,
+        optimizer: str = "sgd",
     ) -> None:  # fmt: skip
         super().__init__()
         self.save_hyperparameters()
-        self.model = PerLayerInputs(vocab_size, n_layer, n_embd, share_state=share_state)
+        self.model = PerLayerInputs(
+            vocab_size, n_layer, n_embd, share_state=share_state, strided_hidden=strided_hidden
+        )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch

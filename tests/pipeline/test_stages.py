@@ -212,3 +212,31 @@ def test_a_block_reading_what_an_earlier_block_computed_is_refused() -> None:
         PipelineSetupError, match=r"Block model\.blocks\.1 receives, besides the hidden state, a tensor"
     ):
         discover(model, find_block_names(model), lambda: model.training_step(batch, 0))
+
+
+def test_a_stage_answers_attribute_reads_of_the_blocks_it_skips_and_sends_a_contiguous_hidden_state() -> None:
+    torch.manual_seed(0)
+    model = _quiet(FAMILIES["per_layer_inputs"](strided_hidden=True))
+    batch = _batch()
+    hidden = model.model.blocks[0](model.model.embed(batch[0]), torch.zeros(2, 32, 4))
+    assert not hidden.is_contiguous()  # what a block hands on: a send or receive could not take it as it is
+    layout = _layout(model, batch, "1f1b", 2, 1)
+    first = copy.deepcopy(model)
+    runtime = StageRuntime()
+    cut_into_stages(first, layout, [0], runtime)
+    skipped = first.model.blocks[3]
+    assert isinstance(skipped, SkippedBlock) and skipped.kind == "side input"  # the model's loop reads it
+    assert not list(skipped.parameters())  # the copy answering it holds no weights of this stage
+    runtime.active_stage = 0
+    with pytest.raises(StageExit) as exit_:
+        first.training_step(batch, 0)
+    assert exit_.value.hidden.is_contiguous()
+    loss, grads = _chain(model, batch, "1f1b", 2, 1)
+    torch.testing.assert_close(loss, model.training_step(batch, 0).detach())
+
+
+def test_negative_control_a_skipped_block_without_its_copy_cannot_answer() -> None:
+    model = _quiet(FAMILIES["per_layer_inputs"]())
+    layout = _layout(model, _batch(), "1f1b", 2, 1)
+    with pytest.raises(AttributeError, match="kind"):
+        _ = SkippedBlock("model.blocks.3", layout.discovery.template).kind

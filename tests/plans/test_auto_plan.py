@@ -431,3 +431,28 @@ def test_this_library_s_moe_layer_is_refused_under_sequence_parallelism() -> Non
     ):
         auto_plan(model, 2, True)
     auto_plan(model, 2, False)
+
+
+def test_a_hybrid_stack_of_several_layer_classes_is_the_block_list() -> None:
+    from lightning_parallel.plans.detect import block_names
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+
+    class Mixer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv1d(16, 16, 3)
+
+    class Hybrid(nn.Module):  # Jamba's and Zamba's layers: attention and state-space layers in one list
+        def __init__(self, small_stack: bool = False) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(1000 if small_stack else 10, 16)
+            self.layers = nn.ModuleList([Mixer(), Attention(), Mixer(), Attention()])
+            self.heads = nn.ModuleList([nn.Linear(16, 2), nn.Linear(16, 2)])  # same class, but small
+
+    assert block_names(Hybrid()) == [f"layers.{i}" for i in range(4)]
+    # negative control: a mixed list holding little of the model is not taken for its stack
+    assert block_names(Hybrid(small_stack=True)) == ["heads.0", "heads.1"]
