@@ -166,8 +166,17 @@ def _tiny(key: str, value: Any) -> Any:
     return rule(value) if callable(rule) else rule
 
 
+# Left unset (None) by a family's defaults although its code computes with them: a sparse-attention indexer's
+# sizes, a clamp of q|k|v (DBRX's published models set 8).
+_UNSET_READ_ANYWAY = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM,
+                      "indexer_budget": WINDOW, "indexer_compress_ratio": 4, "clip_qkv": 8.0}  # fmt: skip
+
+
 def _repair(defaults: dict[str, Any], arguments: dict[str, Any]) -> None:
     """Sizes that depend on each other, and defaults left unset that the family's code reads anyway."""
+    for key, value in _UNSET_READ_ANYWAY.items():
+        if key in defaults and defaults[key] is None:
+            arguments[key] = value
     if (
         "mlp_layer_types" in arguments and "first_k_dense_replace" in arguments
     ):  # both say which MLPs are dense
@@ -191,6 +200,10 @@ def _repair(defaults: dict[str, Any], arguments: dict[str, Any]) -> None:
     if "layer_types" in defaults and defaults["layer_types"] is None:
         arguments["layer_types"] = ["full_attention"] * layers
     types = arguments.get("layer_types")
+    if defaults.get("rope_parameters") == {} and isinstance(types, list):  # rotary per layer type, left empty
+        arguments["rope_parameters"] = {
+            t: {"rope_type": "default", "rope_theta": 10000.0} for t in set(types)
+        }
     if isinstance(types, list) and types and set(types) == {"linear_attention"}:
         arguments["layer_types"] = [*types[:-1], "full_attention"]  # a hybrid needs one attention layer
     if "attn_layer_indices" in defaults and defaults["attn_layer_indices"] is None:
@@ -225,10 +238,16 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     arguments = {**tiny_arguments(model_type), **overrides}
     arguments.setdefault("attn_implementation", "eager")
     config = AutoConfig.for_model(model_type, **arguments)
+    rope = getattr(config, "rope_parameters", None)
     for value in list(vars(config).values()):
         if isinstance(value, PretrainedConfig):
             for key, tiny in shrink(value.to_dict(), layer_picks(defaults)).items():
                 setattr(value, key, tiny)
+            if isinstance(rope, dict) and "rope_theta" in rope and not hasattr(value, "rope_theta"):
+                value.rope_theta = rope["rope_theta"]  # a nested attention config its code reads it from
+            for key, unset in _UNSET_READ_ANYWAY.items():
+                if key in vars(value) and getattr(value, key) is None:
+                    setattr(value, key, unset)
     for owner in [config, *(v for v in vars(config).values() if isinstance(v, PretrainedConfig))]:
         for key, value in list(vars(owner).items()):
             if (
