@@ -262,12 +262,12 @@ def _compare_once(block: nn.Module, inputs: Captured, plan: ParallelPlan, mesh: 
         )
     if (err := relative_error(grad, ref_grad)) > TOLERANCE:
         problems.append(f"input gradient differs (relative error {err:.2e})")
-    exact: dict[str, float] | None = None  # computed only if a gradient differs
+    exact: dict[str, torch.Tensor] | None = None  # computed only if a gradient differs
     for name, ref_param in reference.named_parameters():
         grad = user_gradient(sharded.get_parameter(name))
         if ref_param.grad is None or grad is None or relative_error(grad, ref_param.grad) <= TOLERANCE:
             continue
-        exact = exact if exact is not None else exact_gradient_norms(block, inputs)
+        exact = exact if exact is not None else exact_gradients(block, inputs)
         problem = gradient_problem(name, grad, ref_param.grad, exact)
         if problem:
             problems.append(problem)
@@ -299,23 +299,28 @@ def ranks_with_other_inputs(captured: dict[str, Captured], mesh: DeviceMesh) -> 
     return [rank for rank, other in zip(ranks, gathered, strict=True) if not torch.equal(other, gathered[0])]
 
 
-def gradient_problem(name: str, got: torch.Tensor, want: torch.Tensor, exact: dict[str, float]) -> str | None:
-    """Whether the sharded gradient of ``name`` is wrong (None: right), given the block's float64 norms.
+def gradient_problem(
+    name: str, got: torch.Tensor, want: torch.Tensor, exact: dict[str, torch.Tensor]
+) -> str | None:
+    """Whether the sharded gradient of ``name`` is wrong (None: right), given the block's float64 gradients.
 
-    Relative error at :data:`TOLERANCE`, except for a gradient that is zero in exact arithmetic (a
-    key-projection bias: softmax ignores a shift shared by all keys): there both runs hold rounding
-    noise and a relative error means nothing, so the difference is judged against the block's
-    largest gradient instead. Every other gradient keeps the relative rule.
+    Relative error at :data:`TOLERANCE`, plus twice the unsharded fp32 gradient's own distance from float64
+    (rounding of the block's arithmetic, which the sharded gradient, summed in another order, may show as much
+    of again: a long recurrence, Qwen 3.5's gated linear attention, loses 1e-5 in fp32). A gradient that is
+    zero in exact arithmetic (a key-projection bias: softmax ignores a shift shared by all keys) holds only
+    rounding noise in both runs, so its difference is judged against the block's largest gradient instead.
     """
-    largest = max(exact.values(), default=0.0)
-    if exact.get(name, math.inf) <= EXACT_ZERO * largest:
+    norms = {n: float(g.norm()) for n, g in exact.items()}
+    largest = max(norms.values(), default=0.0)
+    if norms.get(name, math.inf) <= EXACT_ZERO * largest:
         absolute = _difference_norm(got, want) / max(largest, 1e-30)
         if absolute <= TOLERANCE:
             return None
         return f"gradient of `{name}` (zero in exact arithmetic) differs by {absolute:.2e} of the block's largest"
-    if (err := relative_error(got, want)) <= TOLERANCE:
+    own = relative_error(want, exact[name]) if name in exact else 0.0
+    if (err := relative_error(got, want)) <= TOLERANCE + 2 * own:
         return None
-    return f"gradient of `{name}` differs (relative error {err:.2e})"
+    return f"gradient of `{name}` differs (relative error {err:.2e}; fp32's own {own:.1e})"
 
 
 # A gradient this much smaller than the block's largest, in float64, is zero in exact arithmetic:
@@ -323,14 +328,14 @@ def gradient_problem(name: str, got: torch.Tensor, want: torch.Tensor, exact: di
 EXACT_ZERO = 1e-9
 
 
-def exact_gradient_norms(block: nn.Module, inputs: Captured) -> dict[str, float]:
-    """The unsharded block's parameter-gradient norms in float64 (on this rank, no communication)."""
+def exact_gradients(block: nn.Module, inputs: Captured) -> dict[str, torch.Tensor]:
+    """The unsharded block's parameter gradients in float64 (on this rank, no communication)."""
     exact = copy.deepcopy(block).double().eval()
     try:
         _run(exact, inputs, torch.float64)
     except RuntimeError:  # a kernel without float64 (grouped_mm): every gradient keeps the relative rule
         return {}
-    return {name: float(p.grad.norm()) for name, p in exact.named_parameters() if p.grad is not None}
+    return {name: p.grad.detach() for name, p in exact.named_parameters() if p.grad is not None}
 
 
 def _difference_norm(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -4,14 +4,16 @@ OPT's key-projection bias is the example: softmax ignores a shift shared by ever
 bias's gradient is rounding noise in both the sharded and the unsharded run, and their relative
 error is about 1 (a right layout was refused: ``tests/distributed/test_parity_hybrid.py`` now
 trains OPT under tp=2). Such a gradient is found by the block's float64 gradients and judged
-against the block's largest; every other gradient keeps the 1e-5 relative rule.
+against the block's largest; every other gradient keeps the 1e-5 relative rule, widened by twice the
+unsharded fp32 gradient's own distance from float64 (Qwen 3.5's gated linear attention loses 1e-5 in fp32
+over its recurrence, and a right layout was refused for it).
 """
 
 from __future__ import annotations
 
 import torch
 
-from lightning_parallel.tensor_parallel.verify import TOLERANCE, exact_gradient_norms, gradient_problem
+from lightning_parallel.tensor_parallel.verify import TOLERANCE, exact_gradients, gradient_problem
 from tests.models.hf import HFOPTModule
 
 
@@ -26,7 +28,7 @@ def _opt_layer_and_inputs() -> tuple[torch.nn.Module, tuple]:
 
 def test_only_the_key_bias_gradient_is_zero_in_exact_arithmetic() -> None:
     layer, inputs = _opt_layer_and_inputs()
-    exact = exact_gradient_norms(layer, inputs)
+    exact = {name: float(grad.norm()) for name, grad in exact_gradients(layer, inputs).items()}
     largest = max(exact.values())
     zero = sorted(name for name, norm in exact.items() if norm <= 1e-9 * largest)
     assert zero == ["self_attn.k_proj.bias"], {n: exact[n] / largest for n in zero}
@@ -34,7 +36,7 @@ def test_only_the_key_bias_gradient_is_zero_in_exact_arithmetic() -> None:
 
 
 def test_the_rule_passes_noise_on_a_zero_gradient_and_fails_a_wrong_one() -> None:
-    exact = {"k.bias": 1e-20, "q.bias": 0.5, "w": 10.0}
+    exact = {"k.bias": torch.full((4,), 5e-21), "q.bias": torch.full((4,), 0.25), "w": torch.full((4,), 5.0)}
     noise = torch.full((4,), 1e-8)
     # Noise on a zero gradient: relative error 1, passes (the false refusal, fixed).
     assert gradient_problem("k.bias", noise, -noise, exact) is None
@@ -44,3 +46,11 @@ def test_the_rule_passes_noise_on_a_zero_gradient_and_fails_a_wrong_one() -> Non
     want = torch.full((4,), 0.25)
     assert gradient_problem("q.bias", want * (1 + 0.5 * TOLERANCE), want, exact) is None
     assert "relative error" in (gradient_problem("q.bias", want * (1 + 4 * TOLERANCE), want, exact) or "")
+
+
+def test_a_gradient_fp32_itself_misses_by_more_than_the_rule_gets_that_much_room() -> None:
+    want, exact = torch.full((4,), 0.25), {"a_log": torch.full((4,), 0.25 * (1 + 3 * TOLERANCE))}
+    # the fp32 reference is 3e-5 from float64: a sharded gradient 5e-5 from it is within its rounding
+    assert gradient_problem("a_log", want * (1 + 5 * TOLERANCE), want, exact) is None
+    # negative control: a real difference is not
+    assert "fp32's own 3.0e-05" in (gradient_problem("a_log", want * (1 + 10 * TOLERANCE), want, exact) or "")
