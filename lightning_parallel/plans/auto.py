@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import SequenceParallel
 
 from lightning_parallel.experts import find_moe_blocks
 from lightning_parallel.plans.attention import (
@@ -45,7 +45,12 @@ from lightning_parallel.plans.detect import (
 from lightning_parallel.tensor_parallel.norm_styles import GatheredNorm
 from lightning_parallel.tensor_parallel.param_styles import LocalParameters
 from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
-from lightning_parallel.tensor_parallel.styles import ColwiseProjection, RowwiseProjection, projection_dims
+from lightning_parallel.tensor_parallel.styles import (
+    ColwiseProjection,
+    RowwiseProjection,
+    TokenEmbedding,
+    projection_dims,
+)
 
 
 def exit_style(sequence_parallel: bool) -> RowwiseProjection:
@@ -302,7 +307,7 @@ def auto_plan(model: nn.Module, tensor_parallel: int, sequence_parallel: bool) -
     if embedding is not None:
         name, emb = embedding
         if emb.num_embeddings % tp == 0:
-            plan.styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            plan.styles[name] = TokenEmbedding(input_layouts=Replicate(), output_layouts=Replicate())
         else:
             plan.notes.append(f"{name}: vocabulary {emb.num_embeddings} not divisible by {tp}; replicated")
         head = find_output_head(model, emb.num_embeddings, stack.name)

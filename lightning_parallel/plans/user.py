@@ -18,7 +18,12 @@ from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, Se
 from lightning_parallel.plans.auto import exit_style, scaled_attributes
 from lightning_parallel.plans.detect import find_block_stack, head_count, head_dim_of, join, kv_head_count
 from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
-from lightning_parallel.tensor_parallel.styles import ColwiseProjection, is_projection, projection_dims
+from lightning_parallel.tensor_parallel.styles import (
+    ColwiseProjection,
+    TokenEmbedding,
+    is_projection,
+    projection_dims,
+)
 
 STYLE_NAMES = (
     "colwise",
@@ -42,7 +47,7 @@ def style_from_name(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     if name == "rowwise":
         return exit_style(sequence_parallel)
     if name == "embedding":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        return TokenEmbedding(input_layouts=Replicate(), output_layouts=Replicate())
     if name == "head":
         return ColwiseProjection(output_layouts=Replicate(), use_local_output=True)
     if name == "sequence_parallel":

@@ -205,3 +205,16 @@ class RowwiseProjection(RowwiseParallel):
 
     def __repr__(self) -> str:
         return f"Rowwise(in={self.input_layouts[0]}, out={self.output_layouts[0]})"
+
+
+class TokenEmbedding(RowwiseParallel):
+    """The vocabulary-parallel token embedding; what the model receives is a tensor of its own, not a view of the
+    DTensor's local one: model code scales the embedding in place (CTRL's ``inputs_embeds *= sqrt(d)``), which
+    autograd refuses on the view a custom function returned. One copy of the embedding output per step."""
+
+    @staticmethod
+    def _prepare_output_fn(
+        output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: DTensor, device_mesh: DeviceMesh
+    ) -> Any:
+        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return out.clone() if use_local_output and not isinstance(out, DTensor) else out

@@ -13,12 +13,12 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import SequenceParallel
 
 from lightning_parallel.plans import ParallelPlan, auto_plan, plan_from_dict
 from lightning_parallel.plans.user import STYLE_NAMES
 from lightning_parallel.tensor_parallel import ColwiseProjection, RowwiseProjection
-from lightning_parallel.tensor_parallel.styles import is_conv1d, projection_dims
+from lightning_parallel.tensor_parallel.styles import TokenEmbedding, is_conv1d, projection_dims
 
 # ---- the models ------------------------------------------------------------------------------
 
@@ -104,7 +104,9 @@ def _assert_rowwise(style: object, sequence_parallel: bool) -> None:
 
 def _assert_embedding_and_head(plan: ParallelPlan, embedding: str, head: str) -> None:
     emb = plan.styles[embedding]
-    assert type(emb) is RowwiseParallel  # vocabulary-parallel embedding, output replicated
+    assert (
+        type(emb) is TokenEmbedding
+    )  # vocabulary-parallel embedding, output replicated (a tensor of its own)
     assert emb.input_layouts[0] == Replicate() and emb.output_layouts[0] == Replicate()
     out = plan.styles[head]
     assert isinstance(out, ColwiseProjection) and out.output_layouts[0] == Replicate()  # logits gathered
