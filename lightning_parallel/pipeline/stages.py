@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_parallel.pipeline.discover import Discovery, OutputTemplate
+from lightning_parallel.pipeline.discover import Discovery, OutputTemplate, PipelineSetupError
 from lightning_parallel.tensor_parallel.regions import find_hidden, replace_hidden
 from lightning_parallel.zero.tensor_parallel import registered_parameter
 
@@ -112,9 +112,18 @@ class StageLayout:
         d = discovery
         last = layout.num_stages - 1
         out = layout.parameter_stages
+        holders: dict[int, tuple[str, int]] = {}  # id(weight) -> the first block holding it, its stage
         for index, name in enumerate(d.block_names):
             stage = layout.stage_of_block(index)
-            for pname, _ in module.get_submodule(name).named_parameters(prefix=name):
+            for pname, param in module.get_submodule(name).named_parameters(prefix=name):
+                first, first_stage = holders.setdefault(id(param), (name, stage))
+                if first_stage != stage:
+                    raise PipelineSetupError(
+                        f"`{pname}` is one weight of blocks {first} and {name} (a module shared between"
+                        f" layers, as Zamba's shared transformer), which pipeline stages {first_stage} and {stage}"
+                        ' would hold apart. Use pipeline_parallel=1 for this model, or `plan={"pipeline_boundaries": [...]}`'
+                        " that keep the blocks sharing it on one stage."
+                    )
                 out.setdefault(pname, set()).add(stage)
         for pname in d.pre_parameters | d.other_parameters:
             out.setdefault(pname, set()).add(0)

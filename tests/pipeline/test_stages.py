@@ -240,3 +240,14 @@ def test_negative_control_a_skipped_block_without_its_copy_cannot_answer() -> No
     layout = _layout(model, _batch(), "1f1b", 2, 1)
     with pytest.raises(AttributeError, match="kind"):
         _ = SkippedBlock("model.blocks.3", layout.discovery.template).kind
+
+
+def test_a_module_shared_by_blocks_on_two_stages_is_refused() -> None:
+    model = _quiet(FAMILIES["per_layer_inputs"]())
+    blocks = model.model.blocks
+    blocks[3].side = blocks[0].side  # one module in two layers (Zamba's shared transformer)
+    with pytest.raises(PipelineSetupError, match=r"`model\.blocks\.3\.side\.weight` is one weight of blocks"):
+        _layout(model, _batch(), "1f1b", 2, 1)
+    blocks[1].side = blocks[0].side  # negative control: shared within one stage, nothing to refuse
+    blocks[3].side = torch.nn.Linear(4, 16)
+    _layout(model, _batch(), "1f1b", 2, 1)
