@@ -28,6 +28,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 
 _SAVED = "_lp_local_parameters"
+# Marks a parameter whose module's code sees the local tensor (not the DTensor) while it runs.
+SHOWN_LOCAL = "_lp_shown_local"
 
 
 class LocalParameters(ParallelStyle):
@@ -54,6 +56,7 @@ class LocalParameters(ParallelStyle):
             placement = Replicate() if dim is None else Shard(dim % param.dim())
             dist = distribute_tensor(param.detach(), device_mesh, [placement], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+            setattr(module._parameters[name], SHOWN_LOCAL, True)  # zero/tensor_parallel.py keeps it local
             parameters.append(name)
         if parameters:
             module.register_forward_pre_hook(_show_local(parameters, self.dims))
@@ -69,8 +72,8 @@ def _show_local(names: list[str], dims: dict[str, int | None]) -> Any:
     def hook(module: nn.Module, args: Any) -> None:
         saved = {}
         for name in names:
-            param = module._parameters[name]
-            if not isinstance(param, DTensor):  # a re-entrant call (recomputation inside forward)
+            param = module._parameters.get(name)  # absent: a parametrization shows the local tensor (ZeRO)
+            if not isinstance(param, DTensor):  # or a re-entrant call (recomputation inside forward)
                 continue
             saved[name] = param
             grad = [Partial()] if dims[name] is None else None

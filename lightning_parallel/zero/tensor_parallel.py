@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.nn.utils import parametrize
 
+from lightning_parallel.tensor_parallel.param_styles import SHOWN_LOCAL
 from lightning_parallel.tensor_parallel.row_layout import ROW_LAYOUT, row_layout
 
 
@@ -41,6 +42,16 @@ class FromLocalShard(nn.Module):
         return weight
 
 
+class LocalView(FromLocalShard):
+    """``local shard -> the local tensor the module's code sees`` for ``LocalParameters``' weights: the
+    DTensor's local view, a replicated weight's gradient summed over the tensor-parallel ranks (``Partial``)."""
+
+    def forward(self, local: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        weight = super().forward(local)
+        replicated = all(isinstance(p, Replicate) for p in self.placements)
+        return weight.to_local(grad_placements=[Partial()] * len(self.placements) if replicated else None)
+
+
 def local_shard_parameters(module: nn.Module) -> int:
     """Re-register every DTensor parameter of ``module`` as its local shard; returns how many."""
     count = 0
@@ -50,7 +61,7 @@ def local_shard_parameters(module: nn.Module) -> int:
             if not isinstance(param, DTensor):
                 continue
             sharded = any(not isinstance(p, Replicate) for p in param.placements)
-            to_dtensor = FromLocalShard(param)
+            to_dtensor = LocalView(param) if getattr(param, SHOWN_LOCAL, False) else FromLocalShard(param)
             # The plain shard first, so that the parametrization adopts it as its ``original``
             # (converting a DTensor in place is refused: different tensor subclasses).
             local = shards.get(id(param))

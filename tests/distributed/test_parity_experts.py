@@ -100,6 +100,10 @@ FP16_MIXED = _case(
 )
 FOUR = [
     *[_case(f"ep2_dp2_{f}", f, 4) for f in FAMILIES],
+    # MoE under sequence parallelism with DeepSpeed's ZeRO-1: the router's and experts' weights are plain local
+    # shards there, the module still sees local tensors and their gradients are summed over tp (was a KeyError).
+    hybrid("zero1_tp2_sp_dp2_hf_mixtral", "hf_mixtral", world_size=4, tensor_parallel=2, sequence_parallel=True,
+           zero_stage=1, timeout=120, case_fields=FIELDS),
     *[_case(f"ep2_tp2_{f}", f, 4, tensor_parallel=2) for f in FAMILIES],
     _case(
         "ep2_pp2_hf_mixtral", "hf_mixtral", 4, pipeline_parallel=2, pipeline_schedule="1f1b", micro_batches=2
