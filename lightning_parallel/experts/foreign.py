@@ -92,18 +92,23 @@ def _router_experts(module: nn.Module) -> dict[str, int]:
     """Children that look like a router: name -> number of experts they score.
 
     A router is named like one (``gate``, ``router``, ``gating``, in its attribute or class name)
-    and is an ``nn.Linear`` or a leaf module with a 2-D ``(E, H)`` weight (not an embedding).
+    and is an ``nn.Linear``, a module with its own 2-D ``(E, H)`` weight (not an embedding; children
+    without one, such as ERNIE 4.5's correction-bias statistics, allowed), or a module around one
+    ``nn.Linear`` that scores the experts (AFMoE's ``router.gate``, DBRX's ``router.layer``).
     """
     found = {}
     for name, child in module.named_children():
         if not (_ROUTER_NAME.search(name) or _ROUTER_NAME.search(type(child).__name__)):
             continue
+        linears = [m for m in child.modules() if isinstance(m, nn.Linear)]
+        weight = child._parameters.get("weight")
         if isinstance(child, nn.Linear) and child.out_features > 1:
             found[name] = child.out_features
-        elif not list(child.children()) and not isinstance(child, nn.Embedding):
-            weight = getattr(child, "weight", None)
-            if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] > 1:
+        elif isinstance(weight, torch.Tensor) and not isinstance(child, nn.Embedding) and not linears:
+            if weight.dim() == 2 and weight.shape[0] > 1:
                 found[name] = weight.shape[0]
+        elif weight is None and len(linears) == 1 and linears[0].out_features > 1:
+            found[name] = linears[0].out_features
     return found
 
 

@@ -203,7 +203,10 @@ def _experts_on_sequence_shards(plan: ParallelPlan, blocks: nn.ModuleList, names
                 full = join(moe, sub_name)
                 if any(full == p or full.startswith(p + ".") for p in planned):
                     continue
-                dims: dict[str, int | None] = {n: None for n, _ in sub.named_parameters(recurse=False)}
+                # frozen ones (ERNIE 4.5's routing statistics) stay plain: the same on every rank, never trained
+                dims: dict[str, int | None] = {
+                    n: None for n, p in sub.named_parameters(recurse=False) if p.requires_grad
+                }
                 if dims:
                     plan.styles[full] = LocalParameters(dims)
             plan.notes.append(

@@ -46,6 +46,24 @@ def test_finds_hf_mixtral_and_qwen2_moe_blocks() -> None:
         )  # the shared expert and the routers are not expert parameters
 
 
+@pytest.mark.parametrize(("family", "router"), [("ernie4_5_moe", "gate"), ("afmoe", "router")])
+def test_finds_routers_with_statistics_or_a_linear_inside(family: str, router: str) -> None:
+    """ERNIE 4.5's router holds correction-bias statistics as a child; AFMoE's scores through ``router.gate``."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.tiny_configs import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config(family))
+    blocks = find_moe_blocks(model)
+    assert blocks and {(b.kind, b.num_experts, b.router_name, b.experts_name) for b in blocks} == {
+        ("fused", 4, router, "experts")
+    }
+    # negative control: a router-named module with two linear layers inside says nothing about the experts
+    for b in blocks:
+        setattr(b.block, router, nn.Sequential(nn.Linear(16, 4), nn.Linear(4, 4)))
+    assert find_moe_blocks(model) == []
+
+
 def test_finds_module_list_blocks_and_this_librarys_layer() -> None:
     model = nn.Sequential(w.LegacySparseMoE(), nn.Linear(16, 16), w.LegacySparseMoE(shared=True))
     blocks = find_moe_blocks(model)

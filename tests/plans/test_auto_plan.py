@@ -458,3 +458,19 @@ def test_a_hybrid_stack_of_several_layer_classes_is_the_block_list() -> None:
     assert block_names(Hybrid()) == [f"layers.{i}" for i in range(4)]
     # negative control: a mixed list holding little of the model is not taken for its stack
     assert block_names(Hybrid(small_stack=True)) == ["heads.0", "heads.1"]
+
+
+def test_frozen_routing_statistics_stay_plain_under_sequence_parallelism() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.tiny_configs import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("ernie4_5_moe"))
+    statistics = model.model.layers[1].mlp.gate.moe_statics
+    assert (
+        not statistics.e_score_correction_bias.requires_grad
+    )  # updated by the model, never by the optimizer
+    plan = auto_plan(model, 2, True)
+    assert "model.layers.1.mlp.gate.moe_statics" not in plan.styles  # no gradient to sum: left a plain tensor
+    assert set(plan.styles["model.layers.1.mlp.gate"].dims) == {"weight"}
