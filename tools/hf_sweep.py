@@ -153,14 +153,19 @@ def with_noise_control(row: str, case: Any, result: Any, ref: Any, timeout_s: fl
     parallel matmul rounds differently from a whole one, as fp32 does from exact arithmetic), and the row
     says so with both spreads instead of a mismatch, unless the layout is ``NOISE_FACTOR`` times further off
     than fp32 itself, or copies of one weight disagree."""
-    from tests.distributed.harness import references
+    from tests.distributed.harness import HarnessError, references
 
     if "out of sync" in row:  # copies of one weight that disagree: wrong whatever the rounding
         return row
     control = case.replace(
         name=f"{case.name}~fp64", trainer_kwargs={**case.trainer_kwargs, "precision": "64-true"}
     )
-    exact = references([control], timeout_s=timeout_s)[control.name]
+    try:
+        exact = references([control], timeout_s=timeout_s)[control.name]
+    except HarnessError as error:  # a kernel without float64 (grouped_mm): the mismatch stands
+        if error.directory:
+            shutil.rmtree(error.directory, ignore_errors=True)
+        return row
     fp32_error, layout = largest_spread(ref, exact), largest_spread(result, ref)
     if fp32_error <= PARITY_RTOL or layout > NOISE_FACTOR * fp32_error:
         return row

@@ -192,6 +192,36 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlockInfo]:
 # ---- fused experts (transformers 5) --------------------------------------------------------------
 
 
+def check_fused_experts(info: MoEBlockInfo) -> None:
+    """Refuse fused experts whose output is not each assignment's expert output times its routing weight:
+    expert parallelism runs each assignment on its expert's rank with weight 1 and weighs it afterwards.
+    (ERGO normalises the experts' weighted sum: a norm inside the experts module.)"""
+    experts = info.experts
+    stacked = next(p for p in experts.parameters() if p.dim() >= 3)
+    hidden = next((m.in_features for m in info.block.modules() if isinstance(m, nn.Linear)), None)
+    router = getattr(info.block, info.router_name or "", None)
+    weight = getattr(router, "weight", None)
+    hidden = weight.shape[-1] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else hidden
+    if hidden is None or stacked.is_meta:
+        return
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(6, hidden, generator=generator).to(stacked)
+    index = torch.stack([torch.arange(6) % info.num_experts, (torch.arange(6) + 1) % info.num_experts], 1)
+    weights = (torch.rand(6, 2, generator=generator) + 0.5).to(stacked)
+    index = index.to(stacked.device)
+    with torch.no_grad():
+        whole = experts(x, index, weights)
+        ones = torch.ones(6, 1, dtype=stacked.dtype, device=stacked.device)
+        parts = sum(weights[:, k : k + 1] * experts(x, index[:, k : k + 1], ones) for k in range(2))
+    if not torch.allclose(whole, parts, rtol=1e-4, atol=1e-5):
+        raise ValueError(
+            f"`expert_parallel`: the experts of `{info.name}` ({type(experts).__name__}) do not return the sum of"
+            " each assignment's expert output times its routing weight (a norm or another step over the weighted"
+            " sum inside them), which expert parallelism needs to run each assignment on its expert's rank."
+            " Use expert_parallel=1 (tensor, pipeline and data parallelism and ZeRO apply)."
+        )
+
+
 def adapt_fused_experts(info: MoEBlockInfo, ep_group: ProcessGroup) -> None:
     """Give a fused experts module expert parallelism; its stacked weights must be sliced already."""
     experts = info.experts

@@ -39,6 +39,7 @@ from lightning_parallel.experts.foreign import (
     MoEBlockInfo,
     adapt_fused_experts,
     adapt_module_list,
+    check_fused_experts,
     check_module_list,
     find_moe_blocks,
     per_expert,
@@ -86,8 +87,10 @@ def _slice_stacked(owner: nn.Module, names: list[str], num_experts: int, rank: i
     """
     num_local = num_experts // size
     shard = ExpertShard(num_experts, rank * num_local, num_local, rank, size, dim=0)
-    for name in names:
-        full = getattr(owner, name)
+    for dotted in names:  # also a child's (ERGO's per-expert norm inside the experts module)
+        path, _, name = dotted.rpartition(".")
+        holder = owner.get_submodule(path) if path else owner
+        full = getattr(holder, name)
         if full is None:
             continue
         if full.shape[0] != num_experts:
@@ -99,7 +102,7 @@ def _slice_stacked(owner: nn.Module, names: list[str], num_experts: int, rank: i
         if size > 1:
             local = nn.Parameter(full.detach()[shard.first_expert : shard.first_expert + num_local].clone(),
                                  requires_grad=full.requires_grad)  # fmt: skip
-            setattr(owner, name, local)
+            setattr(holder, name, local)
         setattr(local, _SHARD_ATTR, shard)
 
 
@@ -151,14 +154,14 @@ class ExpertParallel:
                 )
             if size > 1 and info.kind == "module_list":
                 check_module_list(info)  # every block checked before any is changed
+            if size > 1 and info.kind == "fused":
+                check_fused_experts(info)
         for info in blocks:
             if info.kind == "lightning_parallel":
                 _apply_to_moe(info.block, ep_group, token_group)
             elif info.kind == "fused":
                 experts = info.experts
-                names = [
-                    n for n, p in experts.named_parameters(recurse=False) if per_expert(p, info.num_experts)
-                ]
+                names = [n for n, p in experts.named_parameters() if per_expert(p, info.num_experts)]
                 _slice_stacked(experts, names, info.num_experts, rank, size)
                 if size > 1:
                     adapt_fused_experts(info, ep_group)

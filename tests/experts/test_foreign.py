@@ -185,3 +185,49 @@ def test_collector_bad_input() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         AuxLossCollector(w.legacy_block()).remove()
+
+
+class _Experts(nn.Module):
+    """Fused experts called as ``(hidden, top_k_index, top_k_weights)``; ``norm_after=True`` normalises the
+    weighted sum (not linear in the routing weights); a per-expert scale sits in a child module (ERGO's norm)."""
+
+    def __init__(self, norm_after: bool = False) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 8, 8))
+        self.post = nn.Module()
+        self.post.scale = nn.Parameter(torch.rand(4, 8) + 0.5)
+        self.norm_after = norm_after
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for k in range(index.shape[1]):
+            y = torch.einsum("nh,nhg->ng", x, self.w[index[:, k]]) * self.post.scale[index[:, k]]
+            out = out + weights[:, k : k + 1] * y
+        return torch.nn.functional.rms_norm(out, (8,)) if self.norm_after else out
+
+
+class _Block(nn.Module):
+    def __init__(self, norm_after: bool = False) -> None:
+        super().__init__()
+        self.gate, self.experts = nn.Linear(8, 4, bias=False), _Experts(norm_after)
+        self.top_k = 2
+
+
+def test_fused_experts_must_be_linear_in_the_routing_weights() -> None:
+    from lightning_parallel.experts.foreign import check_fused_experts
+
+    (info,) = find_moe_blocks(_Block())
+    assert info.kind == "fused" and "experts.post.scale" in info.expert_param_names
+    check_fused_experts(info)  # weighs each assignment's output: expert parallelism reproduces it
+    (info,) = find_moe_blocks(_Block(norm_after=True))
+    with pytest.raises(ValueError, match="do not return the sum of each assignment's expert output"):
+        check_fused_experts(info)
+
+
+def test_a_per_expert_weight_inside_a_child_of_the_experts_is_sliced_too() -> None:
+    from lightning_parallel.experts.parallel import _slice_stacked
+
+    experts = _Experts()
+    full = experts.post.scale.detach().clone()
+    _slice_stacked(experts, ["w", "post.scale"], 4, rank=1, size=2)
+    assert experts.w.shape[0] == 2 and torch.equal(experts.post.scale, full[2:])  # rank 1 holds experts 2, 3

@@ -62,3 +62,13 @@ def test_copies_that_disagree_are_never_unjudged(fp64_run: Any) -> None:
         hf_sweep.with_noise_control(out_of_sync, _Case(), _result("l", 3e-2), _result("r", 0.0), 1.0)
         == out_of_sync
     )
+
+
+def test_a_control_that_cannot_run_in_float64_leaves_the_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.distributed.harness import HarnessError
+
+    def no_float64(cases: Any, timeout_s: float) -> Any:
+        raise HarnessError("grouped_mm: got Double", None)
+
+    monkeypatch.setattr("tests.distributed.harness.references", no_float64)
+    assert hf_sweep.with_noise_control(ROW, _Case(), _result("l", 3e-2), _result("r", 0.0), 1.0) == ROW
