@@ -189,6 +189,14 @@ class SavedTensorCounter:
         if offloaded:
             self.bytes.offloaded += num_bytes
 
+    def kept_instead(self, tensor: torch.Tensor, piece: torch.Tensor) -> None:
+        """A saved tensor held as ``piece`` (a gathered input's slice, ``memory/regather.py``): its storage is
+        saved as produced, ``piece`` is what stays alive until backward."""
+        if self.saw(tensor):
+            num_bytes = _storage_bytes(piece)
+            self.stored(num_bytes, offloaded=False)
+            self._alive(piece, num_bytes)
+
     def hold(self, tensors: Iterable[Any], kind: str) -> None:
         """Tensors a checkpointed region keeps: ``"inputs"`` or ``"kept"`` (selective outputs)."""
         for tensor in tensors:

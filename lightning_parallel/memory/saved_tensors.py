@@ -48,6 +48,7 @@ from lightning_parallel.memory.counting import (
     local_tensor,
     storage_key,
 )
+from lightning_parallel.memory.regather import GatheredInputSaver, _SavedSlice
 from lightning_parallel.memory.stored import (
     COMPRESSIONS,
     Compression,
@@ -109,6 +110,7 @@ class ActivationSaver:
         self.buffers = HostBuffers()
         self.handles: list[RemovableHandle] = [b.register_forward_pre_hook(self._enter_block) for b in blocks]
         self._casts: CastSaver | None = None
+        self._regather: GatheredInputSaver | None = None
 
     @property
     def enabled(self) -> bool:
@@ -119,20 +121,24 @@ class ActivationSaver:
 
     @contextmanager
     def context(
-        self, counter: SavedTensorCounter | None = None, casts: CastSaver | None = None
+        self,
+        counter: SavedTensorCounter | None = None,
+        casts: CastSaver | None = None,
+        regather: GatheredInputSaver | None = None,
     ) -> Iterator[None]:
         """Forward passes inside save their activations through this saver (and ``counter``; ``casts``:
-        16-bit casts kept once or not at all, ``memory/casts.py``)."""
+        16-bit casts kept once or not at all, ``memory/casts.py``; ``regather``: gathered inputs kept as
+        this rank's slice, ``memory/regather.py``, never offloaded or compressed)."""
         self._groups.clear()  # the previous step's backward has finished
         self._prefetched.clear()
         self._block_entries = 0
-        self._casts = casts
+        self._casts, self._regather = casts, regather
         try:
             with activate(counter), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
             self._stored.clear()
-            self._casts = None
+            self._casts = self._regather = None
 
     # ---- hooks ---------------------------------------------------------------------------
 
@@ -162,6 +168,11 @@ class ActivationSaver:
             if counter is not None:
                 counter.kept(tensor)
             return tensor
+        sliced = self._regather.pack(tensor) if self._regather is not None else None
+        if sliced is not None:
+            if counter is not None:
+                counter.kept_instead(tensor, sliced.slice.piece)
+            return sliced
         new_storage = counter.saw(tensor) if counter is not None else True
         local = local_tensor(tensor)
         storage = local.untyped_storage()
@@ -188,7 +199,7 @@ class ActivationSaver:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        if isinstance(packed, WeightCastReference):
+        if isinstance(packed, (WeightCastReference, _SavedSlice)):
             return packed.restore()
         if isinstance(packed, _Kept):
             self._prefetch(packed.group - 1, packed.tensor.device)
@@ -218,19 +229,27 @@ class ActivationSaver:
 
 @contextmanager
 def saved_tensors_context(
-    saver: ActivationSaver | None, counter: SavedTensorCounter | None, casts: CastSaver | None = None
+    saver: ActivationSaver | None,
+    counter: SavedTensorCounter | None,
+    casts: CastSaver | None = None,
+    regather: GatheredInputSaver | None = None,
 ) -> Iterator[None]:
     """One training step's saved activations through ``saver``, counted by ``counter``, its 16-bit casts
-    kept once or not at all by ``casts`` (any may be None)."""
+    kept once or not at all by ``casts``, its gathered inputs kept as slices by ``regather`` (any may be None)."""
     if counter is not None:
         counter.reset()
     if casts is not None:
         casts.reset()
+    if regather is not None:
+        regather.reset()
     if saver is not None:
-        with saver.context(counter, casts):
+        with saver.context(counter, casts, regather):
             yield
-    elif casts is not None:
-        with activate(counter), torch.autograd.graph.saved_tensors_hooks(_packer(counter, casts), _unpack):
+    elif casts is not None or regather is not None:
+        with (
+            activate(counter),
+            torch.autograd.graph.saved_tensors_hooks(_packer(counter, casts, regather), _unpack),
+        ):
             yield
     elif counter is not None:
         with counting(counter):
@@ -239,11 +258,19 @@ def saved_tensors_context(
         yield
 
 
-def _packer(counter: SavedTensorCounter | None, casts: CastSaver) -> Any:
+def _packer(
+    counter: SavedTensorCounter | None, casts: CastSaver | None, regather: GatheredInputSaver | None
+) -> Any:
     def pack(tensor: torch.Tensor) -> Any:
         if counter is not None and counter.is_parameter(tensor):
             return tensor
-        packed = casts.pack(tensor)
+        packed = casts.pack(tensor) if casts is not None else tensor
+        if isinstance(packed, torch.Tensor) and regather is not None and not is_parameter_cast(packed):
+            sliced = regather.pack(packed)
+            if sliced is not None:
+                if counter is not None:
+                    counter.kept_instead(packed, sliced.slice.piece)
+                return sliced
         if counter is not None and isinstance(packed, torch.Tensor):
             counter.kept(packed)  # a shared copy's storage counts once
         return packed
@@ -252,4 +279,4 @@ def _packer(counter: SavedTensorCounter | None, casts: CastSaver) -> Any:
 
 
 def _unpack(packed: Any) -> torch.Tensor:
-    return packed.restore() if isinstance(packed, WeightCastReference) else packed
+    return packed.restore() if isinstance(packed, (WeightCastReference, _SavedSlice)) else packed

@@ -22,6 +22,8 @@ project's own checkpointing modes each get their own terms. Each term is a tenso
 
 Under ``*-mixed`` precision a projection keeps the 16-bit copy autocast made of its input; projections
 reading one input (q, k, v; gate, up) share one copy, and no copy of a weight is kept (``memory/casts.py``).
+Under sequence parallelism an entry's input, gathered over the tensor ranks, is kept as the rank's slice
+and gathered again in backward (``memory/regather.py``; a routed-experts block reads its slice ungathered).
 The last stage keeps, for the loss, fp32 log-probabilities over the whole vocabulary, or under tensor
 parallelism (the default ``loss_parallel``) its shard of the logits and a log-sum-exp per token.
 Under tensor parallelism the widths split ``tp`` ways; the residual stream (norm inputs) splits too
@@ -77,8 +79,14 @@ def projection_outputs(block: BlockShape, q: float, kv: float, ffn: float) -> li
     return [*entries, block.hidden, *inner, block.hidden]
 
 
-def block_bytes_per_token(block: BlockShape, layout: Layout, mode: str | None = None) -> float:
-    """Bytes one token's pass through ``block`` holds for backward on one rank (``mode``: checkpointing)."""
+def block_bytes_per_token(
+    block: BlockShape, layout: Layout, mode: str | None = None, *, sliced_inputs: bool = True
+) -> float:
+    """Bytes one token's pass through ``block`` holds for backward on one rank (``mode``: checkpointing).
+
+    ``sliced_inputs``: under sequence parallelism the entries' gathered inputs are held as this rank's slice
+    (``memory/regather.py``); a block recomputed in backward holds them whole (checkpointing's own saves).
+    """
     tp = layout.tensor_parallel
     act, residual = _bytes(layout)
     sp = tp if layout.sequence_parallel else 1
@@ -99,22 +107,23 @@ def block_bytes_per_token(block: BlockShape, layout: Layout, mode: str | None = 
         mlp = ((2 if block.gated else 1) * ffn + h) * act * experts
         return h * residual / sp + attention + mlp + router
     norms = block.norms * _norm_bytes(block, h, residual) / sp
-    # Each projection keeps its input; under autocast a 16-bit copy of it, one shared by all reading it.
-    entries = (1, 1)
-    attention = entries[0] * h * act + (q + 2 * kv) * act + q * act  # entry input(s), q|k|v, exit input
+    # Each projection keeps its input; under autocast a 16-bit copy of it, one shared by all reading it;
+    # gathered over the sequence shards (sp), this rank's slice of it.
+    entry = h / (sp if sliced_inputs else 1)
+    attention = entry * act + (q + 2 * kv) * act + q * act  # entry input(s), q|k|v, exit input
     if layout.attention == "flash" and block.attention == "flash":  # output laid out as the exit reads it
         attention += heads * 4  # log-sum-exp
     else:
         attention += heads * layout.sequence_length * act + q * act  # softmax scores, the output
     if block.mlp_saved is not None and not block.num_experts:  # probed: its input, the rest of inner width
         elements, other = block.mlp_saved
-        return norms + attention + (entries[1] * h + (elements - h) / tp) * act + other / tp
+        return norms + attention + (entry + (elements - h) / tp) * act + other / tp
     mlp = ((4 if block.gated else 2) * ffn) * act
     if block.num_experts:  # experts are whole on every tensor rank (plans/auto.py): their width is not split
         # per routed copy: its input, the expert's terms, its output and the weighted output
         mlp = (4 if block.gated else 2) * block.ffn_hidden * act
         mlp = (mlp + 3 * h * act) * experts + h * act + block.num_experts * 16  # + router input, scores
-    return norms + attention + entries[1] * h * act + mlp
+    return norms + attention + (h if block.num_experts else entry) * act + mlp
 
 
 @dataclass(frozen=True)
@@ -172,7 +181,9 @@ def stage_activation_bytes(
         per_token += loss_bytes_per_token(shape, layout)
     working = 0.0
     if mode and blocks:
-        working = max(block_bytes_per_token(shape.blocks[i], layout) for i in blocks) * tokens
+        working = (
+            max(block_bytes_per_token(shape.blocks[i], layout, sliced_inputs=False) for i in blocks) * tokens
+        )
     return ActivationEstimate(per_token * tokens, in_flight_micro_batches(layout, pp_rank), working)
 
 

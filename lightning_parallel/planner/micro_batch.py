@@ -244,7 +244,9 @@ def micro_batch(
             out.recompute += out.recompute_flops / flop_rate
     matmul = (3 * (flops + head) + out.recompute_flops) / flop_rate
 
-    passes = 4 + (2 if checkpointing == "full" else 0)  # collectives per block: forward 2, backward 2
+    # collectives per block: forward 2, backward 2; a recomputed forward 2 more; otherwise, under sequence
+    # parallelism, the two entry inputs kept as slices gathered again in backward (one all-reduce's worth)
+    passes = 4 + (2 if checkpointing == "full" else 1 if layout.sequence_parallel else 0)
     if tp > 1:
         activation = tokens * shape.hidden * act
         tensor = len(stage.blocks) * passes * all_reduce(activation, tp, group_bandwidth(cluster, tp, 1))

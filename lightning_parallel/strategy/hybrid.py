@@ -35,6 +35,7 @@ from lightning_parallel.config.validation import check_manual_optimization, stra
 from lightning_parallel.launch.interrupt import AgreedInterrupt, start_agreed_interrupt
 from lightning_parallel.memory.casts import CastSaver
 from lightning_parallel.memory.counting import SavedTensorCounter
+from lightning_parallel.memory.regather import GatheredInputSaver
 from lightning_parallel.parallelize import Parallelized, parallelize, recall
 from lightning_parallel.precision import HybridPrecision
 from lightning_parallel.strategy import pipelined
@@ -174,6 +175,8 @@ class HybridParallelStrategy(CheckpointingStrategy):
         """Set (e.g. by :class:`~lightning_parallel.memory.monitor.ActivationMemoryMonitor`) to count each step's activation bytes."""
         self.casts: CastSaver | None = None
         """Set at setup under ``*-mixed`` precision: the 16-bit casts a step keeps once or not at all (``memory/casts.py``)."""
+        self.regather: GatheredInputSaver | None = None
+        """Set at setup under tensor parallelism: inputs gathered over tp kept as slices (``memory/regather.py``)."""
         self._sync_blocked = False
         self._batch_idx = 0  # Lightning's, for the first batch of an accumulation window
         self._interrupt: AgreedInterrupt | None = None
@@ -258,6 +261,7 @@ class HybridParallelStrategy(CheckpointingStrategy):
             parallelized.remember(module)
         self.parallelized = parallelized
         self.casts = steps.cast_saver(self.precision_plugin)
+        self.regather = GatheredInputSaver(self.device_mesh["tp"]) if self.dims.tensor_parallel > 1 else None
         if isinstance(self.precision_plugin, HybridPrecision):
             ep_group = self.device_mesh["ep"].get_group() if parallelized.experts.parameter_ids else None
             self.precision_plugin.set_norm_layout(

@@ -6,7 +6,8 @@ stages: around the whole schedule, whose backward runs inside it):
 - one pair of saved-tensor hooks (``memory/saved_tensors.py``): activation offload and compression, the
   counter of :class:`~lightning_parallel.memory.monitor.ActivationMemoryMonitor`, and under ``*-mixed``
   precision the 16-bit casts kept once or not at all (``memory/casts.py``: no 16-bit copy of a weight
-  outlives its op, one copy of an activation for all the projections reading it);
+  outlives its op, one copy of an activation for all the projections reading it), and under tensor
+  parallelism the inputs the forward gathered over tp kept as this rank's slice (``memory/regather.py``);
 - the vocabulary-parallel loss: by default ``F.cross_entropy`` on the logits of a sharded head runs on the
   shards (``tensor_parallel/vocab_loss.py``); with ``loss_parallel=True`` torch's ``loss_parallel()``.
 """
@@ -45,7 +46,9 @@ def autocasts(plugin: Precision) -> bool:
 def _step_memory(strategy: Any, p: Parallelized) -> Iterator[None]:
     saver = p.activation_saver if strategy.config.memory.saves_tensors else None
     with ExitStack() as stack:
-        stack.enter_context(saved_tensors_context(saver, strategy.activation_counter, strategy.casts))
+        stack.enter_context(
+            saved_tensors_context(saver, strategy.activation_counter, strategy.casts, strategy.regather)
+        )
         if p.loss_state.mode is not None:
             stack.enter_context(followed_logits(p.loss_state))
         yield

@@ -10,8 +10,11 @@
 - ``buffers``: per pipeline stage, the receive buffers made and the bytes held after the last step
   (``pipeline/receive_buffers.py``), with the planner's count for the layout.
 
+- ``sliced_storages`` / ``sliced_tensors`` / ``regathers``: inputs gathered over tp kept as this rank's slice
+  and the all-gathers backward ran to rebuild them (``memory/regather.py``), summed over the steps.
+
 ``switch_off`` (the negative controls): ``"casts"`` keeps autocast's copies, ``"buffers"`` leaves torch's
-one buffer per micro-batch; the numbers of the run do not change, only what it holds.
+one buffer per micro-batch, ``"regather"`` keeps gathered inputs whole; the numbers of the run do not change, only what it holds.
 """
 
 from __future__ import annotations
@@ -23,7 +26,14 @@ from typing import Any
 import lightning as L
 import torch.distributed as dist
 
-__all__ = ["MemoryTerms", "buffers_problems", "casts_problems", "read_records", "sharded_loss_problems"]
+__all__ = [
+    "MemoryTerms",
+    "buffers_problems",
+    "casts_problems",
+    "read_records",
+    "regather_problems",
+    "sharded_loss_problems",
+]
 
 
 class MemoryTerms(L.Callback):
@@ -33,6 +43,9 @@ class MemoryTerms(L.Callback):
         self.record: dict[str, Any] = {
             "weight_casts": 0,
             "shared_casts": 0,
+            "sliced_storages": 0,
+            "sliced_tensors": 0,
+            "regathers": 0,
             "sharded_losses": [],
             "gathered": [],
         }
@@ -48,6 +61,8 @@ class MemoryTerms(L.Callback):
         if "buffers" in self.switch_off:
             for stage in trainer.strategy.pipeline_stages:  # before the first schedule makes its buffers
                 stage.receive_buffers.enabled = False
+        if "regather" in self.switch_off and trainer.strategy.regather is not None:
+            trainer.strategy.regather.enabled = False
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if not self._hybrid(trainer):
@@ -56,6 +71,11 @@ class MemoryTerms(L.Callback):
         if casts is not None:
             self.record["weight_casts"] += casts.stats.weight_casts
             self.record["shared_casts"] += casts.stats.shared_casts
+        regather = trainer.strategy.regather
+        if regather is not None:  # the step's backward has run: its gathers are counted
+            self.record["sliced_storages"] += regather.stats.storages
+            self.record["sliced_tensors"] += regather.stats.tensors
+            self.record["regathers"] += regather.stats.gathers
         mode = trainer.strategy.parallelized.loss_state.mode
         if mode is not None:
             self.record["sharded_losses"].append(mode.sharded_losses)
@@ -131,4 +151,17 @@ def buffers_problems(records: list[dict[str, Any]]) -> list[str]:
                                 f" counts {stage['predicted']} (reuse on: {stage['enabled']})")  # fmt: skip
     if not any(record.get("buffers") for record in records):
         problems.append("no pipeline stage")
+    return problems
+
+
+def regather_problems(records: list[dict[str, Any]], at_least: int) -> list[str]:
+    """What is wrong with the gathered inputs a tp run kept: every rank sliced ``at_least`` storages over the
+    run (e.g. two per block and step: its attention's and MLP's inputs) and rebuilt each one in backward."""
+    problems = []
+    for rank, record in enumerate(records):
+        storages, gathers = record["sliced_storages"], record["regathers"]
+        if storages < at_least:
+            problems.append(f"rank {rank}: {storages} gathered inputs kept as slices, fewer than {at_least}")
+        if gathers < storages:
+            problems.append(f"rank {rank}: {gathers} gathers in backward for {storages} slices")
     return problems

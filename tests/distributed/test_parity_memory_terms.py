@@ -6,6 +6,9 @@
 - **Pipeline receive buffers for the micro-batches in flight only** (``pipeline/receive_buffers.py``): each
   stage makes exactly the buffers the planner counts on torch's schedule (GPipe, ZB-V with its split
   backward and same-rank passes, interleaved 1F1B with accumulation reusing them across batches).
+- **Inputs gathered over tp kept as this rank's slice** (``memory/regather.py``): tp2 + sp in fp32 (Llama,
+  nanoGPT) and bf16-mixed (the recipe GPT), every block's attention and MLP inputs sliced and gathered again
+  in backward; kept whole (``switch_off``) the run still matches and fails the check.
 - **The vocabulary-parallel loss by default** (``tensor_parallel/vocab_loss.py``): tp2 (+ sp) on three
   families' own loss code, under pipeline stages too (pp2 x tp2), fp32 at 1e-5 and bf16-mixed.
 
@@ -27,6 +30,7 @@ from tests.distributed.memory_terms import (
     buffers_problems,
     casts_problems,
     read_records,
+    regather_problems,
     sharded_loss_problems,
 )
 from tests.distributed.tolerance import check_low_precision, with_split_references
@@ -53,6 +57,8 @@ TWO = [
     _case("mt_tp2_sp_hf_llama", "hf_llama", tensor_parallel=2, sequence_parallel=True),
     _case("mt_tp2_nanogpt_opt_out", "nanogpt", tensor_parallel=2, loss_parallel=False),
     _case("mt_tp2_sp_nanogpt", "nanogpt", tensor_parallel=2, sequence_parallel=True),
+    _case("mt_tp2_sp_nanogpt_whole", "nanogpt", tensor_parallel=2, sequence_parallel=True,
+          switch_off=("regather",)),  # fmt: skip
     _case("mt_pp2_zbv_recipe_gpt", "recipe_gpt", pipeline_parallel=2, pipeline_schedule="zbv", micro_batches=4,
           fields=PIPE),  # fmt: skip
     _case("mt_pp2_interleaved_accum_nanogpt", "nanogpt", pipeline_parallel=2, micro_batches=4,
@@ -60,6 +66,7 @@ TWO = [
 ]  # fmt: skip
 TWO_BF16 = [
     _case("mt_tp2_recipe_gpt_bf16", "recipe_gpt", tensor_parallel=2, fields=BF16),
+    _case("mt_tp2_sp_recipe_gpt_bf16", "recipe_gpt", tensor_parallel=2, sequence_parallel=True, fields=BF16),
     _case(
         "mt_pp2_gpipe_recipe_gpt_bf16",
         "recipe_gpt",
@@ -170,3 +177,19 @@ def test_receive_buffers_are_those_in_flight(results: dict[str, Result], name: s
 def test_torch_buffers_fail_the_check(results: dict[str, Result]) -> None:
     problems = buffers_problems(_records("mt_pp2_gpipe_hf_llama_bf16_kept"))
     assert problems and all("reuse on: False" in p for p in problems)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["mt_tp2_sp_hf_llama", "mt_tp2_sp_nanogpt", "mt_tp2_sp_recipe_gpt_bf16"])
+def test_gathered_inputs_are_kept_as_slices(results: dict[str, Result], name: str) -> None:
+    """Under sequence parallelism each block's attention and MLP inputs (gathered over tp in forward) are kept
+    as this rank's slice and gathered again in backward: two per block (of 2) and step, on every rank."""
+    assert regather_problems(_records(name), at_least=2 * 2 * ALL[name].steps) == []
+
+
+@pytest.mark.timeout(900)
+def test_gathered_inputs_kept_whole_fail_the_check(results: dict[str, Result]) -> None:
+    """The negative control (at parity above): gathered inputs kept whole. Without sequence parallelism
+    nothing is gathered in forward, so nothing is sliced either."""
+    assert regather_problems(_records("mt_tp2_sp_nanogpt_whole"), at_least=4 * ALL["mt_tp2_sp_nanogpt"].steps)
+    assert regather_problems(_records("mt_tp2_recipe_gpt"), at_least=1)

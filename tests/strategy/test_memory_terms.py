@@ -14,6 +14,9 @@ total of one step), the bytes the pipeline receive buffers hold, and the peak of
   vocabulary (4 bytes per token and word of it), after the rank's half of the bf16 logits (1 byte per token and
   word), within 5% of the planner's loss term, and the planner's activations within 5% of the count.
 
+- the gathered inputs (tp2 + sp, bf16-mixed, batches of 2 and 4): before each block's two entry inputs whole,
+  after this rank's half of each, the planner within 5% of the after.
+
 Counted, never timed.
 """
 
@@ -116,3 +119,19 @@ def test_the_loss_keeps_the_rank_s_shard_of_the_logits(held: list[dict], vocab: 
         for k in ("before", "after")
     }
     assert growth == {"before": tokens * 128 * 4, "after": tokens * 64 * 2}  # 128 more words: whole vs shard
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("batch", [2, 4])
+def test_gathered_inputs_are_held_as_the_rank_s_slice(held: list[dict], batch: int) -> None:
+    """tp2 + sp, bf16-mixed: each block's two gathered entry inputs (q|k|v's, the MLP's: one bf16 copy each)
+    held as half of themselves; the planner, which counts the slice, within 5% of what is held."""
+    tokens, width, layers, tp = batch * SEQ_LEN, 64, 2, 2
+    gathered = 2 * layers * tokens * width * 2  # bytes of the whole bf16 inputs
+    planned = _planned(tensor_parallel=2, sequence_parallel=True, precision="bf16-mixed", micro_batch_size=batch,
+                       layers=layers)  # fmt: skip
+    for rank, results in enumerate(held):
+        before, after = results[f"regather_B{batch}_before"], results[f"regather_B{batch}_after"]
+        assert before["total"] - after["total"] == gathered - gathered // tp, (rank, before, after)
+        assert after["total"] == pytest.approx(planned[rank].activations, rel=TOLERANCE), (rank, after)
+        assert before["total"] != pytest.approx(planned[rank].activations, rel=TOLERANCE)  # negative control

@@ -1,4 +1,4 @@
-"""The bytes of issue 34's three memory terms before and after, on every rank of real Trainer runs (two ranks).
+"""The bytes of issue 34's memory terms before and after, on every rank of real Trainer runs (two ranks).
 
     python tests/strategy/scripts/memory_terms.py OUT_DIR   # RANK/WORLD_SIZE/MASTER_* from the launcher
 
@@ -9,7 +9,9 @@ and on (after), the recipe GPT:
   copies (``memory/casts.py``; off: the strategy's ``CastSaver`` switched off);
 - ``buffers``: pp2 1F1B, fp32, the same model, M = 2 and 4: the receive buffers (``pipeline/receive_buffers.py``;
   off: torch's one per micro-batch);
-- ``loss``: tp2, bf16-mixed, vocabulary 128 and 256: the loss on the vocabulary shards (off: ``loss_parallel=False``).
+- ``loss``: tp2, bf16-mixed, vocabulary 128 and 256: the loss on the vocabulary shards (off: ``loss_parallel=False``);
+- ``regather``: tp2 + sp, bf16-mixed, batches of 2 and 4 sequences: the inputs gathered over tp kept as the
+  rank's slice (``memory/regather.py``; off: kept whole).
 
 Recorded per run, of the second step: the saved-tensor counter's peak and total (``ActivationMemoryMonitor``),
 the most bytes the receive buffers held at once (torch's: held all run), and the peak of every storage made during the step and alive at
@@ -49,6 +51,11 @@ for _m in (2, 4):
                                        "bf16-mixed", _m, None if _on else "casts")  # fmt: skip
         RUNS[f"buffers_M{_m}_{_tag}"] = (PIPE, {"pipeline_parallel": 2, "micro_batches": _m}, "32-true", _m,
                                          None if _on else "buffers")  # fmt: skip
+for _b in (2, 4):
+    for _on in (False, True):
+        _tag = "after" if _on else "before"
+        RUNS[f"regather_B{_b}_{_tag}"] = ({}, {"tensor_parallel": 2, "sequence_parallel": True}, "bf16-mixed", _b,
+                                          None if _on else "regather")  # fmt: skip
 for _v in (128, 256):
     for _on in (False, True):
         _tag = "after" if _on else "before"
@@ -103,6 +110,8 @@ class Recorder(L.Callback):
         if self.switch_off == "buffers":
             for stage in trainer.strategy.pipeline_stages:
                 stage.receive_buffers.enabled = False
+        if self.switch_off == "regather":
+            trainer.strategy.regather.enabled = False
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step == STEPS - 1:
