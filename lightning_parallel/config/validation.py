@@ -122,19 +122,10 @@ def _check_memory_savers(
 ) -> None:
     compression, gradient_compression = memory.gradient_compression, argument
     # tensor_parallel="auto" is resolved before launch (check_launch), where the same refusal applies.
-    if (
-        compression is not None
-        and pipeline is None
-        and isinstance(tensor_parallel, int)
-        and tensor_parallel > 1
-    ):
-        raise ValueError(
-            f"`gradient_compression={gradient_compression!r}` with `tensor_parallel={tensor_parallel!r}` is not"
-            " supported: without pipeline stages the data-parallel gradients of sharded parameters are"
-            " reduced by FSDP2's `replicate`, which takes no communication hook. Use `tensor_parallel=1`"
-            " (DDP hooks) or `pipeline_parallel` > 1 (the pipeline's own all-reduce), or leave"
-            " `gradient_compression=None`."
-        )
+    if compression is not None and isinstance(tensor_parallel, int):
+        problem = compression_with_tensor_parallel_problem(gradient_compression, tensor_parallel, pipeline)
+        if problem:
+            raise ValueError(problem)
     if compression is not None and zero.enabled:
         raise ValueError(
             f"`gradient_compression={gradient_compression!r}` with `zero_stage={zero.stage}` is not supported:"
@@ -218,16 +209,28 @@ def check_launch(config: ParallelConfig, dims: ParallelDims, precision_plugin: A
     compression = config.memory.gradient_compression
     if compression is not None and not dims.dp_enabled:
         rank_zero_warn(f"`gradient_compression={compression!r}` has no effect without data parallelism.")
-    elif compression is not None and config.pipeline is None and tp > 1 and not dims.ep_enabled:
-        # Without stages or experts, the gradients of sharded parameters are reduced by FSDP2's `replicate`.
-        raise ValueError(
-            f"`gradient_compression={compression!r}` with tensor parallelism (tensor_parallel='auto' resolved"
-            f" to {tp}) is not supported: FSDP2's `replicate` takes no communication hook."
-            " Use `tensor_parallel=1`, `pipeline_parallel` > 1, or `gradient_compression=None`."
-        )
+    elif compression is not None:
+        problem = compression_with_tensor_parallel_problem(compression, tp, config.pipeline)
+        if problem:  # tensor_parallel="auto", resolved now: the constructor's refusal
+            raise ValueError(problem)
     if config.zero.enabled:  # also under FSDP2 (ZeRO-3 with tp): Lightning's plain plugins only, as tested
         check_zero_precision(config.zero, precision_plugin)
         check_zero_shards_something(config, dims)
+
+
+def compression_with_tensor_parallel_problem(
+    compression: Any, tensor_parallel: int, pipeline: PipelineConfig | None
+) -> str | None:
+    """Why gradient compression cannot run with ``tensor_parallel`` ranks (None: it can). One rule for the
+    constructor (an integer degree) and the launch (``"auto"`` resolved), with or without experts."""
+    if pipeline is not None or tensor_parallel <= 1:
+        return None
+    return (
+        f"`gradient_compression={compression!r}` with `tensor_parallel={tensor_parallel}` is not supported:"
+        " without pipeline stages the data-parallel gradients of sharded parameters are reduced by FSDP2's"
+        " `replicate`, which takes no communication hook. Use `tensor_parallel=1` (DDP hooks) or"
+        " `pipeline_parallel` > 1 (the pipeline's own all-reduce), or leave `gradient_compression=None`."
+    )
 
 
 def check_zero_shards_something(config: ParallelConfig, dims: ParallelDims) -> None:

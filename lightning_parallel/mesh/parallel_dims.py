@@ -1,6 +1,6 @@
 """The parallel layout: degrees per mesh axis, their validation, and the one DeviceMesh.
 
-Mesh axes, outermost first (DESIGN.md section 2):
+Mesh axes, outermost first (docs/architecture.md, "Mesh axes"):
 
 - ``pp``: pipeline stages. Outermost because stages only exchange activations, so they
   tolerate the slowest links (across nodes).
@@ -215,9 +215,11 @@ class ParallelDims:
         return self._mesh
 
     def describe(self) -> str:
-        context = f" (cp={self.context_parallel} of dp)" if self.cp_enabled else ""
+        within = [f"ep={self.expert_parallel}"] if self.ep_enabled else []
+        within += [f"cp={self.context_parallel}"] if self.cp_enabled else []
+        inner = f" ({', '.join(within)} of dp)" if within else ""
         return (
             " x ".join(f"{name}={self.degrees[name]}" for name in AXIS_NAMES)
-            + context
+            + inner
             + f" (world {self.world_size})"
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections import defaultdict
+from typing import Any
 
 import torch
 from torch import nn
@@ -79,8 +80,14 @@ def install_container(
         exit_module = module.get_submodule(
             container.exit[len(container.name) + 1 :] if container.name else container.exit
         )
-        handles.append(exit_module.register_forward_hook(lambda mod, args, out: out.clone()))
+        handles.append(exit_module.register_forward_hook(_copy))
+    if container.copy_entry_outputs:  # OLMo clamps q, k and v in place
+        handles += [entry.register_forward_hook(_copy) for entry in entries]
     return handles
+
+
+def _copy(module: nn.Module, args: Any, output: Any) -> Any:
+    return output.clone() if isinstance(output, torch.Tensor) else output
 
 
 def _to_parameter_layout(param: torch.Tensor) -> None:

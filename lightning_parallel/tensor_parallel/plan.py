@@ -50,6 +50,9 @@ class ShardedContainer:
     heads: int = 0  # attention heads of the whole model (for ``slice_heads``)
     slice_heads: bool = False
     copy_output: bool = False  # the exit's output copied: the model adds to it in place (Falcon's MLP)
+    copy_entry_outputs: bool = (
+        False  # the entries' outputs copied: the model changes them in place (OLMo's clamp)
+    )
 
     @property
     def variant_label(self) -> str | None:
@@ -129,6 +132,7 @@ def format_plan(plan: ParallelPlan) -> str:
             mode += f", fused entry {container.variant_label}" if container.variant_label else ""
             mode += ", per-head inputs cut to the local heads" if container.slice_heads else ""
             mode += ", output copied" if container.copy_output else ""
+            mode += ", entry outputs copied" if container.copy_entry_outputs else ""
             lines.append(f"    {container.name}: {container.kind}, {mode}" + (f"; {attrs}" if attrs else ""))
     for note in plan.notes:
         lines.append(f"  note: {note}")

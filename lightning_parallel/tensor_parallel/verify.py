@@ -142,13 +142,15 @@ class Mode:
     variant: int = 0  # the fused entries' layout (``ShardedContainer.variants``)
     slice_heads: bool = False  # per-head tensors handed to attention cut to the local heads
     copy_output: bool = False  # the exits' outputs copied (for models that add to them in place)
+    copy_entries: bool = False  # the entries' outputs copied too (for models that change them in place)
 
     def describe(self, containers: list[ShardedContainer]) -> str:
         words = ["width-sliced" if self.narrow else "full-width"]
         labels = {c.variants[min(self.variant, len(c.variants) - 1)][0] for c in containers if c.variants}
         words += [f"fused entry {label}" for label in sorted(labels)]
         words += ["per-head inputs cut to its heads"] if self.slice_heads else []
-        return ", ".join(words + (["outputs copied"] if self.copy_output else []))
+        words += ["outputs copied"] if self.copy_output else []
+        return ", ".join(words + (["entry outputs copied"] if self.copy_entries else []))
 
 
 def modes_to_try(containers: list[ShardedContainer]) -> list[Mode]:
@@ -156,7 +158,8 @@ def modes_to_try(containers: list[ShardedContainer]) -> list[Mode]:
     attention = any(c.kind == "attention" for c in containers)
     variants = max((len(c.variants) for c in containers), default=0) or 1
     both = (False, True) if attention else (False,)
-    return [Mode(n, v, h, c) for c in (False, True) for h in both for v in range(variants) for n in both]
+    copies = [(False, False), (True, False), (True, True)]
+    return [Mode(n, v, h, c, e) for c, e in copies for h in both for v in range(variants) for n in both]
 
 
 def _apply_mode(container: ShardedContainer, mode: Mode) -> ShardedContainer:
@@ -168,6 +171,7 @@ def _apply_mode(container: ShardedContainer, mode: Mode) -> ShardedContainer:
         variant=variant,
         slice_heads=mode.slice_heads and attention,
         copy_output=mode.copy_output,
+        copy_entry_outputs=mode.copy_entries,
     )
 
 
@@ -333,9 +337,27 @@ def exact_gradients(block: nn.Module, inputs: Captured) -> dict[str, torch.Tenso
     exact = copy.deepcopy(block).double().eval()
     try:
         _run(exact, inputs, torch.float64)
-    except RuntimeError:  # a kernel without float64 (grouped_mm): every gradient keeps the relative rule
-        return {}
+    except RuntimeError:  # a kernel without float64 (grouped_mm): the same sums by the experts' loop
+        if not _eager_experts(exact):
+            return {}
+        exact.zero_grad(set_to_none=True)
+        try:
+            _run(exact, inputs, torch.float64)
+        except RuntimeError:  # no float64 at all: every gradient keeps the relative rule
+            return {}
     return {name: p.grad.detach() for name, p in exact.named_parameters() if p.grad is not None}
+
+
+def _eager_experts(module: nn.Module) -> bool:
+    """Switch Hugging Face experts that run a fused kernel (``grouped_mm``, without float64 on a CPU) to their
+    per-expert loop, the same arithmetic in any dtype; whether any was switched."""
+    switched = False
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if getattr(config, "_experts_implementation", "eager") not in (None, "eager"):
+            config._experts_implementation = "eager"  # type: ignore[union-attr]
+            switched = True
+    return switched
 
 
 def _difference_norm(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -60,6 +60,11 @@ class ForwardProbe:
     def __init__(self, module: nn.Module) -> None:
         self.counts = {"sequence_sharded_norm_inputs": 0, "autocast_linears": 0, "linears": 0}
         self.handles = []
+        norms = [sub for sub in module.modules() if "norm" in type(sub).__name__.lower()]
+        # every norm without weights: nothing for sequence parallelism to turn into a DTensor
+        self.counts["weightless_norms"] = int(
+            bool(norms) and not any(True for n in norms for _ in n.parameters())
+        )
         for sub in module.modules():
             if "norm" in type(sub).__name__.lower():
                 self.handles.append(sub.register_forward_pre_hook(self._norm))
@@ -302,6 +307,15 @@ def _schedule_check(cls: str) -> Callable[[dict[str, Any], dict[str, Any]], str 
     return lambda r, f: _check(r.get("schedule") == cls, f"schedule {r.get('schedule')} ran, not {cls}")
 
 
+def _sequence_parallel_problem(record: dict[str, Any]) -> str | None:
+    """A norm with weights saw a sequence-sharded DTensor; a model whose norms have none (OLMo's) runs them on
+    plain local slices, so there the row-parallel exits' reduce-scatters over tp are the evidence."""
+    scatters = sum(n for k, n in record.get("collectives", {}).items() if k.startswith("tp.reduce_scatter"))
+    if record.get("sequence_sharded_norm_inputs", 0) > 0 or (record.get("weightless_norms") and scatters > 0):
+        return None
+    return "no norm saw a sequence-sharded input"
+
+
 def _partition_problem(record: dict[str, Any]) -> str | None:
     """DeepSpeed's engine: this rank's optimizer steps a partition, not every parameter."""
     if record.get("zero_engine") != "deepspeed":
@@ -313,9 +327,7 @@ def _partition_problem(record: dict[str, Any]) -> str | None:
 CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any]], str | None]] = {
     "dp": lambda r, f: _check(f.get("data_parallel", 0) > 1, "the sampler did not split the data"),
     "tp": lambda r, f: tensor_parallel_problem(r),
-    "sp": lambda r, f: _check(
-        r.get("sequence_sharded_norm_inputs", 0) > 0, "no norm saw a sequence-sharded input"
-    ),
+    "sp": lambda r, f: _sequence_parallel_problem(r),
     "ep": lambda r, f: _check(r.get("expert_parameters", 0) > 0, "no expert weight was sharded over ep"),
     "cp": lambda r, f: _check(f.get("context_calls", 0) > 0, "no attention call went over the context split"),
     "zero1": lambda r, f: (

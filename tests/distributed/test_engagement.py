@@ -152,3 +152,19 @@ def test_zero2_on_fsdp2_is_proven_by_reduce_scatters_and_sharded_states(change: 
               "collectives": {"dp._reduce_scatter_base_": 12, "dp._allgather_base_": 8}}  # fmt: skip
     assert engagement_problems(frozenset({"zero2"}), record, {}) == []
     assert engagement_problems(frozenset({"zero2"}), {**record, **change}, {})
+
+
+@pytest.mark.parametrize(
+    ("record", "ok"),
+    [
+        ({"sequence_sharded_norm_inputs": 4}, True),
+        # norms without weights (OLMo's) run on plain local slices: the exits' reduce-scatters prove the split
+        ({"weightless_norms": 1, "collectives": {"tp.reduce_scatter_tensor": 8}}, True),
+        ({"weightless_norms": 1, "collectives": {"tp.allreduce_": 8}}, False),  # tensor parallelism alone
+        ({"weightless_norms": 0, "collectives": {"tp.reduce_scatter_tensor": 8}}, False),  # norms left whole
+    ],
+)
+def test_sequence_parallelism_is_proven_by_sharded_norm_inputs_or_weightless_norms_scatters(
+    record: dict, ok: bool
+) -> None:
+    assert (CHECKS["sp"](record, {}) is None) == ok, record

@@ -1,4 +1,4 @@
-"""Twenty Hugging Face causal LM families, unchanged, at parity with one process under each layout.
+"""Twenty-one Hugging Face causal LM families, unchanged, at parity with one process under each layout.
 
 The zoo (``tests/models/zoo.py``): each family's own model code from a tiny config, the user's loss in
 the step. Every family under tensor parallelism (tp=2) and pipeline parallelism (pp=2); those whose

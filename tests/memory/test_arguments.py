@@ -75,6 +75,8 @@ def test_gradient_compression_values() -> None:
         (dict(gradient_compression="powersgd", tensor_parallel=2),
          ["`gradient_compression='powersgd'` with `tensor_parallel=2` is not supported", "FSDP2",
           "`tensor_parallel=1`", "`pipeline_parallel` > 1"]),
+        (dict(gradient_compression="bf16", tensor_parallel=2, expert_parallel=2),  # experts change nothing
+         ["`gradient_compression='bf16'` with `tensor_parallel=2` is not supported", "FSDP2"]),
         (dict(activation_checkpointing="selective", pipeline_parallel=2, pipeline_schedule="zbv"),
          ["`activation_checkpointing='selective'` (policy 'ops') with `pipeline_schedule='zbv'` is not supported",
           "runs backward twice", "activation_checkpointing='full'"]),
@@ -141,3 +143,14 @@ def test_fp8_plugin_plumbing_in_emulation_on_cpu() -> None:
     assert len(plugin.converted) == 9
     assert model.model.lm_head.weight is model.model.transformer.wte.weight
     assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(4.8, abs=0.2)
+
+
+def test_gradient_compression_with_tensor_parallel_is_one_rule() -> None:
+    """The launch, where ``tensor_parallel="auto"`` is resolved, refuses with the constructor's own rule (it
+    allowed the pair with experts, untested, where the constructor refused it)."""
+    from lightning_parallel.config.validation import compression_with_tensor_parallel_problem
+
+    with pytest.raises(ValueError) as info:
+        HybridParallelStrategy(gradient_compression="bf16", tensor_parallel=2, expert_parallel=2)
+    assert str(info.value) == compression_with_tensor_parallel_problem("bf16", 2, None)
+    assert compression_with_tensor_parallel_problem("bf16", 1, None) is None

@@ -41,6 +41,11 @@ def test_enabled_flags() -> None:
 
 def test_describe_names_every_axis() -> None:
     assert ParallelDims(world_size=8, tensor_parallel=2).describe() == "pp=1 x dp=4 x tp=2 (world 8)"
+    # the setup log names the expert and context ranks inside dp (it left ep out)
+    with_experts = ParallelDims(world_size=8, tensor_parallel=2, expert_parallel=2)
+    assert with_experts.describe() == "pp=1 x dp=4 x tp=2 (ep=2 of dp) (world 8)"
+    with_context = ParallelDims(world_size=8, context_parallel=2)
+    assert with_context.describe() == "pp=1 x dp=8 x tp=1 (cp=2 of dp) (world 8)"
 
 
 def test_mesh_before_build_is_an_error() -> None:

@@ -59,6 +59,7 @@ ZOO: dict[str, ZooFamily] = {
                   drop=("num_attention_heads", "num_hidden_layers", "intermediate_size")),
         ZooFamily("falcon", "fused q|k|v of grouped heads, parallel attention",
                   {"new_decoder_architecture": True, "num_kv_heads": 2}, drop=("intermediate_size",)),
+        ZooFamily("olmo", "q, k and v clamped in place (clip_qkv)", {"num_key_value_heads": 2, "clip_qkv": 0.5}),
         ZooFamily("olmo2", "q/k RMSNorm over the whole projection width", {"num_key_value_heads": 2}),
         ZooFamily("cohere", "per-head q/k LayerNorm, parallel block, logit scale",
                   {"num_key_value_heads": 2, "use_qk_norm": True}),

@@ -54,3 +54,31 @@ def test_a_gradient_fp32_itself_misses_by_more_than_the_rule_gets_that_much_room
     assert gradient_problem("a_log", want * (1 + 5 * TOLERANCE), want, exact) is None
     # negative control: a real difference is not
     assert "fp32's own 3.0e-05" in (gradient_problem("a_log", want * (1 + 10 * TOLERANCE), want, exact) or "")
+
+
+def _moe_layer_and_inputs() -> tuple[torch.nn.Module, tuple]:
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.zoo import zoo_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(zoo_config("qwen3_moe", 128, 32, 1)).model
+    hidden = torch.randn(2, 16, 64)
+    positions = model.rotary_emb(hidden, torch.arange(16)[None].expand(2, 16))
+    return model.layers[0], ((hidden,), {"position_embeddings": positions, "attention_mask": None})
+
+
+def test_experts_that_run_grouped_mm_get_float64_gradients_by_their_loop(monkeypatch: object) -> None:
+    """grouped_mm has no float64 on a CPU: the float64 pass runs the experts' per-expert loop (the same sums),
+    so an MoE block's gradients get the float64 room too (a right Qwen 3.5 MoE layout was refused without)."""
+    from lightning_parallel.tensor_parallel import verify
+
+    layer, inputs = _moe_layer_and_inputs()
+    assert layer.mlp.experts.config._experts_implementation == "grouped_mm"
+    exact = exact_gradients(layer, inputs)
+    assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"} <= set(exact)
+    assert all(g.dtype == torch.float64 for g in exact.values())
+    assert layer.mlp.experts.config._experts_implementation == "grouped_mm"  # the user's block is untouched
+    # negative control: without the switch, no float64 gradients at all
+    monkeypatch.setattr(verify, "_eager_experts", lambda module: False)  # type: ignore[attr-defined]
+    assert exact_gradients(layer, inputs) == {}
