@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,8 +25,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from lightning_parallel.comm.agreement import all_agree, communication_device
 from lightning_parallel.compat import tree_map
 from lightning_parallel.tensor_parallel.apply import install_container, scale_attributes
-from lightning_parallel.tensor_parallel.block_kinds import same_kind
-from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
+from lightning_parallel.tensor_parallel.plan import ParallelPlan
 from lightning_parallel.tensor_parallel.regions import (
     find_hidden,
     install_sequence_region,
@@ -35,6 +33,7 @@ from lightning_parallel.tensor_parallel.regions import (
     sequence_length_problem,
 )
 from lightning_parallel.tensor_parallel.row_layout import row_layout
+from lightning_parallel.tensor_parallel.verify_modes import keep_mode, modes_to_try, relative_plan
 
 TOLERANCE = 1e-5
 
@@ -132,75 +131,6 @@ def capture_block_inputs(run_step: Callable[[], Any], blocks: dict[str, nn.Modul
     finally:
         capture.detach()
     return capture.captured
-
-
-@dataclasses.dataclass(frozen=True)
-class Mode:
-    """One way to run a block's sharded containers, as the verification tries them."""
-
-    narrow: bool = False  # attention shown a width-sliced input
-    variant: int = 0  # the fused entries' layout (``ShardedContainer.variants``)
-    slice_heads: bool = False  # per-head tensors handed to attention cut to the local heads
-    copy_output: bool = False  # the exits' outputs copied (for models that add to them in place)
-    copy_entries: bool = False  # the entries' outputs copied too (for models that change them in place)
-
-    def describe(self, containers: list[ShardedContainer]) -> str:
-        words = ["width-sliced" if self.narrow else "full-width"]
-        labels = {c.variants[min(self.variant, len(c.variants) - 1)][0] for c in containers if c.variants}
-        words += [f"fused entry {label}" for label in sorted(labels)]
-        words += ["per-head inputs cut to its heads"] if self.slice_heads else []
-        words += ["outputs copied"] if self.copy_output else []
-        return ", ".join(words + (["entry outputs copied"] if self.copy_entries else []))
-
-
-def modes_to_try(containers: list[ShardedContainer]) -> list[Mode]:
-    """Every mode a block's containers allow, the plainest first."""
-    attention = any(c.kind == "attention" for c in containers)
-    variants = max((len(c.variants) for c in containers), default=0) or 1
-    both = (False, True) if attention else (False,)
-    copies = [(False, False), (True, False), (True, True)]
-    return [Mode(n, v, h, c, e) for c, e in copies for h in both for v in range(variants) for n in both]
-
-
-def _apply_mode(container: ShardedContainer, mode: Mode) -> ShardedContainer:
-    attention = container.kind == "attention"
-    variant = min(mode.variant, len(container.variants) - 1) if container.variants else 0
-    return dataclasses.replace(
-        container,
-        narrow_input=mode.narrow and attention,
-        variant=variant,
-        slice_heads=mode.slice_heads and attention,
-        copy_output=mode.copy_output,
-        copy_entry_outputs=mode.copy_entries,
-    )
-
-
-def _variant_styles(container: ShardedContainer) -> dict[str, Any]:
-    return container.variants[container.variant][1] if container.variants else {}
-
-
-def _relative_plan(plan: ParallelPlan, prefix: str, mode: Mode) -> ParallelPlan:
-    cut = len(prefix) + 1
-    chosen = [_apply_mode(c, mode) for c in plan.containers if c.name.startswith(prefix + ".")]
-    styles = dict(plan.styles)
-    for container in chosen:
-        styles.update(_variant_styles(container))
-    styles = {name[cut:]: style for name, style in styles.items() if name.startswith(prefix + ".")}
-    containers = [
-        dataclasses.replace(c, name=c.name[cut:], entries=[e[cut:] for e in c.entries], exit=c.exit[cut:])
-        for c in chosen
-    ]
-    return dataclasses.replace(plan, styles=styles, containers=containers, block_names=[], norms=[])
-
-
-def _keep_mode(plan: ParallelPlan, model: nn.Module, block: nn.Module, mode: Mode) -> None:
-    """Every block of ``block``'s kind runs its containers in ``mode`` (their fused entries' styles too)."""
-    for index, container in enumerate(plan.containers):
-        owner = next((b for b in plan.block_names if container.name.startswith(b + ".")), None)
-        if owner is not None and same_kind(model.get_submodule(owner), block):
-            chosen = _apply_mode(container, mode)
-            plan.containers[index] = chosen
-            plan.styles.update(_variant_styles(chosen))
 
 
 def first_tensor(output: Any) -> torch.Tensor:
@@ -399,11 +329,11 @@ def verify_and_choose_modes(
         for mode in modes_to_try(block_containers):
             try:
                 with exact_fp32():
-                    problem = _compare_once(block, inputs, _relative_plan(plan, block_name, mode), mesh)
+                    problem = _compare_once(block, inputs, relative_plan(plan, block_name, mode), mesh)
             except Exception as error:  # noqa: BLE001 - any failure of a mode means "try the next one"
                 problem = f"{type(error).__name__}: {error}"
             if all_agree(problem is None):
-                _keep_mode(plan, model, block, mode)
+                keep_mode(plan, model, block, mode)
                 attention = "attention runs " if any(c.kind == "attention" for c in block_containers) else ""
                 lines.append(
                     f"verified {type(block).__name__} ({block_name}): {attention}{mode.describe(block_containers)}"
