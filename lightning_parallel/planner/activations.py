@@ -123,7 +123,8 @@ def block_bytes_per_token(
         # per routed copy: its input, the expert's terms, its output and the weighted output
         mlp = (4 if block.gated else 2) * block.ffn_hidden * act
         mlp = (mlp + 3 * h * act) * experts + h * act + block.num_experts * 16  # + router input, scores
-    return norms + attention + (h if block.num_experts else entry) * act + mlp
+        mlp /= sp  # under sequence parallelism each rank routes its slice of the sequence (plans/auto.py)
+    return norms + attention + (h / sp if block.num_experts else entry) * act + mlp
 
 
 @dataclass(frozen=True)

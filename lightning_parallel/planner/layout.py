@@ -157,8 +157,11 @@ def layout_problems(layout: Layout, shape: ModelShape, gpus: int | None = None) 
         if tp == 1:
             problems.append("`sequence_parallel=True` needs `tensor_parallel` > 1")
         _divides(problems, "sequence length", layout.sequence_length, tp, "tensor_parallel")
-        if any(b.num_experts for b in shape.blocks):
-            problems.append("mixture-of-experts blocks are refused under sequence parallelism")
+        if any(b.num_experts for b in shape.blocks) and ep > 1:  # with ep = 1 each rank routes its slice
+            problems.append(
+                f"`sequence_parallel=True` with `expert_parallel={ep}`: the strategy refuses the pair (its routing"
+                " would see only the rank's slice of the sequence)"
+            )
     if ep > 1:
         experts = max((b.num_experts for b in shape.blocks), default=0)
         if not experts:

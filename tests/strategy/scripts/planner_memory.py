@@ -45,6 +45,8 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         {"pipeline_parallel": 2, "micro_batches": 4, "pipeline_schedule": "gpipe"},
     ),
     "ep2": ("recipe_moe", {}, {"expert_parallel": 2}),
+    # each tensor rank routes its slice of the sequence through whole experts
+    "tp2_sp_moe": ("hf_mixtral", {}, {"tensor_parallel": 2, "sequence_parallel": True}),
     "zero1": ("recipe_gpt", {"optimizer": "adamw"}, {"zero_stage": 1}),
     "zero2": ("recipe_gpt", {"optimizer": "adamw"}, {"zero_stage": 2}),
     "zero3": ("recipe_gpt", {"optimizer": "adamw"}, {"zero_stage": 3}),
