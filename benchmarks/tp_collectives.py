@@ -22,7 +22,9 @@ width H, vocabulary V, L layers, tensor-parallel degree p > 1, activations of B*
   all. Backward: one all-reduce of the input gradient of each block ("f"), 2 in all.
   With sequence parallelism the all-reduce is split into its halves and the norms/dropout run on
   sequence shards: forward, an all-gather before each entry and a reduce-scatter after each
-  exit (2 + 2); backward the same (the all-gather's backward is a reduce-scatter and vice versa).
+  exit (2 + 2); backward the same (the all-gather's backward is a reduce-scatter and vice versa),
+  plus one all-gather of each entry's input, which Megatron keeps as the rank's sequence shard and
+  gathers again for the weight gradient (Korthikanti et al. 2022, 4.2.2; ``memory/regather.py``): 2 + 4.
   The norms' weights are replicated while their inputs are sequence shards, so their gradients
   are partial sums: Megatron all-reduces them over the TP group once per step, all layers
   coalesced into ONE all-reduce of 2H per norm (weight and bias) after the backward.
@@ -336,7 +338,7 @@ def megatron_minimum(sp: bool, clip: bool) -> dict[str, Counter]:
     act = B * T * H
     if sp:
         layer = Counter({("forward", AG, act): 2, ("forward", RS, act): 2,
-                         ("backward", AG, act): 2, ("backward", RS, act): 2})  # fmt: skip
+                         ("backward", AG, act): 4, ("backward", RS, act): 2})  # fmt: skip
         embedding = Counter({("forward", RS, act): 1, ("backward", AG, act): 1})
         head = Counter({("forward", AG, act): 1, ("backward", RS, act): 1})
         norms = 2 * SHAPE["n_layer"] + 1  # ln_1, ln_2 of every layer and ln_f; weight and bias each

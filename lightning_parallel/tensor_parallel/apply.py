@@ -81,8 +81,9 @@ def install_container(
             container.exit[len(container.name) + 1 :] if container.name else container.exit
         )
         handles.append(exit_module.register_forward_hook(_copy))
-    if container.copy_entry_outputs:  # OLMo clamps q, k and v in place
-        handles += [entry.register_forward_hook(_copy) for entry in entries]
+    if container.copy_entry_outputs:  # OLMo clamps q, k and v in place (OLMoE: after its q/k norms)
+        norms = [sub for name, sub in module.named_modules() if name and "norm" in type(sub).__name__.lower()]
+        handles += [sub.register_forward_hook(_copy) for sub in [*entries, *norms]]
     return handles
 
 
