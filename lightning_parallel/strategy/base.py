@@ -92,6 +92,7 @@ class MeshParallelStrategy(ParallelStrategy):
 
     # Lightning's versions of these call ``super()`` bound to ModelParallelStrategy; same logic here.
 
+    @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         # Optimizers from an earlier fit refer to parameters that sharding replaced.
         self._reset_optimizers_and_schedulers()

@@ -40,6 +40,7 @@ from lightning_parallel.parallelize import Parallelized, parallelize, recall
 from lightning_parallel.precision import HybridPrecision
 from lightning_parallel.strategy import pipelined
 from lightning_parallel.strategy import training as steps
+from lightning_parallel.strategy.asked import AskedArguments
 from lightning_parallel.strategy.auto_layout import auto_strategy
 from lightning_parallel.strategy.checkpointing import CheckpointingStrategy
 from lightning_parallel.strategy.data_checks import check_training_data
@@ -50,7 +51,7 @@ from lightning_parallel.tensor_parallel import ParallelPlan
 from lightning_parallel.zero.engine import offload_sharded_optimizers
 
 
-class HybridParallelStrategy(CheckpointingStrategy):
+class HybridParallelStrategy(AskedArguments, CheckpointingStrategy):
     """Train an unchanged LightningModule with data, tensor, sequence, pipeline and expert parallelism.
 
     Args:
@@ -186,22 +187,7 @@ class HybridParallelStrategy(CheckpointingStrategy):
         """The layout the planner predicts fastest for ``model`` (``strategy/auto_layout.py: choose_layout``)."""
         return auto_strategy(cls, model, **search)
 
-    # ---- what the user asked for, and what setup made of it ------------------------------
-
-    sequence_parallel = property(lambda self: self.config.tensor.sequence_parallel)
-    pipeline_parallel = property(
-        lambda self: self.config.pipeline.pipeline_parallel if self.config.pipeline else 1
-    )
-    expert_parallel = property(lambda self: self.config.experts.expert_parallel)
-    context_parallel = property(lambda self: self.config.context.degree)
-    moe_aux_loss_coef = property(lambda self: self.config.experts.aux_loss_coef)
-    moe_z_loss_coef = property(lambda self: self.config.experts.z_loss_coef)
-    verify_plan = property(lambda self: self.config.tensor.verify_plan)
-    compile = property(lambda self: self.config.compile)
-    init_weights = property(lambda self: self.config.init_weights)
-    zero = property(lambda self: self.config.zero)
-    zero_enabled = property(lambda self: self.config.zero.enabled)
-    memory_savers = property(lambda self: self.config.memory)
+    # ---- what setup made of the arguments (the arguments themselves: strategy/asked.py) -------
 
     @property
     def loss_parallel(self) -> bool | None:
