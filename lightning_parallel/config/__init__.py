@@ -9,6 +9,7 @@ from lightning_parallel.config.parallel_config import (
     PlanArg,
     TensorParallelConfig,
 )
+from lightning_parallel.config.strategy_arguments import StrategyArguments
 
 __all__ = [
     "PIPELINE_BOUNDARIES_KEY",
@@ -17,5 +18,6 @@ __all__ = [
     "ParallelConfig",
     "PathLike",
     "PlanArg",
+    "StrategyArguments",
     "TensorParallelConfig",
 ]

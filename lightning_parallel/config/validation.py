@@ -30,35 +30,36 @@ from lightning_parallel.config.parallel_config import (
     ParallelConfig,
     TensorParallelConfig,
 )
+from lightning_parallel.config.strategy_arguments import StrategyArguments
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.pipeline.setup import PipelineConfig
 from lightning_parallel.zero.arguments import ZERO_PRECISIONS, ZeroArguments
 
 
-def strategy_config(**a: Any) -> ParallelConfig:
-    """``HybridParallelStrategy``'s keyword arguments (its signature), checked and resolved."""
-    experts = arguments.experts(a["expert_parallel"], a["moe_aux_loss_coef"], a["moe_z_loss_coef"])
-    weights = arguments.init_weights(a["init_weights"])
+def strategy_config(a: StrategyArguments) -> ParallelConfig:
+    """``HybridParallelStrategy``'s arguments, checked and resolved."""
+    experts = arguments.experts(a.expert_parallel, a.moe_aux_loss_coef, a.moe_z_loss_coef)
+    weights = arguments.init_weights(a.init_weights)
     zero = arguments.zero(
-        a["zero_stage"],
-        a["offload"],
-        a["offload_path"],
-        a["deepspeed_config"],
-        a["offload_ratio"],
-        a["zero_reshard"],
-        a["zero_engine"],
+        a.zero_stage,
+        a.offload,
+        a.offload_path,
+        a.deepspeed_config,
+        a.offload_ratio,
+        a.zero_reshard,
+        a.zero_engine,
     )
-    tp, pp, plan = a["tensor_parallel"], a["pipeline_parallel"], a["plan"]
-    if not a["save_distributed_checkpoint"]:
-        refusal = consolidated_refusal(pp, a["expert_parallel"], zero.stage)
+    tp, pp, plan = a.tensor_parallel, a.pipeline_parallel, a.plan
+    if not a.save_distributed_checkpoint:
+        refusal = consolidated_refusal(pp, a.expert_parallel, zero.stage)
         if refusal is not None:
             raise ValueError(refusal)
     arguments.tensor_parallel(tp)
-    if a["sequence_parallel"] and tp == 1:
+    if a.sequence_parallel and tp == 1:
         rank_zero_warn("`sequence_parallel=True` has no effect with `tensor_parallel=1`; it is ignored.")
     arguments.plan(plan)
-    arguments.loss_parallel(a["loss_parallel"])
-    if a["loss_parallel"] is True and isinstance(pp, int) and pp > 1:
+    arguments.loss_parallel(a.loss_parallel)
+    if a.loss_parallel is True and isinstance(pp, int) and pp > 1:
         raise ValueError(
             "`loss_parallel=True` with `pipeline_parallel` > 1 is not supported: the vocabulary-parallel loss"
             " needs its own backward context, which the pipeline schedule does not enter. Leave the default"
@@ -66,21 +67,21 @@ def strategy_config(**a: Any) -> ParallelConfig:
         )
     boundaries = plan.get(PIPELINE_BOUNDARIES_KEY) if isinstance(plan, dict) else None
     pipeline = arguments.pipeline(
-        pp, a["micro_batches"], a["pipeline_schedule"], a["pipeline_virtual_stages"], boundaries
+        pp, a.micro_batches, a.pipeline_schedule, a.pipeline_virtual_stages, boundaries
     )
     _check_zero_reshard(zero, pipeline)
     memory = arguments.memory_savers(
-        a["activation_checkpointing"], a["activation_checkpointing_policy"], a["activation_offload"],
-        a["activation_compression"], a["gradient_compression"],
+        a.activation_checkpointing, a.activation_checkpointing_policy, a.activation_offload,
+        a.activation_compression, a.gradient_compression,
     )  # fmt: skip
-    _check_memory_savers(memory, a["gradient_compression"], tp, pipeline, zero)
-    context = arguments.context_parallel(a["context_parallel"], a["context_parallel_mode"])
-    _check_context(context, a["compile"])
+    _check_memory_savers(memory, a.gradient_compression, tp, pipeline, zero)
+    context = arguments.context_parallel(a.context_parallel, a.context_parallel_mode)
+    _check_context(context, a.compile)
     styles = (
         {k: v for k, v in plan.items() if k != PIPELINE_BOUNDARIES_KEY} if isinstance(plan, dict) else plan
     )
-    tensor = TensorParallelConfig(tp, a["sequence_parallel"], styles, a["verify_plan"], a["loss_parallel"])
-    return ParallelConfig(tensor, pipeline, experts, zero, memory, a["compile"], weights, context)
+    tensor = TensorParallelConfig(tp, a.sequence_parallel, styles, a.verify_plan, a.loss_parallel)
+    return ParallelConfig(tensor, pipeline, experts, zero, memory, a.compile, weights, context)
 
 
 def _check_zero_reshard(zero: ZeroArguments, pipeline: PipelineConfig | None) -> None:

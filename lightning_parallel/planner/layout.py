@@ -2,9 +2,11 @@
 
 :class:`Layout` mirrors ``HybridParallelStrategy``'s arguments (and the Trainer's precision and
 batch), so a plan printed for a layout is the plan of the job those arguments start.
-:func:`layout_problems` says why a layout cannot exist for a model on a number of devices, in the
-strategy's own words where it has them (the schedule checks of ``config/arguments.py``); a layout
-with problems is reported as such, never predicted.
+:func:`layout_problems` says why a layout cannot exist for a model on a number of devices: what only the
+model's shapes tell (heads, experts and layers a degree must divide), then the strategy's own refusals
+(:func:`strategy_refusals`: the arguments ``HybridParallelStrategy`` would receive, run through its
+configuration, degrees and launch checks, so ``plan --search`` proposes no layout the strategy refuses at
+setup: one rulebook). A layout with problems is reported as such, never predicted.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lightning_parallel.config.strategy_arguments import StrategyArguments
+from lightning_parallel.config.validation import check_launch, strategy_config
+from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.planner.shapes import ModelShape
 
-__all__ = ["PRECISIONS", "Layout", "layout_problems"]
+__all__ = ["PRECISIONS", "Layout", "layout_problems", "strategy_arguments", "strategy_refusals"]
 
 #: Trainer precisions: (bytes of a parameter, of an activation, of a gradient).
 PRECISIONS: dict[str, tuple[int, int, int]] = {
@@ -202,4 +207,66 @@ def layout_problems(layout: Layout, shape: ModelShape, gpus: int | None = None) 
         problems.append(f"`loss_parallel={layout.loss_parallel!r}` must be None, True or False")
     if layout.attention not in ("flash", "eager"):
         problems.append(f"`attention={layout.attention!r}` must be 'flash' or 'eager'")
+    if not problems:  # the strategy's own rules on the arguments it would receive
+        problems += strategy_refusals(layout)
     return problems
+
+
+# ---- one rulebook: the strategy's own refusals, asked of a planned layout ---------------------------
+
+_NVME_PLACEHOLDER = "/local_nvme"  # the strategy asks where; the planner plans the bytes, not the folder
+
+
+def strategy_arguments(layout: Layout) -> StrategyArguments:
+    """The arguments ``HybridParallelStrategy`` runs ``layout`` with."""
+    pipelined = layout.pipeline_parallel > 1
+    selective = layout.activation_checkpointing == "selective"
+    return StrategyArguments(
+        tensor_parallel=layout.tensor_parallel,
+        pipeline_parallel=layout.pipeline_parallel,
+        expert_parallel=layout.expert_parallel,
+        sequence_parallel=layout.sequence_parallel,
+        micro_batches=layout.micro_batches if pipelined else None,
+        pipeline_schedule=layout.pipeline_schedule if pipelined else None,
+        pipeline_virtual_stages=layout.pipeline_virtual_stages
+        if pipelined and layout.pipeline_virtual_stages > 1
+        else None,
+        zero_stage=layout.zero_stage,
+        offload=layout.offload,  # type: ignore[arg-type]
+        offload_path=_NVME_PLACEHOLDER if layout.offload == "nvme" else None,
+        zero_engine=layout.zero_engine,  # type: ignore[arg-type]
+        activation_checkpointing=layout.activation_checkpointing,  # type: ignore[arg-type]
+        activation_checkpointing_policy=(
+            layout.activation_checkpointing_policy
+            if selective and layout.activation_checkpointing_policy != "ops"
+            else None
+        ),  # type: ignore[arg-type]
+        loss_parallel=layout.loss_parallel,
+    )
+
+
+def _precision_plugin(precision: str) -> Any:
+    """The plain plugin ``Trainer(precision=...)`` makes (only its type and name are read)."""
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+    if precision.endswith("-mixed"):
+        return MixedPrecision(precision, "cpu")  # type: ignore[arg-type]
+    if precision in ("bf16-true", "16-true"):
+        return HalfPrecision(precision)  # type: ignore[arg-type]
+    return Precision()
+
+
+def strategy_refusals(layout: Layout) -> list[str]:
+    """The strategy's refusal of ``layout`` (its ``ValueError``), or nothing when it accepts it."""
+    try:
+        config = strategy_config(strategy_arguments(layout))
+        dims = ParallelDims(
+            world_size=layout.gpus,
+            tensor_parallel=layout.tensor_parallel,
+            pipeline_parallel=layout.pipeline_parallel,
+            expert_parallel=layout.expert_parallel,
+        )
+        check_launch(config, dims, _precision_plugin(layout.precision))
+    except ValueError as error:
+        return [f"HybridParallelStrategy refuses it: {error}"]
+    return []

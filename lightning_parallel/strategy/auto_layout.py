@@ -10,6 +10,7 @@ why other families were rejected are printed (rank 0), so the choice can be read
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 from typing import Any
 
@@ -17,8 +18,10 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_parallel.config.strategy_arguments import StrategyArguments
 from lightning_parallel.planner.cluster import CLUSTERS, Cluster, load_cluster
 from lightning_parallel.planner.layout import Layout
+from lightning_parallel.planner.layout import strategy_arguments as planned_arguments
 from lightning_parallel.planner.report import memory_lines, search_lines, time_lines
 from lightning_parallel.planner.search import Candidate, search
 
@@ -74,24 +77,15 @@ def choose_layout(
 
 
 def strategy_arguments(layout: Layout) -> dict[str, Any]:
-    """``HybridParallelStrategy``'s keyword arguments for ``layout``."""
-    arguments: dict[str, Any] = {
-        "tensor_parallel": layout.tensor_parallel,
-        "sequence_parallel": layout.sequence_parallel,
-        "pipeline_parallel": layout.pipeline_parallel,
-        "expert_parallel": layout.expert_parallel,
-        "zero_stage": layout.zero_stage,
-        "activation_checkpointing": layout.activation_checkpointing,
+    """``HybridParallelStrategy``'s keyword arguments for ``layout``: those of the planner's own record
+    (``planner/layout.py: strategy_arguments``, the one the planner checked) that differ from the defaults;
+    the NVMe folder is the user's to give (``strategy={"offload_path": ...}``)."""
+    arguments, defaults = planned_arguments(layout), StrategyArguments()
+    return {
+        f.name: getattr(arguments, f.name)
+        for f in dataclasses.fields(arguments)
+        if f.name != "offload_path" and getattr(arguments, f.name) != getattr(defaults, f.name)
     }
-    if layout.activation_checkpointing == "selective" and layout.activation_checkpointing_policy != "ops":
-        arguments["activation_checkpointing_policy"] = layout.activation_checkpointing_policy
-    if layout.offload:
-        arguments["offload"] = layout.offload
-    if layout.pipeline_parallel > 1:
-        arguments.update(micro_batches=layout.micro_batches, pipeline_schedule=layout.pipeline_schedule)
-        if layout.pipeline_virtual_stages > 1:
-            arguments["pipeline_virtual_stages"] = layout.pipeline_virtual_stages
-    return arguments
 
 
 def auto_strategy(cls: type, model: nn.Module, **search_arguments: Any) -> Any:

@@ -31,6 +31,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_parallel.config import PathLike, PlanArg
+from lightning_parallel.config.strategy_arguments import StrategyArguments
 from lightning_parallel.config.validation import check_manual_optimization, strategy_config
 from lightning_parallel.launch.interrupt import AgreedInterrupt, start_agreed_interrupt
 from lightning_parallel.memory.casts import CastSaver
@@ -164,8 +165,38 @@ class HybridParallelStrategy(AskedArguments, CheckpointingStrategy):
     ) -> None:
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
-        # Every constructor argument by its name (strategy_config reads those it checks).
-        config = strategy_config(**{k: v for k, v in locals().items() if k not in ("self", "__class__")})
+        arguments = StrategyArguments(
+            tensor_parallel=tensor_parallel,
+            pipeline_parallel=pipeline_parallel,
+            expert_parallel=expert_parallel,
+            context_parallel=context_parallel,
+            context_parallel_mode=context_parallel_mode,
+            moe_aux_loss_coef=moe_aux_loss_coef,
+            moe_z_loss_coef=moe_z_loss_coef,
+            sequence_parallel=sequence_parallel,
+            micro_batches=micro_batches,
+            pipeline_schedule=pipeline_schedule,
+            pipeline_virtual_stages=pipeline_virtual_stages,
+            zero_stage=zero_stage,
+            offload=offload,
+            offload_path=offload_path,
+            offload_ratio=offload_ratio,
+            zero_reshard=zero_reshard,
+            zero_engine=zero_engine,
+            deepspeed_config=deepspeed_config,
+            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            activation_offload=activation_offload,
+            activation_compression=activation_compression,
+            gradient_compression=gradient_compression,
+            plan=plan,
+            verify_plan=verify_plan,
+            compile=compile,
+            loss_parallel=loss_parallel,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            init_weights=init_weights,
+        )
+        config = strategy_config(arguments)
         super().__init__(
             config,
             save_distributed_checkpoint=save_distributed_checkpoint,
