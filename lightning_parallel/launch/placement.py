@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_parallel.mesh import Axis
+
 
 def groups_across_nodes(node_of_rank: Sequence[int], groups: Iterable[Sequence[int]]) -> list[list[int]]:
     """The groups (lists of global ranks) whose ranks are not all on one node."""
@@ -39,7 +41,7 @@ def check_tensor_parallel_placement(strategy: Any) -> list[list[int]]:
     mesh = strategy.device_mesh
     if not mesh.mesh_dim_names or mesh.mesh_dim_names[-1] != "tp":
         return []  # not our mesh (e.g. Lightning's ModelParallelStrategy): its axes mean other things
-    tensor_parallel = mesh["tp"].size()
+    tensor_parallel = mesh[Axis.TP].size()
     if tensor_parallel == 1 or not torch.distributed.is_initialized():
         return []
     node_of_rank: list[Any] = [None] * torch.distributed.get_world_size()

@@ -15,12 +15,13 @@ Mesh axes, outermost first (docs/architecture.md, "Mesh axes"):
   are adjacent global ranks: with ranks placed node by node they share a node (fast links),
   which matters because TP communicates inside every layer.
 
-Every axis exists even when its degree is 1, so code asks ``mesh["tp"]`` without branching.
+Every axis exists even when its degree is 1, so code asks ``mesh[Axis.TP]`` without branching.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from lightning_parallel.compat import flatten_mesh
@@ -28,11 +29,31 @@ from lightning_parallel.compat import flatten_mesh
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-AXIS_NAMES: tuple[str, ...] = ("pp", "dp", "tp")
+
+class Axis(StrEnum):
+    """The mesh's axis names (docs/architecture.md, "Mesh axes"): ``mesh[Axis.TP]``. Members are strings,
+    so the mesh itself keeps plain names (and so do checkpoints and logs)."""
+
+    PP = "pp"
+    DP = "dp"
+    TP = "tp"
+    EP = "ep"
+    CP = "cp"
+    DP_REPLICATE = "dp_replicate"  # dp's replicas of each expert shard: dp = dp_replicate x ep
+    DP_BATCH = "dp_batch"  # dp's distinct batches: dp = dp_batch x cp
+    EP_MID = "ep_mid"  # with both ep and cp: the factor of the larger beside the smaller
+    CP_MID = "cp_mid"
+
+
+def _names(*axes: Axis) -> tuple[str, ...]:
+    return tuple(str(axis) for axis in axes)
+
+
+AXIS_NAMES: tuple[str, ...] = _names(Axis.PP, Axis.DP, Axis.TP)
 # With expert parallelism: dp is split into dp_replicate x ep ("dp" is their flattened axis).
-EXPERT_AXIS_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "ep", "tp")
+EXPERT_AXIS_NAMES: tuple[str, ...] = _names(Axis.PP, Axis.DP_REPLICATE, Axis.EP, Axis.TP)
 # With context parallelism: dp is split into dp_batch x cp (the sampler's replicas are dp_batch).
-CONTEXT_AXIS_NAMES: tuple[str, ...] = ("pp", "dp_batch", "cp", "tp")
+CONTEXT_AXIS_NAMES: tuple[str, ...] = _names(Axis.PP, Axis.DP_BATCH, Axis.CP, Axis.TP)
 # With both, the smaller of ep and cp is the inner axis and the larger is it times a middle one
 # (``_build_context_and_expert_mesh``); the names used elsewhere are flattened from those.
 

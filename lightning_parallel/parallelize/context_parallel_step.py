@@ -24,6 +24,7 @@ from lightning_parallel.context_parallel import (
 )
 from lightning_parallel.context_parallel.attention import Mode
 from lightning_parallel.context_parallel.verify import Captured
+from lightning_parallel.mesh import Axis
 from lightning_parallel.pipeline.stages import SkippedBlock
 
 NO_BLOCKS = (
@@ -34,8 +35,8 @@ NO_BLOCKS = (
 
 def context_state(config: ContextParallelConfig, mesh: DeviceMesh, sequence_parallel: bool) -> ContextState:
     """``sequence_parallel``: between blocks, the residual stream is also split over ``tp``."""
-    cp = mesh["cp"]
-    between = config.degree * (mesh["tp"].size() if sequence_parallel else 1)
+    cp = mesh[Axis.CP]
+    between = config.degree * (mesh[Axis.TP].size() if sequence_parallel else 1)
     split = SequenceSplit(config.degree, cp.get_local_rank())
     return ContextState(split, cp.get_group(), cast(Mode, config.mode), between_blocks=between)
 

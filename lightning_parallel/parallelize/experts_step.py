@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.config import ExpertConfig
 from lightning_parallel.experts import AuxLossCollector, ExpertParallel, expert_parameters, find_moe_blocks
-from lightning_parallel.mesh import ParallelDims
+from lightning_parallel.mesh import Axis, ParallelDims
 
 
 @dataclass
@@ -40,7 +40,9 @@ def apply_experts(
     """Shard the experts of every MoE block this rank holds; set up the auxiliary-loss collector."""
     state = ExpertState()
     if dims.ep_enabled:
-        blocks = ExpertParallel.apply(module, mesh["ep"].get_group(), token_group=mesh["dp"].get_group())
+        blocks = ExpertParallel.apply(
+            module, mesh[Axis.EP].get_group(), token_group=mesh[Axis.DP].get_group()
+        )
         if not blocks and not dims.pp_enabled:
             raise ValueError(
                 f"`expert_parallel={dims.expert_parallel}`: {type(module).__name__} has no Mixture-of-Experts"
@@ -56,9 +58,9 @@ def apply_experts(
     # user's ``moe_aux_loss`` then gets 0 for it); foreign blocks only with a coefficient.
     own_layers = dims.pp_enabled and any(b.kind == "lightning_parallel" for b in moe_blocks)
     if moe_blocks and (config.aux_loss_coef is not None or own_layers):
-        group = mesh["dp"].get_group() if mesh["dp"].size() > 1 else None
+        group = mesh[Axis.DP].get_group() if mesh[Axis.DP].size() > 1 else None
         # under sequence parallelism each tp rank routes its own slice of the sequence (plans/auto.py)
-        sequence = mesh["tp"].get_group() if sequence_parallel and dims.tp_enabled else None
+        sequence = mesh[Axis.TP].get_group() if sequence_parallel and dims.tp_enabled else None
         state.aux_losses = AuxLossCollector(
             module, coef=config.aux_loss_coef or 0.0, z_loss_coef=config.z_loss_coef, token_group=group,
             mode="backward", sequence_group=sequence,

@@ -47,7 +47,7 @@ from lightning_parallel.data_parallel import (
     average_direct_parameters,
     no_gradient_sync,
 )
-from lightning_parallel.mesh import ParallelDims
+from lightning_parallel.mesh import Axis, ParallelDims
 from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.tensor_parallel.row_layout import RowCopies, stamp_row_layouts
 from lightning_parallel.zero.engine import config_engine
@@ -200,7 +200,7 @@ def plan_gradient_reductions(
     decided = decide_gradient_reductions(config, dims)
     result = GradientReductions(decided)
     if fsdp is not None:
-        dp_mesh = mesh["dp"]
+        dp_mesh = mesh[Axis.DP]
         whole = fsdp.whole
         if not dims.pp_enabled:  # under stages the runner reduces the units itself, once per step
             result.in_backward = fsdp.units
@@ -216,7 +216,7 @@ def plan_gradient_reductions(
     if config.zero.enabled:  # expert slices differ across ep ranks: DeepSpeed's norm counts them on each
         mark_model_parallel(p for p in _parameters(module, runner) if id(p) in expert_ids)
     if any(r.when == IN_BACKWARD for r in decided):
-        dp_mesh = mesh["dp"]
+        dp_mesh = mesh[Axis.DP]
         result.in_backward = apply_data_parallel(module, dp_mesh, blocks, sharded_parameters=dims.tp_enabled)
         result.hooks = average_direct_parameters(module, dp_mesh)
         if (
@@ -239,7 +239,7 @@ def _row_copies(module: nn.Module, mesh: DeviceMesh, result: GradientReductions)
     result.decided.append(
         Reduction("k/v rows held on several ranks'", "sum of the copies", "tp", AFTER_BACKWARD)
     )
-    return [RowCopies(duplicated, mesh["tp"].get_group())]
+    return [RowCopies(duplicated, mesh[Axis.TP].get_group())]
 
 
 def _sync(groups: list[Any], runner: PipelineRunner | None) -> GradientSync | None:
@@ -275,9 +275,9 @@ def shard_for_zero(
     # ZeRO-3 alone reshards after forward.
     reshard = config.zero.stage == 3 and (not dims.pp_enabled or config.zero.reshard == "micro_batch")
     # Experts over their replicas (dp_replicate), everything else over the whole dp (zero/fsdp.py).
-    experts = ExpertSharding(mesh["dp_replicate"], dims.data_parallel) if dims.ep_enabled else None
+    experts = ExpertSharding(mesh[Axis.DP_REPLICATE], dims.data_parallel) if dims.ep_enabled else None
     return fully_shard_modules(
-        module, mesh["dp"], kept, offload=config.zero.offload is not None, reshard_after_forward=reshard,
+        module, mesh[Axis.DP], kept, offload=config.zero.offload is not None, reshard_after_forward=reshard,
         experts=experts, offload_ratio=config.zero.offload_ratio,
     )  # fmt: skip
 
@@ -305,7 +305,7 @@ def _explicit_groups(
     tied = {id(registered_parameter(module, n)) for n in runner.tied_groups} if runner is not None else set()
     compression = next((r.compression for r in decided if r.compression is not None), None)
     compressor = BucketCompressor(compression) if compression is not None else None
-    dp = mesh["dp"]
+    dp = mesh[Axis.DP]
     groups: list[GradientGroup | GradientScale] = []
     for r in decided:
         overlap = r.when == IN_LAST_BACKWARD
@@ -313,12 +313,12 @@ def _explicit_groups(
             assert runner is not None
             groups += runner.tied_gradient_groups()
         elif r.gradients == "dense" and r.axis == "ep":
-            ep = mesh["ep"]
+            ep = mesh[Axis.EP]
             groups.append(
                 GradientGroup(dense, ep.get_group(), ep.size(), label="dense mean over ep", overlap=overlap)
             )
         elif r.gradients == "experts" and r.how == "divided by ep":
-            groups.append(GradientScale(experts, mesh["ep"].size(), label="experts"))
+            groups.append(GradientScale(experts, mesh[Axis.EP].size(), label="experts"))
         elif r.gradients == "dense" or (r.gradients == "dense but tied" and not tied):
             groups.append(_mean(dense, dp, compressor, "data-parallel mean", overlap))
         elif r.gradients == "dense but tied":
@@ -333,7 +333,7 @@ def _explicit_groups(
                     )
                 )
         elif r.gradients == "experts" and experts:
-            replicas = mesh["dp_replicate"].get_group()
+            replicas = mesh[Axis.DP_REPLICATE].get_group()
             groups.append(
                 GradientGroup(
                     experts, replicas, dp.size(), label="experts over their replicas", overlap=overlap

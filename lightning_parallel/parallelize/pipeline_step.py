@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_parallel.mesh import Axis
 from lightning_parallel.pipeline.discover import DiscoveryProbe
 from lightning_parallel.pipeline.microbatch import check_divisible
 from lightning_parallel.pipeline.runner import PipelineRunner
@@ -61,7 +62,7 @@ def cut_pipeline(
 ) -> StageCut:
     """Replace the blocks and weights other pipeline ranks hold (``pipeline/stages.py``)."""
     runtime = StageRuntime()
-    my_stages, owned = cut_for_rank(module, layout, config, mesh["pp"].get_local_rank(), runtime)
+    my_stages, owned = cut_for_rank(module, layout, config, mesh[Axis.PP].get_local_rank(), runtime)
     return StageCut(layout, my_stages, owned, runtime)
 
 
@@ -77,11 +78,11 @@ def build_runner(
 ) -> tuple[PipelineRunner, set[int]]:
     """torch's stages and schedule over this rank's cut; also the tied weights left out of the gradient norm."""
     runner = PipelineRunner(
-        module, cut.layout, config.spec, cut.my_stages, config.micro_batches, mesh["pp"].get_group(), device,
+        module, cut.layout, config.spec, cut.my_stages, config.micro_batches, mesh[Axis.PP].get_group(), device,
         cut.runtime, cut.owned, tied_weight_groups(cut.layout, mesh), aux_collector=aux_losses,
         fsdp_units=fsdp_units, fsdp_before_schedule=fsdp_before_schedule,
     )  # fmt: skip
-    norm_exclude = norm_duplicates(cut.layout, mesh["pp"].get_local_rank(), module)
+    norm_exclude = norm_duplicates(cut.layout, mesh[Axis.PP].get_local_rank(), module)
     ranges = ", ".join(
         f"stage {s} (rank {cut.layout.owners[s]}): blocks {r.start}-{r.stop - 1}"
         for s, r in enumerate(cut.layout.ranges)

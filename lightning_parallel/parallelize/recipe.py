@@ -37,7 +37,7 @@ from torch import nn
 from lightning_parallel.compat import sync_module_states
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.experts import expert_parameters
-from lightning_parallel.mesh import ParallelDims
+from lightning_parallel.mesh import Axis, ParallelDims
 from lightning_parallel.parallelize import context_parallel_step, pipeline_step, tensor_parallel_step
 from lightning_parallel.parallelize.experts_step import apply_experts
 from lightning_parallel.parallelize.gradients import plan_gradient_reductions, shard_for_zero
@@ -86,7 +86,7 @@ def parallelize(
         module, config, plan, blocks, sample, training, pipelined=dims.pp_enabled, split=context is not None
     )
     if plan is not None and captured is not None and config.tensor.verify_plan:
-        tensor_parallel_step.verify_plan(module, plan, mesh["tp"], captured)
+        tensor_parallel_step.verify_plan(module, plan, mesh[Axis.TP], captured)
     if plan is not None:  # every rank alike, before anything is sharded
         tensor_parallel_step.check_row_layouts(plan, config_engine(config, dims))
     if context is not None:
@@ -100,7 +100,7 @@ def parallelize(
         result.hooks += context_parallel_step.enter(module, blocks, context)
     if plan is not None:
         hooks, result.loss_parallel, result.loss_state = tensor_parallel_step.shard(
-            module, plan, config.tensor, mesh["tp"], pipelined=dims.pp_enabled
+            module, plan, config.tensor, mesh[Axis.TP], pipelined=dims.pp_enabled
         )
         result.hooks += hooks
     if context is not None:  # after the sequence-parallel region's own gather

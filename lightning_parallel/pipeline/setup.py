@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_parallel.mesh import Axis
 from lightning_parallel.pipeline.discover import Discovery
 from lightning_parallel.pipeline.schedules import ScheduleSpec, stage_owner, stages_of_rank
 from lightning_parallel.pipeline.split import balanced_boundaries, check_user_boundaries, stage_ranges
@@ -97,13 +98,13 @@ def tied_weight_groups(layout: StageLayout, mesh: DeviceMesh) -> dict[str, dist.
     tied = layout.tied_across_ranks()
     if not tied:
         return {}
-    pp_size, tp_size = mesh["pp"].size(), mesh["tp"].size()
+    pp_size, tp_size = mesh[Axis.PP].size(), mesh[Axis.TP].size()
     grid = mesh.mesh.reshape(pp_size, -1, tp_size)  # (pp, dp, tp) global ranks (dp flattened under ep)
     me = dist.get_rank()
     by_ranks: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
     for ranks in sorted(set(tied.values())):
         if len(ranks) == grid.size(0):
-            by_ranks[ranks] = mesh["pp"].get_group()
+            by_ranks[ranks] = mesh[Axis.PP].get_group()
             continue
         mine = None
         for d in range(grid.size(1)):
@@ -113,7 +114,7 @@ def tied_weight_groups(layout: StageLayout, mesh: DeviceMesh) -> dict[str, dist.
                 if me in members:
                     mine = group
         by_ranks[ranks] = mine
-    pp_rank = mesh["pp"].get_local_rank()
+    pp_rank = mesh[Axis.PP].get_local_rank()
     return {
         name: by_ranks[ranks]
         for name, ranks in tied.items()

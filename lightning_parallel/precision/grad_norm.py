@@ -67,7 +67,7 @@ def global_grad_norm(
     Args:
         parameters: parameters (plain tensors or DTensors on any meshes) whose ``.grad`` to measure.
         norm_type: ``p`` of the p-norm, ``p > 0``, or ``inf`` / ``"inf"`` for the max norm.
-        pipeline_group: the group of pipeline stages (``mesh["pp"].get_group()``), over which
+        pipeline_group: the group of pipeline stages (``mesh[Axis.PP].get_group()``), over which
             totals are summed because each stage holds different parameters. ``None`` without
             pipeline parallelism.
         error_if_nonfinite: raise (on every rank alike) if the total norm is nan or inf.

@@ -53,7 +53,7 @@ class HybridPrecision(Precision):
     "already mesh-aware".
 
     Args:
-        pipeline_group: the pipeline-stage group (``mesh["pp"].get_group()``) over which
+        pipeline_group: the pipeline-stage group (``mesh[Axis.PP].get_group()``) over which
             gradient norms are summed; ``None`` without pipeline parallelism.
     """
 

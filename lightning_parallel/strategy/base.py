@@ -31,7 +31,7 @@ from lightning_parallel import compat
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.config.validation import check_launch, check_zero_precision, resolve_dims
 from lightning_parallel.launch.placement import check_tensor_parallel_placement
-from lightning_parallel.mesh import ParallelDims
+from lightning_parallel.mesh import Axis, ParallelDims
 from lightning_parallel.precision import convert_precision_plugin
 from lightning_parallel.zero import ZeroPrecision
 from lightning_parallel.zero.engine import config_engine
@@ -159,7 +159,7 @@ class MeshParallelStrategy(ParallelStrategy):
                     scaler=getattr(self.precision_plugin, "scaler", None),  # a user's GradScaler settings
                 )
         else:
-            pp_group = self._device_mesh["pp"].get_group() if self.dims.pp_enabled else None
+            pp_group = self._device_mesh[Axis.PP].get_group() if self.dims.pp_enabled else None
             self.precision_plugin = convert_precision_plugin(self.precision_plugin, pipeline_group=pp_group)
         rank_zero_info(
             f"{type(self).__name__}: mesh {self.dims.describe()}, ranks from {type(self.cluster_environment).__name__}"
@@ -170,5 +170,7 @@ class MeshParallelStrategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Context ranks share their batch (each holds other tokens of it): the sampler's replicas are dp_batch.
-        dp_mesh = self.device_mesh["dp_batch" if self.dims is not None and self.dims.cp_enabled else "dp"]
+        dp_mesh = self.device_mesh[
+            Axis.DP_BATCH if self.dims is not None and self.dims.cp_enabled else Axis.DP
+        ]
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}

@@ -48,6 +48,7 @@ from lightning_parallel.checkpoint.row_layouts import (
 from lightning_parallel.checkpoint.safe_load import UnsafeCheckpointError, load_trusted_or_weights
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.config.validation import consolidated_refusal
+from lightning_parallel.mesh import Axis
 from lightning_parallel.parallelize import Parallelized
 from lightning_parallel.strategy.base import MeshParallelStrategy
 
@@ -206,13 +207,13 @@ class CheckpointingStrategy(MeshParallelStrategy):
         return contiguous_shards(state)
 
     def _ep_mesh(self) -> Any:
-        return self.device_mesh["ep"] if self.dims is not None and self.dims.ep_enabled else None
+        return self.device_mesh[Axis.EP] if self.dims is not None and self.dims.ep_enabled else None
 
     def _expert_replicas_mesh(self) -> Any:
         """``(dp_replicate, ep)``: where ZeRO's FSDP2 shards of expert slices live (checkpoint/layouts.py)."""
         if self.dims is None or not self.dims.ep_enabled:
             return None
-        return self.device_mesh["dp_replicate", "ep"]
+        return self.device_mesh[Axis.DP_REPLICATE, Axis.EP]
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from lightning_parallel.launch.interrupt import AgreedInterrupt, start_agreed_in
 from lightning_parallel.memory.casts import CastSaver
 from lightning_parallel.memory.counting import SavedTensorCounter
 from lightning_parallel.memory.regather import GatheredInputSaver
+from lightning_parallel.mesh import Axis
 from lightning_parallel.parallelize import Parallelized, parallelize, recall
 from lightning_parallel.precision import HybridPrecision
 from lightning_parallel.strategy import pipelined
@@ -278,9 +279,11 @@ class HybridParallelStrategy(AskedArguments, CheckpointingStrategy):
             parallelized.remember(module)
         self.parallelized = parallelized
         self.casts = steps.cast_saver(self.precision_plugin)
-        self.regather = GatheredInputSaver(self.device_mesh["tp"]) if self.dims.tensor_parallel > 1 else None
+        self.regather = (
+            GatheredInputSaver(self.device_mesh[Axis.TP]) if self.dims.tensor_parallel > 1 else None
+        )
         if isinstance(self.precision_plugin, HybridPrecision):
-            ep_group = self.device_mesh["ep"].get_group() if parallelized.experts.parameter_ids else None
+            ep_group = self.device_mesh[Axis.EP].get_group() if parallelized.experts.parameter_ids else None
             self.precision_plugin.set_norm_layout(
                 parallelized.norm_exclude, parallelized.experts.parameter_ids, ep_group
             )

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.compat import flatten_mesh
+from lightning_parallel.mesh import Axis
 
 
 class MeshParallelUnit:
@@ -27,16 +28,16 @@ class MeshParallelUnit:
 
     def __init__(self, mesh: DeviceMesh) -> None:
         self._mesh = mesh
-        self._pp = mesh["pp"]
+        self._pp = mesh[Axis.PP]
         # Every rank takes part in creating the flattened groups (a collective), also when a
         # group has one member.
         if _has_axis(mesh, "ep"):
-            self._dp = mesh["dp_replicate"]
+            self._dp = mesh[Axis.DP_REPLICATE]
             self._tp = _flat(mesh, ("ep", "tp"))
             self._mp = _flat(mesh, ("pp", "ep", "tp"))
         else:
-            self._dp = mesh["dp"]
-            self._tp = mesh["tp"]
+            self._dp = mesh[Axis.DP]
+            self._tp = mesh[Axis.TP]
             self._mp = _flat(mesh, ("pp", "tp"))  # same data-parallel index, any stage and shard
 
     # data parallel (what ZeRO shards over)

@@ -109,3 +109,13 @@ def test_bad_layout_message_names_argument_value_and_fix(kwargs: dict, fragments
     message = str(info.value)
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} missing from: {message}"
+
+
+def test_axes_are_named_by_one_enum_and_the_mesh_keeps_plain_names() -> None:
+    from lightning_parallel.mesh import AXIS_NAMES, Axis
+    from lightning_parallel.mesh.parallel_dims import CONTEXT_AXIS_NAMES, EXPERT_AXIS_NAMES
+
+    assert Axis.TP == "tp" and f"{Axis.DP_REPLICATE}" == "dp_replicate"  # a member is its name
+    for names in (AXIS_NAMES, EXPERT_AXIS_NAMES, CONTEXT_AXIS_NAMES):
+        assert all(type(name) is str for name in names)  # what checkpoints and logs see
+        assert all(name in set(Axis) for name in names)
