@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_parallel.memory.casts import _Geometry
-from lightning_parallel.memory.counting import local_tensor
+from lightning_parallel.memory.counting import active_counter, local_tensor
 
 __all__ = ["GatheredInputSaver", "RegatherStats", "gathered_over"]
 
@@ -41,6 +41,9 @@ _TRANSPARENT = {
     "ExpandBackward0", "AliasBackward0", "ToCopyBackward0", "ToLocalBackward", "FromLocalBackward",
 }  # fmt: skip
 _GATHER = "RedistributeBackward"
+# torch 2.13 names the gather into one tensor all_gather_single (all_gather_into_tensor warns there, and is
+# the name torch 2.11 has): the same collective.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def gathered_over(tensor: torch.Tensor, mesh: DeviceMesh) -> bool:
@@ -106,7 +109,7 @@ class _Slice:
                 held = torch.empty(0, dtype=self.piece.dtype, device=self.piece.device).set_(storage)
         if held is None:
             held = torch.empty(self.numel, dtype=self.piece.dtype, device=self.piece.device)
-            dist.all_gather_into_tensor(held, self.piece, group=self.group)
+            _all_gather_single(held, self.piece, group=self.group)
             self.stats.gathers += 1
             self._live = weakref.ref(held.untyped_storage())
         self.pending -= 1
@@ -146,7 +149,7 @@ class GatheredInputSaver:
         self._slices.clear()
 
     def pack(self, tensor: torch.Tensor) -> _SavedSlice | None:
-        """A slice standing for ``tensor``, or None to keep it as it is."""
+        """A slice standing for ``tensor`` (reported to the active counter), or None to keep it as it is."""
         if not self.enabled or not isinstance(tensor, DTensor):
             return None
         local = local_tensor(tensor)
@@ -168,6 +171,9 @@ class GatheredInputSaver:
             self.stats.whole_bytes += storage.nbytes()
             self.stats.kept_bytes += held.nbytes
         self.stats.tensors += 1
+        counter = active_counter()
+        if counter is not None:  # the storage counts as saved, the slice as what stays until backward
+            counter.kept_instead(tensor, held.piece)
         return _SavedSlice(tensor, held)
 
     @staticmethod

@@ -170,8 +170,6 @@ class ActivationSaver:
             return tensor
         sliced = self._regather.pack(tensor) if self._regather is not None else None
         if sliced is not None:
-            if counter is not None:
-                counter.kept_instead(tensor, sliced.slice.piece)
             return sliced
         new_storage = counter.saw(tensor) if counter is not None else True
         local = local_tensor(tensor)
@@ -268,8 +266,6 @@ def _packer(
         if isinstance(packed, torch.Tensor) and regather is not None and not is_parameter_cast(packed):
             sliced = regather.pack(packed)
             if sliced is not None:
-                if counter is not None:
-                    counter.kept_instead(packed, sliced.slice.piece)
                 return sliced
         if counter is not None and isinstance(packed, torch.Tensor):
             counter.kept(packed)  # a shared copy's storage counts once

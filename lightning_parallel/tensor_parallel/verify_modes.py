@@ -28,7 +28,7 @@ class Mode:
     variant: int = 0  # the fused entries' layout (``ShardedContainer.variants``)
     slice_heads: bool = False  # per-head tensors handed to attention cut to the local heads
     copy_output: bool = False  # the exits' outputs copied (for models that add to them in place)
-    copy_entries: bool = False  # the entries' outputs copied too (for models that change them in place)
+    copy_entry_outputs: bool = False  # the entries' outputs copied too (for models that change them in place)
 
     def describe(self, containers: list[ShardedContainer]) -> str:
         words = ["width-sliced" if self.narrow else "full-width"]
@@ -36,7 +36,7 @@ class Mode:
         words += [f"fused entry {label}" for label in sorted(labels)]
         words += ["per-head inputs cut to its heads"] if self.slice_heads else []
         words += ["outputs copied"] if self.copy_output else []
-        return ", ".join(words + (["entry outputs copied"] if self.copy_entries else []))
+        return ", ".join(words + (["entry outputs copied"] if self.copy_entry_outputs else []))
 
 
 def modes_to_try(containers: list[ShardedContainer]) -> list[Mode]:
@@ -57,7 +57,7 @@ def _apply_mode(container: ShardedContainer, mode: Mode) -> ShardedContainer:
         variant=variant,
         slice_heads=mode.slice_heads and attention,
         copy_output=mode.copy_output,
-        copy_entry_outputs=mode.copy_entries,
+        copy_entry_outputs=mode.copy_entry_outputs,
     )
 
 
