@@ -156,6 +156,14 @@ class GradientReductions:
     """Gradient hooks that average parameters registered directly on the LightningModule."""
     regather: list[nn.Module] = field(default_factory=list)
     """FSDP2 units whose updated shards are gathered after each optimizer step (ZeRO-2 under stages)."""
+    fsdp_units: list[nn.Module] = field(default_factory=list)
+    """Every FSDP2 unit of ZeRO on FSDP2 (empty on the other engines)."""
+
+    def changed_after_backward(self) -> set[int]:
+        """Ids of the parameters whose gradients an explicit reduction changes after backward (tied weights,
+        vectors FSDP2 keeps whole): their gradients are final only then."""
+        groups = self.after_backward.groups if self.after_backward is not None else []
+        return {id(p) for group in groups for p in getattr(group, "parameters", [])}
 
     def begin_final_backward(self) -> None:
         """The next backward is the last of an optimizer step: the overlapped reductions launch during it."""
@@ -210,6 +218,7 @@ def plan_gradient_reductions(
         )
         groups += [_mean(whole, dp_mesh, None, "fused biases kept whole", overlap=True)] if whole else []
         result.after_backward = _sync(groups, runner)
+        result.fsdp_units = fsdp.units
         if any(r.when == AFTER_STEP for r in decided):
             result.regather = fsdp.units
         return result

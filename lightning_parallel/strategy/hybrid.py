@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -48,9 +48,9 @@ from lightning_parallel.strategy.checkpointing import CheckpointingStrategy
 from lightning_parallel.strategy.data_checks import check_training_data
 from lightning_parallel.strategy.predicted_memory import predicting_sample
 from lightning_parallel.strategy.presets import PRESETS
-from lightning_parallel.strategy.zero_setup import initialize_zero
+from lightning_parallel.strategy.zero_setup import initialize_fsdp_offload, initialize_zero
 from lightning_parallel.tensor_parallel import ParallelPlan
-from lightning_parallel.zero.engine import offload_sharded_optimizers
+from lightning_parallel.zero.overlapped_step import OverlappedHostStep
 
 
 class HybridParallelStrategy(AskedArguments, CheckpointingStrategy):
@@ -210,6 +210,8 @@ class HybridParallelStrategy(AskedArguments, CheckpointingStrategy):
         """Set at setup under ``*-mixed`` precision: the 16-bit casts a step keeps once or not at all (``memory/casts.py``)."""
         self.regather: GatheredInputSaver | None = None
         """Set at setup under tensor parallelism: inputs gathered over tp kept as slices (``memory/regather.py``)."""
+        self.host_step: OverlappedHostStep | None = None
+        """Set at setup with FSDP2's CPU offload where exact: the host step during backward (``zero/overlapped_step.py``)."""
         self._sync_blocked = False
         self._batch_idx = 0  # Lightning's, for the first batch of an accumulation window
         self._interrupt: AgreedInterrupt | None = None
@@ -293,13 +295,8 @@ class HybridParallelStrategy(AskedArguments, CheckpointingStrategy):
             if self.deepspeed_zero:
                 initialize_zero(self, trainer, pipelined=parallelized.pipeline is not None)
             elif self.config.zero.offload is not None:  # FSDP2's shards on the CPU: DeepSpeed's CPU Adam
-                self.optimizers = offload_sharded_optimizers(
-                    self.optimizers,
-                    self.lr_scheduler_configs,
-                    self.config.zero,
-                    self.root_device.type,
-                    self.global_rank,
-                )
+                self._close_host_step()
+                self.host_step = initialize_fsdp_offload(self, trainer)
         self.setup_precision_plugin()
 
     # ---- steps -----------------------------------------------------------------------------
@@ -334,11 +331,16 @@ class HybridParallelStrategy(AskedArguments, CheckpointingStrategy):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         p = self._parallelized()
-        return steps.backward(self, p, super().backward, closure_loss, (optimizer, *args), kwargs)
+        result = steps.backward(self, p, super().backward, closure_loss, (optimizer, *args), kwargs)
+        if self.host_step is not None:
+            self.host_step.end_of_backward()  # the host steps it started finish before anything reads them
+        return result
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        # With the host step overlapped, the closure's backward (the step's last) steps each finished shard.
+        with self.host_step.armed() if self.host_step is not None else nullcontext():
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._parallelized().gradients.after_step()  # ZeRO-2 on FSDP2: the updated shards gathered again
         return output
 
@@ -379,10 +381,15 @@ class HybridParallelStrategy(AskedArguments, CheckpointingStrategy):
         # the strategy lets go of its runner, and keeps the plan to show (``strategy.plan``).
         if self.parallelized is not None:
             self.parallelized = dataclasses.replace(self.parallelized, pipeline=None)
+        self._close_host_step()
         if self._interrupt is not None:
             self._interrupt.uninstall()
             self._interrupt = None
         super().teardown()
+
+    def _close_host_step(self) -> None:
+        if self.host_step is not None:  # closed, it keeps its record (the tests' engagement reads it)
+            self.host_step.close()
 
     @classmethod
     @override

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_parallel.config.validation import check_zero_optimizers
 from lightning_parallel.strategy.checkpointing import CheckpointingStrategy
 from lightning_parallel.zero.arguments import describe_compute
-from lightning_parallel.zero.engine import announce_compilation, deepspeed_environment, initialize_engine
+from lightning_parallel.zero.engine import (
+    announce_compilation,
+    deepspeed_environment,
+    initialize_engine,
+    offload_sharded_optimizers,
+)
+from lightning_parallel.zero.fsdp import unit_parameters
+from lightning_parallel.zero.overlapped_step import OverlappedHostStep, overlap_refusal
 
 
 def initialize_zero(strategy: CheckpointingStrategy, trainer: Trainer, pipelined: bool) -> None:
@@ -44,3 +53,64 @@ def initialize_zero(strategy: CheckpointingStrategy, trainer: Trainer, pipelined
         + (f", offload {zero.offload}" if zero.offload else "")
         + f", sharded over {mpu.get_data_parallel_world_size()} data-parallel ranks; computes {compute}"
     )
+
+
+def initialize_fsdp_offload(strategy: CheckpointingStrategy, trainer: Trainer) -> OverlappedHostStep | None:
+    """FSDP2's shards on the host: Adam/AdamW become DeepSpeed's CPU Adam on them, and where exact each shard's
+    step starts during backward (the returned overlap; None where it cannot)."""
+    strategy.optimizers = offload_sharded_optimizers(
+        strategy.optimizers, strategy.lr_scheduler_configs, strategy.config.zero, strategy.root_device.type,
+        strategy.global_rank,
+    )  # fmt: skip
+    return initialize_host_step_overlap(strategy, trainer)
+
+
+def initialize_host_step_overlap(
+    strategy: CheckpointingStrategy, trainer: Trainer
+) -> OverlappedHostStep | None:
+    """ZeRO on FSDP2 with ``offload="cpu"``: the host step of each offloaded shard during backward, where exact
+    (``zero/overlapped_step.py``); the setup log says whether it engaged and, if not, why."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    parallelized = strategy.parallelized  # type: ignore[attr-defined]
+    module = strategy.lightning_module
+    if parallelized is None or module is None or len(strategy.optimizers) != 1:
+        return None
+    optimizer = getattr(strategy.optimizers[0], "_optimizer", strategy.optimizers[0])
+    zero = strategy.config.zero
+    refusal = overlap_refusal(
+        optimizer,
+        gradient_clip_val=trainer.gradient_clip_val,
+        clipping_overridden=is_overridden("configure_gradient_clipping", module),
+        loss_scaled=getattr(strategy.precision_plugin, "scaler", None) is not None,
+        reduced_per_micro_batch=parallelized.pipeline is not None and zero.reshard == "micro_batch",
+    )
+    if refusal is not None:
+        rank_zero_info(f"ZeRO offload: the host optimizer steps after backward: {refusal}.")
+        return None
+    params = host_step_parameters(strategy)
+    if not params:
+        return None
+    rank_zero_info(
+        f"ZeRO offload: the host optimizer steps each of {len(params)} offloaded tensors as soon as backward has"
+        " reduced its gradient, while the backward of the layers below still runs (exact: no clipping or loss"
+        " scale needs the whole backward first)."
+    )
+    return OverlappedHostStep(optimizer, params)
+
+
+def host_step_parameters(strategy: CheckpointingStrategy) -> dict[str, Any]:
+    """The parameters whose host step may start during backward, by name: FSDP2's offloaded shards, minus those
+    an explicit reduction changes after backward (their gradients are final only then)."""
+    from lightning_parallel.zero.sharded_cpu_adam import offloaded  # imports DeepSpeed: only with offload
+
+    parallelized = strategy.parallelized  # type: ignore[attr-defined]
+    assert parallelized is not None and strategy.lightning_module is not None
+    late = parallelized.gradients.changed_after_backward()
+    names = {id(p): name for name, p in strategy.lightning_module.named_parameters()}
+    return {
+        names[id(p)]: p
+        for unit in parallelized.gradients.fsdp_units
+        for p in unit_parameters(unit)
+        if offloaded(p) and p.requires_grad and id(p) not in late and id(p) in names
+    }

@@ -50,14 +50,37 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
         return loss
 
     def _step_parameters(self) -> None:
-        """The update of every parameter with a gradient: the kernel for the offloaded, torch's Adam for the rest."""
+        """The update of every parameter with a gradient: the kernel for the offloaded, torch's Adam for the rest;
+        none that :meth:`step_in_backward` stepped already in this step's backward."""
+        early = vars(self).pop("_stepped_in_backward", set())
         for group in self.param_groups:
             kernel, on_device = split_by_offload(group)
-            for param in kernel:
+            for param in (p for p in kernel if id(p) not in early):
                 state = self._state_of(param)
                 state["step"] += 1
                 self._kernel_update(group, param, state["step"], state["exp_avg"], state["exp_avg_sq"])
             self._step_on_device(group, on_device)
+
+    @torch.no_grad()  # a worker thread: grad mode is per thread
+    def step_in_backward(self, param: torch.Tensor) -> None:
+        """One offloaded parameter's update while backward still runs (``zero/overlapped_step.py``), then skipped
+        by this step's :meth:`step`: torch's fused CPU Adam, which releases the GIL (DeepSpeed's kernel holds it,
+        and the backward's Python hooks would wait for it), on the local shards, with the same states."""
+        from torch.optim.adam import adam
+
+        groups = vars(self).get("_group_of")
+        if groups is None or id(param) not in groups:
+            groups = {id(p): group for group in self.param_groups for p in group["params"]}
+            vars(self)["_group_of"] = groups
+        group = groups[id(param)]
+        state = self._state_of(param)
+        beta1, beta2 = group["betas"]
+        adam(
+            [_local(param)], [_local(param.grad)], [_local(state["exp_avg"])], [_local(state["exp_avg_sq"])], [],
+            [state["step"]], fused=True, decoupled_weight_decay=self.adam_w_mode, amsgrad=False, beta1=beta1,
+            beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+        )  # fmt: skip
+        vars(self).setdefault("_stepped_in_backward", set()).add(id(param))
 
     def _kernel_update(
         self, group: dict[str, Any], param: torch.Tensor, step: torch.Tensor, exp_avg: torch.Tensor,

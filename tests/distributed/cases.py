@@ -108,7 +108,9 @@ class Case:
             when training starts (same numbers, the feature silently off: a negative control of
             the engagement record). ``"zero_autocast"``: DeepSpeed's engine config without its
             ``torch_autocast`` section (as before issue 33: the engine switches autocast off), a negative
-            control of the compute-dtype record; ``None`` in real cases.
+            control of the compute-dtype record. ``"host_step_wait"``: FSDP2's offloaded shards stepped during
+            backward although clipping needs the whole backward first (a negative control of the parity rule
+            for the overlapped host step); ``None`` in real cases.
         gpu_checks: The CUDA-only checks of DeepSpeed made to see the CPU's autocast, as they see CUDA's on a
             GPU (tests/distributed/gpu_checks.py); ``False`` only to show what that emulation reveals.
     """

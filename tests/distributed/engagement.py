@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.distributed.engagement_evidence import (
     fsdp2_sharding_problem,
     host_optimizer_problem,
+    host_step_overlap_problem,
     offload_record,
     recomputation_problem,
     recomputation_record,
@@ -279,14 +280,19 @@ COUNTS = {
     "recomputed_ops", "recomputed_matmuls", "tp_block_matrix_numel", "tp_block_matrix_sharded_numel",
     "host_state_bytes", "state_numel", "state_dp_sharded_numel",
 }  # fmt: skip
+# What every rank must show: the run's record keeps the least of them.
+MINIMA = {"host_steps_in_backward", "host_steps_begun_before_backward_end"}
 
 
 def merge_records(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """One record for the run: counts summed over the ranks, lists united, the rest from any rank that has it."""
+    """One record for the run: counts summed over the ranks, minima the least, lists united, the rest from any
+    rank that has it."""
     merged: dict[str, Any] = {}
     for record in records:
         for key, value in record.items():
-            if key in COUNTS:
+            if key in MINIMA:
+                merged[key] = min(merged.get(key, value), value)
+            elif key in COUNTS:
                 merged[key] = merged.get(key, 0) + value
             elif isinstance(value, dict):  # collectives per axis: the busiest rank's count
                 mine = merged.setdefault(key, {})
@@ -351,6 +357,7 @@ CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any]], str | None]] = {
     "offload=cpu": lambda r, f: (
         _check(r.get("offload") == "cpu", f"offload {r.get('offload')!r} ran, not 'cpu'")
         or host_optimizer_problem(r)
+        or host_step_overlap_problem(r, bool(f.get("host_step_overlap_expected")))
     ),
     "offload=nvme": lambda r, f: _check(
         r.get("offload") == "nvme"

@@ -24,6 +24,8 @@ from torch import nn
 __all__ = [
     "fsdp2_sharding_problem",
     "host_optimizer_problem",
+    "host_step_overlap_expected",
+    "host_step_overlap_problem",
     "offload_record",
     "recomputation_problem",
     "recomputation_record",
@@ -146,8 +148,21 @@ def offload_record(strategy: Any) -> dict[str, Any]:
             "host_state_bytes": sum(s.numel() * s.element_size() for s in states),
             "host_state_devices": sorted({s.device.type for s in states}),
             "host_steps": _host_steps(optimizer),
+            **_host_step_overlap_record(getattr(strategy, "host_step", None)),
         }
     return {}
+
+
+def _host_step_overlap_record(overlap: Any) -> dict[str, Any]:
+    """The host steps run during backward (``zero/overlapped_step.py``): how many over the run, and how many of
+    the last step's began before its backward returned (timestamps, not the strategy's decision)."""
+    if overlap is None:
+        return {"host_steps_in_backward": 0, "host_steps_begun_before_backward_end": 0}
+    end = overlap.backward_end
+    return {
+        "host_steps_in_backward": overlap.stepped_in_backward,
+        "host_steps_begun_before_backward_end": sum(span.start < end for span in overlap.spans) if end else 0,
+    }
 
 
 def _dp_sharded(tensors: list[torch.Tensor]) -> tuple[int, int]:
@@ -228,6 +243,35 @@ def host_optimizer_problem(record: dict[str, Any]) -> str | None:
         f"{record.get('host_optimizer')}: {record.get('host_state_bytes', 0)} bytes of states on"
         f" {record.get('host_state_devices')}, {record.get('host_steps', 0)} host steps for"
         f" {record.get('optimizer_steps', 0)} optimizer steps",
+    )
+
+
+def host_step_overlap_expected(record: dict[str, Any], trainer_kwargs: Any, strategy_kwargs: Any) -> bool:
+    """Whether a case's step needs nothing global, so FSDP2's offloaded shards must be stepped during backward:
+    Adam on FSDP2's host shards (not in files), no clipping, no fp16 loss scale, one reduction per step."""
+    return (
+        record.get("zero_engine") == "fsdp2"
+        and record.get("host_optimizer") == "ShardedCPUAdam"
+        and not trainer_kwargs.get("gradient_clip_val")
+        and trainer_kwargs.get("precision") != "16-mixed"
+        and not (
+            strategy_kwargs.get("pipeline_parallel", 1) > 1
+            and strategy_kwargs.get("zero_reshard") == "micro_batch"
+        )
+    )
+
+
+def host_step_overlap_problem(record: dict[str, Any], expected: bool) -> str | None:
+    """FSDP2's CPU offload where the step needs nothing global: every offloaded shard stepped during backward,
+    some before it ended; elsewhere (clipping, a loss scale, another engine) none (stepping early would be wrong)."""
+    during = record.get("host_steps_in_backward", 0)
+    if not expected:
+        return _check(during == 0, f"{during} host steps ran during backward where the step must wait for it")
+    begun = record.get("host_steps_begun_before_backward_end", 0)  # every step stepped shards during backward
+    return _check(
+        during >= record.get("optimizer_steps", 0) > 0 and begun > 0,
+        f"{during} host steps ran during backward over {record.get('optimizer_steps', 0)} optimizer steps, {begun}"
+        " of the last step's began before its backward ended",
     )
 
 

@@ -79,7 +79,18 @@ TWO = [
           fields={"model_kwargs": ADAM, "trainer_kwargs": {"gradient_clip_val": 0.05}}),
     _case("zero3_acsel_ep2_hf_mixtral", "hf_mixtral", zero_stage=3, expert_parallel=2,
           activation_checkpointing="selective"),
+    # CPU offload on FSDP2 with data parallelism alone: each shard's host step starts during backward (issue 35);
+    # clipped, it waits for the whole backward (the engagement record checks both).
+    _case("zero2_cpu_fsdp2_dp2_nanogpt", "nanogpt", fields={"model_kwargs": ADAM, "batch_size": 4},
+          zero_stage=2, offload="cpu", zero_engine="fsdp2"),
+    _case("zero3_cpu_fsdp2_clip_dp2_nanogpt", "nanogpt",
+          fields={"model_kwargs": ADAM, "trainer_kwargs": {"gradient_clip_val": 0.05}},
+          zero_stage=3, offload="cpu", zero_engine="fsdp2"),
 ]  # fmt: skip
+# The negative control of the overlapped host step: forced on under clipping, the run no longer matches.
+EARLY_UNDER_CLIPPING = CASES["zero3_cpu_fsdp2_clip_dp2_nanogpt"].replace(
+    name="zero3_cpu_fsdp2_clip_dp2_nanogpt~stepped-in-backward", switch_off="host_step_wait"
+)
 
 
 SHORT = {"bf16-mixed": "bf16", "bf16-true": "bf16true", "16-mixed": "fp16"}
@@ -246,7 +257,8 @@ EIGHT = [
 @pytest.fixture(scope="module")
 def two_process() -> dict[str, Result]:
     return run_cases(
-        TWO + LOW_PRECISION + NVME_LOW_PRECISION + [OLD_CONFIG, OLD_CONFIG_AS_SHIPPED], 2, timeout_s=900,
+        TWO + LOW_PRECISION + NVME_LOW_PRECISION + [OLD_CONFIG, OLD_CONFIG_AS_SHIPPED, EARLY_UNDER_CLIPPING], 2,
+        timeout_s=900,
         references_for=[*with_split_references(TWO + LOW_PRECISION + NVME_LOW_PRECISION), FP32_OF_BF16],
     )  # fmt: skip
 
@@ -299,6 +311,16 @@ def test_zero_with_the_engine_config_before_issue_33_fails_the_compute_dtype_rec
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.timeout(900)
+def test_host_steps_during_backward_under_clipping_fail_the_parity_rule(two_process: dict[str, Result]) -> None:
+    """Stepping a shard before the global norm exists is not the one-process run: the rule sees it."""
+    result = two_process[EARLY_UNDER_CLIPPING.name]
+    assert result.engagement.get("host_steps_in_backward", 0) > 0  # the early steps did run
+    with pytest.raises(AssertionError, match="does not match") as failure:
+        assert_parity(result, reference(EARLY_UNDER_CLIPPING))
+    assert "parameter model." in str(failure.value)  # the numbers differ, not only the engagement record
+
+
 def test_a_fp32_run_fails_against_a_bf16_mixed_reference(two_process: dict[str, Result]) -> None:
     """A one-process fp32 run of the ZeRO-2 dp2 case judged against its bf16-mixed reference: caught by the
     compute-dtype record (its numbers alone stay within the measured tolerance: rounding is rounding)."""

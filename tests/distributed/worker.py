@@ -40,7 +40,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_parallel.tensor_parallel.row_layout import row_layout
 from tests.compat import case_rows
-from tests.distributed.cases import Case, Fault, GradientFault
+from tests.distributed.cases import Case, Fault, GradientFault, StrategySpec
 from tests.distributed.compute_dtype import ComputeDtypeCounter
 from tests.distributed.engagement import (
     CollectiveCounter,
@@ -49,6 +49,7 @@ from tests.distributed.engagement import (
     merge_records,
     rank_record,
 )
+from tests.distributed.engagement_evidence import host_step_overlap_expected
 from tests.distributed.gpu_checks import gpu_checks_on_the_cpu
 from tests.distributed.harness import mean_over_ranks, merge_replicas, mismatch
 from tests.environment import LAUNCHER_VARIABLES
@@ -94,6 +95,13 @@ class ParityRecorder(Callback):
             if self.case.switch_off == "row_copies":  # test-only: the copies of a row no longer summed
                 sync = trainer.strategy.parallelized.gradients.after_backward
                 sync.rest = [group for group in sync.rest if type(group).__name__ != "RowCopies"]
+            if self.case.switch_off == "host_step_wait":  # test-only: host steps during backward despite clipping
+                from lightning_parallel.strategy.zero_setup import host_step_parameters
+                from lightning_parallel.zero.overlapped_step import OverlappedHostStep
+
+                optimizer = trainer.strategy.optimizers[0]
+                optimizer = getattr(optimizer, "_optimizer", optimizer)
+                trainer.strategy.host_step = OverlappedHostStep(optimizer, host_step_parameters(trainer.strategy))
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -218,6 +226,10 @@ class ParityRecorder(Callback):
         self.payload["replica_mismatches"].update(copies_apart)  # the full tensors are alike on every rank
         if self.case is not None:
             facts = {**self.payload["facts"], "data_parallel": self.payload["data_parallel"]}
+            spec = self.case.strategy
+            facts["host_step_overlap_expected"] = host_step_overlap_expected(
+                engagement, self.case.trainer_kwargs, spec.kwargs if isinstance(spec, StrategySpec) else {}
+            )
             self.payload["engagement_problems"] = engagement_problems(case_rows(self.case), engagement, facts)
 
 

@@ -1,0 +1,143 @@
+"""The host optimizer step of offloaded shards, started while backward still runs.
+
+ZeRO-Offload as DeepSpeed runs it waits for the whole backward, then steps every shard on the host:
+the device idles for the whole CPU step (on one H200, GPT-1.3B bf16: DeepSpeed's ZeRO-2 offload 3.2x
+plain eager). Adam updates each tensor from its own gradient and states alone, so a shard whose
+gradient is final can be stepped at once, exactly as after backward, while the device computes the
+gradients of the layers below.
+
+FSDP2 tells when a gradient is final: after a unit's reduce-scatter (and, offloaded, its copy to
+host memory) it calls the post-accumulate-grad hooks of each sharded parameter (torch's
+"optimizer in backward" contract; with such a hook the copy to the host is synchronous, so the
+gradient is complete when the hook runs). The hook queues the parameter to one worker thread,
+which steps it with torch's fused CPU Adam: that kernel releases the GIL, so the backward's
+Python hooks keep running beside it (DeepSpeed's CPU Adam holds the GIL for the whole call,
+measured here: a Python thread beside it stalls). The rest of the optimizer (parameters kept on
+the device, those reduced after backward) steps as before, in ``optimizer.step()``.
+
+Exact only when the step needs nothing global, so the strategy arms it only then: no gradient
+clipping (the global norm exists only after the whole backward), no loss scale (an overflow
+anywhere skips every update), the backward the last of the step (not an accumulating one), each
+gradient reduced once per step (not ``zero_reshard="micro_batch"``). Parameters whose gradients
+are changed after backward (weights tied across pipeline stages, vectors reduced by hand) are
+never hooked.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["HostStepSpan", "OverlappedHostStep", "overlap_refusal"]
+
+
+@dataclass(frozen=True)
+class HostStepSpan:
+    """One parameter's host step: its name and when it ran (``time.perf_counter()`` seconds)."""
+
+    name: str
+    start: float
+    end: float
+
+
+class OverlappedHostStep:
+    """Steps ``params`` (name -> offloaded sharded parameter) of ``optimizer`` as backward finishes them.
+
+    ``optimizer`` is a :class:`~lightning_parallel.zero.sharded_cpu_adam.ShardedCPUAdam`: its
+    ``step_in_backward(param)`` updates one parameter and marks it, its ``step()`` the others.
+    """
+
+    def __init__(self, optimizer: Any, params: dict[str, nn.Parameter]) -> None:
+        self.optimizer = optimizer
+        self._names = {id(p): name for name, p in params.items()}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lp-host-step")
+        self._futures: list[Future[HostStepSpan]] = []
+        self._lock = threading.Lock()
+        self._armed = False
+        self.spans: list[HostStepSpan] = []
+        """The host steps of the last armed backward, in the order they ran."""
+        self.backward_end: float | None = None
+        """When the last armed backward returned (``time.perf_counter()``)."""
+        self.stepped_in_backward = 0
+        """Parameter steps run during backward, over the whole run (the engagement record reads it)."""
+        self.armed_backwards = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._gradient_final) for p in params.values()]
+
+    @property
+    def parameters(self) -> int:
+        return len(self._names)
+
+    @contextmanager
+    def armed(self) -> Iterator[None]:
+        """Around one optimizer step: its backward queues each finished parameter; always disarmed after."""
+        self._armed = True
+        self.spans = []
+        self.armed_backwards += 1
+        try:
+            yield
+        finally:
+            self._armed = False
+            self.finish()
+
+    def _gradient_final(self, param: torch.Tensor) -> None:
+        if not self._armed or param.grad is None:
+            return
+        with self._lock:
+            self._futures.append(self._pool.submit(self._step, param))
+
+    def _step(self, param: torch.Tensor) -> HostStepSpan:
+        start = time.perf_counter()
+        self.optimizer.step_in_backward(param)
+        return HostStepSpan(self._names[id(param)], start, time.perf_counter())
+
+    def finish(self) -> None:
+        """After backward: wait for the queued host steps (re-raising a failure) before anything reads them."""
+        with self._lock:
+            futures, self._futures = self._futures, []
+        if futures and self.backward_end is None:
+            self.backward_end = time.perf_counter()
+        for future in futures:
+            self.spans.append(future.result())
+        self.stepped_in_backward += len(futures)
+
+    def end_of_backward(self) -> None:
+        """Called when the armed step's backward returns: stamps the time, then waits for the host steps."""
+        if self._armed:
+            self.backward_end = time.perf_counter()
+            self.finish()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._pool.shutdown(wait=True)
+
+
+def overlap_refusal(
+    optimizer: Any, gradient_clip_val: float | None, clipping_overridden: bool, loss_scaled: bool,
+    reduced_per_micro_batch: bool,
+) -> str | None:  # fmt: skip
+    """Why the host step cannot start during backward in this run (None: it can), as the setup log says it."""
+    from lightning_parallel.zero.sharded_cpu_adam import ShardedCPUAdam
+    from lightning_parallel.zero.sharded_nvme_adam import ShardedNVMeAdam
+
+    if type(optimizer) is not ShardedCPUAdam or isinstance(optimizer, ShardedNVMeAdam):
+        return f"the optimizer is {type(optimizer).__name__}, not Adam/AdamW on the host's shards"
+    if not all(group["bias_correction"] for group in optimizer.param_groups):
+        return "bias_correction=False (torch's fused Adam always corrects the bias)"
+    if gradient_clip_val:
+        return f"gradient_clip_val={gradient_clip_val} clips by the global norm, known only after the whole backward"
+    if clipping_overridden:
+        return "the LightningModule's configure_gradient_clipping may change gradients after backward"
+    if loss_scaled:
+        return "16-mixed's loss scale skips every update when any gradient overflows"
+    if reduced_per_micro_batch:
+        return "zero_reshard='micro_batch' reduces every micro-batch's gradients, not once per step"
+    return None

@@ -1,0 +1,155 @@
+"""The host step of FSDP2's offloaded shards during backward (``zero/overlapped_step.py``, issue 35).
+
+Parity with the one-process run on dp2, tp2 and pp2 is in tests/distributed/test_parity_zero.py (the
+engagement record counts the steps run during backward); here: the update of one shard stepped during
+backward is the kernel's, the step leaves it alone afterwards, the refusals, and a recorded timeline in
+which the last block's host step runs while the first block's backward has not started.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_parallel.zero.overlapped_step import overlap_refusal
+
+pytest.importorskip("deepspeed")
+
+HYPER = dict(lr=0.05, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
+
+
+def _params() -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(8))]
+
+
+def _train(early: bool) -> list[torch.Tensor]:
+    """Three steps; ``early``: the first parameter stepped by ``step_in_backward`` from another thread first."""
+    from lightning_parallel.zero.sharded_cpu_adam import ShardedCPUAdam
+
+    params = _params()
+    optimizer = ShardedCPUAdam(params, adamw_mode=True, **HYPER)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator)
+        if early:
+            worker = threading.Thread(target=optimizer.step_in_backward, args=(params[0],))
+            worker.start()
+            worker.join()
+        optimizer.step()
+    assert all(float(optimizer.state[p]["step"]) == 3.0 for p in params)  # each stepped once per step
+    return [p.detach().clone() for p in params]
+
+
+def test_a_shard_stepped_during_backward_gets_the_kernels_update_once() -> None:
+    after, early = _train(early=False), _train(early=True)
+    assert all(not torch.allclose(a, s) for a, s in zip(after, _params(), strict=True))  # the steps moved them
+    for a, e in zip(after, early, strict=True):
+        torch.testing.assert_close(e, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"gradient_clip_val": 1.0}, "global norm"),
+        ({"clipping_overridden": True}, "configure_gradient_clipping"),
+        ({"loss_scaled": True}, "loss scale"),
+        ({"reduced_per_micro_batch": True}, "micro_batch"),
+    ],
+)
+def test_the_step_waits_for_backward_where_it_needs_the_whole_of_it(kwargs: dict, reason: str) -> None:
+    from lightning_parallel.zero.sharded_cpu_adam import ShardedCPUAdam
+
+    optimizer = ShardedCPUAdam(_params(), adamw_mode=True, **HYPER)
+    plain = {
+        "gradient_clip_val": None,
+        "clipping_overridden": False,
+        "loss_scaled": False,
+        "reduced_per_micro_batch": False,
+    }
+    assert overlap_refusal(optimizer, **plain) is None
+    assert reason in (overlap_refusal(optimizer, **{**plain, **kwargs}) or "")
+    assert "not Adam" in (overlap_refusal(torch.optim.SGD(_params(), lr=0.1), **plain) or "")
+
+
+class _FirstBlockWaits(L.Callback):
+    """The first block's backward waits (up to ``patience`` s) until a host step has finished, and stamps when."""
+
+    def __init__(self, patience: float) -> None:
+        self.patience = patience
+        self.finished = threading.Event()
+        self.waited: list[bool] = []
+        self.first_block_backward: float | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        host_step = trainer.strategy.host_step
+        if host_step is not None:
+            optimizer, step = host_step.optimizer, host_step.optimizer.step_in_backward
+
+            def stepped(param: torch.Tensor) -> None:
+                step(param)
+                self.finished.set()
+
+            optimizer.step_in_backward = stepped
+        pl_module.model.transformer.h[0].register_forward_hook(self._hook_output)
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.finished.clear()
+
+    def _hook_output(self, module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+        if output.requires_grad:
+            output.register_hook(self._first_block_backward)
+
+    def _first_block_backward(self, grad: torch.Tensor) -> None:
+        self.waited.append(self.finished.wait(self.patience))
+        self.first_block_backward = time.perf_counter()
+
+
+def _fit(clip: float | None, patience: float) -> tuple[L.Trainer, _FirstBlockWaits]:
+    from lightning_parallel import HybridParallelStrategy
+    from recipes.gpt.module import GPTLightningModule
+
+    class AdamW(GPTLightningModule):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 64, (4, 17))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
+    waits = _FirstBlockWaits(patience)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=2, gradient_clip_val=clip, logger=False, callbacks=[waits],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=HybridParallelStrategy(zero_stage=2, offload="cpu", zero_engine="fsdp2"),
+    )  # fmt: skip
+    trainer.fit(AdamW(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32), data)
+    return trainer, waits
+
+
+@pytest.mark.timeout(300)
+def test_the_last_blocks_host_step_runs_before_the_first_blocks_backward() -> None:
+    """The recorded timeline: while the first block's backward waits, the host steps the last block's shards
+    (the wait would time out if the host step came after backward, as it does under clipping below)."""
+    trainer, waits = _fit(clip=None, patience=60.0)
+    host_step = trainer.strategy.host_step
+    assert host_step is not None and waits.waited == [True, True]
+    last_block = [s for s in host_step.spans if ".h.3." in s.name]
+    first_block = [s for s in host_step.spans if ".h.0." in s.name]
+    assert last_block and first_block and host_step.backward_end is not None
+    assert waits.first_block_backward is not None
+    assert max(s.end for s in last_block) <= waits.first_block_backward < host_step.backward_end
+    assert min(s.start for s in first_block) >= waits.first_block_backward  # its gradient came later
+    assert host_step.stepped_in_backward == 2 * host_step.parameters  # every offloaded shard, every step
+
+
+@pytest.mark.timeout(300)
+def test_under_clipping_no_host_step_runs_during_backward() -> None:
+    trainer, waits = _fit(clip=0.5, patience=0.5)
+    assert trainer.strategy.host_step is None
+    assert waits.waited == [False, False]  # nothing stepped while the first block's backward waited
