@@ -160,7 +160,8 @@ def parameter_placements(
     return out
 
 
-def _zero_engine(layout: Layout) -> str | None:
+def zero_engine(layout: Layout) -> str | None:
+    """The engine ZeRO runs ``layout`` on (None without ZeRO), as the strategy picks it."""
     from lightning_parallel.zero.arguments import ZeroArguments
     from lightning_parallel.zero.engine import engine_for
 
@@ -220,7 +221,7 @@ def rank_memory(
     if placement_key not in cache:
         cache[placement_key] = parameter_placements(model, layout, stage_of)
     placements = cache[placement_key]
-    engine = _zero_engine(layout)
+    engine = zero_engine(layout)
     tp, dp, ep, pp = (
         layout.tensor_parallel,
         layout.data_parallel,

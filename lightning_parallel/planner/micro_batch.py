@@ -74,6 +74,11 @@ class Execution:
     """Bytes per parameter element ZeRO's all-gathers carry (None: the precision's)."""
     bucket_bytes: float = 25 * 2**20
     """Gradient bucket: the last one is reduced after backward ends (DDP's 25 MiB)."""
+    overlap_host_step: bool | None = None
+    """Offloaded optimizer: each shard's host step (gradient down, CPU Adam) during the last backward, and the
+    parameters' way back inside the next forward's gathers (``zero/overlapped_step.py``). None: where the
+    strategy does it (FSDP2's engine, ``offload="cpu"``, Adam/AdamW; it waits for backward under clipping or
+    a loss scale: pass False for such a run)."""
 
 
 STRATEGY = Execution()

@@ -23,8 +23,11 @@ The step of the slowest rank, term by term (every rate from the :class:`~.cluste
   all-gather after the update is exposed unless the run overlaps it with the next forward;
 - optimizer: the update streams parameters, gradients and states through HBM; with ``offload``
   it runs on the host at ``host_adam_throughput`` after the gradients cross PCIe and before the
-  parameters come back, not overlapped with backward (ZeRO-3's host-held parameters also cross
-  PCIe for every gather; ``"nvme"`` also reads and writes the fp32 states on NVMe).
+  parameters come back (ZeRO-3's host-held parameters also cross PCIe for every gather; ``"nvme"``
+  also reads and writes the fp32 states on NVMe). Where the strategy overlaps the host step
+  (``Execution.overlap_host_step``: FSDP2's CPU offload of Adam), the gradients' way down and the
+  CPU Adam hide behind the last backward and the parameters' way up behind the next forward, all
+  but one unit's share at least.
 
 MFU counts model FLOPs (``3 x ModelShape.forward_flops_per_token``, no recomputation); the
 hardware FLOP/s count recomputation as well.
@@ -189,7 +192,13 @@ def step_time(
     updated = sum(n / (d if zero else 1) for n, d, _ in groups)  # elements this rank's optimizer updates
     if layout.offload in ("cpu", "nvme"):
         pcie = cluster.host_bandwidth * cluster.host_efficiency
-        optimizer = updated / cluster.host_adam_throughput + updated * (grad_bytes + param_bytes) / pcie
+        host = updated / cluster.host_adam_throughput + updated * grad_bytes / pcie  # gradients down, CPU Adam
+        back = updated * param_bytes / pcie  # the updated parameters up
+        if _overlaps_host_step(layout, execution):  # behind the last backward; back inside the next forward
+            units = max(len(ranks[0].blocks), 1)
+            host = max(host - window, host / units)
+            back = max(back - mb.forward, back / units)
+        optimizer = host + back
         if zero == 3:  # the parameters live on the host: copied up for each gather
             optimizer += m * 2 * updated * param_bytes / pcie
         if layout.offload == "nvme":
@@ -224,3 +233,12 @@ def step_time(
             "gradient_window": window,
         },
     )
+
+
+def _overlaps_host_step(layout: Layout, execution: Execution) -> bool:
+    """Whether the host step runs during backward: ``execution``'s say, else where the strategy does it."""
+    if execution.overlap_host_step is not None:
+        return execution.overlap_host_step
+    from lightning_parallel.planner.memory import zero_engine
+
+    return layout.offload == "cpu" and layout.optimizer in ("adam", "adamw") and zero_engine(layout) == "fsdp2"
