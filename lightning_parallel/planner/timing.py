@@ -192,7 +192,9 @@ def step_time(
     updated = sum(n / (d if zero else 1) for n, d, _ in groups)  # elements this rank's optimizer updates
     if layout.offload in ("cpu", "nvme"):
         pcie = cluster.host_bandwidth * cluster.host_efficiency
-        host = updated / cluster.host_adam_throughput + updated * grad_bytes / pcie  # gradients down, CPU Adam
+        host = (
+            updated / cluster.host_adam_throughput + updated * grad_bytes / pcie
+        )  # gradients down, CPU Adam
         back = updated * param_bytes / pcie  # the updated parameters up
         if _overlaps_host_step(layout, execution):  # behind the last backward; back inside the next forward
             units = max(len(ranks[0].blocks), 1)
@@ -241,4 +243,6 @@ def _overlaps_host_step(layout: Layout, execution: Execution) -> bool:
         return execution.overlap_host_step
     from lightning_parallel.planner.memory import zero_engine
 
-    return layout.offload == "cpu" and layout.optimizer in ("adam", "adamw") and zero_engine(layout) == "fsdp2"
+    return (
+        layout.offload == "cpu" and layout.optimizer in ("adam", "adamw") and zero_engine(layout) == "fsdp2"
+    )

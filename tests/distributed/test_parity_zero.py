@@ -312,7 +312,9 @@ def test_zero_with_the_engine_config_before_issue_33_fails_the_compute_dtype_rec
 
 @pytest.mark.timeout(900)
 @pytest.mark.timeout(900)
-def test_host_steps_during_backward_under_clipping_fail_the_parity_rule(two_process: dict[str, Result]) -> None:
+def test_host_steps_during_backward_under_clipping_fail_the_parity_rule(
+    two_process: dict[str, Result],
+) -> None:
     """Stepping a shard before the global norm exists is not the one-process run: the rule sees it."""
     result = two_process[EARLY_UNDER_CLIPPING.name]
     assert result.engagement.get("host_steps_in_backward", 0) > 0  # the early steps did run

@@ -95,13 +95,17 @@ class ParityRecorder(Callback):
             if self.case.switch_off == "row_copies":  # test-only: the copies of a row no longer summed
                 sync = trainer.strategy.parallelized.gradients.after_backward
                 sync.rest = [group for group in sync.rest if type(group).__name__ != "RowCopies"]
-            if self.case.switch_off == "host_step_wait":  # test-only: host steps during backward despite clipping
+            if (
+                self.case.switch_off == "host_step_wait"
+            ):  # test-only: host steps during backward despite clipping
                 from lightning_parallel.strategy.zero_setup import host_step_parameters
                 from lightning_parallel.zero.overlapped_step import OverlappedHostStep
 
                 optimizer = trainer.strategy.optimizers[0]
                 optimizer = getattr(optimizer, "_optimizer", optimizer)
-                trainer.strategy.host_step = OverlappedHostStep(optimizer, host_step_parameters(trainer.strategy))
+                trainer.strategy.host_step = OverlappedHostStep(
+                    optimizer, host_step_parameters(trainer.strategy)
+                )
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int

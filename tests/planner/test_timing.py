@@ -213,7 +213,9 @@ def test_the_overlapped_host_step_hides_behind_backward_on_fsdp2() -> None:
     fsdp2 = step_time(GPT_1_3B, Layout(**batch, offload="cpu", zero_engine="fsdp2"), h200)
     waiting = step_time(GPT_1_3B, Layout(**batch, offload="cpu", zero_engine="fsdp2"), h200,
                         replace(STRATEGY, overlap_host_step=False))  # fmt: skip
-    eager = step_time(GPT_1_3B, Layout(precision="bf16-mixed", micro_batch_size=8, sequence_length=2048), h200)
+    eager = step_time(
+        GPT_1_3B, Layout(precision="bf16-mixed", micro_batch_size=8, sequence_length=2048), h200
+    )
     assert fsdp2.optimizer < waiting.optimizer == pytest.approx(deepspeed.optimizer)
     # Never below one unit's share: the last unit's host step has no backward left to hide behind.
     assert fsdp2.optimizer >= waiting.optimizer / len(GPT_1_3B.blocks)

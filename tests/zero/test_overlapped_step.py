@@ -49,7 +49,9 @@ def _train(early: bool) -> list[torch.Tensor]:
 
 def test_a_shard_stepped_during_backward_gets_the_kernels_update_once() -> None:
     after, early = _train(early=False), _train(early=True)
-    assert all(not torch.allclose(a, s) for a, s in zip(after, _params(), strict=True))  # the steps moved them
+    assert all(
+        not torch.allclose(a, s) for a, s in zip(after, _params(), strict=True)
+    )  # the steps moved them
     for a, e in zip(after, early, strict=True):
         torch.testing.assert_close(e, a, rtol=1e-5, atol=1e-6)
 
@@ -121,7 +123,9 @@ def _fit(clip: float | None, patience: float) -> tuple[L.Trainer, _FirstBlockWai
 
     torch.manual_seed(0)
     tokens = torch.randint(0, 64, (4, 17))
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2
+    )
     waits = _FirstBlockWaits(patience)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=2, gradient_clip_val=clip, logger=False, callbacks=[waits],
