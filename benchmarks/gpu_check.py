@@ -159,7 +159,7 @@ def phases(dry_run: bool) -> list[Phase]:
               [Figure("cuda device", lambda r: r["cuda"], "==", True, "the lent machine has one")] if not dry_run else []),
         Phase("engines_deepspeed", ["benchmarks.zero_engines", "--group", "deepspeed", *tiny_cpu, "--json", "{json}"],
               150, engine_figures("deepspeed", dry_run), needs="deepspeed"),
-        Phase("offload", ["benchmarks.zero_engines", "--group", "offload", *tiny_cpu, "--json", "{json}"], 170,
+        Phase("offload", ["benchmarks.zero_engines", "--group", "offload", *tiny_cpu, "--json", "{json}"], 220,
               engine_figures("offload", dry_run), needs="deepspeed", wait_for_ops=True),
         Phase("memory", ["benchmarks.memory_savers", *(["--tiny", "--cpu"] if dry_run else ["--large", "--rounds", "3"]),
                          "--json", "{json}"], 150, [
