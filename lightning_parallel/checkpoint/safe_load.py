@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["UnsafeCheckpointError", "load_trusted_or_weights"]
+__all__ = ["UnsafeCheckpointError", "load_trusted_or_weights", "size_mismatch"]
 
 
 class UnsafeCheckpointError(ValueError):
@@ -56,3 +56,14 @@ def load_trusted_or_weights(
             " `Trainer.fit` for a resume); otherwise save only its tensors, e.g."
             " `torch.save(checkpoint['state_dict'], 'weights.pt')`."
         ) from error
+
+
+def size_mismatch(error: BaseException) -> str | None:
+    """torch.distributed.checkpoint's "Size mismatch ..." among a read failure's per-rank errors, if any."""
+    failures = getattr(error, "failures", None)
+    candidates = [*failures.values()] if isinstance(failures, dict) else [error]
+    for candidate in candidates:
+        text = str(candidate[0] if isinstance(candidate, tuple) else candidate)
+        if "Size mismatch" in text:
+            return text.strip().splitlines()[0]
+    return None

@@ -97,6 +97,7 @@ def zero(
     offload_ratio: Any = 1.0,
     reshard: Any = "step",
     engine: Any = "auto",
+    update: Any = "exact",
 ) -> ZeroArguments:
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ValueError(
@@ -156,7 +157,30 @@ def zero(
     if engine == "fsdp2" and (stage == 1 or raw):
         what = "`zero_stage=1` (FSDP2 shards gradients too: stage 2)" if stage == 1 else "`deepspeed_config`"
         raise ValueError(f"`zero_engine='fsdp2'` with {what}: use `zero_engine='auto'` or 'deepspeed'.")
-    return ZeroArguments(stage, offload, path, raw, float(offload_ratio), reshard, engine)
+    _check_offload_update(update, offload, stage, engine)
+    return ZeroArguments(stage, offload, path, raw, float(offload_ratio), reshard, engine, update)
+
+
+def _check_offload_update(update: Any, offload: Any, stage: int, engine: Any) -> None:
+    """``offload_update``: when the host step of offloaded shards lands (``zero/delayed_update.py``)."""
+    if update not in ("exact", "delayed"):
+        raise ValueError(
+            f"`offload_update={update!r}` must be 'exact' (the default: the one-process run's update) or 'delayed'"
+            " (ZeRO-Offload's delayed parameter update: step i's host step runs during step i+1, which computes"
+            " with the parameters before step i's update)."
+        )
+    if update == "exact":
+        return
+    if offload != "cpu" or stage == 1 or engine == "deepspeed":
+        what = (
+            f"`offload={offload!r}`" if offload != "cpu"
+            else "`zero_stage=1`" if stage == 1 else "`zero_engine='deepspeed'`"
+        )  # fmt: skip
+        raise ValueError(
+            f"`offload_update='delayed'` with {what}: the delayed update runs on FSDP2's engine, stepping its"
+            " shards in host memory (`offload='cpu'`, `zero_stage=2` or 3). Set those, or leave"
+            " `offload_update='exact'`."
+        )
 
 
 def _check_reshard(reshard: Any, stage: int) -> None:

@@ -17,6 +17,10 @@ from lightning_parallel.config.parallel_config import PathLike, PlanArg
 __all__ = ["StrategyArguments"]
 
 
+CheckpointPolicyArg = Literal["ops", "ops_alternate_matmuls"] | int | list[str] | None
+"""``activation_checkpointing_policy``'s type: a named policy, every k-th block, or module-name patterns."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class StrategyArguments:
     """Every argument of ``HybridParallelStrategy`` that shapes the job (the process group's backend and
@@ -39,9 +43,10 @@ class StrategyArguments:
     offload_ratio: float = 1.0
     zero_reshard: Literal["step", "micro_batch"] = "step"
     zero_engine: Literal["auto", "deepspeed", "fsdp2"] = "auto"
+    offload_update: Literal["exact", "delayed"] = "exact"
     deepspeed_config: dict[str, Any] | None = None
     activation_checkpointing: Literal["full", "selective"] | None = None
-    activation_checkpointing_policy: Literal["ops", "ops_alternate_matmuls"] | int | list[str] | None = None
+    activation_checkpointing_policy: CheckpointPolicyArg = None
     activation_offload: bool = False
     activation_compression: Literal["bf16", "fp8"] | None = None
     gradient_compression: Any = None

@@ -48,6 +48,7 @@ def strategy_config(a: StrategyArguments) -> ParallelConfig:
         a.offload_ratio,
         a.zero_reshard,
         a.zero_engine,
+        a.offload_update,
     )
     tp, pp, plan = a.tensor_parallel, a.pipeline_parallel, a.plan
     if not a.save_distributed_checkpoint:

@@ -185,6 +185,13 @@ class GradientReductions:
         """After the optimizer step: ZeRO-2 on FSDP2 gathers its updated shards (whole parameters between steps)."""
         regather(self.regather)
 
+    def gather_again(self) -> None:
+        """ZeRO-2 on FSDP2, after its shards changed outside a step (a delayed update installed at a checkpoint
+        or the end of fit): the whole parameters gathered anew (``unshard`` alone keeps the stale ones)."""
+        for unit in self.regather:
+            unit.reshard()
+        regather(self.regather)
+
     def describe(self) -> list[str]:
         return [str(r) for r in self.decided] or ["none (one data-parallel replica)"]
 

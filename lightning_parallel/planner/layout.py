@@ -49,6 +49,8 @@ class Layout:
     """None, ``"cpu"`` or ``"nvme"``: where ZeRO keeps the optimizer states (stage 3: parameters too)."""
     zero_engine: str = "auto"
     """The strategy's ``zero_engine``: ``"auto"`` (by layout), ``"deepspeed"`` or ``"fsdp2"``."""
+    offload_update: str = "exact"
+    """The strategy's ``offload_update``: ``"exact"`` or ``"delayed"`` (step i's host step during step i+1)."""
     activation_checkpointing: str | None = None
     """None, ``"full"`` or ``"selective"``."""
     activation_checkpointing_policy: str = "ops"
@@ -100,7 +102,8 @@ class Layout:
         if self.expert_parallel > 1:
             parts.append(f"ep{self.expert_parallel}")
         if self.zero_stage:
-            parts.append(f"zero{self.zero_stage}" + (f"+{self.offload}" if self.offload else ""))
+            delayed = "(delayed)" if self.offload_update == "delayed" else ""
+            parts.append(f"zero{self.zero_stage}" + (f"+{self.offload}{delayed}" if self.offload else ""))
         if self.activation_checkpointing:
             alternate = self.activation_checkpointing_policy == "ops_alternate_matmuls"
             parts.append(
@@ -126,7 +129,12 @@ def _zero_problems(problems: list[str], layout: Layout) -> None:
         problems.append(f"`precision={layout.precision!r}` with ZeRO: one of {sorted(ZERO_PRECISIONS)}")
     ep, dp = layout.expert_parallel, layout.data_parallel
     if layout.offload in (None, "cpu", "nvme") and layout.zero_stage in (1, 2, 3):
-        zero = ZeroArguments(stage=layout.zero_stage, offload=layout.offload, engine=layout.zero_engine)  # type: ignore[arg-type]
+        zero = ZeroArguments(
+            stage=layout.zero_stage,
+            offload=layout.offload,
+            engine=layout.zero_engine,  # type: ignore[arg-type]
+            update=layout.offload_update,
+        )  # type: ignore[arg-type]
         engine = engine_for(zero, layout.tensor_parallel, layout.pipeline_parallel, expert_parallel=ep)
         if ep > 1 and dp // ep == 1 and engine == "deepspeed":
             problems.append(f"`zero_stage={layout.zero_stage}` with `expert_parallel={ep}` on {dp} data-parallel ranks"
@@ -235,6 +243,7 @@ def strategy_arguments(layout: Layout) -> StrategyArguments:
         offload=layout.offload,  # type: ignore[arg-type]
         offload_path=_NVME_PLACEHOLDER if layout.offload == "nvme" else None,
         zero_engine=layout.zero_engine,  # type: ignore[arg-type]
+        offload_update=layout.offload_update,  # type: ignore[arg-type]
         activation_checkpointing=layout.activation_checkpointing,  # type: ignore[arg-type]
         activation_checkpointing_policy=(
             layout.activation_checkpointing_policy

@@ -165,7 +165,12 @@ def zero_engine(layout: Layout) -> str | None:
     from lightning_parallel.zero.arguments import ZeroArguments
     from lightning_parallel.zero.engine import engine_for
 
-    zero = ZeroArguments(stage=layout.zero_stage, offload=layout.offload, engine=layout.zero_engine)  # type: ignore[arg-type]
+    zero = ZeroArguments(
+        stage=layout.zero_stage,
+        offload=layout.offload,
+        engine=layout.zero_engine,  # type: ignore[arg-type]
+        update=layout.offload_update,
+    )  # type: ignore[arg-type]
     return engine_for(
         zero, layout.tensor_parallel, layout.pipeline_parallel, expert_parallel=layout.expert_parallel
     )

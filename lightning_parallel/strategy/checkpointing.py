@@ -45,7 +45,11 @@ from lightning_parallel.checkpoint.row_layouts import (
     rows_as_stored,
     rows_as_user,
 )
-from lightning_parallel.checkpoint.safe_load import UnsafeCheckpointError, load_trusted_or_weights
+from lightning_parallel.checkpoint.safe_load import (
+    UnsafeCheckpointError,
+    load_trusted_or_weights,
+    size_mismatch,
+)
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.config.validation import consolidated_refusal
 from lightning_parallel.mesh import Axis
@@ -187,8 +191,23 @@ class CheckpointingStrategy(MeshParallelStrategy):
         if reason is not None:
             raise ValueError(reason)
 
+    def settle_delayed_updates(self, close: bool = False) -> None:
+        """Install any update still in flight (``offload_update="delayed"``: ``zero/delayed_update.py``) before
+        the parameters are read whole (a checkpoint, the end of ``fit``); ``close`` also stops its worker. ZeRO-2
+        on FSDP2 then gathers the installed shards again (its whole parameters are what the model holds)."""
+        delayed = [vars(getattr(o, "_optimizer", o)).get("delayed_update") for o in self.optimizers]
+        installed = [(d.close() if close else d.settle()) for d in delayed if d is not None]
+        if any(installed) and getattr(self, "parallelized", None) is not None:
+            self.parallelized.gradients.gather_again()  # type: ignore[attr-defined]
+
+    @override
+    def teardown(self) -> None:
+        self.settle_delayed_updates(close=True)  # the end of fit: the model holds the last update
+        super().teardown()
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.settle_delayed_updates()  # a checkpoint holds the latest parameters with their states
         if not self._save_distributed_checkpoint:
             self._check_consolidated_supported()
             return full_rows_as_user(super().lightning_module_state_dict(), registry(self.model))
@@ -217,6 +236,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        self.settle_delayed_updates()
         if not self._save_distributed_checkpoint:
             return self._consolidated_optimizer_state(optimizer)
         from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -291,7 +311,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
         except UnsafeCheckpointError:
             raise  # intact, but refused: not "damaged"
         except (Exception, CheckpointException) as error:  # any read failure means the same to the user
-            mismatch = _size_mismatch(error)
+            mismatch = size_mismatch(error)
             if mismatch:  # intact, but written for another model (or another configuration of it)
                 raise ValueError(
                     f"The checkpoint {str(path)!r} does not fit this module: {mismatch}. It was saved from a model"
@@ -375,14 +395,3 @@ class CheckpointingStrategy(MeshParallelStrategy):
             )
             set_optimizer_state_dict(self.model, optimizer, optimizer_state, options=options)
         return checkpoint
-
-
-def _size_mismatch(error: BaseException) -> str | None:
-    """torch.distributed.checkpoint's "Size mismatch ..." among a read failure's per-rank errors, if any."""
-    failures = getattr(error, "failures", None)
-    candidates = [*failures.values()] if isinstance(failures, dict) else [error]
-    for candidate in candidates:
-        text = str(candidate[0] if isinstance(candidate, tuple) else candidate)
-        if "Size mismatch" in text:
-            return text.strip().splitlines()[0]
-    return None

@@ -31,7 +31,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_parallel.config import PathLike, PlanArg
-from lightning_parallel.config.strategy_arguments import StrategyArguments
+from lightning_parallel.config.strategy_arguments import CheckpointPolicyArg, StrategyArguments
 from lightning_parallel.config.validation import check_manual_optimization, strategy_config
 from lightning_parallel.launch.interrupt import AgreedInterrupt, start_agreed_interrupt
 from lightning_parallel.memory.casts import CastSaver
@@ -83,7 +83,8 @@ class HybridParallelStrategy(AskedArguments, CheckpointingStrategy):
             the gradients, 3 also the parameters (docs/zero.md; which layouts compose: docs/compatibility.md).
         offload: ``"cpu"`` (optimizer states and their update on the CPU; at stage 3 the parameters
             too; Adam/AdamW become DeepSpeed's CPU Adam) or ``"nvme"`` (stage 2/3, to ``offload_path``);
-            ``offload_ratio``: the fraction offloaded, by FSDP2 unit (DeepSpeed's Twin-Flow ``ratio``).
+            ``offload_ratio``: the fraction offloaded, by FSDP2 unit (DeepSpeed's Twin-Flow ``ratio``);
+            ``offload_update``: ``"exact"`` or ``"delayed"`` (step i's host step during step i+1: docs/zero.md).
         zero_reshard: ZeRO-2/3 under stages: ``"step"`` gathers and reduce-scatters once per step;
             ``"micro_batch"`` once per micro-batch, for ZeRO's memory at every moment (docs/zero.md).
         zero_engine: ``"auto"`` (DeepSpeed's engine or torch's FSDP2, by layout: docs/zero.md), ``"fsdp2"`` or
@@ -146,12 +147,10 @@ class HybridParallelStrategy(AskedArguments, CheckpointingStrategy):
         offload_ratio: float = 1.0,
         zero_reshard: Literal["step", "micro_batch"] = "step",
         zero_engine: Literal["auto", "deepspeed", "fsdp2"] = "auto",
+        offload_update: Literal["exact", "delayed"] = "exact",
         deepspeed_config: dict[str, Any] | None = None,
         activation_checkpointing: Literal["full", "selective"] | None = None,
-        activation_checkpointing_policy: Literal["ops", "ops_alternate_matmuls"]
-        | int
-        | list[str]
-        | None = None,
+        activation_checkpointing_policy: CheckpointPolicyArg = None,
         activation_offload: bool = False,
         activation_compression: Literal["bf16", "fp8"] | None = None,
         gradient_compression: Any = None,
@@ -184,6 +183,7 @@ class HybridParallelStrategy(AskedArguments, CheckpointingStrategy):
             offload_ratio=offload_ratio,
             zero_reshard=zero_reshard,
             zero_engine=zero_engine,
+            offload_update=offload_update,
             deepspeed_config=deepspeed_config,
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_policy=activation_checkpointing_policy,

@@ -62,7 +62,33 @@ def initialize_fsdp_offload(strategy: CheckpointingStrategy, trainer: Trainer) -
         strategy.optimizers, strategy.lr_scheduler_configs, strategy.config.zero, strategy.root_device.type,
         strategy.global_rank,
     )  # fmt: skip
+    if strategy.config.zero.update == "delayed":
+        attach_delayed_update(strategy)
+        return None
     return initialize_host_step_overlap(strategy, trainer)
+
+
+def attach_delayed_update(strategy: CheckpointingStrategy) -> None:
+    """``offload_update="delayed"``: the optimizer's step installs the last step's update and starts its own."""
+    from lightning_parallel.zero.delayed_update import DelayedUpdate
+    from lightning_parallel.zero.sharded_cpu_adam import ShardedCPUAdam
+
+    optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
+    for optimizer in optimizers:
+        if type(optimizer) is not ShardedCPUAdam or not all(
+            g["bias_correction"] for g in optimizer.param_groups
+        ):
+            raise ValueError(
+                f"`offload_update='delayed'` with {type(optimizer).__name__}: the delayed update is Adam's"
+                " (torch.optim.Adam or AdamW from `configure_optimizers`, bias correction on). Return one of"
+                " those, or leave `offload_update='exact'`."
+            )
+        vars(optimizer)["delayed_update"] = DelayedUpdate(optimizer)
+    rank_zero_info(
+        "ZeRO offload (`offload_update='delayed'`): each step installs the previous step's update and computes"
+        " its own on the host during the next forward and backward, which use the parameters one update behind"
+        " (ZeRO-Offload's delayed parameter update: not the one-process run's training)."
+    )
 
 
 def initialize_host_step_overlap(

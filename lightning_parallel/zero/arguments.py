@@ -14,6 +14,7 @@ from typing import Any, Literal
 Offload = Literal["cpu", "nvme"]
 Reshard = Literal["step", "micro_batch"]
 EngineChoice = Literal["auto", "deepspeed", "fsdp2"]
+OffloadUpdate = Literal["exact", "delayed"]
 BUCKET_ELEMENTS = 25_000_000
 
 # Keys Lightning owns: a raw DeepSpeed value for them would disagree with the Trainer silently.
@@ -68,6 +69,12 @@ class ZeroArguments:
     """``zero_engine=``: ``"auto"`` picks DeepSpeed's engine or torch's FSDP2 by layout (``zero/engine.py``);
     ``"fsdp2"`` forces FSDP2 (e.g. to compare the engines on one layout); ``"deepspeed"`` insists on
     DeepSpeed's, refused at setup where it cannot run the layout."""
+
+    update: OffloadUpdate = "exact"
+    """``offload_update=``: ``"exact"`` (each offloaded shard's host step during backward where that is exact,
+    else after it) or ``"delayed"`` (ZeRO-Offload's delayed parameter update: step i's host step runs during
+    step i+1's forward and backward, which computes with the parameters before step i's update; FSDP2's
+    engine, ``zero/delayed_update.py``)."""
 
     @property
     def enabled(self) -> bool:

@@ -63,7 +63,8 @@ def engine_for(
     layouts (stage 2, or any model parallelism) are FSDP2's, whose optimizer states go to NVMe while
     the sharded parameters stay in host memory (``zero/sharded_nvme_adam.py``). Partial offload
     (``offload_ratio`` < 1) is FSDP2's in every layout: DeepSpeed's Twin-Flow steps the part kept on
-    the accelerator with its fused GPU Adam, which has no CPU build to test here.
+    the accelerator with its fused GPU Adam, which has no CPU build to test here. So is the delayed
+    update (``offload_update="delayed"``), which steps FSDP2's host shards.
     """
     if not zero.enabled:
         return None
@@ -84,6 +85,8 @@ def _engine_by_layout(
     zero: ZeroArguments, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int
 ) -> Engine:
     if zero.offload_ratio < 1:  # partial offload: one offload policy per FSDP2 unit (zero/fsdp.py)
+        return "fsdp2"
+    if zero.update == "delayed":  # the delayed host step runs on FSDP2's host shards (zero/delayed_update.py)
         return "fsdp2"
     if zero.offload == "nvme":
         model_parallel = tensor_parallel > 1 or pipeline_parallel > 1 or expert_parallel > 1

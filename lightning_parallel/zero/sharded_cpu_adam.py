@@ -52,6 +52,12 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
     def _step_parameters(self) -> None:
         """The update of every parameter with a gradient: the kernel for the offloaded, torch's Adam for the rest;
         none that :meth:`step_in_backward` stepped already in this step's backward."""
+        delayed = vars(self).get("delayed_update")
+        if (
+            delayed is not None
+        ):  # offload_update="delayed": this step's update lands at the next (zero/delayed_update.py)
+            delayed.launch()
+            return
         early = vars(self).pop("_stepped_in_backward", set())
         for group in self.param_groups:
             kernel, on_device = split_by_offload(group)
@@ -60,6 +66,12 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
                 state["step"] += 1
                 self._kernel_update(group, param, state["step"], state["exp_avg"], state["exp_avg_sq"])
             self._step_on_device(group, on_device)
+
+    def settle(self) -> None:
+        """Install an update still in flight (``offload_update="delayed"``); nothing otherwise."""
+        delayed = vars(self).get("delayed_update")
+        if delayed is not None:
+            delayed.settle()
 
     @torch.no_grad()  # a worker thread: grad mode is per thread
     def step_in_backward(self, param: torch.Tensor) -> None:
