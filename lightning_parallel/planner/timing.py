@@ -27,7 +27,8 @@ The step of the slowest rank, term by term (every rate from the :class:`~.cluste
   also reads and writes the fp32 states on NVMe). Where the strategy overlaps the host step
   (``Execution.overlap_host_step``: FSDP2's CPU offload of Adam), the gradients' way down and the
   CPU Adam hide behind the last backward and the parameters' way up behind the next forward, all
-  but one unit's share at least.
+  but one unit's share at least; with ``offload_update="delayed"`` the whole host step hides behind
+  the next step's forward and backward, and only what exceeds them is exposed.
 
 MFU counts model FLOPs (``3 x ModelShape.forward_flops_per_token``, no recomputation); the
 hardware FLOP/s count recomputation as well.
@@ -196,7 +197,9 @@ def step_time(
             updated / cluster.host_adam_throughput + updated * grad_bytes / pcie
         )  # gradients down, CPU Adam
         back = updated * param_bytes / pcie  # the updated parameters up
-        if _overlaps_host_step(layout, execution):  # behind the last backward; back inside the next forward
+        if layout.offload_update == "delayed":  # the whole host step behind the next step's passes
+            host, back = max(0.0, host + back - m * (mb.forward + mb.backward + mb.recompute)), 0.0
+        elif _overlaps_host_step(layout, execution):  # behind the last backward; back inside the next forward
             units = max(len(ranks[0].blocks), 1)
             host = max(host - window, host / units)
             back = max(back - mb.forward, back / units)

@@ -220,5 +220,15 @@ def test_the_overlapped_host_step_hides_behind_backward_on_fsdp2() -> None:
     # Never below one unit's share: the last unit's host step has no backward left to hide behind.
     assert fsdp2.optimizer >= waiting.optimizer / len(GPT_1_3B.blocks)
     assert eager.total < fsdp2.total < deepspeed.total  # docs/zero.md prints the three
+    delayed = step_time(GPT_1_3B, Layout(**batch, offload="cpu", offload_update="delayed"), h200)
+    assert delayed.optimizer == pytest.approx(
+        max(0.0, waiting.optimizer - fsdp2.compute)
+    )  # behind the next step
+    fast_host = replace(
+        h200, host_adam_throughput=8 * h200.host_adam_throughput, host_bandwidth=4 * h200.host_bandwidth
+    )
+    hidden = step_time(GPT_1_3B, Layout(**batch, offload="cpu", offload_update="delayed"), fast_host)
+    assert hidden.optimizer == 0.0 < step_time(GPT_1_3B, Layout(**batch, offload="cpu", zero_engine="fsdp2"),
+                                                fast_host).optimizer  # fmt: skip
     nvme = step_time(GPT_1_3B, Layout(**batch, offload="nvme", zero_engine="fsdp2"), h200)
     assert nvme.optimizer > waiting.optimizer  # the NVMe path waits for backward (its states come from files)
