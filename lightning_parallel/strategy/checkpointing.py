@@ -197,8 +197,8 @@ class CheckpointingStrategy(MeshParallelStrategy):
         on FSDP2 then gathers the installed shards again (its whole parameters are what the model holds)."""
         delayed = [vars(getattr(o, "_optimizer", o)).get("delayed_update") for o in self.optimizers]
         installed = [(d.close() if close else d.settle()) for d in delayed if d is not None]
-        if any(installed) and getattr(self, "parallelized", None) is not None:
-            self.parallelized.gradients.gather_again()  # type: ignore[attr-defined]
+        if any(installed) and self.parallelized is not None:
+            self.parallelized.gradients.gather_again()
 
     @override
     def teardown(self) -> None:

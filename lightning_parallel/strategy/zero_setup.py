@@ -98,7 +98,7 @@ def initialize_host_step_overlap(
     (``zero/overlapped_step.py``); the setup log says whether it engaged and, if not, why."""
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    parallelized = strategy.parallelized  # type: ignore[attr-defined]
+    parallelized = strategy.parallelized
     module = strategy.lightning_module
     if parallelized is None or module is None or len(strategy.optimizers) != 1:
         return None
@@ -130,7 +130,7 @@ def host_step_parameters(strategy: CheckpointingStrategy) -> dict[str, Any]:
     an explicit reduction changes after backward (their gradients are final only then)."""
     from lightning_parallel.zero.sharded_cpu_adam import offloaded  # imports DeepSpeed: only with offload
 
-    parallelized = strategy.parallelized  # type: ignore[attr-defined]
+    parallelized = strategy.parallelized
     assert parallelized is not None and strategy.lightning_module is not None
     late = parallelized.gradients.changed_after_backward()
     names = {id(p): name for name, p in strategy.lightning_module.named_parameters()}
