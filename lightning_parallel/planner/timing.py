@@ -23,8 +23,9 @@ The step of the slowest rank, term by term (every rate from the :class:`~.cluste
   all-gather after the update is exposed unless the run overlaps it with the next forward;
 - optimizer: the update streams parameters, gradients and states through HBM; with ``offload``
   it runs on the host at ``host_adam_throughput`` after the gradients cross PCIe and before the
-  parameters come back (ZeRO-3's host-held parameters also cross PCIe for every gather; ``"nvme"``
-  also reads and writes the fp32 states on NVMe). Where the strategy overlaps the host step
+  parameters come back (ZeRO-3's host-held parameters also cross PCIe for every gather, prefetched
+  a block ahead behind the pass's compute but for the first block; ``"nvme"`` also reads and writes
+  the fp32 states on NVMe). Where the strategy overlaps the host step
   (``Execution.overlap_host_step``: FSDP2's CPU offload of Adam), the gradients' way down and the
   CPU Adam hide behind the last backward and the parameters' way up behind the next forward, all
   but one unit's share at least; with ``offload_update="delayed"`` the whole host step hides behind
@@ -204,8 +205,9 @@ def step_time(
             host = max(host - window, host / units)
             back = max(back - mb.forward, back / units)
         optimizer = host + back
-        if zero == 3:  # the parameters live on the host: copied up for each gather
-            optimizer += m * 2 * updated * param_bytes / pcie
+        if zero == 3:  # the parameters live on the host: copied up for each gather, a block ahead of its use
+            up, units = updated * param_bytes / pcie, max(len(ranks[0].blocks), 1)
+            optimizer += m * (max(0.0, up - mb.forward) + max(0.0, up - mb.backward) + 2 * up / units)
         if layout.offload == "nvme":
             optimizer += 2 * updated * _OFFLOADED_STATE_BYTES / cluster.nvme_bandwidth
     else:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -179,9 +180,23 @@ def fully_shard_modules(
 
     units = _shard_experts(root, experts, options) if experts is not None else []
     units += [_shard(module, *options(module)) for module in kept_blocks + holders]
+    if reshard_after_forward:
+        prefetch_offloaded_blocks(kept_blocks, offloaded)
     # FSDP2's new parameters name their row layouts again (tensor_parallel/row_layout.py).
     stamp_row_layouts(root)
     return Sharded(units, whole)
+
+
+def prefetch_offloaded_blocks(blocks: list[nn.Module], offloaded: set[int]) -> None:
+    """ZeRO-3 with parameters in host memory: each block's forward also starts gathering the next block's (copy
+    up from the host, all-gather), so that copy runs during this block's compute instead of before the next's.
+
+    FSDP2 gathers a unit in its own pre-forward hook by default; in backward it already prefetches the unit
+    below. One block ahead costs one more block's whole parameters on the device (torchtitan's explicit
+    forward prefetch does the same)."""
+    for block, following in zip(blocks, blocks[1:], strict=False):
+        if id(following) in offloaded:
+            cast(FSDPModule, block).set_modules_to_forward_prefetch([cast(FSDPModule, following)])
 
 
 def offloaded_units(modules: list[nn.Module], whole: set[nn.Parameter], ratio: float) -> set[int]:

@@ -230,5 +230,14 @@ def test_the_overlapped_host_step_hides_behind_backward_on_fsdp2() -> None:
     hidden = step_time(GPT_1_3B, Layout(**batch, offload="cpu", offload_update="delayed"), fast_host)
     assert hidden.optimizer == 0.0 < step_time(GPT_1_3B, Layout(**batch, offload="cpu", zero_engine="fsdp2"),
                                                 fast_host).optimizer  # fmt: skip
+    # ZeRO-3 keeps the parameters on the host: each pass copies them up a block ahead, behind the compute.
+    zero3 = step_time(
+        GPT_1_3B, Layout(**{**batch, "zero_stage": 3}, offload="cpu", zero_engine="fsdp2"), h200
+    )
+    up = GPT_1_3B.parameters * 4 / (h200.host_bandwidth * h200.host_efficiency)  # fp32 shards, once per pass
+    copies = zero3.optimizer - fsdp2.optimizer  # what of the two passes' copies is exposed
+    assert (
+        2 * up / len(GPT_1_3B.blocks) <= copies < 0.25 * (2 * up)
+    )  # the first block's, and what passes overrun
     nvme = step_time(GPT_1_3B, Layout(**batch, offload="nvme", zero_engine="fsdp2"), h200)
     assert nvme.optimizer > waiting.optimizer  # the NVMe path waits for backward (its states come from files)

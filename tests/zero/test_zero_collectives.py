@@ -63,3 +63,17 @@ def test_a_second_fit_trains_the_reused_sharded_module(tmp_path: Path) -> None:
         measured = json.loads((tmp_path / f"zero_refit.rank{rank}.json").read_text())
         assert measured["optimizer_holds_shards"], measured
         assert measured["moved"] > 1e-3, measured
+
+
+@pytest.mark.timeout(600)
+def test_zero3_with_parameters_on_the_host_gathers_the_next_block_ahead(tmp_path: Path) -> None:
+    """With ``offload="cpu"`` each block's forward has already started the next block's gather (copy up from the
+    host, all-gather) when it runs; without offload FSDP2 gathers each block in its own pre-forward (the control)."""
+    result = launch("zero_prefetch.py", [str(tmp_path)], tmp_path, world_size=2, timeout_s=400, grace_s=30)
+    result.assert_all_succeeded()
+    for rank in range(2):
+        measured = json.loads((tmp_path / f"zero_prefetch.rank{rank}.json").read_text())
+        # Gathers issued before each of the 3 blocks' forwards: the rest of the model (embeddings, head) and
+        # block 0 before the first; then, with prefetch, one block ahead.
+        assert measured["cpu"] == [3, 4, 4], (rank, measured)
+        assert measured["None"] == [2, 3, 4], (rank, measured)
