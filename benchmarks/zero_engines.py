@@ -57,6 +57,12 @@ GROUPS: dict[str, dict[str, dict[str, Any]]] = {
             "offload": "cpu",
             "zero_engine": "fsdp2",
         },
+        # Step i's host step during step i+1 (ZeRO-Offload's delayed parameter update): not exact, off by default.
+        "zero2 + cpu offload, delayed update": {
+            "zero_stage": 2,
+            "offload": "cpu",
+            "offload_update": "delayed",
+        },
         "zero3 + cpu offload (parameters too)": {"zero_stage": 3, "offload": "cpu"},
     },
 }
@@ -131,7 +137,7 @@ def predicted_gib(shape: dict[str, Any], strategy: dict[str, Any]) -> float:
     layout = Layout(
         precision="bf16-mixed", micro_batch_size=shape["batch_size"], sequence_length=shape["block_size"],
         zero_stage=strategy.get("zero_stage", 0), offload=strategy.get("offload"),
-        zero_engine=strategy.get("zero_engine", "auto"),
+        zero_engine=strategy.get("zero_engine", "auto"), offload_update=strategy.get("offload_update", "exact"),
     )  # fmt: skip
     (rank,) = rank_memory(model, layout, describe(model))
     return rank.device_total / 2**30
