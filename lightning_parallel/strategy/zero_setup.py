@@ -71,6 +71,7 @@ def initialize_fsdp_offload(strategy: CheckpointingStrategy, trainer: Trainer) -
 def attach_delayed_update(strategy: CheckpointingStrategy) -> None:
     """``offload_update="delayed"``: the optimizer's step installs the last step's update and starts its own."""
     from lightning_parallel.zero.delayed_update import DelayedUpdate
+    from lightning_parallel.zero.overlapped_step import low_precision_parameters
     from lightning_parallel.zero.sharded_cpu_adam import ShardedCPUAdam
 
     optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
@@ -82,6 +83,12 @@ def attach_delayed_update(strategy: CheckpointingStrategy) -> None:
                 f"`offload_update='delayed'` with {type(optimizer).__name__}: the delayed update is Adam's"
                 " (torch.optim.Adam or AdamW from `configure_optimizers`, bias correction on). Return one of"
                 " those, or leave `offload_update='exact'`."
+            )
+        if (dtype := low_precision_parameters(optimizer)) is not None:
+            raise ValueError(
+                f"`offload_update='delayed'` with {dtype} parameters (`precision='bf16-true'`): the delayed host step"
+                " is torch's fused Adam, which steps fp32 parameters with their fp32 states. Use"
+                " `precision='bf16-mixed'` (fp32 parameters), or leave `offload_update='exact'`."
             )
         vars(optimizer)["delayed_update"] = DelayedUpdate(optimizer)
     rank_zero_info(

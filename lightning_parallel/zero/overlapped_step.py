@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["HostStepSpan", "OverlappedHostStep", "overlap_refusal"]
+__all__ = ["HostStepSpan", "OverlappedHostStep", "low_precision_parameters", "overlap_refusal"]
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class OverlappedHostStep:
 
 
 def overlap_refusal(
-    optimizer: Any, gradient_clip_val: float | None, clipping_overridden: bool, loss_scaled: bool,
+    optimizer: Any, *, gradient_clip_val: float | None, clipping_overridden: bool, loss_scaled: bool,
     reduced_per_micro_batch: bool,
 ) -> str | None:  # fmt: skip
     """Why the host step cannot start during backward in this run (None: it can), as the setup log says it."""
@@ -132,6 +132,8 @@ def overlap_refusal(
         return f"the optimizer is {type(optimizer).__name__}, not Adam/AdamW on the host's shards"
     if not all(group["bias_correction"] for group in optimizer.param_groups):
         return "bias_correction=False (torch's fused Adam always corrects the bias)"
+    if (dtype := low_precision_parameters(optimizer)) is not None:
+        return f"{dtype} parameters with fp32 states (torch's fused Adam takes one dtype; DeepSpeed's kernel both)"
     if gradient_clip_val:
         return f"gradient_clip_val={gradient_clip_val} clips by the global norm, known only after the whole backward"
     if clipping_overridden:
@@ -141,3 +143,12 @@ def overlap_refusal(
     if reduced_per_micro_batch:
         return "zero_reshard='micro_batch' reduces every micro-batch's gradients, not once per step"
     return None
+
+
+def low_precision_parameters(optimizer: Any) -> torch.dtype | None:
+    """The dtype of parameters that are not fp32 (``precision="bf16-true"``), whose fp32 states only DeepSpeed's
+    kernel steps (torch's fused Adam wants one dtype); None when all are fp32."""
+    return next(
+        (p.dtype for group in optimizer.param_groups for p in group["params"] if p.dtype != torch.float32),
+        None,
+    )

@@ -142,3 +142,16 @@ def test_a_checkpoint_holds_the_update_in_flight(tmp_path: Path) -> None:
     got, _ = _strategy_run("delayed", 2, checkpoints=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
     assert _differences(got, saved) == []
+
+
+@pytest.mark.timeout(300)
+def test_the_delayed_update_refuses_bf16_parameters_at_setup() -> None:
+    from lightning_parallel import HybridParallelStrategy
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False, precision="bf16-true",
+        enable_progress_bar=False, enable_model_summary=False,
+        strategy=HybridParallelStrategy(zero_stage=3, offload="cpu", offload_update="delayed"),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="offload_update='delayed'` with torch.bfloat16 parameters"):
+        trainer.fit(_module(), torch.utils.data.DataLoader(_batches(), batch_size=None))

@@ -78,6 +78,10 @@ def test_the_step_waits_for_backward_where_it_needs_the_whole_of_it(kwargs: dict
     assert overlap_refusal(optimizer, **plain) is None
     assert reason in (overlap_refusal(optimizer, **{**plain, **kwargs}) or "")
     assert "not Adam" in (overlap_refusal(torch.optim.SGD(_params(), lr=0.1), **plain) or "")
+    bf16 = ShardedCPUAdam(
+        [torch.nn.Parameter(p.detach().bfloat16()) for p in _params()], adamw_mode=True, **HYPER
+    )
+    assert "torch.bfloat16 parameters" in (overlap_refusal(bf16, **plain) or "")
 
 
 class _FirstBlockWaits(L.Callback):
