@@ -197,12 +197,13 @@ def _compare_once(block: nn.Module, inputs: Captured, plan: ParallelPlan, mesh: 
     if (err := relative_error(grad, ref_grad)) > TOLERANCE:
         problems.append(f"input gradient differs (relative error {err:.2e})")
     exact: dict[str, torch.Tensor] | None = None  # computed only if a gradient differs
+    fp32 = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     for name, ref_param in reference.named_parameters():
         grad = user_gradient(sharded.get_parameter(name))
         if ref_param.grad is None or grad is None or relative_error(grad, ref_param.grad) <= TOLERANCE:
             continue
         exact = exact if exact is not None else exact_gradients(block, inputs)
-        problem = gradient_problem(name, grad, ref_param.grad, exact)
+        problem = gradient_problem(name, grad, ref_param.grad, exact, fp32=fp32)
         if problem:
             problems.append(problem)
     return "; ".join(problems) or None
@@ -234,7 +235,12 @@ def ranks_with_other_inputs(captured: dict[str, Captured], mesh: DeviceMesh) -> 
 
 
 def gradient_problem(
-    name: str, got: torch.Tensor, want: torch.Tensor, exact: dict[str, torch.Tensor]
+    name: str,
+    got: torch.Tensor,
+    want: torch.Tensor,
+    exact: dict[str, torch.Tensor],
+    *,
+    fp32: dict[str, torch.Tensor] | None = None,
 ) -> str | None:
     """Whether the sharded gradient of ``name`` is wrong (None: right), given the block's float64 gradients.
 
@@ -243,10 +249,15 @@ def gradient_problem(
     of again: a long recurrence, Qwen 3.5's gated linear attention, loses 1e-5 in fp32). A gradient that is
     zero in exact arithmetic (a key-projection bias: softmax ignores a shift shared by all keys) holds only
     rounding noise in both runs, so its difference is judged against the block's largest gradient instead.
+    Where the block has no float64 run (an op that overflows or lacks float64: XGLM's attention), the unsharded
+    fp32 gradients (``fp32``) tell such a zero, at fp32's rounding (:data:`FP32_ZERO`).
     """
-    norms = {n: float(g.norm()) for n, g in exact.items()}
+    zero = EXACT_ZERO
+    if name not in exact and fp32:
+        exact, zero = fp32, FP32_ZERO
+    norms = {n: float(g.double().norm()) for n, g in exact.items()}
     largest = max(norms.values(), default=0.0)
-    if norms.get(name, math.inf) <= EXACT_ZERO * largest:
+    if norms.get(name, math.inf) <= zero * largest:
         absolute = _difference_norm(got, want) / max(largest, 1e-30)
         if absolute <= TOLERANCE:
             return None
@@ -260,6 +271,9 @@ def gradient_problem(
 # A gradient this much smaller than the block's largest, in float64, is zero in exact arithmetic:
 # float64 rounding is 1e-16, real gradients are not 1e9 times smaller than their block's largest.
 EXACT_ZERO = 1e-9
+# Without a float64 run: fp32 rounding leaves ~1e-7 of the block's scale on an exact zero; a real gradient
+# 1e5 times smaller than its block's largest is judged, like a zero, on its distance in the block's scale.
+FP32_ZERO = 1e-5
 
 
 def exact_gradients(block: nn.Module, inputs: Captured) -> dict[str, torch.Tensor]:

@@ -48,6 +48,24 @@ def test_the_rule_passes_noise_on_a_zero_gradient_and_fails_a_wrong_one() -> Non
     assert "relative error" in (gradient_problem("q.bias", want * (1 + 4 * TOLERANCE), want, exact) or "")
 
 
+def test_without_a_float64_run_the_fp32_gradients_tell_a_zero() -> None:
+    """XGLM's attention overflows in float64 (no exact gradients): its key bias's rounding noise is told apart by
+    the unsharded fp32 gradients of the block, at fp32's rounding."""
+    fp32 = {"k.bias": torch.full((4,), 2e-8), "q.bias": torch.full((4,), 0.25), "w": torch.full((4,), 5.0)}
+    noise = torch.full((4,), 1e-8)
+    assert gradient_problem("k.bias", noise, fp32["k.bias"], {}, fp32=fp32) is None
+    # Negative controls: without the fp32 gradients the relative rule refuses the noise (what XGLM hit), and a
+    # real difference on that gradient, or the relative rule on a real gradient, still fails.
+    assert "relative error" in (gradient_problem("k.bias", noise, fp32["k.bias"], {}) or "")
+    assert "zero in exact arithmetic" in (
+        gradient_problem("k.bias", torch.full((4,), 1e-3), fp32["k.bias"], {}, fp32=fp32) or ""
+    )
+    want = fp32["q.bias"]
+    assert "relative error" in (
+        gradient_problem("q.bias", want * (1 + 4 * TOLERANCE), want, {}, fp32=fp32) or ""
+    )
+
+
 def test_a_gradient_fp32_itself_misses_by_more_than_the_rule_gets_that_much_room() -> None:
     want, exact = torch.full((4,), 0.25), {"a_log": torch.full((4,), 0.25 * (1 + 3 * TOLERANCE))}
     # the fp32 reference is 3e-5 from float64: a sharded gradient 5e-5 from it is within its rounding
