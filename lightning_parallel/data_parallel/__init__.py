@@ -5,7 +5,7 @@
 - ``gradient_sync``: :class:`GradientGroup`, :class:`GradientScale` and :class:`GradientSync`,
   the bucketed all-reduces after backward for pipelines and sharded experts.
 
-Which of the two a layout uses, and how, is decided in one place: ``parallelize/gradients.py``.
+Which of the two a layout uses, and how, is decided in one place: ``parallelize/reductions.py``.
 """
 
 from lightning_parallel.data_parallel.gradient_sync import (

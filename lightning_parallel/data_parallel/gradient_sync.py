@@ -10,7 +10,7 @@ Each :class:`GradientGroup` is "these parameters, summed over this group, divide
 number"; weights tied across pipeline stages are a group that sums (divisor 1). A
 :class:`GradientScale` divides gradients without communicating (expert gradients before ZeRO
 averages them). :class:`GradientSync` runs a layout's reductions; which reductions a layout needs
-is decided in one place, ``parallelize/gradients.py``.
+is decided in one place, ``parallelize/reductions.py``.
 
 A group marked ``overlap`` is reduced while the last backward of the step runs
 (``data_parallel/buckets.py``): between :meth:`GradientSync.begin_final` and

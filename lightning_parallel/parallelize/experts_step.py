@@ -3,7 +3,7 @@
 Experts are sharded over the ``ep`` axis, carved out of the data-parallel ranks
 (``dp = dp_replicate x ep``, as in Megatron and DeepSpeed-MoE); tokens travel to their expert's
 rank with all-to-all (``lightning_parallel.experts``). Their gradients need their own reduction,
-decided with every other one in ``parallelize/gradients.py``.
+decided with every other one in ``parallelize/reductions.py``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
-"""Every gradient reduction of a layout, decided in one function from the configuration.
+"""The decided gradient reductions of a layout, installed on this rank's module and run by the strategy's hooks.
 
-:func:`decide_gradient_reductions` says, from the configuration and the degrees alone (no
-process group, no model), which gradients are averaged or summed over which mesh axis, scaled by
-what, compressed or not, and when; :func:`plan_gradient_reductions` installs exactly those on
-this rank's module, and nothing edits them afterwards. Three moments exist:
-
-- inside backward: DDP's reducer or FSDP2's ``replicate`` over ``dp`` (data parallelism, with or
-  without tensor parallelism), paused while gradients accumulate;
-- during the last backward of an optimizer step (under pipeline stages: each stage's last
-  micro-batch backward): explicit bucketed all-reduces (``data_parallel/gradient_sync.py``) where
-  DDP-style hooks cannot express the reduction: pipeline schedules (backward per micro-batch),
-  sharded experts (expert weights over their replicas only); each bucket is launched as soon as
-  its gradients are final, overlapping the backward still to run;
-- after the last backward: what needs the whole gradient first (tied weights summed across
-  stages, compressed means, scalings);
-- in the optimizer step: DeepSpeed's ZeRO engine over the (expert-)data-parallel ranks, after the
-  explicit part that must come first (tied weights, the dense gradients' mean over ``ep``).
-
-``python -c`` answer to "which reductions run under pp=2 x ep=2 with ZeRO-1?"::
-
-    print("\\n".join(map(str, decide_gradient_reductions(config, dims))))
+``parallelize/reductions.py`` decides them from the configuration alone; :func:`plan_gradient_reductions`
+installs exactly those: DDP's reducer or FSDP2's ``replicate`` (inside backward), the explicit bucketed
+groups (``data_parallel/gradient_sync.py``: during or after the last backward), nothing for DeepSpeed's
+step (its engine reduces). What only the model shows is added beside them, as found, not decided: the
+gradient copies of rows tensor parallelism stores on several ranks (``tensor_parallel/row_layout.py``).
 """
 
 from __future__ import annotations
@@ -32,12 +17,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_parallel.comm.compression import (
-    BucketCompressor,
-    GradientCompression,
-    PowerSGD,
-    register_ddp_compression,
-)
+from lightning_parallel.comm.compression import BucketCompressor, register_ddp_compression
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.data_parallel import (
     GradientGroup,
@@ -48,98 +28,17 @@ from lightning_parallel.data_parallel import (
     no_gradient_sync,
 )
 from lightning_parallel.mesh import Axis, ParallelDims
+from lightning_parallel.parallelize.reductions import (
+    Gradients,
+    How,
+    Moment,
+    Reduction,
+    decide_gradient_reductions,
+)
 from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.tensor_parallel.row_layout import RowCopies, stamp_row_layouts
-from lightning_parallel.zero.engine import config_engine
-from lightning_parallel.zero.fsdp import ExpertSharding, Sharded, fully_shard_modules, regather
-from lightning_parallel.zero.tensor_parallel import (
-    local_shard_parameters,
-    mark_model_parallel,
-    registered_parameter,
-)
-
-IN_BACKWARD, AFTER_BACKWARD, IN_STEP = "inside backward", "after backward", "in the optimizer step"
-IN_LAST_BACKWARD = "during the last backward"  # bucket by bucket, as the step's last backward finishes them
-AFTER_STEP = "after the optimizer step"
-
-
-@dataclass(frozen=True)
-class Reduction:
-    """One reduction of a layout, by name: which gradients, how, over which mesh axis, when."""
-
-    gradients: str  # "all", "dense" (not experts), "experts", "tied" (weights held by several stages), "dense but tied"
-    how: str  # "mean", "sum", "sum / dp size", "divided by ep"
-    axis: str  # a mesh axis; "pp" for a tied weight: the stages holding it
-    when: str  # IN_BACKWARD, IN_LAST_BACKWARD, AFTER_BACKWARD, IN_STEP or AFTER_STEP
-    compression: GradientCompression | None = None
-
-    def __str__(self) -> str:
-        over = f" over {self.axis}" if self.how != "divided by ep" else ""
-        compressed = f", compressed ({self.compression!r})" if self.compression is not None else ""
-        return f"{self.when}: {self.gradients} gradients, {self.how}{over}{compressed}"
-
-
-MOMENTS = (IN_BACKWARD, IN_LAST_BACKWARD, AFTER_BACKWARD, IN_STEP, AFTER_STEP)
-
-
-def decide_gradient_reductions(config: ParallelConfig, dims: ParallelDims) -> list[Reduction]:
-    """The reductions of a layout, in the order they run (identical on every rank; stable within a moment)."""
-    return sorted(_decide(config, dims), key=lambda r: MOMENTS.index(r.when))
-
-
-def _decide(config: ParallelConfig, dims: ParallelDims) -> list[Reduction]:
-    engine = config_engine(config, dims)
-    if engine == "fsdp2":
-        return _fsdp_reductions(config, dims)
-    out = [Reduction("tied", "sum", "pp", AFTER_BACKWARD)] if dims.pp_enabled else []
-    if config.zero.enabled:
-        if dims.ep_enabled:
-            # ZeRO shards over dp_replicate: its mean there then makes dense weights averaged over the
-            # whole dp and experts summed over their replicas divided by dp, as without ZeRO.
-            out += [
-                Reduction("dense", "mean", "ep", IN_LAST_BACKWARD),
-                Reduction("experts", "divided by ep", "", AFTER_BACKWARD),
-            ]
-        return [*out, Reduction("all", "mean (ZeRO's)", "dp_replicate" if dims.ep_enabled else "dp", IN_STEP)]
-    compression = config.memory.gradient_compression if dims.dp_enabled else None
-    if not (dims.pp_enabled or dims.ep_enabled):
-        return [Reduction("all", "mean", "dp", IN_BACKWARD, compression)] if dims.dp_enabled else []
-    if not dims.dp_enabled:
-        pass  # one data-parallel replica: its mean is the gradient itself (no buckets, no copies, no hooks)
-    elif dims.pp_enabled and isinstance(compression, PowerSGD):
-        # Each stage's group would compress a tied weight with its own error feedback and random
-        # factors, and its copies would drift apart (measured: 2.8% after 5 steps at pp=2 x dp=2);
-        # casts round identical sums identically, so only PowerSGD leaves them out.
-        out += [
-            Reduction("dense but tied", "mean", "dp", AFTER_BACKWARD, compression),
-            Reduction("tied", "mean", "dp", IN_LAST_BACKWARD),
-        ]
-    else:  # a compressor keeps state per bucket and step: compressed means run after backward
-        out.append(
-            Reduction("dense", "mean", "dp", AFTER_BACKWARD if compression else IN_LAST_BACKWARD, compression)
-        )
-    if dims.ep_enabled:
-        # An expert's gradient already holds its ep group's tokens (docs/experts.md).
-        out.append(Reduction("experts", "sum / dp size", "dp_replicate", IN_LAST_BACKWARD))
-    return out
-
-
-def _fsdp_reductions(config: ParallelConfig, dims: ParallelDims) -> list[Reduction]:
-    """ZeRO on FSDP2 (zero/fsdp.py): reduce-scatters inside backward; under pipeline stages once per batch,
-    during each stage's last backward. Experts (their own units over their replicas) are summed and divided by dp."""
-    when, after = (IN_LAST_BACKWARD, ", once per batch") if dims.pp_enabled else (IN_BACKWARD, "")
-    shards = f"(reduce-scatter of ZeRO-{config.zero.stage}'s shards){after}"
-    steps = [Reduction("dense" if dims.ep_enabled else "all", f"mean {shards}", "dp", when)]
-    if dims.ep_enabled:
-        steps.append(Reduction("experts", f"sum / dp size {shards}", "dp_replicate", when))
-    if dims.pp_enabled:
-        steps.append(Reduction("tied", "sum", "pp", AFTER_BACKWARD))
-    steps.append(
-        Reduction("strided vector", "mean", "dp", IN_LAST_BACKWARD)
-    )  # fused biases FSDP2 keeps whole
-    if config.zero.stage == 2:  # ZeRO-2 keeps whole parameters between steps: gather the updated shards
-        steps.append(Reduction("all parameters'", "all-gather", "dp", AFTER_STEP))
-    return steps
+from lightning_parallel.zero.fsdp import Sharded, regather
+from lightning_parallel.zero.tensor_parallel import mark_model_parallel, registered_parameter
 
 
 @dataclass
@@ -147,7 +46,9 @@ class GradientReductions:
     """The reductions of one layout, installed on this rank's module, as the strategy's hooks run them."""
 
     decided: list[Reduction] = field(default_factory=list)
-    """What :func:`decide_gradient_reductions` decided (``describe`` prints it)."""
+    """What :func:`decide_gradient_reductions` decided from the configuration (never edited)."""
+    found: list[Reduction] = field(default_factory=list)
+    """What the model needs beside them (rows stored on several tensor ranks); ``describe`` prints both."""
     after_backward: GradientSync | None = None
     """The explicit reductions, once per optimizer step after the last accumulated backward."""
     in_backward: list[nn.Module] = field(default_factory=list)
@@ -193,7 +94,7 @@ class GradientReductions:
         regather(self.regather)
 
     def describe(self) -> list[str]:
-        return [str(r) for r in self.decided] or ["none (one data-parallel replica)"]
+        return [str(r) for r in self.decided + self.found] or ["none (one data-parallel replica)"]
 
 
 def plan_gradient_reductions(
@@ -226,12 +127,12 @@ def plan_gradient_reductions(
         groups += [_mean(whole, dp_mesh, None, "fused biases kept whole", overlap=True)] if whole else []
         result.after_backward = _sync(groups, runner)
         result.fsdp_units = fsdp.units
-        if any(r.when == AFTER_STEP for r in decided):
+        if any(r.when == Moment.AFTER_STEP for r in decided):
             result.regather = fsdp.units
         return result
     if config.zero.enabled:  # expert slices differ across ep ranks: DeepSpeed's norm counts them on each
         mark_model_parallel(p for p in _parameters(module, runner) if id(p) in expert_ids)
-    if any(r.when == IN_BACKWARD for r in decided):
+    if any(r.when == Moment.IN_BACKWARD for r in decided):
         dp_mesh = mesh[Axis.DP]
         result.in_backward = apply_data_parallel(module, dp_mesh, blocks, sharded_parameters=dims.tp_enabled)
         result.hooks = average_direct_parameters(module, dp_mesh)
@@ -239,7 +140,7 @@ def plan_gradient_reductions(
             decided[0].compression is not None
         ):  # tp without stages or experts was refused (config/validation.py)
             register_ddp_compression(result.in_backward, decided[0].compression, dp_mesh.get_group())
-    explicit = [r for r in decided if r.when in (IN_LAST_BACKWARD, AFTER_BACKWARD)]
+    explicit = [r for r in decided if r.when in (Moment.IN_LAST_BACKWARD, Moment.AFTER_BACKWARD)]
     groups = _explicit_groups(explicit, module, mesh, runner, expert_ids) if explicit else []
     result.after_backward = _sync(groups + _row_copies(module, mesh, result), runner)
     return result
@@ -252,9 +153,7 @@ def _row_copies(module: nn.Module, mesh: DeviceMesh, result: GradientReductions)
     duplicated = stamp_row_layouts(module)
     if not duplicated:
         return []
-    result.decided.append(
-        Reduction("k/v rows held on several ranks'", "sum of the copies", "tp", AFTER_BACKWARD)
-    )
+    result.found.append(Reduction(Gradients.SHARED_ROWS, How.SUM_OF_COPIES, Axis.TP, Moment.AFTER_BACKWARD))
     return [RowCopies(duplicated, mesh[Axis.TP].get_group())]
 
 
@@ -266,36 +165,6 @@ def _sync(groups: list[Any], runner: PipelineRunner | None) -> GradientSync | No
     if runner is not None:
         runner.last_backward.sync = sync
     return sync
-
-
-def shard_for_zero(
-    module: nn.Module, config: ParallelConfig, dims: ParallelDims, mesh: DeviceMesh, blocks: list[str]
-) -> Sharded | None:
-    """The parameters ZeRO's engine takes, before the pipeline's stages exist (they capture the parameters).
-
-    FSDP2 (``zero/engine.py: engine_for``): ``fully_shard`` the blocks this rank holds and the rest.
-    DeepSpeed with tensor parallelism: each DTensor weight re-registered as its plain local shard
-    (returns None, as without ZeRO).
-    """
-    engine = config_engine(config, dims)
-    if (
-        engine == "deepspeed" and dims.tp_enabled
-    ):  # DeepSpeed flattens plain tensors (zero/tensor_parallel.py)
-        local_shard_parameters(module)
-    if engine != "fsdp2":
-        return None
-    from lightning_parallel.pipeline.stages import SkippedBlock
-
-    kept = [module.get_submodule(b) for b in blocks if not isinstance(module.get_submodule(b), SkippedBlock)]
-    # Gathered once per step under stages (not once per micro-batch) unless the user asks for the memory;
-    # ZeRO-3 alone reshards after forward.
-    reshard = config.zero.stage == 3 and (not dims.pp_enabled or config.zero.reshard == "micro_batch")
-    # Experts over their replicas (dp_replicate), everything else over the whole dp (zero/fsdp.py).
-    experts = ExpertSharding(mesh[Axis.DP_REPLICATE], dims.data_parallel) if dims.ep_enabled else None
-    return fully_shard_modules(
-        module, mesh[Axis.DP], kept, offload=config.zero.offload is not None, reshard_after_forward=reshard,
-        experts=experts, offload_ratio=config.zero.offload_ratio,
-    )  # fmt: skip
 
 
 def _parameters(module: nn.Module, runner: PipelineRunner | None) -> list[nn.Parameter]:
@@ -324,31 +193,31 @@ def _explicit_groups(
     dp = mesh[Axis.DP]
     groups: list[GradientGroup | GradientScale] = []
     for r in decided:
-        overlap = r.when == IN_LAST_BACKWARD
-        if (r.gradients, r.axis) == ("tied", "pp"):
+        overlap = r.when == Moment.IN_LAST_BACKWARD
+        if (r.gradients, r.axis) == (Gradients.TIED, Axis.PP):
             assert runner is not None
             groups += runner.tied_gradient_groups()
-        elif r.gradients == "dense" and r.axis == "ep":
+        elif r.gradients == Gradients.DENSE and r.axis == Axis.EP:
             ep = mesh[Axis.EP]
             groups.append(
                 GradientGroup(dense, ep.get_group(), ep.size(), label="dense mean over ep", overlap=overlap)
             )
-        elif r.gradients == "experts" and r.how == "divided by ep":
+        elif r.gradients == Gradients.EXPERTS and r.how == How.DIVIDED_BY_EP:
             groups.append(GradientScale(experts, mesh[Axis.EP].size(), label="experts"))
-        elif r.gradients == "dense" or (r.gradients == "dense but tied" and not tied):
+        elif r.gradients == Gradients.DENSE or (r.gradients == Gradients.DENSE_BUT_TIED and not tied):
             groups.append(_mean(dense, dp, compressor, "data-parallel mean", overlap))
-        elif r.gradients == "dense but tied":
+        elif r.gradients == Gradients.DENSE_BUT_TIED:
             groups.append(
                 _mean([p for p in dense if id(p) not in tied], dp, compressor, "data-parallel mean")
             )
-        elif (r.gradients, r.axis) == ("tied", "dp"):
+        elif (r.gradients, r.axis) == (Gradients.TIED, Axis.DP):
             if tied:  # this rank holds a tied weight: its mean uncompressed (the split above)
                 groups.append(
                     _mean(
                         [p for p in dense if id(p) in tied], dp, None, "tied weights, uncompressed", overlap
                     )
                 )
-        elif r.gradients == "experts" and experts:
+        elif r.gradients == Gradients.EXPERTS and experts:
             replicas = mesh[Axis.DP_REPLICATE].get_group()
             groups.append(
                 GradientGroup(

@@ -40,10 +40,11 @@ from lightning_parallel.experts import expert_parameters
 from lightning_parallel.mesh import Axis, ParallelDims
 from lightning_parallel.parallelize import context_parallel_step, pipeline_step, tensor_parallel_step
 from lightning_parallel.parallelize.experts_step import apply_experts
-from lightning_parallel.parallelize.gradients import plan_gradient_reductions, shard_for_zero
+from lightning_parallel.parallelize.gradients import plan_gradient_reductions
 from lightning_parallel.parallelize.memory_step import apply_memory_savers
 from lightning_parallel.parallelize.result import Parallelized
 from lightning_parallel.parallelize.sample import SampledStep, StepProbe
+from lightning_parallel.parallelize.zero_sharding import shard_for_zero
 from lightning_parallel.pipeline.microbatch import split_batch
 from lightning_parallel.pipeline.stages import SkippedBlock, StageLayout
 from lightning_parallel.plans.detect import block_names

@@ -11,7 +11,7 @@ Lightning's hooks only; what they do is elsewhere:
 - ``setup``: the ordered recipe (``parallelize/recipe.py``) on the user's module, then
   ``init_weights``, the optimizers and, under ZeRO, DeepSpeed's engine (``zero/engine.py``).
 - the step hooks: the pipeline's (``strategy/pipelined.py``), the memory savers' context, the
-  gradient reductions decided at setup (``parallelize/gradients.py``).
+  gradient reductions decided at setup (``parallelize/reductions.py``, installed by ``parallelize/gradients.py``).
 
 Checkpoint hooks: ``strategy/checkpointing.py``; Lightning's ``ModelParallelStrategy`` members
 (process group, collectives, launcher): ``strategy/base.py``.
