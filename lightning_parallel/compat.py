@@ -91,14 +91,14 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("torch.distributed.fsdp:FSDPModule._get_fsdp_state", "zero/fsdp.py", "fsdp_state"),
     PrivateApi("torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState._fsdp_param_groups", "zero/fsdp.py",
                "fsdp_param_groups", note="2.13 only; 2.11 has the singular _fsdp_param_group", resolvable=False),
-    PrivateApi("torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState._post_forward", "zero/fsdp.py",
+    PrivateApi("torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState._post_forward", "zero/fsdp_schedule.py",
                "fsdp_close_forward", note="with ._training_state"),
     PrivateApi("torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState._root_post_backward_final_callback",
-               "zero/fsdp.py", "fsdp_root_callback", note="with ._is_root, read by fsdp_post_backward"),
+               "zero/fsdp_schedule.py", "fsdp_root_callback", note="with ._is_root, read by fsdp_post_backward"),
     PrivateApi("torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup.post_backward",
-               "zero/fsdp.py", "fsdp_post_backward", note="with .fsdp_params, FSDPParam.sharded_param and"
+               "zero/fsdp_schedule.py", "fsdp_post_backward", note="with .fsdp_params, FSDPParam.sharded_param and"
                " .unsharded_param (zero/fsdp.py)"),
-    PrivateApi("torch.distributed.fsdp._fully_shard._fsdp_common:TrainingState", "zero/fsdp.py",
+    PrivateApi("torch.distributed.fsdp._fully_shard._fsdp_common:TrainingState", "zero/fsdp_schedule.py",
                "fsdp_in_forward"),
     PrivateApi("torch.distributed._composable.replicate_with_fsdp:replicate", "data_parallel/replicate.py",
                "fsdp_replicate", note="2.13 adds dp_mesh_dims= (unused)"),
@@ -133,7 +133,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
                "read_checkpoint_entries", note="with format_utils._EmptyStateDictLoadPlanner(keys=)"),
     PrivateApi("torch.distributed.checkpoint.format_utils:_EmptyStateDictLoadPlanner", "checkpoint/transfer.py",
                "read_checkpoint_entries"),
-    PrivateApi("torch.utils.cpp_extension:_get_build_directory", "zero/engine.py", "extension_build_directory"),
+    PrivateApi("torch.utils.cpp_extension:_get_build_directory", "zero/deepspeed_ops.py", "extension_build_directory"),
     # ---- kernels (C-level names with an underscore, called as torch's own code calls them)
     PrivateApi("torch:_grouped_mm", "experts/experts.py", "grouped_mm", note="F.grouped_mm first where present"),
     PrivateApi("torch:_foreach_norm", "precision/grad_norm.py", "(called)", note="dtype= on both"),

@@ -238,7 +238,7 @@ def compression_with_tensor_parallel_problem(
 def check_zero_shards_something(config: ParallelConfig, dims: ParallelDims) -> None:
     """DeepSpeed's engine under expert parallelism shards over the experts' replicas only (``zero/groups.py``):
     with as many expert ranks as data-parallel ranks it would shard nothing, silently."""
-    from lightning_parallel.zero.engine import config_engine
+    from lightning_parallel.zero.engine_choice import config_engine
 
     ep, dp = dims.expert_parallel, dims.data_parallel
     if ep > 1 and dp // ep == 1 and config_engine(config, dims) == "deepspeed":

@@ -16,7 +16,7 @@ Order, and why:
 6. experts sharded over ``ep``; the context split's entering hooks (after the pipeline's
    injection of received activations, before sequence parallelism's own split);
 7. tensor/sequence parallelism on what this rank keeps; the context split's gather after it;
-8. ZeRO on FSDP2 (``zero/engine.py``): ``fully_shard`` over ``dp``, before the stages capture the
+8. ZeRO on FSDP2 (``zero/engine_choice.py``): ``fully_shard`` over ``dp``, before the stages capture the
    parameters; then the pipeline's stages and schedule (on the sharded modules);
 9. activation checkpointing and the saved-tensor saver (on the sharded, cut modules);
 10. ``compile`` of each block (after sharding, before data-parallel wrapping);
@@ -51,8 +51,8 @@ from lightning_parallel.plans.detect import block_names
 from lightning_parallel.tensor_parallel import BlockInputCapture, ParallelPlan, capture_block_inputs
 from lightning_parallel.tensor_parallel.block_kinds import first_block_of_each_kind
 from lightning_parallel.tensor_parallel.verify import Captured
-from lightning_parallel.zero.engine import config_engine
-from lightning_parallel.zero.fsdp import before_schedule
+from lightning_parallel.zero.engine_choice import config_engine
+from lightning_parallel.zero.fsdp_schedule import before_schedule
 
 
 def parallelize(

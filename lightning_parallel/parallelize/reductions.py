@@ -30,7 +30,7 @@ from enum import StrEnum
 from lightning_parallel.comm.compression import GradientCompression, PowerSGD
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.mesh import Axis, ParallelDims
-from lightning_parallel.zero.engine import config_engine
+from lightning_parallel.zero.engine_choice import config_engine
 
 __all__ = ["Gradients", "How", "Moment", "Reduction", "decide_gradient_reductions"]
 

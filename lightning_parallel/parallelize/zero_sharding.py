@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.mesh import Axis, ParallelDims
-from lightning_parallel.zero.engine import config_engine
+from lightning_parallel.zero.engine_choice import config_engine
 from lightning_parallel.zero.fsdp import ExpertSharding, Sharded, fully_shard_modules
 from lightning_parallel.zero.tensor_parallel import local_shard_parameters
 
@@ -19,7 +19,7 @@ def shard_for_zero(
 ) -> Sharded | None:
     """The parameters ZeRO's engine takes, before the pipeline's stages exist (they capture the parameters).
 
-    FSDP2 (``zero/engine.py: engine_for``): ``fully_shard`` the blocks this rank holds and the rest.
+    FSDP2 (``zero/engine_choice.py: engine_for``): ``fully_shard`` the blocks this rank holds and the rest.
     DeepSpeed with tensor parallelism: each DTensor weight re-registered as its plain local shard
     (returns None, as without ZeRO).
     """

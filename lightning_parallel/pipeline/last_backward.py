@@ -161,7 +161,7 @@ class LastBackward:
 
     def end_batch(self) -> None:
         """The schedule is over: units no stage of this rank holds parameters of reduce now (none in practice)."""
-        from lightning_parallel.zero.fsdp import reduce_accumulated
+        from lightning_parallel.zero.fsdp_schedule import reduce_accumulated
 
         reduce_accumulated([u for u, s in zip(self.fsdp_units, self.unit_stages, strict=True) if not s])
         self._ends_step = False
@@ -177,7 +177,7 @@ class LastBackward:
                     units.append(self.fsdp_units[index])
         sync = self.sync if self._ends_step else None
         if units:  # every batch: ZeRO-2/3 keep gradients sharded between accumulation batches
-            from lightning_parallel.zero.fsdp import reduce_in_backward
+            from lightning_parallel.zero.fsdp_schedule import reduce_in_backward
 
             reduce_in_backward(units)
         if sync is not None:
@@ -186,7 +186,7 @@ class LastBackward:
         if sync is not None:
             sync.end_final()
         if units:
-            from lightning_parallel.zero.fsdp import reduce_accumulated
+            from lightning_parallel.zero.fsdp_schedule import reduce_accumulated
 
             reduce_accumulated(
                 units

@@ -92,7 +92,7 @@ class PipelineRunner:
         self.aux_collector = aux_collector
         # ZeRO on FSDP2 (zero/fsdp.py): its units reduce once per batch, during their stages' last backward.
         self.fsdp_units = list(fsdp_units)
-        # How they are set before each schedule (``zero/fsdp.py: before_schedule``, from ``zero_reshard``).
+        # How they are set before each schedule (``zero/fsdp_schedule.py: before_schedule``, from ``zero_reshard``).
         self.fsdp_before_schedule = fsdp_before_schedule
         self.batch_size: int | None = None  # of the training batches the stages were built for
         self._held: list[torch.Tensor | None] = []
@@ -146,7 +146,7 @@ class PipelineRunner:
             output = ctx.step_fn(ctx.micro_batches[mb_index], *ctx.step_args)
         except StageExit as exit_:
             if self.fsdp_units:
-                from lightning_parallel.zero.fsdp import finish_interrupted_forwards
+                from lightning_parallel.zero.fsdp_schedule import finish_interrupted_forwards
 
                 finish_interrupted_forwards(self.fsdp_units, exit_.hidden)
             return exit_.hidden

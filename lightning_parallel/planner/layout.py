@@ -123,7 +123,7 @@ def _zero_problems(problems: list[str], layout: Layout) -> None:
     if not layout.zero_stage:
         return
     from lightning_parallel.zero.arguments import ZERO_PRECISIONS, ZeroArguments
-    from lightning_parallel.zero.engine import engine_for
+    from lightning_parallel.zero.engine_choice import engine_for
 
     if layout.precision not in ZERO_PRECISIONS:
         problems.append(f"`precision={layout.precision!r}` with ZeRO: one of {sorted(ZERO_PRECISIONS)}")

@@ -5,7 +5,7 @@ processes, by the rules the strategy applies at setup: which parameters each pip
 (``pipeline/stages.py``: blocks by the balanced cut, what precedes the first block on stage 0, what
 follows the last on the last stage, a tied head on both), what each tensor-parallel rank keeps of a
 weight (the plan's styles, ``plans/auto.py``, split like ``torch.chunk``), experts split over ``ep``,
-and where ZeRO's engine puts the rest (``zero/engine.py: engine_for``): torch's FSDP2 shards every
+and where ZeRO's engine puts the rest (``zero/engine_choice.py: engine_for``): torch's FSDP2 shards every
 tensor on its first dimension over ``dp``, DeepSpeed flattens them into one padded partition per rank.
 
 Unlike Megatron's and DeepSpeed's estimators, which report the most loaded rank, every distinct rank
@@ -163,7 +163,7 @@ def parameter_placements(
 def zero_engine(layout: Layout) -> str | None:
     """The engine ZeRO runs ``layout`` on (None without ZeRO), as the strategy picks it."""
     from lightning_parallel.zero.arguments import ZeroArguments
-    from lightning_parallel.zero.engine import engine_for
+    from lightning_parallel.zero.engine_choice import engine_for
 
     zero = ZeroArguments(
         stage=layout.zero_stage,

@@ -34,7 +34,7 @@ from lightning_parallel.launch.placement import check_tensor_parallel_placement
 from lightning_parallel.mesh import Axis, ParallelDims
 from lightning_parallel.precision import convert_precision_plugin
 from lightning_parallel.zero import ZeroPrecision
-from lightning_parallel.zero.engine import config_engine
+from lightning_parallel.zero.engine_choice import config_engine
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -113,7 +113,7 @@ class MeshParallelStrategy(ParallelStrategy):
 
     @property
     def deepspeed_zero(self) -> bool:
-        """Whether ZeRO runs on DeepSpeed's engine in this layout (``zero/engine.py``: ZeRO-3 with tensor
+        """Whether ZeRO runs on DeepSpeed's engine in this layout (``zero/engine_choice.py``: ZeRO-3 with tensor
         parallelism runs on FSDP2 and keeps Lightning's precision plugins)."""
         return self.dims is not None and config_engine(self.config, self.dims) == "deepspeed"
 

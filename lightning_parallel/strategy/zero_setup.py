@@ -10,8 +10,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_parallel.config.validation import check_zero_optimizers
 from lightning_parallel.strategy.checkpointing import CheckpointingStrategy
 from lightning_parallel.zero.arguments import describe_compute
+from lightning_parallel.zero.deepspeed_ops import announce_compilation
 from lightning_parallel.zero.engine import (
-    announce_compilation,
     deepspeed_environment,
     initialize_engine,
     offload_sharded_optimizers,

@@ -66,7 +66,7 @@ class ZeroArguments:
     at ``micro_batches`` times the communication)."""
 
     engine: EngineChoice = "auto"
-    """``zero_engine=``: ``"auto"`` picks DeepSpeed's engine or torch's FSDP2 by layout (``zero/engine.py``);
+    """``zero_engine=``: ``"auto"`` picks DeepSpeed's engine or torch's FSDP2 by layout (``zero/engine_choice.py``);
     ``"fsdp2"`` forces FSDP2 (e.g. to compare the engines on one layout); ``"deepspeed"`` insists on
     DeepSpeed's, refused at setup where it cannot run the layout."""
 

@@ -184,7 +184,7 @@ def test_zero3_keeps_torchs_linear() -> None:
 
 def test_a_job_says_which_deepspeed_ops_it_compiles_and_why(tmp_path, monkeypatch) -> None:
     """A fresh cache: every op the layout needs is announced (a minute or more each); the built cache: none."""
-    from lightning_parallel.zero.engine import announce_compilation
+    from lightning_parallel.zero.deepspeed_ops import announce_compilation
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     line = announce_compilation(zero_arguments(3, "nvme", "/tmp/x", None), "cpu")

@@ -14,7 +14,7 @@ Four ranks, one short fit per layout (``LAYOUTS``); the explicit reductions' buc
   of one reduction (every gradient once).
 
 The last two layouts run with the overlap switched off (``GradientSync.begin_final`` and
-``zero.fsdp.reduce_in_backward`` made no-ops, the reductions running after the schedule as before):
+``zero.fsdp_schedule.reduce_in_backward`` made no-ops, the reductions running after the schedule as before):
 the negative control, which the test's checks must refuse.
 
 Writes ``OUT_DIR/overlap_collectives.rank{r}.json``.
@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from lightning_parallel import HybridParallelStrategy
 from lightning_parallel.data_parallel import buckets, gradient_sync
-from lightning_parallel.zero import fsdp
+from lightning_parallel.zero import fsdp, fsdp_schedule
 from tests.models.families import build, make_dataloader
 
 BUCKET_BYTES = 4096
@@ -166,7 +166,7 @@ class Probe(L.Callback):
 
 def _switch_overlap_off() -> None:
     gradient_sync.GradientSync.begin_final = lambda self, params=None: None
-    fsdp.reduce_in_backward = lambda units: None
+    fsdp_schedule.reduce_in_backward = lambda units: None
 
 
 def main(out_dir: Path) -> None:
