@@ -16,11 +16,13 @@ Order, and why:
 6. experts sharded over ``ep``; the context split's entering hooks (after the pipeline's
    injection of received activations, before sequence parallelism's own split);
 7. tensor/sequence parallelism on what this rank keeps; the context split's gather after it;
-8. ZeRO on FSDP2 (``zero/engine_choice.py``): ``fully_shard`` over ``dp``, before the stages capture the
-   parameters; then the pipeline's stages and schedule (on the sharded modules);
+8. ZeRO on FSDP2 where ``zero/engine_choice.py`` picks it: ``fully_shard`` over ``dp``
+   (``zero_sharding.py``), before the stages capture the parameters; then the pipeline's stages and
+   schedule (on the sharded modules);
 9. activation checkpointing and the saved-tensor saver (on the sharded, cut modules);
 10. ``compile`` of each block (after sharding, before data-parallel wrapping);
-11. every gradient reduction: data parallelism or ZeRO's preparation (``gradients.py``).
+11. every gradient reduction: data parallelism or ZeRO's preparation (``gradients.py``), as
+    ``reductions.py`` decided them.
 
 The strategy then loads ``init_weights`` (each rank its own part), creates the optimizers and,
 under ZeRO, hands both to DeepSpeed's engine.
