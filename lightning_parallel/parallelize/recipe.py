@@ -72,6 +72,7 @@ def parallelize(
     needs it (None: no data; pipelines then refuse, the plan goes unverified with a warning).
     ``training``: ``Trainer.fit`` (the step returns a loss).
     """
+    check_module_as_given(module)
     mesh = dims.mesh
     plan = (
         tensor_parallel_step.build_plan(module, config.tensor, dims.tensor_parallel)
@@ -212,3 +213,32 @@ def compile_blocks(module: nn.Module, blocks: list[str]) -> None:
         block = module.get_submodule(name)
         if not isinstance(block, SkippedBlock):
             block.compile()
+
+
+def check_module_as_given(module: nn.Module) -> None:
+    """The recipe starts from the user's whole, materialised model: refuse, on every rank alike, parameters on the
+    meta device (nothing to run the sampled step on, nothing to shard) and a model already sharded by hand in
+    ``configure_model`` (DTensor parameters, ``fully_shard``), which the recipe would shard a second time."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    meta = [name for name, p in module.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"HybridParallelStrategy: {len(meta)} parameters are on the meta device (first: `{meta[0]}`). The strategy"
+            " runs your step once on the whole model at setup and shards it itself: create the model with real"
+            " tensors (`Trainer.init_module()` does here, `empty_init` or not), and load pretrained weights with"
+            " `init_weights=`."
+        )
+    sharded = [name for name, p in module.named_parameters() if isinstance(p, DTensor)]
+    wrapped = [name for name, sub in module.named_modules() if isinstance(sub, FSDPModule)]
+    if sharded or wrapped:
+        first = (
+            f"`{sharded[0]}` is a DTensor" if sharded else f"`{wrapped[0] or 'the module'}` is fully_shard'ed"
+        )
+        raise ValueError(
+            f"HybridParallelStrategy: the model is already sharded ({first}), e.g. by `parallelize_module` or"
+            " `fully_shard` in `configure_model`. The strategy shards the unchanged model itself: remove that code"
+            " and give the layout as its arguments (`tensor_parallel=`, `zero_stage=`, ...; a plan of your own:"
+            " `plan=`)."
+        )

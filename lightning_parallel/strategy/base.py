@@ -17,6 +17,8 @@ member: Lightning stays the single source of that code, and the class is not an 
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +65,18 @@ class MeshParallelStrategy(ParallelStrategy):
         self.dims: ParallelDims | None = None
         """The resolved degrees, from ``Trainer(...)`` on (``tensor_parallel="auto"`` needs the devices)."""
 
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``Trainer.init_module()``: parameters are created for real, ``empty_init`` or not (no meta device).
+
+        Lightning's ``ModelParallelStrategy`` creates them on the meta device and leaves the materialising to the
+        user's ``configure_model``; this strategy runs the user's step once on the whole model at setup (pipeline
+        discovery, plan verification), which meta tensors cannot, and shards what it is given.
+        """
+        with self.precision_plugin.tensor_init_context():
+            yield
+
     @property
     def is_distributed(self) -> bool:
         """Lightning asks custom strategies this (distributed sampler, logging sync)."""
@@ -76,7 +90,6 @@ class MeshParallelStrategy(ParallelStrategy):
     restore_checkpoint_after_setup = _Lightning.restore_checkpoint_after_setup
     lightning_restore_optimizer = _Lightning.lightning_restore_optimizer
     model_to_device = _Lightning.model_to_device
-    tensor_init_context = _Lightning.tensor_init_context
     barrier = _Lightning.barrier
     broadcast = _Lightning.broadcast
     reduce = _Lightning.reduce
