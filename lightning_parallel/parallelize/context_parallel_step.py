@@ -33,7 +33,9 @@ NO_BLOCKS = (
 )
 
 
-def context_state(config: ContextParallelConfig, mesh: DeviceMesh, sequence_parallel: bool) -> ContextState:
+def context_state(
+    config: ContextParallelConfig, mesh: DeviceMesh, *, sequence_parallel: bool
+) -> ContextState:
     """``sequence_parallel``: between blocks, the residual stream is also split over ``tp``."""
     cp = mesh[Axis.CP]
     between = config.degree * (mesh[Axis.TP].size() if sequence_parallel else 1)

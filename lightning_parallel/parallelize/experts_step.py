@@ -35,6 +35,7 @@ def apply_experts(
     config: ExpertConfig,
     dims: ParallelDims,
     mesh: DeviceMesh,
+    *,
     sequence_parallel: bool = False,
 ) -> ExpertState:
     """Shard the experts of every MoE block this rank holds; set up the auxiliary-loss collector."""

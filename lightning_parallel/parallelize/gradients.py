@@ -205,7 +205,7 @@ def _explicit_groups(
         elif r.gradients == Gradients.EXPERTS and r.how == How.DIVIDED_BY_EP:
             groups.append(GradientScale(experts, mesh[Axis.EP].size(), label="experts"))
         elif r.gradients == Gradients.DENSE or (r.gradients == Gradients.DENSE_BUT_TIED and not tied):
-            groups.append(_mean(dense, dp, compressor, "data-parallel mean", overlap))
+            groups.append(_mean(dense, dp, compressor, "data-parallel mean", overlap=overlap))
         elif r.gradients == Gradients.DENSE_BUT_TIED:
             groups.append(
                 _mean([p for p in dense if id(p) not in tied], dp, compressor, "data-parallel mean")
@@ -232,6 +232,7 @@ def _mean(
     dp: DeviceMesh,
     compressor: BucketCompressor | None,
     label: str,
+    *,
     overlap: bool = False,
 ) -> GradientGroup:
     group = GradientGroup(params, dp.get_group(), dp.size(), label=label)

@@ -48,7 +48,7 @@ class StageCut:
 
 
 def discovery_probe(
-    module: nn.Module, config: PipelineConfig, batch: Any, training: bool
+    module: nn.Module, config: PipelineConfig, batch: Any, *, training: bool
 ) -> tuple[StageSplit, DiscoveryProbe]:
     """The stage split (from the model alone) and the probe that learns the rest from the sampled step."""
     if training:

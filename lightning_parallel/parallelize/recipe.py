@@ -82,12 +82,21 @@ def parallelize(
     blocks = list(plan.block_names) if plan is not None and plan.block_names else block_names(module)
     sync_parameters(module)
     context = (
-        context_parallel_step.context_state(config.context, mesh, plan is not None and plan.sequence_parallel)
+        context_parallel_step.context_state(
+            config.context, mesh, sequence_parallel=plan is not None and plan.sequence_parallel
+        )
         if dims.cp_enabled
         else None
     )
     layout, captured = observe_one_step(
-        module, config, plan, blocks, sample, training, pipelined=dims.pp_enabled, split=context is not None
+        module,
+        config,
+        plan,
+        blocks,
+        sample,
+        training=training,
+        pipelined=dims.pp_enabled,
+        split=context is not None,
     )
     if plan is not None and captured is not None and config.tensor.verify_plan:
         tensor_parallel_step.verify_plan(module, plan, mesh[Axis.TP], captured)
@@ -96,7 +105,9 @@ def parallelize(
     if context is not None:
         context_parallel_step.verify(module, context, blocks, captured, dims.tensor_parallel)
     cut = pipeline_step.cut_pipeline(module, layout, config.pipeline, mesh) if layout is not None else None
-    experts = apply_experts(module, config.experts, dims, mesh, plan is not None and plan.sequence_parallel)
+    experts = apply_experts(
+        module, config.experts, dims, mesh, sequence_parallel=plan is not None and plan.sequence_parallel
+    )
     result = Parallelized(dims.layout, blocks, plan=plan, experts=experts, context=context)
     if (
         context is not None
@@ -154,6 +165,7 @@ def observe_one_step(
     plan: ParallelPlan | None,
     blocks: list[str],
     make_sample: Callable[[], SampledStep | None],
+    *,
     training: bool,
     pipelined: bool,
     split: bool,
@@ -170,7 +182,9 @@ def observe_one_step(
         assert config.pipeline is not None
         if sample is None:
             raise ValueError(pipeline_step.NO_DATA)
-        split, discovery = pipeline_step.discovery_probe(module, config.pipeline, sample.batch, training)
+        split, discovery = pipeline_step.discovery_probe(
+            module, config.pipeline, sample.batch, training=training
+        )
         probes.append(discovery)
         if training:  # the stages run micro-batches: watch one (the whole batch's activations may not fit)
             sample = sample.on(split_batch(sample.batch, config.pipeline.micro_batches)[0])

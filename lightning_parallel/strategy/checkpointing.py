@@ -180,7 +180,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
             native_rng_states(states[self.global_rank] if len(states) == self.world_size else states[0])
         )
 
-    def _check_consolidated_supported(self, zero_only: bool = False) -> None:
+    def _check_consolidated_supported(self, *, zero_only: bool = False) -> None:
         """``zero_only``: loading a consolidated file is refused under ZeRO only (under pp/ep it loads)."""
         dims = self.dims
         reason = consolidated_refusal(
@@ -191,7 +191,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
         if reason is not None:
             raise ValueError(reason)
 
-    def settle_delayed_updates(self, close: bool = False) -> None:
+    def settle_delayed_updates(self, *, close: bool = False) -> None:
         """Install any update still in flight (``offload_update="delayed"``: ``zero/delayed_update.py``) before
         the parameters are read whole (a checkpoint, the end of ``fit``); ``close`` also stops its worker. ZeRO-2
         on FSDP2 then gathers the installed shards again (its whole parameters are what the model holds)."""

@@ -273,7 +273,7 @@ class HybridParallelStrategy(AskedArguments, CheckpointingStrategy):
         if parallelized is None:
             training = trainer.state.fn == TrainerFn.FITTING
             parallelized = parallelize(
-                module, self.config, self.dims, predicting_sample(trainer, self, module, training), device=self.root_device,
+                module, self.config, self.dims, predicting_sample(trainer, self, module, training=training), device=self.root_device,
                 training=training,
             )  # fmt: skip
             if self.config.init_weights is not None:

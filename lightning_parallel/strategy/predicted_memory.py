@@ -66,7 +66,7 @@ def job_layout(strategy: Any, precision: str, batch_shape: tuple[int, int]) -> L
 
 
 def predicting_sample(
-    trainer: Trainer, strategy: Any, module: nn.Module, training: bool
+    trainer: Trainer, strategy: Any, module: nn.Module, *, training: bool
 ) -> Callable[[], Any]:
     """The recipe's sample maker (``sampling.sample_step``), logging the prediction from the batch it reads.
 

@@ -68,11 +68,11 @@ class DelayedUpdate:
         if not host and not device:
             return
         self._ready = self._updated(device, fused=False)  # the device's own share: at once, in its stream
-        self._in_flight = self._pool.submit(self._updated, host, True)
+        self._in_flight = self._pool.submit(self._updated, host, fused=True)
         self.launched += 1
 
     @torch.no_grad()
-    def _updated(self, work: _Work, fused: bool) -> _Updated:
+    def _updated(self, work: _Work, *, fused: bool) -> _Updated:
         """Adam on a copy of each parameter (its states updated in place): the parameter itself is untouched."""
         from torch.optim.adam import adam
 

@@ -16,6 +16,7 @@ def engine_for(
     zero: ZeroArguments,
     tensor_parallel: int,
     pipeline_parallel: int = 1,
+    *,
     selective_checkpointing: bool = False,
     expert_parallel: int = 1,
 ) -> Engine | None:

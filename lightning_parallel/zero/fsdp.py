@@ -141,6 +141,7 @@ def fully_shard_modules(
     root: nn.Module,
     dp_mesh: DeviceMesh,
     blocks: list[nn.Module],
+    *,
     offload: bool,
     reshard_after_forward: bool = True,
     experts: ExpertSharding | None = None,
@@ -174,7 +175,11 @@ def fully_shard_modules(
         }, offload and not cpu
 
     units = _shard_experts(root, experts, options) if experts is not None else []
-    units += [_shard(module, *options(module)) for module in kept_blocks + holders]
+    units += [
+        _shard(module, kwargs, kept=kept)
+        for module in kept_blocks + holders
+        for kwargs, kept in [options(module)]
+    ]
     if reshard_after_forward:
         prefetch_offloaded_blocks(kept_blocks, offloaded)
     # FSDP2's new parameters name their row layouts again (tensor_parallel/row_layout.py).
@@ -215,7 +220,7 @@ def offloaded_units(modules: list[nn.Module], whole: set[nn.Parameter], ratio: f
     return chosen
 
 
-def _shard(module: nn.Module, kwargs: dict, kept: bool) -> nn.Module:
+def _shard(module: nn.Module, kwargs: dict, *, kept: bool) -> nn.Module:
     """``fully_shard(module)``; ``kept``: mark its sharded parameters as left on the device by partial offload
     (the offloaded optimizer steps those with torch's Adam there: ``zero/sharded_cpu_adam.py``)."""
     from torch.distributed.fsdp import fully_shard
@@ -257,7 +262,7 @@ def _shard_experts(
         }
         kwargs, kept = options(owner)
         unit = _shard(owner, {**kwargs, "mesh": experts.mesh,
-                              "shard_placement_fn": lambda p, placements=placements: placements[id(p)]}, kept)  # fmt: skip
+                              "shard_placement_fn": lambda p, placements=placements: placements[id(p)]}, kept=kept)  # fmt: skip
         unit.set_gradient_divide_factor(float(experts.data_parallel))
         # gloo has no pre-multiplied sum: sum, then divide. Not on one replica, where torch 2.13 skips the
         # collective and divides once itself, and the forced sum would divide a second time (measured).
