@@ -214,7 +214,11 @@ def _explicit_groups(
             if tied:  # this rank holds a tied weight: its mean uncompressed (the split above)
                 groups.append(
                     _mean(
-                        [p for p in dense if id(p) in tied], dp, None, "tied weights, uncompressed", overlap
+                        [p for p in dense if id(p) in tied],
+                        dp,
+                        None,
+                        "tied weights, uncompressed",
+                        overlap=overlap,
                     )
                 )
         elif r.gradients == Gradients.EXPERTS and experts:
