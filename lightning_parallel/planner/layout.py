@@ -122,23 +122,32 @@ def _zero_problems(problems: list[str], layout: Layout) -> None:
     """The refusals of ``config/validation.py`` that need the degrees: what ZeRO cannot shard or run in."""
     if not layout.zero_stage:
         return
-    from lightning_parallel.zero.arguments import ZERO_PRECISIONS, ZeroArguments
-    from lightning_parallel.zero.engine_choice import engine_for
+    from lightning_parallel.zero.arguments import ZERO_PRECISIONS
 
     if layout.precision not in ZERO_PRECISIONS:
         problems.append(f"`precision={layout.precision!r}` with ZeRO: one of {sorted(ZERO_PRECISIONS)}")
     ep, dp = layout.expert_parallel, layout.data_parallel
     if layout.offload in (None, "cpu", "nvme") and layout.zero_stage in (1, 2, 3):
-        zero = ZeroArguments(
-            stage=layout.zero_stage,
-            offload=layout.offload,
-            engine=layout.zero_engine,  # type: ignore[arg-type]
-            update=layout.offload_update,
-        )  # type: ignore[arg-type]
-        engine = engine_for(zero, layout.tensor_parallel, layout.pipeline_parallel, expert_parallel=ep)
+        engine = zero_engine(layout)
         if ep > 1 and dp // ep == 1 and engine == "deepspeed":
             problems.append(f"`zero_stage={layout.zero_stage}` with `expert_parallel={ep}` on {dp} data-parallel ranks"
                             " shards nothing on DeepSpeed's engine (it shards over each expert's replicas)")  # fmt: skip
+
+
+def zero_engine(layout: Layout) -> str | None:
+    """The engine ZeRO runs ``layout`` on (None without ZeRO), as the strategy picks it (``zero/engine_choice.py``)."""
+    from lightning_parallel.zero.arguments import ZeroArguments
+    from lightning_parallel.zero.engine_choice import engine_for
+
+    zero = ZeroArguments(
+        stage=layout.zero_stage,
+        offload=layout.offload,  # type: ignore[arg-type]
+        engine=layout.zero_engine,  # type: ignore[arg-type]
+        update=layout.offload_update,  # type: ignore[arg-type]
+    )
+    return engine_for(
+        zero, layout.tensor_parallel, layout.pipeline_parallel, expert_parallel=layout.expert_parallel
+    )
 
 
 def layout_problems(layout: Layout, shape: ModelShape, gpus: int | None = None) -> list[str]:

@@ -23,7 +23,7 @@ from torch import nn
 from lightning_parallel.data_parallel.buckets import BUCKET_BYTES
 from lightning_parallel.experts import find_moe_blocks
 from lightning_parallel.planner.activations import stage_activation_bytes
-from lightning_parallel.planner.layout import PRECISIONS, Layout, layout_problems
+from lightning_parallel.planner.layout import PRECISIONS, Layout, layout_problems, zero_engine
 from lightning_parallel.planner.shapes import ModelShape, describe
 from lightning_parallel.zero.arguments import BUCKET_ELEMENTS
 
@@ -158,22 +158,6 @@ def parameter_placements(
             )
         )
     return out
-
-
-def zero_engine(layout: Layout) -> str | None:
-    """The engine ZeRO runs ``layout`` on (None without ZeRO), as the strategy picks it."""
-    from lightning_parallel.zero.arguments import ZeroArguments
-    from lightning_parallel.zero.engine_choice import engine_for
-
-    zero = ZeroArguments(
-        stage=layout.zero_stage,
-        offload=layout.offload,
-        engine=layout.zero_engine,  # type: ignore[arg-type]
-        update=layout.offload_update,
-    )  # type: ignore[arg-type]
-    return engine_for(
-        zero, layout.tensor_parallel, layout.pipeline_parallel, expert_parallel=layout.expert_parallel
-    )
 
 
 def _stage_split(model: nn.Module, layout: Layout) -> tuple[list[int], list[range], list[int]]:

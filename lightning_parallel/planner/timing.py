@@ -246,7 +246,7 @@ def _overlaps_host_step(layout: Layout, execution: Execution) -> bool:
     """Whether the host step runs during backward: ``execution``'s say, else where the strategy does it."""
     if execution.overlap_host_step is not None:
         return execution.overlap_host_step
-    from lightning_parallel.planner.memory import zero_engine
+    from lightning_parallel.planner.layout import zero_engine
 
     return (
         layout.offload == "cpu" and layout.optimizer in ("adam", "adamw") and zero_engine(layout) == "fsdp2"
