@@ -75,6 +75,10 @@ class OverlappedHostStep:
     def parameters(self) -> int:
         return len(self._names)
 
+    def name_of(self, param: torch.Tensor) -> str:
+        """The user's name of a parameter this step hooks (the timeline's names)."""
+        return self._names[id(param)]
+
     @contextmanager
     def armed(self) -> Iterator[None]:
         """Around one optimizer step: its backward queues each finished parameter; always disarmed after."""

@@ -85,11 +85,14 @@ def test_the_step_waits_for_backward_where_it_needs_the_whole_of_it(kwargs: dict
 
 
 class _FirstBlockWaits(L.Callback):
-    """The first block's backward waits (up to ``patience`` s) until a host step has finished, and stamps when."""
+    """The first block's backward waits (up to ``patience`` s) until every host step of the last block's shards has
+    finished, and stamps when."""
 
     def __init__(self, patience: float) -> None:
         self.patience = patience
         self.finished = threading.Event()
+        self.last_block: set[str] = set()
+        self.stepped: set[str] = set()
         self.waited: list[bool] = []
         self.first_block_backward: float | None = None
 
@@ -97,16 +100,20 @@ class _FirstBlockWaits(L.Callback):
         host_step = trainer.strategy.host_step
         if host_step is not None:
             optimizer, step = host_step.optimizer, host_step.optimizer.step_in_backward
+            self.last_block = {n for n, _ in pl_module.named_parameters() if ".h.3." in n}
 
             def stepped(param: torch.Tensor) -> None:
                 step(param)
-                self.finished.set()
+                self.stepped.add(host_step.name_of(param))
+                if self.last_block <= self.stepped:
+                    self.finished.set()
 
             optimizer.step_in_backward = stepped
         pl_module.model.transformer.h[0].register_forward_hook(self._hook_output)
 
     def on_train_batch_start(self, *args: Any) -> None:
         self.finished.clear()
+        self.stepped.clear()
 
     def _hook_output(self, module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
         if output.requires_grad:
