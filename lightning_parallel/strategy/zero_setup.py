@@ -71,24 +71,14 @@ def initialize_fsdp_offload(strategy: CheckpointingStrategy, trainer: Trainer) -
 def attach_delayed_update(strategy: CheckpointingStrategy) -> None:
     """``offload_update="delayed"``: the optimizer's step installs the last step's update and starts its own."""
     from lightning_parallel.zero.delayed_update import DelayedUpdate
-    from lightning_parallel.zero.overlapped_step import low_precision_parameters
-    from lightning_parallel.zero.sharded_cpu_adam import ShardedCPUAdam
+    from lightning_parallel.zero.sharded_cpu_adam import torch_adam_refusal
 
-    optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
-    for optimizer in optimizers:
-        if type(optimizer) is not ShardedCPUAdam or not all(
-            g["bias_correction"] for g in optimizer.param_groups
-        ):
+    for optimizer in [getattr(o, "_optimizer", o) for o in strategy.optimizers]:
+        if (refusal := torch_adam_refusal(optimizer)) is not None:
             raise ValueError(
-                f"`offload_update='delayed'` with {type(optimizer).__name__}: the delayed update is Adam's"
-                " (torch.optim.Adam or AdamW from `configure_optimizers`, bias correction on). Return one of"
-                " those, or leave `offload_update='exact'`."
-            )
-        if (dtype := low_precision_parameters(optimizer)) is not None:
-            raise ValueError(
-                f"`offload_update='delayed'` with {dtype} parameters (`precision='bf16-true'`): the delayed host step"
-                " is torch's fused Adam, which steps fp32 parameters with their fp32 states. Use"
-                " `precision='bf16-mixed'` (fp32 parameters), or leave `offload_update='exact'`."
+                f"`offload_update='delayed'` with {refusal}. The delayed host step is torch's fused Adam on fp32"
+                " parameters: return torch.optim.Adam or AdamW from `configure_optimizers` (bias correction on), use"
+                " `precision='bf16-mixed'` rather than 'bf16-true', or leave `offload_update='exact'`."
             )
         vars(optimizer)["delayed_update"] = DelayedUpdate(optimizer)
     rank_zero_info(

@@ -29,16 +29,15 @@ from typing import Any
 
 import torch
 
+from lightning_parallel.zero.sharded_cpu_adam import (  # DeepSpeed's: imported with offload only
+    _local,
+    offloaded,
+)
+
 __all__ = ["DelayedUpdate"]
 
 _Work = list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]  # (hyper-parameters, parameter, gradient)
 _Updated = list[tuple[torch.Tensor, torch.Tensor]]  # (parameter, its updated copy)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class DelayedUpdate:
@@ -55,8 +54,6 @@ class DelayedUpdate:
 
     def launch(self) -> None:
         """Step i: install step i-1's update, then start step i's from the current gradients."""
-        from lightning_parallel.zero.sharded_cpu_adam import offloaded
-
         self.settle()
         host: _Work = []
         device: _Work = []
@@ -74,19 +71,10 @@ class DelayedUpdate:
     @torch.no_grad()
     def _updated(self, work: _Work, *, fused: bool) -> _Updated:
         """Adam on a copy of each parameter (its states updated in place): the parameter itself is untouched."""
-        from torch.optim.adam import adam
-
         out = []
         for hyper, param, grad in work:
-            state = self.optimizer._state_of(param)
             copy = _local(param).detach().clone()
-            beta1, beta2 = hyper["betas"]
-            adam(
-                [copy], [_local(grad)], [_local(state["exp_avg"])], [_local(state["exp_avg_sq"])], [],
-                [state["step"]], fused=fused, foreach=False, decoupled_weight_decay=self.optimizer.adam_w_mode,
-                amsgrad=False, beta1=beta1, beta2=beta2, lr=hyper["lr"], weight_decay=hyper["weight_decay"],
-                eps=hyper["eps"], maximize=False,
-            )  # fmt: skip
+            self.optimizer.torch_adam(hyper, [param], [grad], into=[copy], fused=fused)
             out.append((param, copy))
         return out
 

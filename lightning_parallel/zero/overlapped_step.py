@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["HostStepSpan", "OverlappedHostStep", "low_precision_parameters", "overlap_refusal"]
+__all__ = ["HostStepSpan", "OverlappedHostStep", "overlap_refusal"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,6 @@ class OverlappedHostStep:
         """When the last armed backward returned (``time.perf_counter()``)."""
         self.stepped_in_backward = 0
         """Parameter steps run during backward, over the whole run (the engagement record reads it)."""
-        self.armed_backwards = 0
         self._handles = [p.register_post_accumulate_grad_hook(self._gradient_final) for p in params.values()]
 
     @property
@@ -84,7 +83,6 @@ class OverlappedHostStep:
         """Around one optimizer step: its backward queues each finished parameter; always disarmed after."""
         self._armed = True
         self.spans = []
-        self.armed_backwards += 1
         try:
             yield
         finally:
@@ -106,8 +104,6 @@ class OverlappedHostStep:
         """After backward: wait for the queued host steps (re-raising a failure) before anything reads them."""
         with self._lock:
             futures, self._futures = self._futures, []
-        if futures and self.backward_end is None:
-            self.backward_end = time.perf_counter()
         for future in futures:
             self.spans.append(future.result())
         self.stepped_in_backward += len(futures)
@@ -129,15 +125,12 @@ def overlap_refusal(
     reduced_per_micro_batch: bool,
 ) -> str | None:  # fmt: skip
     """Why the host step cannot start during backward in this run (None: it can), as the setup log says it."""
-    from lightning_parallel.zero.sharded_cpu_adam import ShardedCPUAdam
-    from lightning_parallel.zero.sharded_nvme_adam import ShardedNVMeAdam
+    from lightning_parallel.zero.sharded_cpu_adam import (
+        torch_adam_refusal,  # imports DeepSpeed: only with offload
+    )
 
-    if type(optimizer) is not ShardedCPUAdam or isinstance(optimizer, ShardedNVMeAdam):
-        return f"the optimizer is {type(optimizer).__name__}, not Adam/AdamW on the host's shards"
-    if not all(group["bias_correction"] for group in optimizer.param_groups):
-        return "bias_correction=False (torch's fused Adam always corrects the bias)"
-    if (dtype := low_precision_parameters(optimizer)) is not None:
-        return f"{dtype} parameters with fp32 states (torch's fused Adam takes one dtype; DeepSpeed's kernel both)"
+    if (refusal := torch_adam_refusal(optimizer)) is not None:
+        return refusal
     if gradient_clip_val:
         return f"gradient_clip_val={gradient_clip_val} clips by the global norm, known only after the whole backward"
     if clipping_overridden:
@@ -147,12 +140,3 @@ def overlap_refusal(
     if reduced_per_micro_batch:
         return "zero_reshard='micro_batch' reduces every micro-batch's gradients, not once per step"
     return None
-
-
-def low_precision_parameters(optimizer: Any) -> torch.dtype | None:
-    """The dtype of parameters that are not fp32 (``precision="bf16-true"``), whose fp32 states only DeepSpeed's
-    kernel steps (torch's fused Adam wants one dtype); None when all are fp32."""
-    return next(
-        (p.dtype for group in optimizer.param_groups for p in group["params"] if p.dtype != torch.float32),
-        None,
-    )

@@ -10,7 +10,7 @@ with its DTensor, so the update lands in place.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -29,6 +29,21 @@ def offloaded(param: torch.Tensor) -> bool:
     """Whether the kernel steps ``param``: a shard on the CPU that partial offload did not keep on the device
     (``zero/fsdp.py``: ``KEPT_ON_DEVICE``; on a CPU-only machine those are on the CPU too)."""
     return param.device.type == "cpu" and not getattr(param, KEPT_ON_DEVICE, False)
+
+
+def torch_adam_refusal(optimizer: Any) -> str | None:
+    """Why torch's fused Adam cannot step ``optimizer``'s host shards in its place (None: it can): the overlapped
+    and the delayed host steps (``zero/overlapped_step.py``, ``zero/delayed_update.py``) both run it."""
+    if type(optimizer) is not ShardedCPUAdam:  # the NVMe subclass keeps its states in files
+        return f"{type(optimizer).__name__}, not Adam/AdamW on the host's shards"
+    if not all(group["bias_correction"] for group in optimizer.param_groups):
+        return "bias_correction=False (torch's Adam always corrects the bias)"
+    dtype = next(
+        (p.dtype for g in optimizer.param_groups for p in g["params"] if p.dtype != torch.float32), None
+    )
+    if dtype is not None:  # precision="bf16-true"
+        return f"{dtype} parameters with fp32 states (torch's fused Adam takes one dtype; DeepSpeed's kernel both)"
+    return None
 
 
 def split_by_offload(group: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -67,31 +82,16 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
                 self._kernel_update(group, param, state["step"], state["exp_avg"], state["exp_avg_sq"])
             self._step_on_device(group, on_device)
 
-    def settle(self) -> None:
-        """Install an update still in flight (``offload_update="delayed"``); nothing otherwise."""
-        delayed = vars(self).get("delayed_update")
-        if delayed is not None:
-            delayed.settle()
-
     @torch.no_grad()  # a worker thread: grad mode is per thread
     def step_in_backward(self, param: torch.Tensor) -> None:
         """One offloaded parameter's update while backward still runs (``zero/overlapped_step.py``), then skipped
         by this step's :meth:`step`: torch's fused CPU Adam, which releases the GIL (DeepSpeed's kernel holds it,
         and the backward's Python hooks would wait for it), on the local shards, with the same states."""
-        from torch.optim.adam import adam
-
         groups = vars(self).get("_group_of")
         if groups is None or id(param) not in groups:
             groups = {id(p): group for group in self.param_groups for p in group["params"]}
             vars(self)["_group_of"] = groups
-        group = groups[id(param)]
-        state = self._state_of(param)
-        beta1, beta2 = group["betas"]
-        adam(
-            [_local(param)], [_local(param.grad)], [_local(state["exp_avg"])], [_local(state["exp_avg_sq"])], [],
-            [state["step"]], fused=True, decoupled_weight_decay=self.adam_w_mode, amsgrad=False, beta1=beta1,
-            beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
-        )  # fmt: skip
+        self.torch_adam(groups[id(param)], [param], [param.grad], fused=True)
         vars(self).setdefault("_stepped_in_backward", set()).add(id(param))
 
     def _kernel_update(
@@ -133,18 +133,27 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
                 f"{type(self).__name__}(bias_correction=False): parameters FSDP2 keeps on {params[0].device} are"
                 " stepped by torch's Adam, which always corrects the bias. Leave bias_correction=True."
             )
+        self.torch_adam(group, params, [p.grad for p in params])
+
+    @torch.no_grad()
+    def torch_adam(
+        self, hyper: Mapping[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+        into: list[torch.Tensor] | None = None, *, fused: bool = False,
+    ) -> None:  # fmt: skip
+        """Torch's Adam with this optimizer's states and rule on ``params``' local shards (``hyper``: their group's
+        hyper-parameters), written into them or into ``into`` (copies: the delayed update). ``fused``: torch's
+        fused CPU kernel, which releases the GIL (one dtype for parameters and states)."""
         from torch.optim.adam import adam
 
         states = [self._state_of(p) for p in params]
-        beta1, beta2 = group["betas"]
-        with torch.no_grad():
-            adam(
-                [_local(p) for p in params], [_local(p.grad) for p in params],
-                [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states], [],
-                [s["step"] for s in states], foreach=False, decoupled_weight_decay=self.adam_w_mode, amsgrad=False,
-                beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                maximize=False,
-            )  # fmt: skip
+        beta1, beta2 = hyper["betas"]
+        adam(
+            into if into is not None else [_local(p) for p in params], [_local(g) for g in grads],
+            [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states], [],
+            [s["step"] for s in states], fused=fused, foreach=False, decoupled_weight_decay=self.adam_w_mode,
+            amsgrad=False, beta1=beta1, beta2=beta2, lr=hyper["lr"], weight_decay=hyper["weight_decay"],
+            eps=hyper["eps"], maximize=False,
+        )  # fmt: skip
 
     def __del__(self) -> None:
         # Lightning wraps each optimizer in a ``LightningOptimizer`` that subclasses it and forwards attribute

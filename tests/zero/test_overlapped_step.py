@@ -2,7 +2,7 @@
 
 Parity with the one-process run on dp2, tp2 and pp2 is in tests/distributed/test_parity_zero.py (the
 engagement record counts the steps run during backward); here: the update of one shard stepped during
-backward is the kernel's, the step leaves it alone afterwards, the refusals, and a recorded timeline in
+backward is the kernel's and the step leaves it alone afterwards (tests/zero/test_sharded_cpu_adam.py), the refusals, and a recorded timeline in
 which the last block's host step runs while the first block's backward has not started.
 """
 
@@ -17,43 +17,9 @@ import pytest
 import torch
 
 from lightning_parallel.zero.overlapped_step import overlap_refusal
+from tests.zero.test_sharded_cpu_adam import HYPER, _params
 
 pytest.importorskip("deepspeed")
-
-HYPER = dict(lr=0.05, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
-
-
-def _params() -> list[torch.nn.Parameter]:
-    torch.manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(8))]
-
-
-def _train(early: bool) -> list[torch.Tensor]:
-    """Three steps; ``early``: the first parameter stepped by ``step_in_backward`` from another thread first."""
-    from lightning_parallel.zero.sharded_cpu_adam import ShardedCPUAdam
-
-    params = _params()
-    optimizer = ShardedCPUAdam(params, adamw_mode=True, **HYPER)
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=generator)
-        if early:
-            worker = threading.Thread(target=optimizer.step_in_backward, args=(params[0],))
-            worker.start()
-            worker.join()
-        optimizer.step()
-    assert all(float(optimizer.state[p]["step"]) == 3.0 for p in params)  # each stepped once per step
-    return [p.detach().clone() for p in params]
-
-
-def test_a_shard_stepped_during_backward_gets_the_kernels_update_once() -> None:
-    after, early = _train(early=False), _train(early=True)
-    assert all(
-        not torch.allclose(a, s) for a, s in zip(after, _params(), strict=True)
-    )  # the steps moved them
-    for a, e in zip(after, early, strict=True):
-        torch.testing.assert_close(e, a, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(

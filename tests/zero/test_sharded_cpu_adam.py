@@ -4,6 +4,7 @@ which must be the same update (checked on the CPU by running that path on CPU te
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import pytest
@@ -30,10 +31,15 @@ def _train(step: str, adamw: bool = True) -> list[torch.Tensor]:
             p.grad = torch.randn(p.shape, generator=generator)
         if step == "kernel":
             optimizer.step()
+        elif step == "early":  # the first parameter stepped during backward (another thread), then the step
+            worker = threading.Thread(target=optimizer.step_in_backward, args=(params[0],))
+            worker.start()
+            worker.join()
+            optimizer.step()
         else:  # what runs for the parameters FSDP2 keeps on the accelerator
             for group in optimizer.param_groups:
                 optimizer._step_on_device(group, group["params"])
-    assert all(float(optimizer.state[p]["step"]) == 3.0 for p in params)
+    assert all(float(optimizer.state[p]["step"]) == 3.0 for p in params)  # each stepped once per step
     return [p.detach().clone() for p in params]
 
 
@@ -46,6 +52,17 @@ def test_parameters_left_on_the_device_get_the_same_update_as_the_kernel() -> No
     # Negative control: Adam's L2 term instead of AdamW's decoupled decay is another update.
     coupled = _train("device", adamw=False)
     assert any(not torch.allclose(c, k, rtol=1e-5, atol=1e-6) for c, k in zip(coupled, kernel, strict=True))
+
+
+def test_a_shard_stepped_during_backward_gets_the_kernels_update_once() -> None:
+    """``step_in_backward`` (``zero/overlapped_step.py``): torch's fused CPU Adam on one shard, which the step
+    that follows leaves alone."""
+    after, early = _train("kernel"), _train("early")
+    assert all(
+        not torch.allclose(a, s) for a, s in zip(after, _params(), strict=True)
+    )  # the steps moved them
+    for a, e in zip(after, early, strict=True):
+        torch.testing.assert_close(e, a, rtol=1e-5, atol=1e-6)
 
 
 def test_the_offloaded_optimizer_is_freed_without_the_cycle_collector() -> None:
