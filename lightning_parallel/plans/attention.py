@@ -37,7 +37,7 @@ from lightning_parallel.plans.detect import (
 from lightning_parallel.tensor_parallel.latent_styles import LatentMaker, LatentReader
 from lightning_parallel.tensor_parallel.norm_styles import GatheredNorm, HeadShardedNorm
 from lightning_parallel.tensor_parallel.param_styles import LocalParameters
-from lightning_parallel.tensor_parallel.plan import ShardedContainer
+from lightning_parallel.tensor_parallel.plan import EntryVariant, ShardedContainer
 from lightning_parallel.tensor_parallel.row_layout import RowLayout
 from lightning_parallel.tensor_parallel.styles import ColwiseProjection, is_projection, projection_dims
 
@@ -90,15 +90,26 @@ def fused_layouts(
     - ``per head``/``per k/v group``: the rows of each head's (or each k/v group's) q, k and v next to each
       other (GPT-NeoX, Bloom, Persimmon; Falcon's grouped layout): each rank takes a contiguous block of
       whole heads (groups);
+    - ``G groups of q|k|v``: G groups of three equal parts, cut by a constant of the model's code whatever
+      the local width (CodeGen's ``mp_num``): each rank stores its heads' rows in that many groups;
     - ``q|k|v blocks``: a block of query rows, then fewer key and value rows (Phi-3's ``qkv_proj``;
       GPT-BigCode's multi-query ``c_attn``): each rank stores its query heads and the k/v heads they use,
       in another row order than the user's (``tensor_parallel/row_layout.py``); with fewer k/v heads than
       ranks a k/v head is on several ranks.
     """
     if width == 3 * heads * head_dim and kv_heads == heads:
+        grouped = [
+            (
+                f"{groups} groups of q|k|v",
+                RowLayout.of_groups(width, groups, 3, tp, label=f"{groups} groups of q|k|v"),
+            )
+            for groups in range(2, heads + 1)
+            if heads % groups == 0 and (heads * head_dim // groups) % tp == 0
+        ]
         return [
             ("q|k|v", ColwiseProjection(num_chunks=3, use_local_output=True)),
             ("per head", ColwiseProjection(use_local_output=True)),
+            *[(label, ColwiseProjection(row_layout=rows, use_local_output=True)) for label, rows in grouped],
         ]
     if width == (heads + 2 * kv_heads) * head_dim:
         blocks = [(heads * head_dim, heads), (kv_heads * head_dim, kv_heads), (kv_heads * head_dim, kv_heads)]
@@ -223,7 +234,7 @@ def plan_attention_entries(
     exit_in = projection_dims(module.get_submodule(exit_name))[0]
     kv_width = kv_heads * head_dim
     styles: dict = {}
-    variants: list[tuple[str, dict]] = []
+    variants: list[EntryVariant] = []
     for name, entry in entries:
         entry_out = projection_dims(entry)[1]
         if name in makers:  # the latent is made whole on every rank, its gradient summed once
@@ -236,8 +247,8 @@ def plan_attention_entries(
             require_divisible(entry_out, tp, "outputs", join(full_name, name))
         if len(plain) == 1 and not makers and entry_out != exit_in:  # a fused projection: by verification
             layouts = fused_layouts(join(full_name, name), entry_out, heads, kv_heads, head_dim, tp)
-            variants = [(label, {join(full_name, name): style}) for label, style in layouts]
-            styles.update(variants[0][1])
+            variants = [EntryVariant(label, {join(full_name, name): style}) for label, style in layouts]
+            styles.update(variants[0].styles)
         elif not makers and kv_heads < tp and entry_out == kv_width and kv_width != exit_in:
             layout = RowLayout.of_blocks(
                 [(kv_width, kv_heads)], tp, label=f"{kv_heads} k/v heads, each on {tp // kv_heads} ranks"
@@ -246,6 +257,38 @@ def plan_attention_entries(
         else:
             styles[join(full_name, name)] = ColwiseProjection(use_local_output=True)
     return styles, variants, kv_heads, makers
+
+
+def paired_heads_styles(
+    full_name: str,
+    cand: ContainerCandidate,
+    exit_name: str,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    tp: int,
+) -> tuple[dict, int] | None:
+    """Separate q, k and v whose heads the model's code pairs across halves (differential attention: head
+    ``i`` with head ``i + heads / 2``, the values cut in two halves likewise): each rank stores its block of
+    each half, so the same code pairs the same heads on the rank's local tensors. The entries' styles and the
+    k/v heads a rank holds; None where the heads cannot be so split."""
+    entries = [(n, m) for n, m in cand.projections if n != exit_name]
+    plain = [(n, m) for n, m in entries if projection_dims(m)[0] == hidden]
+    half_kv = kv_heads // 2
+    if len(plain) != len(entries) or len(plain) != 3 or heads % (2 * tp) or kv_heads % 2:
+        return None
+    if half_kv % tp and tp % half_kv:
+        return None
+    styles = {}
+    for name, entry in plain:
+        count = heads if projection_dims(entry)[1] == heads * head_dim else kv_heads
+        half = count // 2 * head_dim
+        rows = RowLayout.of_blocks(
+            [(half, count // 2), (half, count // 2)], tp, label="heads paired across halves"
+        )
+        styles[join(full_name, name)] = ColwiseProjection(row_layout=rows, use_local_output=True)
+    return styles, 2 * max(half_kv // tp, 1)
 
 
 def make_container(

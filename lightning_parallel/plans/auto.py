@@ -25,6 +25,7 @@ from lightning_parallel.plans.attention import (
     local_kv_heads,
     make_container,
     own_tensor_styles,
+    paired_heads_styles,
     plan_attention_entries,
     require_divisible,
 )
@@ -44,7 +45,7 @@ from lightning_parallel.plans.detect import (
 )
 from lightning_parallel.tensor_parallel.norm_styles import GatheredNorm
 from lightning_parallel.tensor_parallel.param_styles import LocalParameters
-from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
+from lightning_parallel.tensor_parallel.plan import EntryVariant, ParallelPlan, ShardedContainer
 from lightning_parallel.tensor_parallel.styles import (
     ColwiseProjection,
     RowwiseProjection,
@@ -64,7 +65,7 @@ def exit_style(sequence_parallel: bool) -> RowwiseProjection:
 def scaled_attributes(module: nn.Module, tp: int, known: dict) -> dict[str, tuple[int, int]]:
     """Integer attributes the module's forward may read, scaled to the local shard."""
     heads, kv_heads = known.get("heads"), known.get("kv_heads")
-    kv_local = local_kv_heads(kv_heads, tp) if kv_heads else None
+    kv_local = known.get("kv_local") or (local_kv_heads(kv_heads, tp) if kv_heads else None)
     scaled: dict[str, tuple[int, int]] = {}
     for key, value in vars(module).items():
         if not isinstance(value, int) or isinstance(value, bool):
@@ -135,6 +136,20 @@ def plan_attention(
     styles.update(helper_styles(module, full_name, per_head, handled))
     widths = {hidden, exit_in, 3 * exit_in} | ({kv_width} if kv_heads >= tp else set())
     scaled = scaled_attributes(module, tp, {"heads": heads, "kv_heads": kv_heads, "widths": widths})
+    paired = (
+        None
+        if variants or makers
+        else paired_heads_styles(full_name, cand, exit_name, hidden, heads, kv_heads, head_dim, tp)
+    )
+    if paired is not None:  # which one the verification decides
+        pair_styles, kv_local = paired
+        known = {"heads": heads, "kv_heads": kv_heads, "widths": widths, "kv_local": kv_local}
+        variants = [
+            EntryVariant("contiguous heads", {}, fused=False),
+            EntryVariant(
+                "heads paired across halves", pair_styles, scaled_attributes(module, tp, known), fused=False
+            ),
+        ]
     container = make_container(
         full_name, cand, exit_name, makers, hidden, heads, scaled_attributes=scaled, variants=variants
     )

@@ -9,7 +9,10 @@ attributes and combines with its local shard of heads or features:
 - anything else (the scalars of a learnable activation, xIELU's ``alpha_p``; differential attention's
   ``lambda_q1``): every rank uses the whole tensor on its part of the activations, so its gradient on each
   rank is a share of the true one; it is kept whole (``Replicate``) and its gradient marked ``Partial``, the
-  sum the gradient reductions make once per step (as for norms under sequence parallelism).
+  sum the gradient reductions make once per step (as for norms under sequence parallelism). A whole tensor
+  the module hands back to its caller as one of its outputs (GPT-NeoX-Japanese's ``dense_bias``, added after
+  the exit's reduction) is used on replicated activations there: what the caller receives is another local
+  view whose gradient is the whole one on every rank (``Replicate``), not a share.
 
 The module's unchanged code must keep seeing a plain tensor: a pre-forward hook puts the local tensor
 (``to_local``, differentiable) in place of the parameter and the post-forward hook puts the parameter back,
@@ -83,8 +86,21 @@ def _show_local(names: list[str], dims: dict[str, int | None]) -> Any:
     return hook
 
 
-def _restore(module: nn.Module, args: Any, output: Any) -> None:
+def _restore(module: nn.Module, args: Any, output: Any) -> Any:
     stack = module.__dict__.get(_SAVED) or []
-    if stack:
-        for name, param in stack.pop().items():
-            module._parameters[name] = param
+    if not stack:
+        return None
+    saved = stack.pop()
+    # whole parameters handed back as outputs: the caller's view has the whole gradient on every rank
+    returned = {
+        id(module._parameters[name]): param
+        for name, param in saved.items()
+        if isinstance(param, DTensor) and param.placements == (Replicate(),)
+    }
+    for name, param in saved.items():
+        module._parameters[name] = param
+    if not returned or not isinstance(output, tuple):
+        return None
+    if not any(id(item) in returned for item in output):
+        return None
+    return tuple(returned[id(item)].to_local() if id(item) in returned else item for item in output)

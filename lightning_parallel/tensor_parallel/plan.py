@@ -12,13 +12,27 @@ styles it names and the code that applies it, so that ``plans`` (which builds pl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 ContainerKind = Literal["attention", "mlp"]
+
+
+class EntryVariant(NamedTuple):
+    """One way to shard a container's entries that their shapes cannot tell from another: the styles of
+    the entries it changes, and the local values of attributes it changes (``ShardedContainer.variants``)."""
+
+    label: str
+    styles: dict[str, ParallelStyle]
+    scaled_attributes: dict[str, tuple[int, int]] | None = None
+    fused: bool = True  # the rows of one fused projection (else of separate ones)
+
+    @property
+    def description(self) -> str:
+        return f"fused entry {self.label}" if self.fused else self.label
 
 
 @dataclass
@@ -31,9 +45,9 @@ class ShardedContainer:
     must describe the *local* shard: ``{name: (global value, local value)}``.
     ``narrow_input`` is decided at setup by verification: True when the module reads the
     model width from its input tensor and therefore must be shown a width-sliced input.
-    ``variants``: the ways the entries can be sharded when a fused projection's layout cannot be
-    told from its shape (``(label, {entry name: style})``, the first in ``styles`` until the
-    verification chooses, ``variant``). ``slice_heads``: tensors the attention receives with a
+    ``variants``: the ways the entries can be sharded when their layout cannot be told from their
+    shapes (a fused projection's rows, heads paired across halves: :class:`EntryVariant`), the first
+    in ``styles`` until the verification chooses, ``variant``. ``slice_heads``: tensors the attention receives with a
     dimension per head (ALiBi biases made at model level) are cut to this rank's heads (decided
     by the verification too).
     """
@@ -45,7 +59,7 @@ class ShardedContainer:
     scaled_attributes: dict[str, tuple[int, int]] = field(default_factory=dict)
     hidden_size: int = 0
     narrow_input: bool = False
-    variants: list[tuple[str, dict[str, ParallelStyle]]] = field(default_factory=list)
+    variants: list[EntryVariant] = field(default_factory=list)
     variant: int = 0
     heads: int = 0  # attention heads of the whole model (for ``slice_heads``)
     slice_heads: bool = False
@@ -56,7 +70,7 @@ class ShardedContainer:
 
     @property
     def variant_label(self) -> str | None:
-        return self.variants[self.variant][0] if self.variants else None
+        return self.variants[self.variant].description if self.variants else None
 
     @property
     def entry_suffixes(self) -> list[str]:
@@ -129,7 +143,7 @@ def format_plan(plan: ParallelPlan) -> str:
         if container.scaled_attributes or container.narrow_input:
             attrs = ", ".join(f"{k} {g}->{loc}" for k, (g, loc) in container.scaled_attributes.items())
             mode = "width-sliced input" if container.narrow_input else "full-width input"
-            mode += f", fused entry {container.variant_label}" if container.variant_label else ""
+            mode += f", {container.variant_label}" if container.variant_label else ""
             mode += ", per-head inputs cut to the local heads" if container.slice_heads else ""
             mode += ", output copied" if container.copy_output else ""
             mode += ", entry outputs copied" if container.copy_entry_outputs else ""

@@ -64,14 +64,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return wait() if callable(wait) else local
 
 
-def local_heads(value: Any, batch: int, heads: int, mesh: DeviceMesh) -> Any:
+def local_heads(value: Any, batch: int, heads: int, mesh: DeviceMesh, *, heads_first: bool = False) -> Any:
     """``value`` cut to this rank's block of heads when it carries one entry per head, else as it is.
 
     Attention biases made once at model level and handed to every block (Bloom's, MPT's ALiBi, CPM-Ant's
-    learned relative-position bias) come as ``(batch * heads, ...)`` or ``(batch or 1, heads, ...)``; under
-    tensor parallelism the block holds ``heads / tensor_parallel`` of the heads, the rank's contiguous block of
-    them. A learned bias gets from each rank the gradient of its heads only: the cut's backward gathers the
-    ranks' pieces, so the model-level weights that made it get the whole gradient on every rank.
+    learned relative-position bias) come as ``(batch * heads, ...)``, ``(batch or 1, heads, ...)`` or
+    ``(heads, ...)`` (MPT's ``(heads, 1, positions)``); under tensor parallelism the block holds
+    ``heads / tensor_parallel`` of the heads, the rank's contiguous block of them. A learned bias gets from
+    each rank the gradient of its heads only: the cut's backward gathers the ranks' pieces, so the
+    model-level weights that made it get the whole gradient on every rank. ``heads_first``: the argument is
+    a ``(heads, ...)`` tensor, as :func:`is_heads_first` saw it on a call where its size told.
     """
     if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.dim() < 2:
         return value
@@ -80,7 +82,18 @@ def local_heads(value: Any, batch: int, heads: int, mesh: DeviceMesh) -> Any:
         return grouped.reshape(-1, *value.shape[1:])
     if value.dim() >= 3 and value.shape[1] == heads and value.shape[0] in (1, batch):
         return _heads_of(value, heads, mesh)
+    if heads_first and value.shape[0] == heads:
+        return _heads_of(value.unsqueeze(0), heads, mesh).squeeze(0)
     return value
+
+
+def is_heads_first(value: Any, batch: int, heads: int) -> bool | None:
+    """Whether ``value`` is a ``(heads, ...)`` tensor (None: cannot tell, ``heads`` equals ``batch``)."""
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or heads <= 1 or value.shape[0] != heads:
+        return False
+    if value.dim() >= 3 and value.shape[1] == heads:
+        return False
+    return None if heads == batch else True
 
 
 def _heads_of(value: torch.Tensor, heads: int, mesh: DeviceMesh) -> torch.Tensor:
@@ -109,12 +122,22 @@ def install_container_hooks(
     input_placement = Shard(SEQUENCE_DIM) if sequence_parallel else Replicate()
     rank = mesh.get_local_rank()
 
-    def cut_heads(args: tuple[Any, ...], kwargs: dict[str, Any], where: str | int, batch: int) -> Any:
-        def cut(value: Any) -> Any:
-            return local_heads(value, batch, slice_heads, mesh)
+    # per argument: whether it is a (heads, ...) tensor, decided on the first call where batch and heads
+    # differ and kept, so that a later batch or sequence length cannot change how an argument is read
+    heads_first: dict[str | int, bool] = {}
 
-        args = tuple(a if i == where else cut(a) for i, a in enumerate(args))
-        return args, {k: v if k == where else cut(v) for k, v in kwargs.items()}
+    def cut_heads(args: tuple[Any, ...], kwargs: dict[str, Any], where: str | int, batch: int) -> Any:
+        def cut(key: str | int, value: Any) -> Any:
+            assert slice_heads is not None
+            if key not in heads_first and isinstance(value, torch.Tensor) and value.dim() >= 2:
+                seen = is_heads_first(value, batch, slice_heads)
+                if seen is not None:
+                    heads_first[key] = seen
+            first = heads_first.get(key, False)
+            return local_heads(value, batch, slice_heads, mesh, heads_first=first)
+
+        args = tuple(a if i == where else cut(i, a) for i, a in enumerate(args))
+        return args, {k: v if k == where else cut(k, v) for k, v in kwargs.items()}
 
     def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         where, hidden = find_hidden(args, kwargs)

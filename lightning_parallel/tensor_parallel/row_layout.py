@@ -61,6 +61,28 @@ class RowLayout:
                 start += rows
         return cls(tuple(index), sum(rows for rows, _ in blocks), ranks, label=label)
 
+    @classmethod
+    def of_groups(cls, rows: int, groups: int, parts: int, ranks: int, label: str = "") -> RowLayout:
+        """The user's rows as ``groups`` equal groups of ``parts`` equal parts (CodeGen's ``qkv_proj``: 4
+        groups of q|v|k), read by code that cuts any width into ``groups`` groups, a constant of the model:
+        each rank stores, in each of its groups, the rows that code then reads as the rank's heads. Part ``s``
+        flattened over the groups holds the heads in order; rank ``r`` holds that order's ``r``-th block,
+        cut into its ``groups`` groups likewise."""
+        part = rows // (groups * parts)  # rows of one part of one group
+        if rows % (groups * parts) or part % ranks:
+            raise ValueError(
+                f"{rows} rows in {groups} groups of {parts} parts cannot be split over {ranks} ranks"
+            )
+        local = part // ranks  # rows of one part of one group on one rank
+        index = [
+            (flat // part) * parts * part + s * part + flat % part
+            for rank in range(ranks)
+            for group in range(groups)
+            for s in range(parts)
+            for flat in range((rank * groups + group) * local, (rank * groups + group + 1) * local)
+        ]
+        return cls(tuple(index), rows, ranks, label=label)
+
     def along(self, dim: int) -> RowLayout:
         return dataclasses.replace(self, dim=dim)
 

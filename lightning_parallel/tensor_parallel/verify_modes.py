@@ -32,8 +32,10 @@ class Mode:
 
     def describe(self, containers: list[ShardedContainer]) -> str:
         words = ["width-sliced" if self.narrow else "full-width"]
-        labels = {c.variants[min(self.variant, len(c.variants) - 1)][0] for c in containers if c.variants}
-        words += [f"fused entry {label}" for label in sorted(labels)]
+        labels = {
+            c.variants[min(self.variant, len(c.variants) - 1)].description for c in containers if c.variants
+        }
+        words += sorted(labels)
         words += ["per-head inputs cut to its heads"] if self.slice_heads else []
         words += ["outputs copied"] if self.copy_output else []
         return ", ".join(words + (["entry outputs copied"] if self.copy_entry_outputs else []))
@@ -51,8 +53,10 @@ def modes_to_try(containers: list[ShardedContainer]) -> list[Mode]:
 def _apply_mode(container: ShardedContainer, mode: Mode) -> ShardedContainer:
     attention = container.kind == "attention"
     variant = min(mode.variant, len(container.variants) - 1) if container.variants else 0
+    scaled = container.variants[variant].scaled_attributes if container.variants else None
     return dataclasses.replace(
         container,
+        scaled_attributes={**container.scaled_attributes, **(scaled or {})},
         narrow_input=mode.narrow and attention,
         variant=variant,
         slice_heads=mode.slice_heads and attention,
@@ -62,7 +66,7 @@ def _apply_mode(container: ShardedContainer, mode: Mode) -> ShardedContainer:
 
 
 def _variant_styles(container: ShardedContainer) -> dict[str, Any]:
-    return container.variants[container.variant][1] if container.variants else {}
+    return container.variants[container.variant].styles if container.variants else {}
 
 
 def relative_plan(plan: ParallelPlan, prefix: str, mode: Mode) -> ParallelPlan:

@@ -110,7 +110,8 @@ class Case:
             ``torch_autocast`` section (as before issue 33: the engine switches autocast off), a negative
             control of the compute-dtype record. ``"host_step_wait"``: FSDP2's offloaded shards stepped during
             backward although clipping needs the whole backward first (a negative control of the parity rule
-            for the overlapped host step); ``None`` in real cases.
+            for the overlapped host step); the names of ``tests/distributed/plan_switches.py`` take one way of
+            sharding attention away from the automatic plan; ``None`` in real cases.
         gpu_checks: The CUDA-only checks of DeepSpeed made to see the CPU's autocast, as they see CUDA's on a
             GPU (tests/distributed/gpu_checks.py); ``False`` only to show what that emulation reveals.
     """

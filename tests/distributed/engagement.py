@@ -30,6 +30,7 @@ from tests.distributed.engagement_evidence import (
     recomputation_problem,
     recomputation_record,
     state_sharding_record,
+    tensor_parallel_modes,
     tensor_parallel_problem,
     tensor_parallel_record,
 )
@@ -267,6 +268,7 @@ def rank_record(
         "collectives": collectives.by_axis(mesh_axes(strategy)) if collectives is not None else {},
         "optimizer_steps": optimizer_steps,
         **tensor_parallel_record(module, set(getattr(experts, "parameter_ids", ()) or ())),
+        **tensor_parallel_modes(strategy),
         **offload_record(strategy),
         **state_sharding_record(strategy),
         **recomputation_record(strategy),

@@ -88,6 +88,19 @@ def tensor_parallel_record(module: nn.Module, expert_ids: set[int]) -> dict[str,
     }
 
 
+def tensor_parallel_modes(strategy: Any) -> dict[str, Any]:
+    """How the verification chose to run the plan's containers (``ShardedContainer``): the layouts of entries
+    it picked among variants, and whether per-head inputs were cut to the rank's heads."""
+    plan = getattr(getattr(strategy, "parallelized", None), "plan", None)
+    modes: set[str] = set()
+    for container in getattr(plan, "containers", ()):
+        if container.variant_label:
+            modes.add(container.variant_label)
+        if container.slice_heads:
+            modes.add("per-head inputs cut to the local heads")
+    return {"tp_modes": sorted(modes)}
+
+
 def _states(optimizer: Any) -> list[torch.Tensor]:
     """The tensor states (moments, buffers) of a torch-style optimizer, steps excluded."""
     out = []

@@ -52,6 +52,7 @@ from tests.distributed.engagement import (
 from tests.distributed.engagement_evidence import host_step_overlap_expected
 from tests.distributed.gpu_checks import gpu_checks_on_the_cpu
 from tests.distributed.harness import mean_over_ranks, merge_replicas, mismatch
+from tests.distributed.plan_switches import plan_feature_switched_off
 from tests.environment import LAUNCHER_VARIABLES
 from tests.models.families import build, make_dataloader, reference_dataloader
 
@@ -426,7 +427,12 @@ def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], 
         raise RuntimeError(f"Trainer global_rank {trainer.global_rank} != RANK {env['RANK']}")
     group = dist.group.WORLD if dist.is_initialized() else None
     start = time.perf_counter()
-    with gpu_checks_on_the_cpu(case.gpu_checks), _engine_precision_switched_off(case, reference):
+    switched_off = plan_feature_switched_off(case.switch_off, reference)
+    with (
+        gpu_checks_on_the_cpu(case.gpu_checks),
+        _engine_precision_switched_off(case, reference),
+        switched_off,
+    ):
         trainer.fit(model, train_dataloaders=loader)
     wall_s = time.perf_counter() - start
     if group is not None and (not dist.is_initialized() or dist.group.WORLD is not group):

@@ -57,7 +57,7 @@ def test_blocks_that_cannot_be_split_are_refused() -> None:
 
 def test_the_planner_offers_the_layouts_of_a_fused_projection_in_order() -> None:
     equal = [label for label, _ in fused_layouts("qkv", 3 * 4 * 16, 4, 4, 16, 2)]
-    assert equal == ["q|k|v", "per head"]
+    assert equal == ["q|k|v", "per head", "2 groups of q|k|v", "4 groups of q|k|v"]
     grouped = [label for label, _ in fused_layouts("qkv", (4 + 2 * 2) * 16, 4, 2, 16, 2)]
     assert grouped == ["per k/v group", "q|k|v blocks"]
     multi_query = [label for label, _ in fused_layouts("c_attn", (4 + 2) * 16, 4, 1, 16, 2)]
@@ -128,3 +128,68 @@ def test_a_weight_deepspeed_holds_as_its_local_shard_keeps_its_row_layout() -> N
     finally:
         if started:
             dist.destroy_process_group()
+
+
+def _codegen_heads(qkv_rows: torch.Tensor, groups: int, heads: int) -> list[torch.Tensor]:
+    """CodeGen's split of a fused projection's output (here its rows): ``groups`` groups (a constant of the
+    model, ``mp_num``) of q|v|k, each part flattened over the groups into ``heads`` heads."""
+    parts = qkv_rows.reshape(groups, 3, -1)  # per group: its q, v and k rows
+    return [parts[:, s].reshape(heads, -1) for s in range(3)]
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_grouped_fused_rows_give_each_rank_its_heads_through_the_model_s_own_split(groups: int) -> None:
+    """Each rank runs CodeGen's split (``groups`` fixed, its heads halved) on its stored rows and gets the
+    heads of the user's split that are its own; the negative control, a rank's contiguous block of rows
+    (the ``per head`` layout), gives other rows."""
+    heads, head_dim, ranks = 4, 4, 2
+    user = torch.arange(3.0 * heads * head_dim)
+    wanted = _codegen_heads(user, groups, heads)
+    layout = RowLayout.of_groups(user.numel(), groups, 3, ranks)
+    plain = user.chunk(ranks)
+    for rank in range(ranks):
+        mine = [part[rank * heads // ranks : (rank + 1) * heads // ranks] for part in wanted]
+        local = _codegen_heads(layout.stored(user).chunk(ranks)[rank], groups, heads // ranks)
+        assert all(torch.equal(a, b) for a, b in zip(local, mine, strict=True))
+        contiguous = _codegen_heads(plain[rank], groups, heads // ranks)
+        assert not all(torch.equal(a, b) for a, b in zip(contiguous, mine, strict=True))
+    assert torch.equal(layout.user(layout.stored(user)), user)
+
+
+def _paired(q: torch.Tensor, heads: int) -> torch.Tensor:
+    """Differential attention's pairing: head ``i`` with head ``i + heads / 2`` (DiffLlama chunks the heads in
+    two halves), one row per pair of the two heads' rows."""
+    first, second = q.reshape(heads, -1).chunk(2)
+    return torch.cat([first, second], dim=-1)
+
+
+def test_heads_paired_across_halves_give_each_rank_whole_pairs() -> None:
+    """The paired-heads layout stores each rank's block of each half, so the model's own pairing of the local
+    heads gives that rank's block of the user's pairs; the contiguous block of heads (the negative control)
+    pairs heads that are not partners."""
+    from lightning_parallel.plans.attention import paired_heads_styles
+    from lightning_parallel.plans.detect import ContainerCandidate
+
+    heads, head_dim, ranks = 8, 2, 2
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj = torch.nn.Linear(16, heads * head_dim)
+            self.k_proj = torch.nn.Linear(16, 4 * head_dim)
+            self.v_proj = torch.nn.Linear(16, 4 * head_dim)
+            self.o_proj = torch.nn.Linear(heads * head_dim, 16)
+
+    attention = Attention()
+    candidate = ContainerCandidate("attn", attention, list(attention.named_children()))
+    styles, kv_local = paired_heads_styles("attn", candidate, "o_proj", 16, heads, 4, head_dim, ranks)
+    assert kv_local == 2
+    layout = styles["attn.q_proj"].row_layout
+    user = torch.arange(float(heads * head_dim))
+    pairs = _paired(user, heads)
+    for rank in range(ranks):
+        mine = pairs[rank * heads // 2 // ranks : (rank + 1) * heads // 2 // ranks]
+        assert torch.equal(_paired(layout.stored(user).chunk(ranks)[rank], heads // ranks), mine)
+        assert not torch.equal(_paired(user.chunk(ranks)[rank], heads // ranks), mine)
+    assert styles["attn.k_proj"].row_layout.index == (0, 1, 4, 5, 2, 3, 6, 7)
+    assert paired_heads_styles("attn", candidate, "o_proj", 16, 6, 4, head_dim, ranks) is None  # 3 pairs

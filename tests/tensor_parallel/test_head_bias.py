@@ -44,3 +44,73 @@ def test_a_learned_bias_gets_the_whole_gradient_on_every_rank() -> None:
 def test_negative_control_a_narrowed_bias_gets_only_its_heads_gradient() -> None:
     with pytest.raises(Exception, match="Mismatched elements|not close"):
         spawn_gloo(_bias_gradient, 2, True)
+
+
+class _Mesh:
+    """What the cut reads of a mesh when the tensor needs no gradient: its size and this rank."""
+
+    def size(self) -> int:
+        return 2
+
+    def get_local_rank(self) -> int:
+        return 1
+
+
+def test_a_heads_first_bias_is_cut_along_its_first_dimension() -> None:
+    """MPT's ALiBi, ``(heads, 1, positions)``, made at model level: rank 1 of 2 gets heads 2-3. Told from a
+    ``(batch, ...)`` tensor by its size; where batch equals heads the size cannot tell (None), and the cut
+    follows what the same argument was on an earlier call (``heads_first``)."""
+    from lightning_parallel.tensor_parallel.regions import is_heads_first
+
+    alibi = torch.randn(HEADS, 1, 32)
+    assert is_heads_first(alibi, BATCH, HEADS) is True
+    assert is_heads_first(alibi, HEADS, HEADS) is None
+    assert is_heads_first(torch.randn(1, HEADS, 1, 32), BATCH, HEADS) is False  # (1, heads, ...): dim 1
+    assert is_heads_first(torch.randn(BATCH, 32, 16), BATCH, HEADS) is False  # rotary tables and the like
+    cut = local_heads(alibi, BATCH, HEADS, _Mesh(), heads_first=True)  # type: ignore[arg-type]
+    assert torch.equal(cut, alibi[2:])
+    # the negative control: not known as heads-first, it stays whole (and the attention's shapes disagree)
+    assert local_heads(alibi, BATCH, HEADS, _Mesh(), heads_first=False) is alibi  # type: ignore[arg-type]
+
+
+def _returned_parameter_gradient(rank: int, world_size: int, as_before: bool) -> None:
+    """A module hands one of its whole parameters back to its caller (GPT-NeoX-Japanese's ``dense_bias``),
+    which adds it after the reduction, on replicated activations: its gradient is the whole one on every
+    rank, not a share to be summed over the ranks."""
+    from unittest import mock
+
+    from torch import nn
+
+    from lightning_parallel.tensor_parallel import param_styles
+
+    class ReturnsItsBias(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.full((4,), 2.0))
+            self.bias = nn.Parameter(torch.arange(4.0))
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x * self.scale, self.bias
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    x = torch.arange(12.0).view(3, 4)
+    reference = ReturnsItsBias()
+    out, bias = reference(x)
+    (out + bias).pow(2).sum().backward()
+    module = ReturnsItsBias()
+    original = param_styles._restore
+    restore = (lambda *a: original(*a) and None) if as_before else original
+    with mock.patch.object(param_styles, "_restore", restore):
+        param_styles.LocalParameters({"bias": None})._apply(module, mesh)
+    out, bias = module(x)
+    (out + bias).pow(2).sum().backward()
+    torch.testing.assert_close(module.bias.grad.full_tensor(), reference.bias.grad)
+
+
+def test_a_whole_parameter_the_module_returns_gets_the_whole_gradient() -> None:
+    spawn_gloo(_returned_parameter_gradient, 2, False)
+
+
+def test_negative_control_a_returned_parameter_summed_as_a_share_is_counted_twice() -> None:
+    with pytest.raises(Exception, match="Mismatched elements|not close"):
+        spawn_gloo(_returned_parameter_gradient, 2, True)

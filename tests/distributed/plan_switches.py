@@ -1,0 +1,47 @@
+"""Test-only negative controls of the automatic plan (``Case.switch_off``): one way of sharding a family's
+attention taken away before setup, so that a family it serves is refused by the block verification.
+
+- ``grouped_qkv``: no ``G groups of q|k|v`` layout of a fused projection (CodeGen's);
+- ``paired_heads``: no heads paired across halves (differential attention);
+- ``heads_first_bias``: model-level ``(heads, ...)`` tensors never cut to the rank's heads (MPT's ALiBi);
+- ``returned_parameters``: a whole parameter the module returns keeps the summed gradient of the ones it uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+from unittest import mock
+
+SWITCHES = ("grouped_qkv", "paired_heads", "heads_first_bias", "returned_parameters")
+
+
+def _without_grouped(original: Any) -> Any:
+    def fused_layouts(*args: Any, **kwargs: Any) -> list:
+        return [(label, style) for label, style in original(*args, **kwargs) if "groups of" not in label]
+
+    return fused_layouts
+
+
+@contextmanager
+def plan_feature_switched_off(switch_off: str | None, reference: bool) -> Iterator[None]:
+    if reference or switch_off not in SWITCHES:
+        yield
+        return
+    from lightning_parallel.plans import attention, auto
+    from lightning_parallel.tensor_parallel import param_styles, regions
+
+    with ExitStack() as stack:
+        if switch_off == "grouped_qkv":
+            stack.enter_context(
+                mock.patch.object(attention, "fused_layouts", _without_grouped(attention.fused_layouts))
+            )
+        elif switch_off == "paired_heads":
+            stack.enter_context(mock.patch.object(auto, "paired_heads_styles", lambda *a, **k: None))
+        elif switch_off == "heads_first_bias":
+            stack.enter_context(mock.patch.object(regions, "is_heads_first", lambda *a, **k: False))
+        else:
+            original = param_styles._restore
+            stack.enter_context(mock.patch.object(param_styles, "_restore", lambda *a: original(*a) and None))
+        yield
