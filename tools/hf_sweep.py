@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     for family in chosen:
         entry = data["families"].setdefault(family, {})
         entry.update(family_facts(family))
+        if not entry["moe"]:
+            entry.pop("ep2", None)  # a row from when the family was taken for an MoE one
         todo = [c for c in layouts if (c != "ep2" or entry["moe"]) and wanted(entry.get(c), retry)]
         if not todo:
             continue

@@ -134,7 +134,11 @@ class AuxLossCollector:
         def hook(router: nn.Module, args: Any, output: Any) -> Any:
             if not (info.block.training and torch.is_grad_enabled()):
                 return None
-            loss = self._foreign_loss(_first_tensor(output).reshape(-1, info.num_experts), info.top_k)
+            logits = _first_tensor(
+                output
+            )  # a router may score classes beyond the experts (zero experts): dropped
+            logits = logits.reshape(-1, logits.shape[-1])[:, : info.num_experts]
+            loss = self._foreign_loss(logits, info.top_k)
             if self.mode == "loss":
                 self._pending.append(loss)
                 return None

@@ -45,6 +45,7 @@ from lightning_parallel.experts.router import route_topk
 
 BlockKind = Literal["lightning_parallel", "fused", "module_list"]
 _TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "k", "topk", "moe_top_k")
+_EXPERT_COUNT_ATTRS = ("num_experts", "n_routed_experts", "num_local_experts")
 SHARD_ATTR = "_lp_expert_shard"  # set on expert parameters by parallel.ExpertParallel.apply
 _ROUTER_NAME = re.compile(r"gate|router|gating", re.IGNORECASE)
 
@@ -94,7 +95,11 @@ def _router_experts(module: nn.Module) -> dict[str, int]:
     A router is named like one (``gate``, ``router``, ``gating``, in its attribute or class name)
     and is an ``nn.Linear``, a module with its own 2-D ``(E, H)`` weight (not an embedding; children
     without one, such as ERNIE 4.5's correction-bias statistics, allowed), or a module around one
-    ``nn.Linear`` that scores the experts (AFMoE's ``router.gate``, DBRX's ``router.layer``).
+    ``nn.Linear`` that scores the experts (AFMoE's ``router.gate``, DBRX's ``router.layer``). A router
+    that declares its expert count (``num_experts``) is taken at its word: it may score more classes
+    than experts (Inkling's shared-expert gates, LongCat-Flash's zero experts, Zaya's skip expert, which
+    the block itself maps onto real experts with weight 0) or be a small network of several linears
+    (Zaya's).
     """
     found = {}
     for name, child in module.named_children():
@@ -102,7 +107,12 @@ def _router_experts(module: nn.Module) -> dict[str, int]:
             continue
         linears = [m for m in child.modules() if isinstance(m, nn.Linear)]
         weight = child._parameters.get("weight")
-        if isinstance(child, nn.Linear) and child.out_features > 1:
+        declared = next(
+            (getattr(child, a) for a in _EXPERT_COUNT_ATTRS if isinstance(getattr(child, a, None), int)), 0
+        )
+        if declared > 1 and not isinstance(declared, bool) and (linears or isinstance(weight, torch.Tensor)):
+            found[name] = declared
+        elif isinstance(child, nn.Linear) and child.out_features > 1:
             found[name] = child.out_features
         elif isinstance(weight, torch.Tensor) and not isinstance(child, nn.Embedding) and not linears:
             if weight.dim() == 2 and weight.shape[0] > 1:

@@ -155,7 +155,9 @@ def attention_norm_styles(attention: nn.Module, full_name: str, head_dim: int, w
     return styles
 
 
-def own_tensor_styles(module: nn.Module, full_name: str, sharded: dict[int, str]) -> dict:
+def own_tensor_styles(
+    module: nn.Module, full_name: str, sharded: dict[int, str], *, returned_whole: bool = False
+) -> dict:
     """``LocalParameters`` for the module's own parameters and buffers (not its children's): cut along the
     first dimension whose size ``sharded`` names (the heads; an MLP's hidden units), else kept whole with a
     summed gradient; buffers without such a dimension are left alone."""
@@ -167,7 +169,7 @@ def own_tensor_styles(module: nn.Module, full_name: str, sharded: dict[int, str]
         if along is None and name in module._buffers:
             continue
         dims[name] = along
-    return {full_name: LocalParameters(dims)} if dims else {}
+    return {full_name: LocalParameters(dims, returned_whole=returned_whole)} if dims else {}
 
 
 def helper_styles(container: nn.Module, full_name: str, sharded: dict[int, str], handled: set[str]) -> dict:

@@ -132,7 +132,7 @@ def plan_attention(
     handled = set(styles) | {join(full_name, n) for n in makers}
     handled |= {join(full_name, n) for n in norms_in(module, set())}
     per_head = {heads: "heads"} if heads > 1 else {}
-    styles.update(own_tensor_styles(module, full_name, per_head))
+    styles.update(own_tensor_styles(module, full_name, per_head, returned_whole=not sp))
     styles.update(helper_styles(module, full_name, per_head, handled))
     widths = {hidden, exit_in, 3 * exit_in} | ({kv_width} if kv_heads >= tp else set())
     scaled = scaled_attributes(module, tp, {"heads": heads, "kv_heads": kv_heads, "widths": widths})

@@ -11,8 +11,9 @@ attributes and combines with its local shard of heads or features:
   rank is a share of the true one; it is kept whole (``Replicate``) and its gradient marked ``Partial``, the
   sum the gradient reductions make once per step (as for norms under sequence parallelism). A whole tensor
   the module hands back to its caller as one of its outputs (GPT-NeoX-Japanese's ``dense_bias``, added after
-  the exit's reduction) is used on replicated activations there: what the caller receives is another local
-  view whose gradient is the whole one on every rank (``Replicate``), not a share.
+  the exit's reduction) is used on replicated activations there, without sequence parallelism: what the
+  caller receives is another local view whose gradient is the whole one on every rank (``Replicate``), not a
+  share. Under sequence parallelism the caller works on its sequence slice and its gradient is a share again.
 
 The module's unchanged code must keep seeing a plain tensor: a pre-forward hook puts the local tensor
 (``to_local``, differentiable) in place of the parameter and the post-forward hook puts the parameter back,
@@ -39,9 +40,12 @@ class LocalParameters(ParallelStyle):
     """Direct parameters and buffers of one module: ``{name: dim}`` cut along ``dim``, ``{name: None}`` whole
     with a ``Partial`` gradient; the module's code sees the local tensors while it runs."""
 
-    def __init__(self, dims: dict[str, int | None]) -> None:
+    def __init__(self, dims: dict[str, int | None], *, returned_whole: bool = False) -> None:
         super().__init__()
         self.dims = dict(dims)
+        # a whole parameter the module returns is used by its caller on replicated activations (no sequence
+        # parallelism): its gradient there is the whole one, not a share
+        self.returned_whole = returned_whole
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         rank, size = device_mesh.get_local_rank(), device_mesh.size()
@@ -63,7 +67,8 @@ class LocalParameters(ParallelStyle):
             parameters.append(name)
         if parameters:
             module.register_forward_pre_hook(_show_local(parameters, self.dims))
-            module.register_forward_hook(_restore, always_call=True)  # also when the forward raises
+            restore = _restore_handing_back_whole if self.returned_whole else _restore
+            module.register_forward_hook(restore, always_call=True)  # also when the forward raises
         return module
 
     def __repr__(self) -> str:
@@ -86,21 +91,23 @@ def _show_local(names: list[str], dims: dict[str, int | None]) -> Any:
     return hook
 
 
-def _restore(module: nn.Module, args: Any, output: Any) -> Any:
+def _restore(module: nn.Module, args: Any, output: Any) -> None:
     stack = module.__dict__.get(_SAVED) or []
-    if not stack:
-        return None
-    saved = stack.pop()
-    # whole parameters handed back as outputs: the caller's view has the whole gradient on every rank
+    if stack:
+        for name, param in stack.pop().items():
+            module._parameters[name] = param
+
+
+def _restore_handing_back_whole(module: nn.Module, args: Any, output: Any) -> Any:
+    """:func:`_restore`, and a whole parameter the module returns as one of its outputs handed back as a view
+    whose gradient is the whole one on every rank (the caller uses it on replicated activations)."""
+    saved = (module.__dict__.get(_SAVED) or [{}])[-1]
     returned = {
         id(module._parameters[name]): param
         for name, param in saved.items()
         if isinstance(param, DTensor) and param.placements == (Replicate(),)
     }
-    for name, param in saved.items():
-        module._parameters[name] = param
-    if not returned or not isinstance(output, tuple):
-        return None
-    if not any(id(item) in returned for item in output):
+    _restore(module, args, output)
+    if not returned or not isinstance(output, tuple) or not any(id(item) in returned for item in output):
         return None
     return tuple(returned[id(item)].to_local() if id(item) in returned else item for item in output)

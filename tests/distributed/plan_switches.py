@@ -42,6 +42,7 @@ def plan_feature_switched_off(switch_off: str | None, reference: bool) -> Iterat
         elif switch_off == "heads_first_bias":
             stack.enter_context(mock.patch.object(regions, "is_heads_first", lambda *a, **k: False))
         else:
-            original = param_styles._restore
-            stack.enter_context(mock.patch.object(param_styles, "_restore", lambda *a: original(*a) and None))
+            stack.enter_context(
+                mock.patch.object(param_styles, "_restore_handing_back_whole", param_styles._restore)
+            )
         yield

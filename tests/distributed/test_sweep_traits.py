@@ -7,9 +7,15 @@ one per trait, unchanged from their tiny configs, at fp32 parity with one proces
   of each half (``heads paired across halves``);
 - MPT: ALiBi made at model level as a ``(heads, 1, positions)`` tensor, cut to the rank's heads;
 - GPT-NeoX-Japanese: the last block's attention returns its ``dense_bias``, added after the exit's
-  reduction: its gradient is the whole one on every rank, not a share.
+  reduction: its gradient is the whole one on every rank, not a share; under sequence parallelism (also
+  here) the caller adds it on its sequence slice, and the gradient is a share again.
 
-Each case's record shows the mode the verification chose; each negative control takes that way away
+Under ep=2 (over both data-parallel ranks): LongCat-Flash, whose router scores two zero experts beyond its
+four (the block maps them onto real experts with weight 0), and Zaya, whose router is a small network of
+linears with a skip expert: both found by the expert count their router declares
+(``tests/experts/test_foreign.py`` holds the detection's negative control).
+
+Each tp case's record shows the mode the verification chose; each negative control takes that way away
 (``tests/distributed/plan_switches.py``) and the family is refused at setup by the block verification.
 """
 
@@ -32,22 +38,31 @@ TRAITS = {
 }
 
 
-def _case(family: str, switch_off: str | None = None) -> Case:
-    name = f"sweep_trait_{family}_tp2" + (f"_without_{switch_off}" if switch_off else "")
+def _case(
+    family: str, switch_off: str | None = None, *, sequence_parallel: bool = False, experts: bool = False
+) -> Case:
+    layout = "ep2" if experts else "tp2" + ("_sp" if sequence_parallel else "")
+    name = f"sweep_trait_{family}_{layout}" + (f"_without_{switch_off}" if switch_off else "")
     if name in REGISTERED:
         return REGISTERED[name]
-    spec = StrategySpec("lightning_parallel:HybridParallelStrategy", {"tensor_parallel": 2, "timeout": 60})
-    case = Case(name, "hf_tiny", spec, world_size=2, data_parallel=1, steps=3,
+    kwargs: dict = (
+        {"expert_parallel": 2} if experts else {"tensor_parallel": 2, "sequence_parallel": sequence_parallel}
+    )
+    spec = StrategySpec("lightning_parallel:HybridParallelStrategy", {**kwargs, "timeout": 60})
+    case = Case(name, "hf_tiny", spec, world_size=2, data_parallel=2 if experts else 1, steps=3,
                 model_kwargs={"model_type": family}, switch_off=switch_off)  # fmt: skip
     return register(case)[0]
 
 
 CASES = [_case(family) for family in TRAITS]
+RETURNED_UNDER_SP = _case("gpt_neox_japanese", sequence_parallel=True)
+EXPERTS = {family: _case(family, experts=True) for family in ("longcat_flash", "zaya")}
 
 
 @pytest.fixture(scope="module")
 def two_process() -> dict[str, Result]:
-    return run_cases(CASES, 2, timeout_s=600, references_for=CASES)
+    everything = [*CASES, RETURNED_UNDER_SP, *EXPERTS.values()]
+    return run_cases(everything, 2, timeout_s=600, references_for=everything)
 
 
 @pytest.mark.timeout(900)
@@ -59,6 +74,22 @@ def test_the_family_trains_like_one_process_under_tp2(two_process: dict[str, Res
     mode, _ = TRAITS[family]
     if mode is not None:
         assert mode in result.engagement["tp_modes"], result.engagement["tp_modes"]
+    assert not result.engagement_problems, result.engagement_problems
+
+
+@pytest.mark.timeout(900)
+def test_a_returned_parameter_under_sequence_parallelism_keeps_a_share(
+    two_process: dict[str, Result],
+) -> None:
+    assert_parity(two_process[RETURNED_UNDER_SP.name], reference(RETURNED_UNDER_SP))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family", list(EXPERTS))
+def test_the_family_trains_like_one_process_under_ep2(two_process: dict[str, Result], family: str) -> None:
+    result = two_process[EXPERTS[family].name]
+    assert_parity(result, reference(EXPERTS[family]))
+    assert result.engagement["expert_parameters"] > 0
     assert not result.engagement_problems, result.engagement_problems
 
 

@@ -231,3 +231,64 @@ def test_a_per_expert_weight_inside_a_child_of_the_experts_is_sliced_too() -> No
     full = experts.post.scale.detach().clone()
     _slice_stacked(experts, ["w", "post.scale"], 4, rank=1, size=2)
     assert experts.w.shape[0] == 2 and torch.equal(experts.post.scale, full[2:])  # rank 1 holds experts 2, 3
+
+
+@pytest.mark.parametrize(
+    ("family", "scored"),
+    [
+        ("inkling_text", 5),
+        ("longcat_flash", 6),
+        ("zaya", 5),
+    ],  # a shared gate, two zero experts, a skip expert
+)
+def test_a_router_that_declares_its_experts_is_taken_at_its_word(family: str, scored: int) -> None:
+    """Routers that score more classes than experts (the block maps the extra ones onto real experts with
+    weight 0) or that are a small network of linears (Zaya's) are found by the expert count they declare;
+    the negative control, the same router without its declared count, is not taken for one."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.tiny_configs import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config(family))
+    blocks = find_moe_blocks(model)
+    assert blocks and {(b.kind, b.num_experts) for b in blocks} == {("fused", 4)}
+    router = blocks[0].router
+    assert router is not None
+    x = torch.randn(3, model.config.hidden_size)
+    assert _router_classes(router, x) == scored
+    for b in blocks:
+        del b.router.num_experts
+    assert find_moe_blocks(model) == []
+
+
+def _router_classes(router: nn.Module, x: torch.Tensor) -> int:
+    linears = [m for m in router.modules() if isinstance(m, nn.Linear)]
+    weight = getattr(router, "weight", None)
+    return int(linears[-1].out_features if linears else weight.shape[0])
+
+
+def test_the_aux_loss_drops_a_router_s_classes_beyond_the_experts() -> None:
+    """LongCat-Flash's router scores 4 experts and 2 zero experts: the load-balancing loss is Switch's over
+    the 4 experts' logits of each call (Hugging Face's per layer, up to k); read as rows of 4 classes, the
+    6-class logits give another loss (the negative control)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.tiny_configs import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("longcat_flash"))
+    blocks = find_moe_blocks(model)
+    seen: list[torch.Tensor] = []
+    for b in blocks:
+        b.router.register_forward_hook(
+            lambda m, a, out: seen.append(out[0] if isinstance(out, tuple) else out)
+        )
+    collector = AuxLossCollector(model, coef=1.0)
+    collector.reset()
+    model(torch.randint(0, 128, (2, 8)))
+    added = collector.add_to_loss(torch.zeros(())).detach()
+    top_k = blocks[0].top_k
+    assert seen and seen[0].shape[-1] == 6 and top_k is not None
+    expected = sum(_hf_aux(s.reshape(-1, 6)[:, :4].detach(), 4, top_k) for s in seen) / top_k
+    torch.testing.assert_close(added, expected.float(), rtol=1e-5, atol=1e-6)
+    as_rows_of_four = sum(_hf_aux(s.detach().reshape(-1, 4), 4, top_k) for s in seen) / top_k
+    assert not torch.allclose(added, as_rows_of_four.float(), rtol=1e-3)

@@ -296,7 +296,11 @@ _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_n
 
 def is_moe(config: Any) -> bool:
     """Whether the family routes tokens to experts, by its config (not by what our detection finds): the
-    sweep then also tries expert parallelism, and a family our detection misses shows as refused."""
+    sweep then also tries expert parallelism, and a family our detection misses shows as refused. A config
+    that says it is not one (Doge's ``is_moe=False``, its default: a dense MLP although ``num_experts`` is
+    set) is taken at its word."""
+    if getattr(config, "is_moe", None) is False:
+        return False
     values = [getattr(config, k, None) for k in _EXPERT_COUNTS]
     values += [
         getattr(sub, k, None)

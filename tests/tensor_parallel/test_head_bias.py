@@ -98,10 +98,9 @@ def _returned_parameter_gradient(rank: int, world_size: int, as_before: bool) ->
     out, bias = reference(x)
     (out + bias).pow(2).sum().backward()
     module = ReturnsItsBias()
-    original = param_styles._restore
-    restore = (lambda *a: original(*a) and None) if as_before else original
-    with mock.patch.object(param_styles, "_restore", restore):
-        param_styles.LocalParameters({"bias": None})._apply(module, mesh)
+    handing_back = param_styles._restore if as_before else param_styles._restore_handing_back_whole
+    with mock.patch.object(param_styles, "_restore_handing_back_whole", handing_back):
+        param_styles.LocalParameters({"bias": None}, returned_whole=True)._apply(module, mesh)
     out, bias = module(x)
     (out + bias).pow(2).sum().backward()
     torch.testing.assert_close(module.bias.grad.full_tensor(), reference.bias.grad)
