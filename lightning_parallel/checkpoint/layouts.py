@@ -110,9 +110,9 @@ def experts_as_dtensors(
         shard = layouts.get(owner_name(key, optimizer))
         if shard is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
             continue
-        if value.shape[0] != shard.num_local:
+        if value.shape[0] != shard.local_rows:
             continue
-        global_shape = torch.Size((shard.num_experts, *value.shape[1:]))
+        global_shape = torch.Size((shard.global_rows, *value.shape[1:]))
         stride = torch.empty(global_shape, device="meta").stride()
         if isinstance(value, DTensor):
             if replicas_mesh is None or value.device_mesh.ndim != 1:

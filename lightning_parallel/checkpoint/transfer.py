@@ -126,7 +126,7 @@ def load_weights(
         value = full[name]
         shard = experts.get(name)
         if shard is not None:  # this rank's ep slice (under ZeRO on FSDP2, a DTensor over its replicas)
-            expected = (shard.num_experts, *current.shape[1:])
+            expected = (shard.global_rows, *current.shape[1:])
         elif name in rows:
             expected = tuple(rows[name].user(torch.empty(current.shape, device="meta")).shape)
         else:
@@ -138,7 +138,7 @@ def load_weights(
             )
         value = value.to(device=current.device, dtype=current.dtype)
         if shard is not None:
-            value = value.narrow(0, shard.first_expert, shard.num_local).contiguous()
+            value = value.narrow(0, shard.first_row, shard.local_rows).contiguous()
         if name in rows:
             value = rows[name].stored(value)
         if isinstance(current, DTensor):

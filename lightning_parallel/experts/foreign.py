@@ -67,6 +67,7 @@ class MoEBlockInfo:
         normalize_top_k: For ``module_list`` blocks, the renormalisation the verification chose.
         returns_logits: For ``module_list`` blocks: the original forward returns
             ``(output, router_logits)``.
+        rows_per_expert: For fused experts stored as 2-D stacks of row blocks (DBRX), each expert's rows.
     """
 
     name: str
@@ -79,6 +80,7 @@ class MoEBlockInfo:
     expert_param_names: list[str] = field(default_factory=list)
     normalize_top_k: bool | None = None
     returns_logits: bool = False
+    rows_per_expert: int = 1
 
     @property
     def router(self) -> nn.Module | None:
@@ -145,10 +147,25 @@ def _top_k(block: nn.Module, router: nn.Module | None) -> int | None:
     return None
 
 
-def per_expert(param: torch.Tensor, count: int) -> bool:
+def per_expert(param: torch.Tensor, count: int, rows: int = 1) -> bool:
     """A stacked per-expert tensor of a fused experts module: a weight ``(E, ., .)``, or a bias ``(E, F)``
-    (GPT-OSS) whose leading dim is the expert count ``count`` of its weights."""
-    return param.dim() >= 3 or (param.dim() == 2 and param.shape[0] == count)
+    (GPT-OSS) whose leading dim is the expert count ``count`` of its weights; with ``rows`` per expert, a
+    2-D stack of the experts' row blocks ``(E * rows, .)`` (DBRX)."""
+    return param.dim() >= 3 or (param.dim() == 2 and param.shape[0] == count * rows)
+
+
+def _row_blocks(child: nn.Module, counts: set[int]) -> tuple[int, int] | None:
+    """Experts stored as 2-D stacks of row blocks, one per expert, in a child of the experts module (DBRX's
+    ``experts.mlp.w1`` ``(E * F, H)``, viewed ``(E, F, H)`` by its code): ``(E, F)`` for an expert count
+    ``E`` some router scores, else None."""
+    params = list(child.parameters())
+    if not params or any(p.dim() != 2 for p in params):
+        return None
+    for count in sorted(counts, reverse=True):
+        rows = {p.shape[0] // count for p in params if p.shape[0] % count == 0}
+        if len(rows) == 1 and all(p.shape[0] % count == 0 for p in params) and rows != {1}:
+            return count, rows.pop()
+    return None
 
 
 def _match(prefix: str, block: nn.Module) -> MoEBlockInfo | None:
@@ -162,26 +179,36 @@ def _match(prefix: str, block: nn.Module) -> MoEBlockInfo | None:
             kind: BlockKind = "module_list"
             num_experts = _global_experts(next(child.parameters()), len(child))
         else:
+            if name in routers or len(inspect.signature(child.forward).parameters) < 3:
+                continue  # a router; or not called with (hidden, top_k_index, top_k_weights)
             stacked = [p for p in child.parameters(recurse=False) if p.dim() >= 3]
-            if not stacked or len({p.shape[0] for p in stacked}) != 1 or name in routers:
+            blocks = None if stacked else _row_blocks(child, set(routers.values()))
+            if blocks is not None:
+                num_experts, rows = blocks
+                shard = getattr(next(child.parameters()), SHARD_ATTR, None)
+                kind, num_experts = "fused", num_experts if shard is None else shard.num_experts
+            elif not stacked or len({p.shape[0] for p in stacked}) != 1:
                 continue
-            if len(inspect.signature(child.forward).parameters) < 3:
-                continue  # not called with (hidden, top_k_index, top_k_weights)
-            kind, num_experts = "fused", _global_experts(stacked[0], stacked[0].shape[0])
+            else:
+                kind, num_experts = "fused", _global_experts(stacked[0], stacked[0].shape[0])
         router_names = [r for r, n in routers.items() if n == num_experts and r != name]
         if not router_names:
             continue
         router_name = router_names[0]
         if kind == "module_list" and not isinstance(getattr(block, router_name), nn.Linear):
             continue
+        rows = blocks[1] if kind == "fused" and blocks is not None else 1
         local = next((p.shape[0] for p in child.parameters(recurse=False) if p.dim() >= 3), 0)
+        if rows > 1:
+            local = next(child.parameters()).shape[0] // rows
         params = [
             f"{prefix}{name}.{n}"
             for n, p in child.named_parameters()
-            if kind == "module_list" or per_expert(p, local)
+            if kind == "module_list" or per_expert(p, local, rows)
         ]
         return MoEBlockInfo(prefix.rstrip("."), block, kind, num_experts,
-                            _top_k(block, getattr(block, router_name)), router_name, name, params)  # fmt: skip
+                            _top_k(block, getattr(block, router_name)), router_name, name, params,
+                            rows_per_expert=rows)  # fmt: skip
     return None
 
 
@@ -207,7 +234,7 @@ def check_fused_experts(info: MoEBlockInfo) -> None:
     expert parallelism runs each assignment on its expert's rank with weight 1 and weighs it afterwards.
     (ERGO normalises the experts' weighted sum: a norm inside the experts module.)"""
     experts = info.experts
-    stacked = next(p for p in experts.parameters() if p.dim() >= 3)
+    stacked = next(experts.parameters())
     hidden = next((m.in_features for m in info.block.modules() if isinstance(m, nn.Linear)), None)
     router = getattr(info.block, info.router_name or "", None)
     weight = getattr(router, "weight", None)
@@ -220,9 +247,11 @@ def check_fused_experts(info: MoEBlockInfo) -> None:
     weights = (torch.rand(6, 2, generator=generator) + 0.5).to(stacked)
     index = index.to(stacked.device)
     with torch.no_grad():
-        whole = experts(x, index, weights)
+        whole = experts(x, index, weights).reshape(6, -1)  # DBRX's come back (tokens, 1, width)
         ones = torch.ones(6, 1, dtype=stacked.dtype, device=stacked.device)
-        parts = sum(weights[:, k : k + 1] * experts(x, index[:, k : k + 1], ones) for k in range(2))
+        parts = sum(
+            weights[:, k : k + 1] * experts(x, index[:, k : k + 1], ones).reshape(6, -1) for k in range(2)
+        )
     if not torch.allclose(whole, parts, rtol=1e-4, atol=1e-5):
         raise ValueError(
             f"`expert_parallel`: the experts of `{info.name}` ({type(experts).__name__}) do not return the sum of"
@@ -240,14 +269,15 @@ def adapt_fused_experts(info: MoEBlockInfo, ep_group: ProcessGroup) -> None:
     if hasattr(experts, "num_experts"):
         experts.num_experts = num_experts // size  # the original forward indexes the local slice
 
-    def forward(self: nn.Module, hidden_NH: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    def forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
         num_tokens, top_k = top_k_index.shape
+        hidden_NH = hidden.reshape(num_tokens, -1)  # DBRX hands its experts (batch, sequence, width)
 
         def compute(x_MH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
             local_M = torch.repeat_interleave(torch.arange(counts_L.numel(), device=x_MH.device), counts_L)
             ones = torch.ones(x_MH.shape[0], 1, dtype=top_k_weights.dtype, device=x_MH.device)
-            y_MH = original(x_MH, local_M[:, None], ones, *args, **kwargs)
+            y_MH = original(x_MH, local_M[:, None], ones, *args, **kwargs).reshape(x_MH.shape)
             if x_MH.shape[0] == 0:  # keep the weights in the graph: zero gradients, not None
                 y_MH = y_MH + sum(p.sum() for p in self.parameters()) * 0
             return y_MH
@@ -255,7 +285,7 @@ def adapt_fused_experts(info: MoEBlockInfo, ep_group: ProcessGroup) -> None:
         token_A = torch.arange(num_tokens * top_k, device=hidden_NH.device) // top_k
         y_AH = dispatch(hidden_NH, token_A, top_k_index.reshape(-1), num_experts, compute, ep_group)
         y_AH = y_AH * top_k_weights.reshape(-1, 1).to(y_AH.dtype)
-        return y_AH.view(num_tokens, top_k, -1).sum(1).to(hidden_NH.dtype)
+        return y_AH.view(num_tokens, top_k, -1).sum(1).to(hidden.dtype).view(hidden.shape)
 
     experts.forward = types.MethodType(forward, experts)
 

@@ -64,6 +64,20 @@ class ExpertShard:
     ep_rank: int
     ep_size: int
     dim: int | None = 0
+    rows_per_expert: int = 1  # a 2-D stack of experts' row blocks (DBRX's ``w1`` (E * F, H)): F rows each
+
+    @property
+    def global_rows(self) -> int:
+        """The stacked tensor's size along ``dim`` (the experts, or their rows)."""
+        return self.num_experts * self.rows_per_expert
+
+    @property
+    def local_rows(self) -> int:
+        return self.num_local * self.rows_per_expert
+
+    @property
+    def first_row(self) -> int:
+        return self.first_expert * self.rows_per_expert
 
 
 def expert_shard(param: torch.Tensor) -> ExpertShard | None:
@@ -80,27 +94,31 @@ def _check_divisible(info: MoEBlockInfo, ep_size: int) -> None:
         )
 
 
-def _slice_stacked(owner: nn.Module, names: list[str], num_experts: int, rank: int, size: int) -> None:
+def _slice_stacked(
+    owner: nn.Module, names: list[str], num_experts: int, rank: int, size: int, rows_per_expert: int = 1
+) -> None:
     """Replace each stacked parameter ``owner.<name>`` by its local slice along dim 0, same name.
 
     With one rank the parameter is kept (no copy) and only marked.
     """
     num_local = num_experts // size
-    shard = ExpertShard(num_experts, rank * num_local, num_local, rank, size, dim=0)
+    shard = ExpertShard(
+        num_experts, rank * num_local, num_local, rank, size, dim=0, rows_per_expert=rows_per_expert
+    )
     for dotted in names:  # also a child's (ERGO's per-expert norm inside the experts module)
         path, _, name = dotted.rpartition(".")
         holder = owner.get_submodule(path) if path else owner
         full = getattr(holder, name)
         if full is None:
             continue
-        if full.shape[0] != num_experts:
+        if full.shape[0] != shard.global_rows:
             raise ValueError(
                 f"ExpertParallel: parameter {name!r} of {type(owner).__name__} has leading dimension"
-                f" {full.shape[0]}, not the number of experts {num_experts}."
+                f" {full.shape[0]}, not the number of experts {num_experts} times {rows_per_expert}."
             )
         local = full
         if size > 1:
-            local = nn.Parameter(full.detach()[shard.first_expert : shard.first_expert + num_local].clone(),
+            local = nn.Parameter(full.detach()[shard.first_row : shard.first_row + shard.local_rows].clone(),
                                  requires_grad=full.requires_grad)  # fmt: skip
             setattr(holder, name, local)
         setattr(local, _SHARD_ATTR, shard)
@@ -161,8 +179,9 @@ class ExpertParallel:
                 _apply_to_moe(info.block, ep_group, token_group)
             elif info.kind == "fused":
                 experts = info.experts
-                names = [n for n, p in experts.named_parameters() if per_expert(p, info.num_experts)]
-                _slice_stacked(experts, names, info.num_experts, rank, size)
+                rows = info.rows_per_expert
+                names = [n for n, p in experts.named_parameters() if per_expert(p, info.num_experts, rows)]
+                _slice_stacked(experts, names, info.num_experts, rank, size, rows)
                 if size > 1:
                     adapt_fused_experts(info, ep_group)
             else:

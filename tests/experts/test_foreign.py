@@ -292,3 +292,38 @@ def test_the_aux_loss_drops_a_router_s_classes_beyond_the_experts() -> None:
     torch.testing.assert_close(added, expected.float(), rtol=1e-5, atol=1e-6)
     as_rows_of_four = sum(_hf_aux(s.detach().reshape(-1, 4), 4, top_k) for s in seen) / top_k
     assert not torch.allclose(added, as_rows_of_four.float(), rtol=1e-3)
+
+
+def test_experts_stored_as_row_blocks_are_found_and_sliced_by_blocks() -> None:
+    """DBRX keeps its experts as 2-D stacks of row blocks one level down (``experts.mlp.w1`` ``(E * F, H)``,
+    viewed ``(E, F, H)`` by its code): found with F rows per expert, each rank's slice is its experts' row
+    blocks, and the ranks' slices in order rebuild the tensor (what checkpoints write). Sliced as if each row
+    were an expert (the negative control) the leading dimension is refused."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from lightning_parallel.experts.parallel import _slice_stacked, expert_shard
+    from tests.models.tiny_configs import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("dbrx"))
+    info = find_moe_blocks(model)[0]
+    assert (info.kind, info.num_experts, info.rows_per_expert) == ("fused", 4, 128)
+    names = [n.rpartition("experts.")[2] for n in info.expert_param_names]
+    assert names == ["mlp.w1", "mlp.v1", "mlp.w2"]
+    whole = info.experts.mlp.w1.detach().clone()
+    slices = []
+    for rank in range(2):
+        experts = copy.deepcopy(info.experts)
+        _slice_stacked(experts, names, 4, rank, 2, rows_per_expert=128)
+        shard = expert_shard(experts.mlp.w1)
+        assert shard is not None and (shard.first_row, shard.local_rows, shard.global_rows) == (
+            256 * rank,
+            256,
+            512,
+        )
+        slices.append(experts.mlp.w1.detach())
+        assert torch.equal(whole.narrow(0, shard.first_row, shard.local_rows), slices[-1])
+    assert torch.equal(torch.cat(slices), whole)
+    with pytest.raises(ValueError, match="leading dimension 512, not the number of experts 4"):
+        _slice_stacked(copy.deepcopy(info.experts), names, 4, 0, 2)
