@@ -69,10 +69,6 @@ class _InjectAuxGrad(torch.autograd.Function):
         )  # a tensor scale stays on the device
 
 
-def _first_tensor(value: Any) -> torch.Tensor:
-    return value[0] if isinstance(value, (tuple, list)) else value
-
-
 class AuxLossCollector:
     """Collect MoE auxiliary losses during forward; add them to the loss once (module docstring).
 
@@ -134,9 +130,9 @@ class AuxLossCollector:
         def hook(router: nn.Module, args: Any, output: Any) -> Any:
             if not (info.block.training and torch.is_grad_enabled()):
                 return None
-            logits = _first_tensor(
-                output
-            )  # a router may score classes beyond the experts (zero experts): dropped
+            read, differentiated = info.router_outputs
+            logits = output[read] if isinstance(output, tuple) else output
+            # a router may score classes beyond the experts (zero experts): dropped
             logits = logits.reshape(-1, logits.shape[-1])[:, : info.num_experts]
             loss = self._foreign_loss(logits, info.top_k)
             if self.mode == "loss":
@@ -147,7 +143,9 @@ class AuxLossCollector:
             self.injected.append(loss.detach().reshape(()))
             scale = self.grad_scale / group_size(self.sequence_group)  # summed over the sequence's ranks
             if isinstance(output, tuple) and len(output) >= 2:
-                return (output[0], _InjectAuxGrad.apply(output[1], loss, scale), *output[2:])
+                injected = list(output)
+                injected[differentiated] = _InjectAuxGrad.apply(output[differentiated], loss, scale)
+                return tuple(injected)
             return _InjectAuxGrad.apply(output, loss, scale)
 
         return hook

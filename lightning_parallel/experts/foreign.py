@@ -8,6 +8,8 @@ Found structurally, not by class name (``find_moe_blocks``):
   parameters are 3-D tensors with E leading (transformers 5's ``MixtralExperts``,
   ``Qwen2MoeExperts``: ``gate_up_proj (E, 2I, H)``, ``down_proj (E, H, I)``), called as
   ``experts(hidden_NH, top_k_index_NK, top_k_weights_NK)``.
+- ``"prescaled"``: fused experts called as ``experts(rows)`` on inputs the block has already weighted by
+  the router's scores, one group per expert (Llama 4; ``prescaled.py``).
 - ``"module_list"``: a block with a router ``nn.Linear(H, E)`` and an ``nn.ModuleList`` of E
   modules of one class with equal parameter shapes (transformers 4's Mixtral, most hand-written
   MoEs).
@@ -43,7 +45,7 @@ from lightning_parallel.experts.dispatch import ProcessGroup, dispatch, group_ra
 from lightning_parallel.experts.layer import MoE
 from lightning_parallel.experts.router import route_topk
 
-BlockKind = Literal["lightning_parallel", "fused", "module_list"]
+BlockKind = Literal["lightning_parallel", "fused", "module_list", "prescaled"]
 _TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "k", "topk", "moe_top_k")
 _EXPERT_COUNT_ATTRS = ("num_experts", "n_routed_experts", "num_local_experts")
 SHARD_ATTR = "_lp_expert_shard"  # set on expert parameters by parallel.ExpertParallel.apply
@@ -68,6 +70,8 @@ class MoEBlockInfo:
         returns_logits: For ``module_list`` blocks: the original forward returns
             ``(output, router_logits)``.
         rows_per_expert: For fused experts stored as 2-D stacks of row blocks (DBRX), each expert's rows.
+        router_outputs: Which of a router's outputs are its logits, and which one the block differentiates
+            (the load-balancing loss reads the first and injects its gradient into the second).
     """
 
     name: str
@@ -81,6 +85,7 @@ class MoEBlockInfo:
     normalize_top_k: bool | None = None
     returns_logits: bool = False
     rows_per_expert: int = 1
+    router_outputs: tuple[int, int] = (0, 1)
 
     @property
     def router(self) -> nn.Module | None:
@@ -179,11 +184,16 @@ def _match(prefix: str, block: nn.Module) -> MoEBlockInfo | None:
             kind: BlockKind = "module_list"
             num_experts = _global_experts(next(child.parameters()), len(child))
         else:
-            if name in routers or len(inspect.signature(child.forward).parameters) < 3:
-                continue  # a router; or not called with (hidden, top_k_index, top_k_weights)
+            arguments = len(inspect.signature(child.forward).parameters)
             stacked = [p for p in child.parameters(recurse=False) if p.dim() >= 3]
-            blocks = None if stacked else _row_blocks(child, set(routers.values()))
-            if blocks is not None:
+            if name in routers or arguments == 2 or (arguments == 1 and not stacked):
+                continue  # a router; or not called with (hidden, top_k_index, top_k_weights), nor with (hidden)
+            blocks = None if stacked or arguments == 1 else _row_blocks(child, set(routers.values()))
+            if arguments == 1 and len({p.shape[0] for p in stacked}) == 1:  # fed rows the router weighted
+                kind, num_experts = "prescaled", _global_experts(stacked[0], stacked[0].shape[0])
+            elif arguments == 1:
+                continue
+            elif blocks is not None:
                 num_experts, rows = blocks
                 shard = getattr(next(child.parameters()), SHARD_ATTR, None)
                 kind, num_experts = "fused", num_experts if shard is None else shard.num_experts
@@ -197,7 +207,7 @@ def _match(prefix: str, block: nn.Module) -> MoEBlockInfo | None:
         router_name = router_names[0]
         if kind == "module_list" and not isinstance(getattr(block, router_name), nn.Linear):
             continue
-        rows = blocks[1] if kind == "fused" and blocks is not None else 1
+        rows = blocks[1] if kind != "module_list" and blocks is not None else 1
         local = next((p.shape[0] for p in child.parameters(recurse=False) if p.dim() >= 3), 0)
         if rows > 1:
             local = next(child.parameters()).shape[0] // rows
@@ -206,9 +216,10 @@ def _match(prefix: str, block: nn.Module) -> MoEBlockInfo | None:
             for n, p in child.named_parameters()
             if kind == "module_list" or per_expert(p, local, rows)
         ]
+        outputs = (1, 0) if kind == "prescaled" else (0, 1)  # Llama 4's router returns (scores, logits)
         return MoEBlockInfo(prefix.rstrip("."), block, kind, num_experts,
                             _top_k(block, getattr(block, router_name)), router_name, name, params,
-                            rows_per_expert=rows)  # fmt: skip
+                            rows_per_expert=rows, router_outputs=outputs)  # fmt: skip
     return None
 
 

@@ -45,6 +45,7 @@ from lightning_parallel.experts.foreign import (
     per_expert,
 )
 from lightning_parallel.experts.layer import MoE
+from lightning_parallel.experts.prescaled import adapt_prescaled_experts, check_prescaled_experts
 
 _SHARD_ATTR = SHARD_ATTR
 
@@ -174,16 +175,19 @@ class ExpertParallel:
                 check_module_list(info)  # every block checked before any is changed
             if size > 1 and info.kind == "fused":
                 check_fused_experts(info)
+            if size > 1 and info.kind == "prescaled":
+                check_prescaled_experts(info)
         for info in blocks:
             if info.kind == "lightning_parallel":
                 _apply_to_moe(info.block, ep_group, token_group)
-            elif info.kind == "fused":
+            elif info.kind in ("fused", "prescaled"):
                 experts = info.experts
                 rows = info.rows_per_expert
                 names = [n for n, p in experts.named_parameters() if per_expert(p, info.num_experts, rows)]
                 _slice_stacked(experts, names, info.num_experts, rank, size, rows)
                 if size > 1:
-                    adapt_fused_experts(info, ep_group)
+                    adapt = adapt_fused_experts if info.kind == "fused" else adapt_prescaled_experts
+                    adapt(info, ep_group)
             else:
                 if size > 1:
                     adapt_module_list(info, ep_group)

@@ -13,8 +13,9 @@ one per trait, unchanged from their tiny configs, at fp32 parity with one proces
 Under ep=2 (over both data-parallel ranks): LongCat-Flash, whose router scores two zero experts beyond its
 four (the block maps them onto real experts with weight 0), and Zaya, whose router is a small network of
 linears with a skip expert: both found by the expert count their router declares; DBRX, whose experts are
-2-D stacks of row blocks one level down, sliced by blocks (``tests/experts/test_foreign.py`` holds the
-detection's negative controls).
+2-D stacks of row blocks one level down, sliced by blocks; Llama 4, whose block weighs each token by its
+sigmoid score before the experts (only each token's selected rows travel; ``experts/prescaled.py``).
+``tests/experts/test_foreign.py`` holds the detection's and the checks' negative controls.
 
 Each tp case's record shows the mode the verification chose; each negative control takes that way away
 (``tests/distributed/plan_switches.py``) and the family is refused at setup by the block verification.
@@ -57,7 +58,7 @@ def _case(
 
 CASES = [_case(family) for family in TRAITS]
 RETURNED_UNDER_SP = _case("gpt_neox_japanese", sequence_parallel=True)
-EXPERTS = {family: _case(family, experts=True) for family in ("longcat_flash", "zaya", "dbrx")}
+EXPERTS = {family: _case(family, experts=True) for family in ("longcat_flash", "zaya", "dbrx", "llama4_text")}
 
 
 @pytest.fixture(scope="module")

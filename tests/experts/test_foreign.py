@@ -327,3 +327,60 @@ def test_experts_stored_as_row_blocks_are_found_and_sliced_by_blocks() -> None:
     assert torch.equal(torch.cat(slices), whole)
     with pytest.raises(ValueError, match="leading dimension 512, not the number of experts 4"):
         _slice_stacked(copy.deepcopy(info.experts), names, 4, 0, 2)
+
+
+def test_experts_fed_rows_the_router_weighted_are_found_and_checked() -> None:
+    """Llama 4 weighs each token by its routing score before the experts (``experts(routed_in)``): found as
+    ``prescaled``, the router's logits its second output. The check refuses experts that map a zero row to
+    something else (a bias: the unselected rows the parallel forward skips would not be zero) and a router
+    whose scores are not zero outside the top-k of its logits."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_parallel.experts.prescaled import check_prescaled_experts
+    from tests.models.tiny_configs import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama4_text"))
+    blocks = find_moe_blocks(model)
+    assert blocks and {(b.kind, b.num_experts, b.router_outputs) for b in blocks} == {
+        ("prescaled", 4, (1, 0))
+    }
+    info = blocks[0]
+    check_prescaled_experts(info)
+    experts = info.experts
+    original = experts.forward
+    experts.forward = lambda rows: original(rows) + 0.1  # a bias
+    with pytest.raises(ValueError, match="map a zero row to something else"):
+        check_prescaled_experts(info)
+    experts.forward = original
+    router_forward = info.router.forward
+    info.router.forward = lambda x: (
+        torch.sigmoid(router_forward(x)[1]),
+        router_forward(x)[1],
+    )  # dense scores
+    with pytest.raises(ValueError, match="not zero outside the top-k"):
+        check_prescaled_experts(info)
+
+
+def test_the_aux_loss_reads_the_logits_a_router_returns_second() -> None:
+    """Llama 4's router returns (scores, logits): the load-balancing loss is over the logits; read from the
+    scores (the negative control) it is another loss."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.tiny_configs import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama4_text"))
+    blocks = find_moe_blocks(model)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for b in blocks:
+        b.router.register_forward_hook(lambda m, a, out: seen.append((out[0].detach(), out[1].detach())))
+    collector = AuxLossCollector(model, coef=1.0)
+    collector.reset()
+    model.train()
+    model(torch.randint(0, 128, (2, 8)))
+    added = collector.add_to_loss(torch.zeros(())).detach()
+    top_k = blocks[0].top_k
+    assert len(seen) == len(blocks) and top_k is not None
+    expected = sum(_hf_aux(logits, 4, top_k) for _, logits in seen) / top_k
+    torch.testing.assert_close(added, expected.float(), rtol=1e-5, atol=1e-6)
+    from_scores = sum(_hf_aux(scores.nan_to_num(neginf=-1e4), 4, top_k) for scores, _ in seen) / top_k
+    assert not torch.allclose(added, from_scores.float(), rtol=1e-3)
