@@ -21,6 +21,8 @@ Around that, each kind of attention found in the wild is recognised by shape, no
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import SequenceParallel
@@ -62,8 +64,11 @@ def local_kv_heads(kv_heads: int, tp: int) -> int:
 
 def latent_makers(entries: list[tuple[str, nn.Module]], hidden: int) -> dict[str, str]:
     """Multi-head latent attention: ``{reader: maker}`` for each projection reading a low-rank latent (not the
-    hidden state), the maker being the projection of the hidden state with the narrowest output that can hold
-    that latent (``kv_a_proj_with_mqa`` makes ``kv_b_proj``'s latent plus the shared rotary key)."""
+    hidden state), the maker being a projection of the hidden state whose output can hold that latent
+    (``kv_a_proj_with_mqa`` makes ``kv_b_proj``'s latent plus the shared rotary key): of those, the one whose
+    name shares the longest start with the reader's (``q_b_proj`` reads ``q_a_proj``, ``kv_b_proj`` reads
+    ``kv_a_proj_with_mqa``, whatever their widths: Dots3's q and kv latents are equally wide), then the
+    narrowest."""
     readers = [(n, m) for n, m in entries if projection_dims(m)[0] != hidden]
     makers = [(n, m) for n, m in entries if projection_dims(m)[0] == hidden]
     found = {}
@@ -75,7 +80,7 @@ def latent_makers(entries: list[tuple[str, nn.Module]], hidden: int) -> dict[str
                 f"`{name}` reads {width} features, neither the {hidden}-wide hidden state nor a latent another"
                 " projection of the attention makes"
             )
-        found[name] = min(fitting)[1]
+        found[name] = min(fitting, key=lambda f: (-len(os.path.commonprefix([f[1], name])), f))[1]
     return found
 
 
@@ -156,13 +161,19 @@ def attention_norm_styles(attention: nn.Module, full_name: str, head_dim: int, w
 
 
 def own_tensor_styles(
-    module: nn.Module, full_name: str, sharded: dict[int, str], *, returned_whole: bool = False
+    module: nn.Module,
+    full_name: str,
+    sharded: dict[int, str],
+    *,
+    returned_whole: bool = False,
+    buffers: bool = True,
 ) -> dict:
     """``LocalParameters`` for the module's own parameters and buffers (not its children's): cut along the
     first dimension whose size ``sharded`` names (the heads; an MLP's hidden units), else kept whole with a
-    summed gradient; buffers without such a dimension are left alone."""
+    summed gradient; buffers without such a dimension are left alone (``buffers=False``: all of them)."""
     dims: dict[str, int | None] = {}
-    for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+    own_buffers = list(module.named_buffers(recurse=False)) if buffers else []
+    for name, tensor in [*module.named_parameters(recurse=False), *own_buffers]:
         if tensor is None or tensor.dim() == 0 and name in module._buffers:
             continue
         along = next((d for d, size in enumerate(tensor.shape) if size in sharded and size > 1), None)
@@ -174,7 +185,10 @@ def own_tensor_styles(
 
 def helper_styles(container: nn.Module, full_name: str, sharded: dict[int, str], handled: set[str]) -> dict:
     """Children of a container with weights that are neither projections nor norms with a style (a learnable
-    activation's scalars, xIELU; a relative-position table): their tensors as :func:`own_tensor_styles` says."""
+    activation's scalars, xIELU; a relative-position table): their parameters as :func:`own_tensor_styles`
+    says. Their buffers stay whole: a child's constants (a rotary embedding's frequencies, whose count may
+    equal the heads' by chance: RecurrentGemma's 4) are not per head; per-head constants of an attention
+    (MiniMax's decay rates) are its own, cut above."""
     styles: dict = {}
     for name, child in container.named_modules():
         if not name or is_projection(child) or join(full_name, name) in handled:
@@ -183,7 +197,7 @@ def helper_styles(container: nn.Module, full_name: str, sharded: dict[int, str],
             continue
         if NORM_NAME.search(type(child).__name__) or isinstance(child, (nn.LayerNorm, nn.RMSNorm)):
             continue
-        styles.update(own_tensor_styles(child, join(full_name, name), sharded))
+        styles.update(own_tensor_styles(child, join(full_name, name), sharded, buffers=False))
     return styles
 
 

@@ -34,7 +34,11 @@ def _local(output: Any) -> Any:
 
 
 class GatheredNorm(ParallelStyle):
-    """The norm of features split over the ranks along ``dim``: gathered, normalised whole, cut back."""
+    """The norm of features split over the ranks along ``dim``: gathered, normalised whole, cut back.
+
+    A norm planned so because its width is an MLP's hidden width may be applied to the MLP's output when the
+    two widths are equal (ERGO's shared expert normalises its exit's output): an input already of the norm's
+    whole width is replicated, normalised as it is and handed back whole."""
 
     def __init__(self, dim: int = -1) -> None:
         super().__init__()
@@ -43,6 +47,15 @@ class GatheredNorm(ParallelStyle):
     @staticmethod
     def _gather(dim: int, module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
         x = inputs[0]
+        weight = getattr(module, "weight", None)
+        whole = (
+            isinstance(weight, torch.Tensor)
+            and not isinstance(x, DTensor)
+            and x.shape[dim] == weight.shape[-1]
+        )
+        module.__dict__["_lp_gathered"] = not whole
+        if whole:
+            return (DTensor.from_local(x, mesh, [Replicate()], run_check=False), *inputs[1:])
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, [Shard(dim % x.dim())], run_check=False)
         return (x.redistribute(mesh, [Replicate()]), *inputs[1:])
@@ -51,6 +64,8 @@ class GatheredNorm(ParallelStyle):
     def _cut(dim: int, module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
         if not isinstance(output, DTensor):
             return output
+        if not module.__dict__.get("_lp_gathered", True):
+            return output.to_local()
         return output.redistribute(mesh, [Shard(dim % output.dim())]).to_local()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

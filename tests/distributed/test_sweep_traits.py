@@ -6,6 +6,10 @@ one per trait, unchanged from their tiny configs, at fp32 parity with one proces
 - DiffLlama: differential attention pairs head ``i`` with head ``i + heads / 2``: each rank holds its block
   of each half (``heads paired across halves``);
 - MPT: ALiBi made at model level as a ``(heads, 1, positions)`` tensor, cut to the rank's heads;
+- RecurrentGemma: a rotary child of the attention holds as many frequencies as there are heads (they stay
+  whole); ERGO: its shared expert normalises its exit's output with a norm as wide as its hidden units
+  (normalised whole); their checks are unit tests (``tests/plans/test_attention_parts.py``,
+  ``tests/tensor_parallel/test_gathered_norm.py``);
 - GPT-NeoX-Japanese: the last block's attention returns its ``dense_bias``, added after the exit's
   reduction: its gradient is the whole one on every rank, not a share; under sequence parallelism (also
   here) the caller adds it on its sequence slice, and the gradient is a share again.
@@ -57,13 +61,14 @@ def _case(
 
 
 CASES = [_case(family) for family in TRAITS]
+SIZE_COINCIDENCES = {family: _case(family) for family in ("recurrent_gemma", "ergo")}
 RETURNED_UNDER_SP = _case("gpt_neox_japanese", sequence_parallel=True)
 EXPERTS = {family: _case(family, experts=True) for family in ("longcat_flash", "zaya", "dbrx", "llama4_text")}
 
 
 @pytest.fixture(scope="module")
 def two_process() -> dict[str, Result]:
-    everything = [*CASES, RETURNED_UNDER_SP, *EXPERTS.values()]
+    everything = [*CASES, RETURNED_UNDER_SP, *EXPERTS.values(), *SIZE_COINCIDENCES.values()]
     return run_cases(everything, 2, timeout_s=600, references_for=everything)
 
 
@@ -76,6 +81,16 @@ def test_the_family_trains_like_one_process_under_tp2(two_process: dict[str, Res
     mode, _ = TRAITS[family]
     if mode is not None:
         assert mode in result.engagement["tp_modes"], result.engagement["tp_modes"]
+    assert not result.engagement_problems, result.engagement_problems
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family", list(SIZE_COINCIDENCES))
+def test_a_family_with_sizes_that_coincide_trains_like_one_process(
+    two_process: dict[str, Result], family: str
+) -> None:
+    result = two_process[SIZE_COINCIDENCES[family].name]
+    assert_parity(result, reference(SIZE_COINCIDENCES[family]))
     assert not result.engagement_problems, result.engagement_problems
 
 

@@ -1,0 +1,64 @@
+"""Parts of an attention the planner reads by shape, where a coincidence of sizes misleads a rule that looks
+at sizes alone: which projection makes which latent (equal q and kv latent widths), and a child's buffer
+whose length happens to equal the head count (a rotary embedding's frequencies). No processes."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightning_parallel.plans.attention import helper_styles, latent_makers, own_tensor_styles
+from lightning_parallel.tensor_parallel.param_styles import LocalParameters
+
+
+def test_equal_latent_widths_are_paired_by_name() -> None:
+    """Dots3's q and kv latents are both 1024 wide: ``kv_b_proj`` reads what ``kv_a_proj_with_mqa`` makes (the
+    latent plus the rotary key), not the narrower ``q_a_proj``; DeepSeek's unequal widths pair as before."""
+    hidden = 64
+    equal = [
+        ("q_a_proj", nn.Linear(hidden, 32)),
+        ("q_b_proj", nn.Linear(32, 64)),
+        ("kv_a_proj_with_mqa", nn.Linear(hidden, 40)),
+        ("kv_b_proj", nn.Linear(32, 128)),
+    ]
+    assert latent_makers(equal, hidden) == {"q_b_proj": "q_a_proj", "kv_b_proj": "kv_a_proj_with_mqa"}
+    # without names to go by (the negative control of the name rule), the narrowest maker takes both readers
+    anonymous = [(name, m) for name, (_, m) in zip(("make1", "read1", "make2", "read2"), equal, strict=True)]
+    assert set(latent_makers(anonymous, hidden).values()) == {"make1"}
+    deepseek = [
+        ("q_a_proj", nn.Linear(hidden, 48)),
+        ("q_b_proj", nn.Linear(48, 64)),
+        ("kv_a_proj_with_mqa", nn.Linear(hidden, 40)),
+        ("kv_b_proj", nn.Linear(32, 128)),
+    ]
+    assert latent_makers(deepseek, hidden) == {"q_b_proj": "q_a_proj", "kv_b_proj": "kv_a_proj_with_mqa"}
+
+
+class _Rotary(nn.Module):
+    def __init__(self, frequencies: int) -> None:
+        super().__init__()
+        self.inv_freq = nn.Buffer(torch_arange(frequencies), persistent=False)
+
+
+def torch_arange(n: int):  # noqa: ANN201 - a float tensor
+    import torch
+
+    return torch.arange(float(n))
+
+
+class _Attention(nn.Module):
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.rotary_emb = _Rotary(heads)  # 4 frequencies, 4 heads: RecurrentGemma's tiny config
+        self.decay = nn.Buffer(torch_arange(heads).view(heads, 1, 1))  # MiniMax-like, the attention's own
+
+
+def test_a_child_s_buffers_stay_whole_even_when_as_long_as_the_heads() -> None:
+    """RecurrentGemma's rotary child holds 4 frequencies and the attention 4 heads: the frequencies stay whole
+    (cut, each rank's rotary angles were wrong); a per-head buffer of the attention itself is still cut."""
+    attention = _Attention(4)
+    assert helper_styles(attention, "attn", {4: "heads"}, set()) == {}
+    own = own_tensor_styles(attention, "attn", {4: "heads"})["attn"]
+    assert isinstance(own, LocalParameters) and own.dims == {"decay": 0}
+    # the negative control: the child's buffers read as per-head tensors
+    cut = own_tensor_styles(attention.rotary_emb, "attn.rotary_emb", {4: "heads"})["attn.rotary_emb"]
+    assert cut.dims == {"inv_freq": 0}
