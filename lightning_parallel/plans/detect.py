@@ -112,10 +112,62 @@ def block_names(model: nn.Module) -> list[str]:
     return stack.names if stack is not None else []
 
 
+def wrapped_projection(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """The one projection a module wraps and holds nothing else of (Moshi's ``MoshiLinear`` around its
+    ``linear``): ``(its name inside, it)``; None for anything else."""
+    holders = [
+        (n, m) for n, m in module.named_modules() if n and any(True for _ in m.parameters(recurse=False))
+    ]
+    if (
+        len(holders) == 1
+        and is_projection(holders[0][1])
+        and not any(True for _ in module.parameters(recurse=False))
+    ):
+        return holders[0]
+    return None
+
+
+def gated_pair(module: nn.Module, exit_in: int, exit_out: int) -> list[tuple[str, nn.Module]] | None:
+    """A gate and an up projection held by a child of an MLP beside the MLP's exit (CPM-Ant's ``w_in``
+    holding ``w_0`` and ``w_1``): both read what the exit writes and write what it reads; no attention."""
+    if any(True for _ in module.parameters(recurse=False)) or ATTENTION_NAME.search(type(module).__name__):
+        return None
+    children = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
+    holders = [m for n, m in module.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
+    if len(children) != 2 or len(holders) != 2 or not all(is_projection(c) for _, c in children):
+        return None
+    if any(projection_dims(c) != (exit_out, exit_in) for _, c in children):
+        return None
+    return children
+
+
 def containers_in(block: nn.Module) -> list[ContainerCandidate]:
+    """Modules with two or more projections as children, or as children's only content: wrappers (the
+    projection is then named through them, ``q_proj.linear``), and a gate|up pair in a child beside the exit
+    (``w_in.w_0``, ``w_in.w_1``; that child is then no container of its own)."""
     found = []
+    absorbed: set[str] = set()
     for name, module in block.named_modules():
-        projections = [(n, c) for n, c in module.named_children() if is_projection(c)]
+        if name in absorbed:
+            continue
+        projections = []
+        pairs = []
+        for child_name, child in module.named_children():
+            inner = None if is_projection(child) else wrapped_projection(child)
+            if is_projection(child):
+                projections.append((child_name, child))
+            elif inner is not None:
+                projections.append((f"{child_name}.{inner[0]}", inner[1]))
+            else:
+                pairs.append((child_name, child))
+        if len(projections) == 1:  # an exit beside a child holding the gate and up projections
+            exit_in, exit_out = projection_dims(projections[0][1])
+            for child_name, child in pairs:
+                pair = gated_pair(child, exit_in, exit_out)
+                if pair is not None:
+                    projections[:0] = [(f"{child_name}.{n}", c) for n, c in pair]
+                    absorbed.add(join(name, child_name))
+                    break
         if len(projections) >= 2:
             found.append(ContainerCandidate(name, module, projections))
     return found

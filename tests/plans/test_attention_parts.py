@@ -62,3 +62,57 @@ def test_a_child_s_buffers_stay_whole_even_when_as_long_as_the_heads() -> None:
     # the negative control: the child's buffers read as per-head tensors
     cut = own_tensor_styles(attention.rotary_emb, "attn.rotary_emb", {4: "heads"})["attn.rotary_emb"]
     assert cut.dims == {"inv_freq": 0}
+
+
+class _Wrapper(nn.Module):
+    """Moshi's ``MoshiLinear``: one projection inside, nothing else."""
+
+    def __init__(self, width_in: int, width_out: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width_in, width_out, bias=False)
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        return self.linear(x)
+
+
+class _WrappedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads = 4
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (_Wrapper(16, 16) for _ in range(4))
+
+
+class _Gated(nn.Module):
+    """CPM-Ant's ``w_in``: the gate and up projections beside an activation, the exit one level up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_0, self.w_1, self.act = nn.Linear(16, 32), nn.Linear(16, 32), nn.GELU()
+
+
+class _FeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_in, self.dropout, self.w_out = _Gated(), nn.Dropout(0.0), nn.Linear(32, 16)
+
+
+def test_projections_inside_wrappers_and_a_gated_pair_beside_the_exit_are_found() -> None:
+    """Projections wrapped one each in a module of their own are the attention's (Moshi: was left whole, 43%
+    of the stack sharded); a gate|up pair in a child beside the exit is the MLP's entries, and that child is
+    no container of its own (CPM-Ant: 40%). The negative control: a child with a parameter of its own beside
+    its projection is not a wrapper."""
+    from lightning_parallel.plans.detect import containers_in
+
+    block = nn.Module()
+    block.attn, block.ffn = _WrappedAttention(), _FeedForward()
+    found = {c.name: [n for n, _ in c.projections] for c in containers_in(block)}
+    assert found == {
+        "attn": ["q_proj.linear", "k_proj.linear", "v_proj.linear", "o_proj.linear"],
+        "ffn": ["w_in.w_0", "w_in.w_1", "w_out"],
+    }
+    block.attn.q_proj.scale = nn.Parameter(torch_arange(1))
+    assert [n for n, _ in containers_in(block)[0].projections] == [
+        "k_proj.linear",
+        "v_proj.linear",
+        "o_proj.linear",
+    ]
