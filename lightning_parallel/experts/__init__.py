@@ -7,7 +7,8 @@ One concept per file:
 - ``dispatch``: tokens to their experts and back (all-to-all over an expert-parallel group);
   the only file that communicates.
 - ``layer``: ``MoE``, composing the three; ``moe_aux_loss`` for training steps.
-- ``foreign``: ``find_moe_blocks`` and the adapters for MoE blocks of unchanged models.
+- ``detection``: ``find_moe_blocks``, the MoE blocks of unchanged models by their structure.
+- ``foreign``, ``prescaled``, ``grouped_linear``: expert parallelism for each kind of those blocks.
 - ``parallel``: ``ExpertParallel.apply`` and ``expert_parameters``.
 - ``aux_loss``: ``AuxLossCollector``, the auxiliary losses of unchanged models, counted once.
 
@@ -15,8 +16,8 @@ See docs/experts.md.
 """
 
 from lightning_parallel.experts.aux_loss import AuxLossCollector
+from lightning_parallel.experts.detection import MoEBlockInfo, find_moe_blocks
 from lightning_parallel.experts.experts import GroupedExperts, grouped_mm
-from lightning_parallel.experts.foreign import MoEBlockInfo, find_moe_blocks
 from lightning_parallel.experts.layer import MoE, SharedExpert, moe_aux_loss, moe_layers
 from lightning_parallel.experts.parallel import (
     ExpertParallel,

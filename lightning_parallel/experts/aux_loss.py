@@ -44,8 +44,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightning_parallel.experts.detection import MoEBlockInfo, find_moe_blocks
 from lightning_parallel.experts.dispatch import ProcessGroup, group_size, report_group_mean, sum_over_group
-from lightning_parallel.experts.foreign import MoEBlockInfo, find_moe_blocks
 from lightning_parallel.experts.layer import MoE
 from lightning_parallel.experts.router import count_values, load_balancing_loss, route_topk, router_z_loss
 

@@ -33,17 +33,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_parallel.experts.detection import SHARD_ATTR, MoEBlockInfo, find_moe_blocks, per_expert
 from lightning_parallel.experts.dispatch import ProcessGroup, group_rank, group_size, sum_in_place
 from lightning_parallel.experts.foreign import (
-    SHARD_ATTR,
-    MoEBlockInfo,
     adapt_fused_experts,
     adapt_module_list,
     check_fused_experts,
     check_module_list,
-    find_moe_blocks,
-    per_expert,
 )
+from lightning_parallel.experts.grouped_linear import adapt_grouped_linears, check_grouped_linears
 from lightning_parallel.experts.layer import MoE
 from lightning_parallel.experts.prescaled import adapt_prescaled_experts, check_prescaled_experts
 
@@ -177,9 +175,16 @@ class ExpertParallel:
                 check_fused_experts(info)
             if size > 1 and info.kind == "prescaled":
                 check_prescaled_experts(info)
+            if size > 1 and info.kind == "grouped_linear":
+                check_grouped_linears(info)
         for info in blocks:
             if info.kind == "lightning_parallel":
                 _apply_to_moe(info.block, ep_group, token_group)
+            elif info.kind == "grouped_linear":
+                for name in info.grouped_names:
+                    _slice_stacked(getattr(info.block, name), ["weight"], info.num_experts, rank, size)
+                if size > 1:
+                    adapt_grouped_linears(info, ep_group)
             elif info.kind in ("fused", "prescaled"):
                 experts = info.experts
                 rows = info.rows_per_expert

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_parallel.experts.detection import MoEBlockInfo
 from lightning_parallel.experts.dispatch import ProcessGroup, dispatch, group_size
-from lightning_parallel.experts.foreign import MoEBlockInfo
 
 __all__ = ["adapt_prescaled_experts", "check_prescaled_experts"]
 

@@ -244,7 +244,7 @@ def _shard_experts(
     """One unit per module holding expert weights, over their replicas; the ``ExpertShard`` marks carried
     over to FSDP2's new (DTensor) parameters, which checkpoints, clipping and the norms read."""
 
-    from lightning_parallel.experts.foreign import SHARD_ATTR
+    from lightning_parallel.experts.detection import SHARD_ATTR
 
     units = []
     replicas = experts.mesh.size()
@@ -279,7 +279,7 @@ def regather(units: list[FSDPModule]) -> None:
     The gathered parameters are other objects than the shards; expert marks and row layouts are carried over
     to them, so ``expert_parameters(module)`` and ``row_layout(param)`` answer alike between steps.
     """
-    from lightning_parallel.experts.foreign import SHARD_ATTR
+    from lightning_parallel.experts.detection import SHARD_ATTR
 
     for unit in units:
         unit.unshard()

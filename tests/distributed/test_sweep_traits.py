@@ -19,7 +19,9 @@ Under ep=2 (over both data-parallel ranks): LongCat-Flash, whose router scores t
 four (the block maps them onto real experts with weight 0), and Zaya, whose router is a small network of
 linears with a skip expert: both found by the expert count their router declares; DBRX, whose experts are
 2-D stacks of row blocks one level down, sliced by blocks; Llama 4, whose block weighs each token by its
-sigmoid score before the experts (only each token's selected rows travel; ``experts/prescaled.py``).
+sigmoid score before the experts (only each token's selected rows travel; ``experts/prescaled.py``); JetMoE,
+whose MLP and mixture of attention heads call expert linears on rows grouped by expert
+(``experts/grouped_linear.py``).
 ``tests/experts/test_foreign.py`` holds the detection's and the checks' negative controls.
 
 Each tp case's record shows the mode the verification chose; each negative control takes that way away
@@ -64,7 +66,10 @@ def _case(
 CASES = [_case(family) for family in TRAITS]
 SIZE_COINCIDENCES = {family: _case(family) for family in ("recurrent_gemma", "ergo", "moshi")}
 RETURNED_UNDER_SP = _case("gpt_neox_japanese", sequence_parallel=True)
-EXPERTS = {family: _case(family, experts=True) for family in ("longcat_flash", "zaya", "dbrx", "llama4_text")}
+EXPERTS = {
+    family: _case(family, experts=True)
+    for family in ("longcat_flash", "zaya", "dbrx", "llama4_text", "jetmoe")
+}
 
 
 @pytest.fixture(scope="module")

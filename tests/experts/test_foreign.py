@@ -384,3 +384,33 @@ def test_the_aux_loss_reads_the_logits_a_router_returns_second() -> None:
     torch.testing.assert_close(added, expected.float(), rtol=1e-5, atol=1e-6)
     from_scores = sum(_hf_aux(scores.nan_to_num(neginf=-1e4), 4, top_k) for scores, _ in seen) / top_k
     assert not torch.allclose(added, from_scores.float(), rtol=1e-3)
+
+
+def test_expert_linears_on_rows_grouped_by_expert_are_found_and_checked() -> None:
+    """JetMoE calls each expert linear as ``linear(rows, rows_per_expert)``, in its MLP and in its mixture of
+    attention heads: both blocks found as ``grouped_linear`` with their two linears; the check refuses a
+    linear whose rows mix experts, and a router read at the wrong outputs (the negative controls)."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from lightning_parallel.experts.grouped_linear import check_grouped_linears
+    from tests.models.tiny_configs import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("jetmoe"))
+    blocks = find_moe_blocks(model)
+    assert {(b.name.split(".")[-1], b.kind, b.grouped_names, b.router_outputs) for b in blocks} == {
+        ("mlp", "grouped_linear", ("input_linear", "output_linear"), (4, 2)),
+        ("experts", "grouped_linear", ("input_linear", "output_linear"), (4, 2)),
+    }
+    info = blocks[0]
+    check_grouped_linears(info)
+    with pytest.raises(ValueError, match="does not return"):
+        check_grouped_linears(dataclasses.replace(info, router_outputs=(2, 4)))
+    linear = info.block.input_linear
+    original = linear.forward
+    linear.forward = lambda rows, sizes: (
+        original(rows, sizes) + rows.mean(0, keepdim=True).sum()
+    )  # rows mixed
+    with pytest.raises(ValueError, match="depend on other experts' rows"):
+        check_grouped_linears(info)
