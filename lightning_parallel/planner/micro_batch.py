@@ -74,6 +74,10 @@ class Execution:
     """Bytes per parameter element ZeRO's all-gathers carry (None: the precision's)."""
     bucket_bytes: float = 25 * 2**20
     """Gradient bucket: the last one is reduced after backward ends (DDP's 25 MiB)."""
+    float8_linears: bool = False
+    """The blocks' projection matmuls in fp8 (Transformer Engine, torchao's ``Float8Linear``) at the chip's
+    fp8 peak, each casting its input and weight (and in backward its output gradient) to fp8 first;
+    attention's own matmuls and the output head stay 16-bit."""
     overlap_host_step: bool | None = None
     """Offloaded optimizer: each shard's host step (gradient down, CPU Adam) during the last backward, and the
     parameters' way back inside the next forward's gathers (``zero/overlapped_step.py``). None: where the
@@ -86,9 +90,7 @@ STRATEGY = Execution()
 
 def matmul_peak(cluster: Cluster, precision: str) -> float:
     """The tensor-core peak a precision's matmuls run at: fp32 as TF32, half of bf16 on A100 through B200.
-
-    (``PRECISIONS`` has no fp8 precision yet: ``Cluster.peak_fp8_flops`` waits for one.)
-    """
+    (fp8 projections: ``Execution.float8_linears``.)"""
     if precision.startswith(("32", "64")):
         return cluster.peak_bf16_flops / 2
     return cluster.peak_bf16_flops
@@ -213,6 +215,15 @@ class MicroBatch:
         return self.compute + self.tensor_parallel + self.expert + self.transfers
 
 
+def _projection_inputs(block: BlockShape) -> float:
+    """Elements of the inputs a token's projections read (what fp8 casts): q, k, v and the MLP's entries read
+    the hidden state (once each under separate casts), the exits read the heads' and the MLP's outputs."""
+    mlp_inputs = block.hidden * (2 if block.gated else 1) + block.ffn_hidden
+    if block.num_experts:
+        mlp_inputs *= block.top_k
+    return 3 * block.hidden + block.q_width + mlp_inputs
+
+
 def micro_batch(
     stage: Stage, shape: ModelShape, layout: Layout, cluster: Cluster, execution: Execution, virtual: int
 ) -> MicroBatch:
@@ -229,6 +240,13 @@ def micro_batch(
     moved = cheap + tokens * act * sum(
         _gemm_elements(b, layout) + _other_elements(b, layout) for b in stage.blocks
     )
+    if execution.float8_linears and cluster.peak_fp8_flops:
+        # projections at the fp8 rate (as fewer 16-bit-rate FLOPs); each projection's input cast (read 16-bit,
+        # write 8-bit: 1.5 x its 16-bit bytes) per pass, the weights' casts once per micro-batch
+        projections = tokens * sum(2.0 * b.matmul_weights_per_token for b in stage.blocks) / tp
+        flops -= projections * (1.0 - cluster.peak_bf16_flops / cluster.peak_fp8_flops)
+        moved += 1.5 * tokens * act * sum(_projection_inputs(b) for b in stage.blocks) / tp
+        moved += 1.5 * act * sum(b.matmul_weights_per_token for b in stage.blocks) / tp
     head = head_moved = 0.0
     if stage.last:  # the output matmul (vocabulary cut over tensor ranks), the cross-entropy over its logits
         vocab = shape.vocab_size / tp

@@ -1,0 +1,349 @@
+"""The step-time model against published runs it was not fitted to: leave one source out.
+
+What the planner fits is one number per chip and matmul precision, the fraction of the tensor-core peak a
+step's matmuls run at (``Cluster.matmul_efficiency``); everything else comes from datasheets and the
+layout. The protocol:
+
+1. Rows: published training runs (``published_runs.json``, each with its source's link and the
+   configuration the source states; gathered from Megatron-LM, NVIDIA's NeMo / Megatron-Bridge
+   performance pages, torchtitan, and papers) and the two tables of ``published.py``. A row the model
+   cannot express (context parallelism, a chip without a preset, multi-head latent attention, a field the
+   source does not give, a throughput only as FLOP/s in a convention it does not state) is kept out, with
+   the reason, never guessed.
+2. Sources are grouped by who measured them (``SOURCE_GROUPS``: NVIDIA's NeMo pages and Megatron-Bridge's
+   are one publisher, torchtitan's repository, docs and paper another, ...).
+3. For each group, the efficiencies are fitted on every other group's rows only (per chip and precision,
+   minimising the mean absolute log error of the step time; a chip and precision no other group has falls
+   back to the chip's fit over any precision, then to one number over all rows), and the group's rows are
+   predicted with them: the out-of-sample error. The in-sample error (fitted on all rows) is shown beside
+   it, never instead.
+
+``python -m lightning_parallel.planner.validation`` prints the table; ``--write`` puts it in
+docs/planner.md. The tests pin the protocol (which rows a fold fits on), not the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from lightning_parallel.planner.cluster import CLUSTERS
+from lightning_parallel.planner.layout import Layout
+from lightning_parallel.planner.micro_batch import Execution
+from lightning_parallel.planner.published import MEGATRON_H100, PTD_P, PublishedRun, _setup, published_flops
+from lightning_parallel.planner.shapes import ModelShape
+from lightning_parallel.planner.timing import step_time
+
+__all__ = ["Fold", "Row", "fit", "leave_one_source_out", "load_rows", "markdown"]
+
+DATA = Path(__file__).with_name("published_runs.json")
+# Who measured a source's rows: the unit left out.
+SOURCE_GROUPS = {
+    "mbridge": "NVIDIA NeMo / Megatron-Bridge",
+    "nemo-docs": "NVIDIA NeMo / Megatron-Bridge",
+    "megatron-lm": "Megatron-LM",
+    "PTD-P": "Megatron-LM",
+    "torchtitan": "torchtitan",
+    "korthikanti2022": "Korthikanti et al. 2022",
+    "bloom": "BigScience BLOOM",
+    "megascale": "MegaScale",
+    "llama3": "Llama 3 paper",
+    "mtnlg": "MT-NLG",
+    "opt": "OPT",
+}
+# Vocabularies a source leaves to the tokenizer (Meta's published model configs).
+_VOCAB = (("llama 3", 128_256), ("llama3", 128_256), ("llama 2", 32_000))
+_EFFICIENCY_BOUNDS = (0.1, 1.0)
+
+
+def source_group(source: str) -> str:
+    for prefix, group in SOURCE_GROUPS.items():
+        if source.startswith(prefix):
+            return group
+    return source
+
+
+@dataclass(frozen=True)
+class Row:
+    """One published run: where it comes from, what the model needs to predict it, and what was measured."""
+
+    source: str
+    name: str
+    url: str
+    chip: str
+    precision: str
+    """``"16-bit"`` or ``"fp8"``: which fitted efficiency its matmuls run at."""
+    published_step_s: float
+    setup: tuple[ModelShape, Layout, Execution] | None = field(default=None, compare=False, repr=False)
+    problem: str | None = None
+    """Why the model cannot express it (then it is left out)."""
+
+    @property
+    def group(self) -> str:
+        return source_group(self.source)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.chip, self.precision
+
+
+def _chip(hardware: str | None) -> str | None:
+    text = (hardware or "").lower()
+    if "gb200" in text:
+        return None
+    for token, chip in (("b200", "b200"), ("h200", "h200"), ("h100", "h100"), ("a100", "a100-80gb")):
+        if token in text:
+            return chip
+    return None
+
+
+def _recompute(text: str | None) -> str | None:
+    words = (text or "").lower()
+    if words.startswith("full"):
+        return "full"
+    if words.startswith("selective"):
+        return "selective"
+    return None
+
+
+def _published_step(raw: dict[str, Any]) -> float | None:
+    value, metric = raw.get("value"), raw.get("metric")
+    tokens = (raw.get("global_batch") or 0) * (raw.get("seq_len") or 0)
+    if metric == "step_time_s" and value:
+        return float(value)
+    if metric == "tokens_per_sec_per_gpu" and value and tokens and raw.get("gpus"):
+        return tokens / (float(value) * raw["gpus"])
+    step = (raw.get("other_metrics") or {}).get("step_time_s")
+    return float(step) if isinstance(step, (int, float)) else None
+
+
+def _express(raw: dict[str, Any]) -> tuple[tuple[ModelShape, Layout, Execution] | None, str | None]:
+    """The planner's inputs for a row of ``published_runs.json``, or why it cannot have them."""
+    config = raw.get("model_config") or {}
+    name = str(raw.get("model") or "")
+    missing = [k for k in ("gpus", "tp", "pp", "global_batch", "micro_batch", "seq_len") if not raw.get(k)]
+    missing += [f"model {k}" for k in ("layers", "hidden", "heads") if not config.get(k)]
+    if missing:
+        return None, f"the source does not give {', '.join(missing)}"
+    if (raw.get("cp") or 1) > 1:
+        return None, "context parallelism (the planner has no cp axis yet)"
+    if "deepseek" in name.lower() or config.get("q_lora_rank") or config.get("kv_lora_rank"):
+        return None, "multi-head latent attention (not in the planner's block shapes)"
+    vocab = config.get("vocab") or next((v for k, v in _VOCAB if k in name.lower()), None)
+    if vocab is None:
+        return None, "the source does not give the vocabulary"
+    gpus, tp, pp = raw["gpus"], raw["tp"], raw["pp"]
+    ep = raw.get("ep") or 1
+    dp = gpus // (tp * pp)
+    micro_batches = raw["global_batch"] // (dp * raw["micro_batch"])
+    if dp * tp * pp != gpus or micro_batches < 1:
+        return (
+            None,
+            f"{gpus} GPUs, tp {tp}, pp {pp} and batch {raw['global_batch']} do not make whole replicas",
+        )
+    if dp % ep:
+        return (
+            None,
+            "expert parallelism over more ranks than data parallelism (Megatron folds it over tp too)",
+        )
+    experts = config.get("experts") or config.get("num_experts") or 0
+    ffn = config.get("ffn_hidden") or config.get("ffn_hidden_derived") or config.get("expert_ffn_hidden")
+    if experts:
+        ffn = config.get("expert_ffn_hidden") or ffn
+    llama_like = bool(config.get("kv_heads")) or "llama" in name.lower() or bool(experts)
+    shape = ModelShape.gpt(
+        config["layers"], config["hidden"], config["heads"], vocab, ffn_hidden=ffn,
+        kv_heads=config.get("kv_heads"), gated=llama_like, tied_head=not llama_like,
+        sequence_length=raw["seq_len"], num_experts=experts, top_k=config.get("top_k") or 0,
+        bias=not llama_like, name=name,
+    )  # fmt: skip
+    fsdp = isinstance(raw.get("fsdp"), int) and raw["fsdp"] > 1
+    vp = raw.get("vp") or 1
+    layout = Layout(
+        tensor_parallel=tp, sequence_parallel=tp > 1, pipeline_parallel=pp,
+        pipeline_schedule="interleaved_1f1b" if vp > 1 else "1f1b", pipeline_virtual_stages=vp,
+        micro_batches=micro_batches, data_parallel=dp, expert_parallel=ep, zero_stage=3 if fsdp else 1,
+        activation_checkpointing=_recompute(raw.get("recompute")),
+        precision="16-mixed" if "16-bit" in str(raw.get("precision")) else "bf16-mixed",
+        micro_batch_size=raw["micro_batch"], sequence_length=raw["seq_len"], attention="flash",
+    )  # fmt: skip
+    execution = Execution(
+        overlap_tensor_parallel=tp > 1, overlap_gradient_reduction=True, overlap_parameter_gather=True,
+        overlap_pipeline_transfers=True, float8_linears="8" in str(raw.get("precision")),
+    )  # fmt: skip
+    return (shape, layout, execution), None
+
+
+def _from_source(raw: dict[str, Any]) -> Row:
+    chip = _chip(raw.get("hardware"))
+    setup, problem = _express(raw)
+    step = _published_step(raw)
+    if chip is None:
+        problem = problem or "no preset for the chip (GB200 NVL72, or a chip the source does not name)"
+    if step is None:
+        problem = problem or "only a FLOP rate or MFU, in a FLOP convention the source does not state"
+    precision = "fp8" if "8" in str(raw.get("precision")) else "16-bit"
+    return Row(
+        str(raw["source"]), str(raw.get("model")), str(raw.get("url")), chip or "?", precision,
+        step or math.nan, setup if problem is None else None, problem,
+    )  # fmt: skip
+
+
+def _from_table(run: PublishedRun) -> Row:
+    shape, layout, cluster, execution = _setup(run)
+    step = published_flops(run) / (run.tflops * 1e12 * run.gpus)
+    source = "PTD-P" if run in PTD_P else "megatron-lm-readme-h100-2024"
+    return Row(source, f"GPT {run.name}", "lightning_parallel/planner/published.py", cluster.name, "16-bit", step,
+               (shape, layout, execution))  # fmt: skip
+
+
+def load_rows(path: Path = DATA) -> list[Row]:
+    """Every row, those the model cannot express included (``problem`` says why). The rows of the same tables
+    as ``published.py`` (the Megatron-LM READMEs) come from there, with the assumptions it documents."""
+    raw_rows = json.loads(path.read_text())
+    tables = {"megatron-lm-readme-a100-2021", "megatron-lm-readme-h100-2024"}
+    rows = [_from_source(r) for r in raw_rows if r["source"] not in tables]
+    return rows + [_from_table(run) for run in (*PTD_P, *MEGATRON_H100)]
+
+
+Predictor = Callable[[Row, float], float]
+
+
+_PREDICTED: dict[tuple[int, float], float] = {}  # (id of a row's setup, efficiency): the search revisits
+
+
+def predict(row: Row, efficiency: float) -> float:
+    """Predicted step seconds of ``row`` with its chip's matmuls at ``efficiency`` of the peak."""
+    assert row.setup is not None
+    key = (id(row.setup), round(efficiency, 4))
+    if key not in _PREDICTED:
+        shape, layout, execution = row.setup
+        cluster = replace(CLUSTERS[row.chip], matmul_efficiency=key[1])
+        _PREDICTED[key] = step_time(shape, layout, cluster, execution).total
+    return _PREDICTED[key]
+
+
+def _error(row: Row, efficiency: float, predictor: Predictor) -> float:
+    return abs(math.log(predictor(row, efficiency) / row.published_step_s))
+
+
+def _best(rows: Sequence[Row], predictor: Predictor) -> float:
+    """The efficiency minimising the rows' mean absolute log error (golden-section search: unimodal in it)."""
+    low, high = _EFFICIENCY_BOUNDS
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(30):
+        a, b = high - ratio * (high - low), low + ratio * (high - low)
+        if sum(_error(r, a, predictor) for r in rows) <= sum(_error(r, b, predictor) for r in rows):
+            high = b
+        else:
+            low = a
+    return (low + high) / 2
+
+
+def fit(rows: Sequence[Row], predictor: Predictor = predict) -> dict[Any, float]:
+    """Efficiencies per (chip, precision), per chip, and ``"all"``, each fitted on the rows it covers."""
+    fitted: dict[Any, float] = {"all": _best(rows, predictor)}
+    for chip in {r.chip for r in rows}:
+        fitted[chip] = _best([r for r in rows if r.chip == chip], predictor)
+    for key in {r.key for r in rows}:
+        fitted[key] = _best([r for r in rows if r.key == key], predictor)
+    return fitted
+
+
+def efficiency_for(row: Row, fitted: dict[Any, float]) -> tuple[float, str]:
+    """The fitted efficiency a row is predicted with, and which fit it came from."""
+    if row.key in fitted:
+        return fitted[row.key], "chip and precision"
+    if row.chip in fitted:
+        return fitted[row.chip], "chip"
+    return fitted["all"], "all rows"
+
+
+@dataclass
+class Fold:
+    """One source group left out: its rows' errors with the others' fit, and with the fit over all rows."""
+
+    group: str
+    rows: list[Row]
+    out_of_sample: list[float]
+    in_sample: list[float]
+    fallbacks: int
+
+    @staticmethod
+    def mean(errors: list[float]) -> float:
+        return sum(errors) / len(errors) if errors else math.nan
+
+
+def _relative(row: Row, efficiency: float, predictor: Predictor) -> float:
+    return abs(predictor(row, efficiency) / row.published_step_s - 1.0)
+
+
+def leave_one_source_out(rows: Sequence[Row], predictor: Predictor = predict) -> list[Fold]:
+    usable = [r for r in rows if r.problem is None]
+    everything = fit(usable, predictor)
+    folds = []
+    for group in sorted({r.group for r in usable}):
+        held = [r for r in usable if r.group == group]
+        others = fit([r for r in usable if r.group != group], predictor)
+        chosen = [efficiency_for(r, others) for r in held]
+        folds.append(Fold(
+            group, held,
+            [_relative(r, e, predictor) for r, (e, _) in zip(held, chosen, strict=True)],
+            [_relative(r, efficiency_for(r, everything)[0], predictor) for r in held],
+            sum(how != "chip and precision" for _, how in chosen),
+        ))  # fmt: skip
+    return folds
+
+
+def markdown(rows: Sequence[Row], folds: Sequence[Fold]) -> str:
+    lines = [
+        "| source (left out) | rows | step-time error, out of sample | in sample | rows predicted with a fallback fit |",
+        "|---|---|---|---|---|",
+    ]
+    for fold in folds:
+        lines.append(
+            f"| {fold.group} | {len(fold.rows)} | {100 * Fold.mean(fold.out_of_sample):.1f}%"
+            f" | {100 * Fold.mean(fold.in_sample):.1f}% | {fold.fallbacks} |"
+        )
+    out = [e for f in folds for e in f.out_of_sample]
+    ins = [e for f in folds for e in f.in_sample]
+    lines.append(
+        f"| **all** | {len(out)} | **{100 * Fold.mean(out):.1f}%** | {100 * Fold.mean(ins):.1f}% | |"
+    )
+    left: dict[str, list[str]] = {}
+    for row in rows:
+        if row.problem is not None:
+            left.setdefault(row.problem, []).append(row.source)
+    lines += ["", f"Left out, {sum(len(v) for v in left.values())} rows:", ""]
+    lines += [
+        f"- {why} ({len(sources)}: {', '.join(sorted(set(sources)))})"
+        for why, sources in sorted(left.items())
+    ]
+    return "\n".join(lines)
+
+
+_BEGIN, _END = "<!-- validation table: begin -->", "<!-- validation table: end -->"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="put the table in docs/planner.md")
+    args = parser.parse_args(argv)
+    rows = load_rows()
+    table = markdown(rows, leave_one_source_out(rows))
+    print(table)
+    if args.write:
+        doc = Path(__file__).parents[2] / "docs" / "planner.md"
+        text = doc.read_text()
+        start, end = text.index(_BEGIN) + len(_BEGIN), text.index(_END)
+        doc.write_text(text[:start] + "\n" + table + "\n" + text[end:])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

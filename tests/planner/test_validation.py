@@ -1,0 +1,95 @@
+"""The leave-one-source-out protocol (``planner/validation.py``): which rows each fold fits on, not the
+figures it reports. Synthetic rows with a stub predictor (step = work / efficiency) keep it fast; the data
+file is checked for what the protocol needs (sources, links, enough expressible rows)."""
+
+from __future__ import annotations
+
+import math
+
+from lightning_parallel.planner.cluster import CLUSTERS
+from lightning_parallel.planner.layout import Layout
+from lightning_parallel.planner.micro_batch import Execution
+from lightning_parallel.planner.shapes import ModelShape
+from lightning_parallel.planner.timing import step_time
+from lightning_parallel.planner.validation import (
+    Fold,
+    Row,
+    efficiency_for,
+    fit,
+    leave_one_source_out,
+    load_rows,
+)
+
+# Each source measured the same chip at its own efficiency: work 1 s at efficiency 1.
+TRUE = {"mbridge-a": 0.5, "torchtitan-a": 0.35, "korthikanti2022": 0.6}
+MEASURED_AT: dict[str, float] = {}  # by row name: the efficiency its run had, wherever the row is filed
+
+
+def _row(source: str, work: float, chip: str = "h100", precision: str = "16-bit") -> Row:
+    name = f"{source} {work} {chip} {precision}"
+    MEASURED_AT[name] = TRUE[source]
+    return Row(source, name, "url", chip, precision, work / TRUE[source])
+
+
+def _stub(row: Row, efficiency: float) -> float:
+    return row.published_step_s * MEASURED_AT[row.name] / efficiency
+
+
+ROWS = [_row(s, w) for s in TRUE for w in (1.0, 2.0, 3.0)]
+
+
+def test_each_fold_is_predicted_with_the_other_groups_fit_only() -> None:
+    folds = {f.group: f for f in leave_one_source_out(ROWS, _stub)}
+    assert set(folds) == {"NVIDIA NeMo / Megatron-Bridge", "torchtitan", "Korthikanti et al. 2022"}
+    titan = folds["torchtitan"]
+    others = fit([r for r in ROWS if r.group != "torchtitan"], _stub)[("h100", "16-bit")]
+    assert 0.5 <= others <= 0.6  # the others' efficiencies, never torchtitan's 0.35
+    for error in titan.out_of_sample:
+        assert math.isclose(error, abs(0.35 / others - 1.0), rel_tol=1e-3)
+    # the negative control: fitted on every row, torchtitan's own rows pull the fit and its error shrinks
+    assert max(titan.in_sample) < min(titan.out_of_sample)
+
+
+def test_a_row_moved_from_the_validation_to_the_fitting_set_changes_the_reported_error() -> None:
+    before = {f.group: f for f in leave_one_source_out(ROWS, _stub)}["torchtitan"]
+    moved_name = ROWS[3].name  # a torchtitan row, filed under another group
+    moved = [Row("mbridge-a", r.name, "url", r.chip, r.precision, r.published_step_s) if r.name == moved_name
+             else r for r in ROWS]  # fmt: skip
+    after = {f.group: f for f in leave_one_source_out(moved, _stub)}["torchtitan"]
+    assert len(after.rows) == len(before.rows) - 1
+    assert Fold.mean(after.out_of_sample) != Fold.mean(before.out_of_sample)
+
+
+def test_a_chip_and_precision_no_other_group_has_falls_back_and_is_counted() -> None:
+    rows = [*ROWS, _row("korthikanti2022", 1.0, chip="a100-80gb")]
+    fitted = fit([r for r in rows if r.group != "Korthikanti et al. 2022"], _stub)
+    assert efficiency_for(rows[-1], fitted)[1] == "all rows"
+    fp8 = _row("mbridge-a", 1.0, precision="fp8")
+    assert efficiency_for(fp8, fitted)[1] == "chip"
+    fold = {f.group: f for f in leave_one_source_out(rows, _stub)}["Korthikanti et al. 2022"]
+    assert fold.fallbacks == 1
+
+
+def test_the_published_runs_give_the_protocol_five_groups_and_forty_rows() -> None:
+    rows = load_rows()
+    usable = [r for r in rows if r.problem is None]
+    assert len({r.group for r in usable}) >= 5 and len(usable) >= 40
+    assert all(r.url and r.source for r in rows)
+    assert all(r.published_step_s > 0 for r in usable)
+    assert all(r.problem for r in rows if r.setup is None)  # nothing left out without its reason
+
+
+def test_fp8_projections_run_at_the_fp8_peak_and_pay_their_casts() -> None:
+    shape = ModelShape.gpt(
+        8, 4096, 32, 32_000, ffn_hidden=14336, kv_heads=8, gated=True, tied_head=False, bias=False
+    )
+    layout = Layout(micro_batch_size=1, sequence_length=4096, precision="bf16-mixed")
+    plain = step_time(shape, layout, CLUSTERS["h100"], Execution())
+    fp8 = step_time(shape, layout, CLUSTERS["h100"], Execution(float8_linears=True))
+    assert 0.5 < fp8.total / plain.total < 0.8  # not the whole 2x: attention, the head, the casts
+    # the negative control: a chip without fp8 tensor cores runs the same step
+    a100 = CLUSTERS["a100-80gb"]
+    assert (
+        step_time(shape, layout, a100, Execution(float8_linears=True)).total
+        == step_time(shape, layout, a100, Execution()).total
+    )
