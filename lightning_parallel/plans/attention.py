@@ -265,6 +265,11 @@ def plan_attention_entries(
             layouts = fused_layouts(join(full_name, name), entry_out, heads, kv_heads, head_dim, tp)
             variants = [EntryVariant(label, {join(full_name, name): style}) for label, style in layouts]
             styles.update(variants[0].styles)
+        elif entry_out in (heads, kv_heads) and projection_dims(entry)[0] == kv_width and kv_width % tp == 0:
+            # one output per head from the heads' values (Doge's dt_proj); it may read as wide as the hidden state
+            styles[join(full_name, name)] = ColwiseProjection(
+                use_local_output=True, sliced_input_width=kv_width // tp
+            )
         elif not makers and kv_heads < tp and entry_out == kv_width and kv_width != exit_in:
             layout = RowLayout.of_blocks(
                 [(kv_width, kv_heads)], tp, label=f"{kv_heads} k/v heads, each on {tp // kv_heads} ranks"

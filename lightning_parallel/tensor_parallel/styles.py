@@ -106,12 +106,22 @@ class ColwiseProjection(ColwiseParallel):
     (``tensor_parallel/row_layout.py``: fused q|k|v of unequal widths, k/v heads fewer than ranks).
     """
 
-    def __init__(self, *, num_chunks: int = 1, row_layout: RowLayout | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        num_chunks: int = 1,
+        row_layout: RowLayout | None = None,
+        sliced_input_width: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         if num_chunks < 1:
             raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
         self.num_chunks = num_chunks
         self.row_layout = row_layout
+        # a projection of the heads' values (Doge's ``dt_proj``: one output per head from every head's values):
+        # an input this wide is the rank's slice of its features, gathered first; a whole one is replicated
+        self.sliced_input_width = sliced_input_width
 
     @property
     def fused_as_rows(self) -> bool:
@@ -157,13 +167,28 @@ class ColwiseProjection(ColwiseParallel):
                 f"ColwiseProjection supports Linear, Conv1D and Embedding, not {type(module)}"
             )
         output_fn = self._prepare_fused_output_fn if self.num_chunks > 1 else self._prepare_output_fn
+        input_fn = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
+        if self.sliced_input_width is not None:
+            input_fn = partial(
+                self._prepare_sliced_or_whole_input, self.sliced_input_width, self.desired_input_layouts
+            )
         return distribute_module(
             module,
             device_mesh,
             self._partition_projection_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            input_fn,
             partial(output_fn, self.output_layouts, self.use_local_output),
         )
+
+    @staticmethod
+    def _prepare_sliced_or_whole_input(
+        sliced: int, desired: Any, mod: nn.Module, inputs: tuple[Any, ...], device_mesh: DeviceMesh
+    ) -> DTensor:
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            placement = Shard(x.dim() - 1) if x.shape[-1] == sliced else Replicate()
+            x = DTensor.from_local(x, device_mesh, [placement], run_check=False)
+        return x.redistribute(placements=desired)
 
     def __repr__(self) -> str:
         fused = f", num_chunks={self.num_chunks}" if self.num_chunks > 1 else ""

@@ -8,7 +8,8 @@ one per trait, unchanged from their tiny configs, at fp32 parity with one proces
 - MPT: ALiBi made at model level as a ``(heads, 1, positions)`` tensor, cut to the rank's heads;
 - RecurrentGemma: a rotary child of the attention holds as many frequencies as there are heads (they stay
   whole); ERGO: its shared expert normalises its exit's output with a norm as wide as its hidden units
-  (normalised whole); Moshi: each projection wrapped in a module of its own (found through it); their
+  (normalised whole); Moshi: each projection wrapped in a module of its own (found through it); Doge: a
+  projection of the heads' values to one output per head, as wide as the hidden state (fed the slice); their
   checks are unit tests (``tests/plans/test_attention_parts.py``,
   ``tests/tensor_parallel/test_gathered_norm.py``);
 - GPT-NeoX-Japanese: the last block's attention returns its ``dense_bias``, added after the exit's
@@ -64,7 +65,7 @@ def _case(
 
 
 CASES = [_case(family) for family in TRAITS]
-SIZE_COINCIDENCES = {family: _case(family) for family in ("recurrent_gemma", "ergo", "moshi")}
+SIZE_COINCIDENCES = {family: _case(family) for family in ("recurrent_gemma", "ergo", "moshi", "doge")}
 RETURNED_UNDER_SP = _case("gpt_neox_japanese", sequence_parallel=True)
 EXPERTS = {
     family: _case(family, experts=True)
