@@ -160,6 +160,11 @@ def plan_mlp(full_name: str, cand: ContainerCandidate, tp: int, sp: bool) -> tup
     """Entries (up, gate, or a fused gate|up) column parallel, the exit row parallel; a norm over the hidden
     units before the exit (BitNet's ``ffn_sub_norm``) gathered, a learnable activation's weights summed."""
     ffn, hidden = projection_dims(cand.exit[1])
+    if not cand.name and ffn < hidden:
+        raise UnsupportedLayout(
+            f"projections of the block itself that narrow its {hidden}-wide hidden state to {ffn} (a per-layer"
+            " input gate or an adapter, not an MLP): small, left whole"
+        )
     styles: dict = {}
     for name, entry in cand.entries:
         entry_in, entry_out = projection_dims(entry)

@@ -338,7 +338,9 @@ def verify_and_choose_modes(
     lines = []
     for block_name, inputs in captured.items():
         block = model.get_submodule(block_name)
-        block_containers = [c for c in plan.containers if c.name.startswith(block_name + ".")]
+        block_containers = [
+            c for c in plan.containers if c.name == block_name or c.name.startswith(block_name + ".")
+        ]
         failures = []
         for mode in modes_to_try(block_containers):
             try:

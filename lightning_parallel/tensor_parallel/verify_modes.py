@@ -71,7 +71,10 @@ def _variant_styles(container: ShardedContainer) -> dict[str, Any]:
 
 def relative_plan(plan: ParallelPlan, prefix: str, mode: Mode) -> ParallelPlan:
     cut = len(prefix) + 1
-    chosen = [_apply_mode(c, mode) for c in plan.containers if c.name.startswith(prefix + ".")]
+    # the block's own container too (OPT's fc1 and fc2 are the block's): what runs is what is verified
+    chosen = [
+        _apply_mode(c, mode) for c in plan.containers if c.name == prefix or c.name.startswith(prefix + ".")
+    ]
     styles = dict(plan.styles)
     for container in chosen:
         styles.update(_variant_styles(container))
@@ -86,7 +89,9 @@ def relative_plan(plan: ParallelPlan, prefix: str, mode: Mode) -> ParallelPlan:
 def keep_mode(plan: ParallelPlan, model: nn.Module, block: nn.Module, mode: Mode) -> None:
     """Every block of ``block``'s kind runs its containers in ``mode`` (their fused entries' styles too)."""
     for index, container in enumerate(plan.containers):
-        owner = next((b for b in plan.block_names if container.name.startswith(b + ".")), None)
+        owner = next(
+            (b for b in plan.block_names if container.name == b or container.name.startswith(b + ".")), None
+        )
         if owner is not None and same_kind(model.get_submodule(owner), block):
             chosen = _apply_mode(container, mode)
             plan.containers[index] = chosen

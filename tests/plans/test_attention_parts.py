@@ -116,3 +116,22 @@ def test_projections_inside_wrappers_and_a_gated_pair_beside_the_exit_are_found(
         "v_proj.linear",
         "o_proj.linear",
     ]
+
+
+def test_projections_of_the_block_itself_that_narrow_the_hidden_state_stay_whole() -> None:
+    """Gemma 4's per-layer input gate (hidden -> 16, times a model-level input, -> hidden) sits on the decoder
+    layer itself: left whole with the reason in the plan (sharded, each rank's 8-wide gate met the 16-wide
+    input); OPT's fc1 and fc2, also the block's own, widen it: still an MLP (the negative control)."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_parallel.plans.auto import auto_plan
+    from tests.models.tiny_configs import tiny_config
+
+    gemma = AutoModelForCausalLM.from_config(tiny_config("gemma4_text"))
+    plan = auto_plan(gemma, tensor_parallel=2, sequence_parallel=False)
+    blocks = set(plan.block_names)
+    assert not any(c.name in blocks for c in plan.containers)
+    assert any("narrow its 64-wide hidden state to 16" in note for note in plan.notes)
+    opt = AutoModelForCausalLM.from_config(tiny_config("opt"))
+    plan = auto_plan(opt, tensor_parallel=2, sequence_parallel=False)
+    assert any(c.name in set(plan.block_names) and c.kind == "mlp" for c in plan.containers)
