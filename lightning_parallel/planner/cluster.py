@@ -171,6 +171,25 @@ CLUSTERS: dict[str, Cluster] = {
             + _EFFICIENCIES
             + f" Matmul {_H200_MATMUL}: assumed the H200's; no B200 run was checked.",
         ),
+        Cluster(
+            name="gb200",
+            peak_bf16_flops=2500e12,
+            peak_fp8_flops=5000e12,
+            memory_bytes=186 * 1000**3,
+            memory_bandwidth=8000 * GB,
+            gpus_per_node=72,
+            intra_node_bandwidth=900 * GB,
+            inter_node_bandwidth=50 * GB,
+            host_bandwidth=450 * GB,
+            nvme_bandwidth=3 * GB,
+            matmul_efficiency=_H200_MATMUL,
+            source="GB200 NVL72: NVIDIA's figures for the GB200 variant of the Blackwell GPU at 1,200 W (2.5 PFLOP/s"
+            " dense bf16, 5 fp8; HBM3e 8 TB/s), 13.4 TB of HBM3e over the rack's 72 GPUs (186 GB a GPU), one NVLink 5"
+            " domain of 72 GPUs (900 GB/s each way a GPU), one 400 Gb/s NIC a GPU between racks, NVLink-C2C to the"
+            " Grace CPU (900 GB/s both ways)."
+            + _EFFICIENCIES
+            + f" Matmul {_H200_MATMUL}: assumed the H200's; no GB200 run was checked.",
+        ),
     )
 }
 

@@ -6,7 +6,8 @@ layout. The protocol:
 
 1. Rows: published training runs (``published_runs.json``, each with its source's link and the
    configuration the source states; gathered from Megatron-LM, NVIDIA's NeMo / Megatron-Bridge
-   performance pages, torchtitan, and papers) and the two tables of ``published.py``. A row the model
+   performance pages, torchtitan, and papers; the lent H200's own measurements) and the two tables of
+   ``published.py``. A row the model
    cannot express (context parallelism, a chip without a preset, multi-head latent attention, a field the
    source does not give, a throughput only as FLOP/s in a convention it does not state) is kept out, with
    the reason, never guessed.
@@ -55,6 +56,7 @@ SOURCE_GROUPS = {
     "llama3": "Llama 3 paper",
     "mtnlg": "MT-NLG",
     "opt": "OPT",
+    "lent-h200": "the lent H200",
 }
 # Vocabularies a source leaves to the tokenizer (Meta's published model configs).
 _VOCAB = (("llama 3", 128_256), ("llama3", 128_256), ("llama 2", 32_000))
@@ -94,9 +96,13 @@ class Row:
 
 def _chip(hardware: str | None) -> str | None:
     text = (hardware or "").lower()
-    if "gb200" in text:
-        return None
-    for token, chip in (("b200", "b200"), ("h200", "h200"), ("h100", "h100"), ("a100", "a100-80gb")):
+    for token, chip in (
+        ("gb200", "gb200"),
+        ("b200", "b200"),
+        ("h200", "h200"),
+        ("h100", "h100"),
+        ("a100", "a100-80gb"),
+    ):
         if token in text:
             return chip
     return None
@@ -167,7 +173,8 @@ def _express(raw: dict[str, Any]) -> tuple[tuple[ModelShape, Layout, Execution] 
     layout = Layout(
         tensor_parallel=tp, sequence_parallel=tp > 1, pipeline_parallel=pp,
         pipeline_schedule="interleaved_1f1b" if vp > 1 else "1f1b", pipeline_virtual_stages=vp,
-        micro_batches=micro_batches, data_parallel=dp, expert_parallel=ep, zero_stage=3 if fsdp else 1,
+        micro_batches=micro_batches, data_parallel=dp, expert_parallel=ep,
+        zero_stage=0 if dp == 1 else 3 if fsdp else 1,
         activation_checkpointing=_recompute(raw.get("recompute")),
         precision="16-mixed" if "16-bit" in str(raw.get("precision")) else "bf16-mixed",
         micro_batch_size=raw["micro_batch"], sequence_length=raw["seq_len"], attention="flash",
@@ -184,7 +191,7 @@ def _from_source(raw: dict[str, Any]) -> Row:
     setup, problem = _express(raw)
     step = _published_step(raw)
     if chip is None:
-        problem = problem or "no preset for the chip (GB200 NVL72, or a chip the source does not name)"
+        problem = problem or "the source does not name the chip"
     if step is None:
         problem = problem or "only a FLOP rate or MFU, in a FLOP convention the source does not state"
     precision = "fp8" if "8" in str(raw.get("precision")) else "16-bit"
