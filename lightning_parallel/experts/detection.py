@@ -44,7 +44,8 @@ class MoEBlockInfo:
     Attributes:
         name: Qualified module name of the block ("" for the root).
         block: The block module.
-        kind: ``"lightning_parallel"``, ``"fused"`` or ``"module_list"`` (module docstring).
+        kind: ``"lightning_parallel"``, ``"fused"``, ``"prescaled"``, ``"grouped_linear"`` or ``"module_list"``
+            (module docstring).
         num_experts: Routed experts E (global, as built).
         top_k: Experts per token if the block or its router says (``top_k``,
             ``num_experts_per_tok``, ...), else None.
@@ -154,6 +155,9 @@ def _row_blocks(child: nn.Module, counts: set[int]) -> tuple[int, int] | None:
     params = list(child.parameters())
     if not params or any(p.dim() != 2 for p in params):
         return None
+    shard = getattr(params[0], SHARD_ATTR, None)
+    if shard is not None:  # sliced by expert parallelism: the mark says what the stack was
+        return (shard.num_experts, shard.rows_per_expert) if shard.rows_per_expert > 1 else None
     for count in sorted(counts, reverse=True):
         rows = {p.shape[0] // count for p in params if p.shape[0] % count == 0}
         if len(rows) == 1 and all(p.shape[0] % count == 0 for p in params) and rows != {1}:
@@ -179,15 +183,14 @@ def _match(prefix: str, block: nn.Module) -> MoEBlockInfo | None:
             stacked = [p for p in child.parameters(recurse=False) if p.dim() >= 3]
             if name in routers or arguments == 2 or (arguments == 1 and not stacked):
                 continue  # a router; or not called with (hidden, top_k_index, top_k_weights), nor with (hidden)
-            blocks = None if stacked or arguments == 1 else _row_blocks(child, set(routers.values()))
-            if arguments == 1 and len({p.shape[0] for p in stacked}) == 1:  # fed rows the router weighted
+            routed = _routed_call(child)
+            blocks = None if stacked or not routed else _row_blocks(child, set(routers.values()))
+            if arguments == 1 and _expert_stacks(child, stacked):  # fed rows the router weighted
                 kind, num_experts = "prescaled", _global_experts(stacked[0], stacked[0].shape[0])
             elif arguments == 1:
                 continue
             elif blocks is not None:
-                num_experts, rows = blocks
-                shard = getattr(next(child.parameters()), SHARD_ATTR, None)
-                kind, num_experts = "fused", num_experts if shard is None else shard.num_experts
+                kind, (num_experts, rows) = "fused", blocks
             elif not stacked or len({p.shape[0] for p in stacked}) != 1:
                 continue
             else:
@@ -214,6 +217,22 @@ def _match(prefix: str, block: nn.Module) -> MoEBlockInfo | None:
     return None
 
 
+_NOT_EXPERTS = (nn.Bilinear, nn.modules.conv._ConvNd)  # 3-D weights of one module, not a stack of experts
+
+
+def _expert_stacks(child: nn.Module, stacked: list[torch.Tensor]) -> bool:
+    """Two or more 3-D weights with one leading size, in a module that is no convolution or bilinear map."""
+    return (
+        not isinstance(child, _NOT_EXPERTS) and len(stacked) >= 2 and len({p.shape[0] for p in stacked}) == 1
+    )
+
+
+def _routed_call(child: nn.Module) -> bool:
+    """Called with the routing as transformers' experts modules are: ``(hidden, top_k_index, top_k_weights)``."""
+    names = list(inspect.signature(child.forward).parameters)[1:3]
+    return len(names) == 2 and bool(re.search("ind", names[0])) and "weight" in names[1]
+
+
 def _grouped_linears(block: nn.Module, routers: dict[str, int]) -> list[str] | None:
     """Children called as ``linear(rows_grouped_by_expert, rows_per_expert)`` with an ``(E, out, in)`` weight
     for an E a router of the block scores (ScatterMoE's and MegaBlocks' convention: JetMoE's
@@ -221,9 +240,15 @@ def _grouped_linears(block: nn.Module, routers: dict[str, int]) -> list[str] | N
     names = []
     for name, child in block.named_children():
         stacked = [p for p in child.parameters(recurse=False) if p.dim() == 3]
-        if name in routers or not stacked or any(True for _ in child.children()):
+        if (
+            name in routers
+            or not stacked
+            or any(True for _ in child.children())
+            or isinstance(child, _NOT_EXPERTS)
+        ):
             continue
-        if len(inspect.signature(child.forward).parameters) == 2 and stacked[0].shape[0] in routers.values():
+        experts = _global_experts(stacked[0], stacked[0].shape[0])  # sliced by expert parallelism: as built
+        if len(inspect.signature(child.forward).parameters) == 2 and experts in routers.values():
             names.append(name)
     return names or None
 

@@ -37,7 +37,7 @@ def check_grouped_linears(info: MoEBlockInfo) -> None:
         linear = getattr(info.block, name)
         weight = next(p for p in linear.parameters(recurse=False) if p.dim() == 3)
         if weight.is_meta:
-            return
+            continue
         rows = torch.randn(sum(counts), weight.shape[-1], generator=generator).to(weight)
         whole = linear(rows, counts)
         starts = [sum(counts[:e]) for e in range(info.num_experts)]

@@ -182,7 +182,9 @@ class ExpertParallel:
                 _apply_to_moe(info.block, ep_group, token_group)
             elif info.kind == "grouped_linear":
                 for name in info.grouped_names:
-                    _slice_stacked(getattr(info.block, name), ["weight"], info.num_experts, rank, size)
+                    linear = getattr(info.block, name)
+                    names = [n for n, p in linear.named_parameters() if per_expert(p, info.num_experts)]
+                    _slice_stacked(linear, names, info.num_experts, rank, size)
                 if size > 1:
                     adapt_grouped_linears(info, ep_group)
             elif info.kind in ("fused", "prescaled"):

@@ -88,14 +88,19 @@ def adapt_prescaled_experts(info: MoEBlockInfo, ep_group: ProcessGroup) -> None:
     if hasattr(experts, "num_experts"):
         experts.num_experts = num_local
     seen: list[torch.Tensor] = []  # the router's logits of the call the experts are about to serve
+    logits_at = info.router_outputs[0]
 
     def keep_logits(module: nn.Module, args: Any, output: Any) -> None:
-        seen[:] = [output[1].detach()]
+        seen[:] = [output[logits_at].detach()]
 
     router.register_forward_hook(keep_logits)
 
     def forward(self: nn.Module, routed_in: torch.Tensor) -> torch.Tensor:
-        logits_NE = seen.pop()
+        if not seen:
+            raise RuntimeError(
+                f"`expert_parallel`: the experts of `{info.name}` ran without their router first."
+            )
+        logits_NE = seen[-1]
         num_tokens, hidden = logits_NE.shape[0], routed_in.shape[-1]
         experts_NK = logits_NE.topk(top_k, dim=1).indices  # what the router chose, on the same logits
         expert_A = experts_NK.reshape(-1)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -108,6 +109,10 @@ def _chip(hardware: str | None) -> str | None:
     return None
 
 
+def _fp8(raw: dict[str, Any]) -> bool:
+    return bool(re.search(r"fp8|float8", str(raw.get("precision")), re.IGNORECASE))
+
+
 def _recompute(text: str | None) -> str | None:
     words = (text or "").lower()
     if words.startswith("full"):
@@ -147,7 +152,7 @@ def _express(raw: dict[str, Any]) -> tuple[tuple[ModelShape, Layout, Execution] 
     ep = raw.get("ep") or 1
     dp = gpus // (tp * pp)
     micro_batches = raw["global_batch"] // (dp * raw["micro_batch"])
-    if dp * tp * pp != gpus or micro_batches < 1:
+    if dp * tp * pp != gpus or micro_batches < 1 or raw["global_batch"] % (dp * raw["micro_batch"]):
         return (
             None,
             f"{gpus} GPUs, tp {tp}, pp {pp} and batch {raw['global_batch']} do not make whole replicas",
@@ -181,7 +186,7 @@ def _express(raw: dict[str, Any]) -> tuple[tuple[ModelShape, Layout, Execution] 
     )  # fmt: skip
     execution = Execution(
         overlap_tensor_parallel=tp > 1, overlap_gradient_reduction=True, overlap_parameter_gather=True,
-        overlap_pipeline_transfers=True, float8_linears="8" in str(raw.get("precision")),
+        overlap_pipeline_transfers=True, float8_linears=_fp8(raw),
     )  # fmt: skip
     return (shape, layout, execution), None
 
@@ -194,7 +199,7 @@ def _from_source(raw: dict[str, Any]) -> Row:
         problem = problem or "the source does not name the chip"
     if step is None:
         problem = problem or "only a FLOP rate or MFU, in a FLOP convention the source does not state"
-    precision = "fp8" if "8" in str(raw.get("precision")) else "16-bit"
+    precision = "fp8" if _fp8(raw) else "16-bit"
     return Row(
         str(raw["source"]), str(raw.get("model")), str(raw.get("url")), chip or "?", precision,
         step or math.nan, setup if problem is None else None, problem,
@@ -221,7 +226,8 @@ def load_rows(path: Path = DATA) -> list[Row]:
 Predictor = Callable[[Row, float], float]
 
 
-_PREDICTED: dict[tuple[int, float], float] = {}  # (id of a row's setup, efficiency): the search revisits
+# (id of a row's setup, efficiency) -> (that setup, kept alive so its id is not reused; the step): the search revisits
+_PREDICTED: dict[tuple[int, float], tuple[object, float]] = {}
 
 
 def predict(row: Row, efficiency: float) -> float:
@@ -231,8 +237,8 @@ def predict(row: Row, efficiency: float) -> float:
     if key not in _PREDICTED:
         shape, layout, execution = row.setup
         cluster = replace(CLUSTERS[row.chip], matmul_efficiency=key[1])
-        _PREDICTED[key] = step_time(shape, layout, cluster, execution).total
-    return _PREDICTED[key]
+        _PREDICTED[key] = (row.setup, step_time(shape, layout, cluster, execution).total)
+    return _PREDICTED[key][1]
 
 
 def _error(row: Row, efficiency: float, predictor: Predictor) -> float:

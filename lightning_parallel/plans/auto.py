@@ -145,7 +145,7 @@ def plan_attention(
         pair_styles, kv_local = paired
         known = {"heads": heads, "kv_heads": kv_heads, "widths": widths, "kv_local": kv_local}
         variants = [
-            EntryVariant("contiguous heads", {}, fused=False),
+            EntryVariant("", {}, fused=False),  # the plain split: nothing to say in the plan
             EntryVariant(
                 "heads paired across halves", pair_styles, scaled_attributes(module, tp, known), fused=False
             ),

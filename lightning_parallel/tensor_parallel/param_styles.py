@@ -110,4 +110,5 @@ def _restore_handing_back_whole(module: nn.Module, args: Any, output: Any) -> An
     _restore(module, args, output)
     if not returned or not isinstance(output, tuple) or not any(id(item) in returned for item in output):
         return None
-    return tuple(returned[id(item)].to_local() if id(item) in returned else item for item in output)
+    items = [returned[id(item)].to_local() if id(item) in returned else item for item in output]
+    return type(output)(*items) if hasattr(output, "_fields") else tuple(items)  # a NamedTuple stays one

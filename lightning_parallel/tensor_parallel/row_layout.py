@@ -64,7 +64,7 @@ class RowLayout:
     @classmethod
     def of_groups(cls, rows: int, groups: int, parts: int, ranks: int, label: str = "") -> RowLayout:
         """The user's rows as ``groups`` equal groups of ``parts`` equal parts (CodeGen's ``qkv_proj``: 4
-        groups of q|v|k), read by code that cuts any width into ``groups`` groups, a constant of the model:
+        groups of its q, v and k), read by code that cuts any width into ``groups`` groups, a constant of the model:
         each rank stores, in each of its groups, the rows that code then reads as the rank's heads. Part ``s``
         flattened over the groups holds the heads in order; rank ``r`` holds that order's ``r``-th block,
         cut into its ``groups`` groups likewise."""

@@ -35,7 +35,7 @@ class Mode:
         labels = {
             c.variants[min(self.variant, len(c.variants) - 1)].description for c in containers if c.variants
         }
-        words += sorted(labels)
+        words += sorted(label for label in labels if label)
         words += ["per-head inputs cut to its heads"] if self.slice_heads else []
         words += ["outputs copied"] if self.copy_output else []
         return ", ".join(words + (["entry outputs copied"] if self.copy_entry_outputs else []))

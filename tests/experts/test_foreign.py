@@ -414,3 +414,43 @@ def test_expert_linears_on_rows_grouped_by_expert_are_found_and_checked() -> Non
     )  # rows mixed
     with pytest.raises(ValueError, match="depend on other experts' rows"):
         check_grouped_linears(info)
+
+
+@pytest.mark.parametrize("family", ["jetmoe", "dbrx", "llama4_text"])
+def test_blocks_are_found_again_after_their_experts_are_sliced(family: str) -> None:
+    """The strategy looks for the MoE blocks again once expert parallelism has sliced them (the load-balancing
+    loss, the planner): each is found with its global expert count and rows per expert, as before slicing."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_parallel.experts.parallel import _slice_stacked
+    from tests.models.tiny_configs import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config(family))
+    before = [(b.name, b.kind, b.num_experts, b.rows_per_expert) for b in find_moe_blocks(model)]
+    for info in find_moe_blocks(model):
+        for name in info.grouped_names or (info.experts_name,):
+            owner = getattr(info.block, name)
+            names = [n for n, p in owner.named_parameters() if p.dim() >= 2]
+            _slice_stacked(owner, names, info.num_experts, 0, 2, info.rows_per_expert)
+    after = [(b.name, b.kind, b.num_experts, b.rows_per_expert) for b in find_moe_blocks(model)]
+    assert before and after == before
+
+
+def test_dense_modules_with_a_gate_are_not_taken_for_experts() -> None:
+    """A gate beside an attention called with (x, mask, positions), a convolution, or a bilinear map: none is a
+    set of experts, whatever sizes coincide (each was taken for one by a looser rule)."""
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Parameter(torch.zeros(16, 16))
+            self.k = nn.Parameter(torch.zeros(16, 16))
+
+        def forward(self, x, mask, positions):  # noqa: ANN001, ANN201
+            return x
+
+    for gate, other in ((nn.Linear(16, 2), Attention()), (nn.Linear(16, 8), nn.Conv1d(8, 8, 3)),
+                        (nn.Linear(16, 4), nn.Bilinear(8, 8, 4))):  # fmt: skip
+        block = nn.Module()
+        block.gate, block.attn = gate, other
+        assert find_moe_blocks(block) == []
