@@ -90,14 +90,15 @@ class OverlappedHostStep:
             self.finish()
 
     def _gradient_final(self, param: torch.Tensor) -> None:
-        if not self._armed or param.grad is None:
+        grad = param.grad  # read here, on the thread that made it final: the worker may run after the main
+        if not self._armed or grad is None:  # thread has moved on (a zero-bubble schedule's next pass)
             return
         with self._lock:
-            self._futures.append(self._pool.submit(self._step, param))
+            self._futures.append(self._pool.submit(self._step, param, grad))
 
-    def _step(self, param: torch.Tensor) -> HostStepSpan:
+    def _step(self, param: torch.Tensor, grad: torch.Tensor) -> HostStepSpan:
         start = time.perf_counter()
-        self.optimizer.step_in_backward(param)
+        self.optimizer.step_in_backward(param, grad)
         return HostStepSpan(self._names[id(param)], start, time.perf_counter())
 
     def finish(self) -> None:

@@ -83,7 +83,7 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
             self._step_on_device(group, on_device)
 
     @torch.no_grad()  # a worker thread: grad mode is per thread
-    def step_in_backward(self, param: torch.Tensor) -> None:
+    def step_in_backward(self, param: torch.Tensor, grad: torch.Tensor | None = None) -> None:
         """One offloaded parameter's update while backward still runs (``zero/overlapped_step.py``), then skipped
         by this step's :meth:`step`: torch's fused CPU Adam, which releases the GIL (DeepSpeed's kernel holds it,
         and the backward's Python hooks would wait for it), on the local shards, with the same states."""
@@ -91,7 +91,10 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
         if groups is None or id(param) not in groups:
             groups = {id(p): group for group in self.param_groups for p in group["params"]}
             vars(self)["_group_of"] = groups
-        self.torch_adam(groups[id(param)], [param], [param.grad], fused=True)
+        grad = (
+            param.grad if grad is None else grad
+        )  # the gradient the hook saw final (read on the main thread)
+        self.torch_adam(groups[id(param)], [param], [grad], fused=True)
         vars(self).setdefault("_stepped_in_backward", set()).add(id(param))
 
     def _kernel_update(

@@ -68,8 +68,8 @@ class _FirstBlockWaits(L.Callback):
             optimizer, step = host_step.optimizer, host_step.optimizer.step_in_backward
             self.last_block = {n for n, _ in pl_module.named_parameters() if ".h.3." in n}
 
-            def stepped(param: torch.Tensor) -> None:
-                step(param)
+            def stepped(param: torch.Tensor, grad: torch.Tensor | None = None) -> None:
+                step(param, grad)
                 self.stepped.add(host_step.name_of(param))
                 if self.last_block <= self.stepped:
                     self.finished.set()
