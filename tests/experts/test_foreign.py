@@ -291,7 +291,9 @@ def test_the_aux_loss_drops_a_router_s_classes_beyond_the_experts() -> None:
     expected = sum(_hf_aux(s.reshape(-1, 6)[:, :4].detach(), 4, top_k) for s in seen) / top_k
     torch.testing.assert_close(added, expected.float(), rtol=1e-5, atol=1e-6)
     as_rows_of_four = sum(_hf_aux(s.detach().reshape(-1, 4), 4, top_k) for s in seen) / top_k
-    assert not torch.allclose(added, as_rows_of_four.float(), rtol=1e-3)  # apart by far more than rounding
+    assert not torch.allclose(
+        added, as_rows_of_four.float(), rtol=1e-3
+    )  # a negative control: it must differ by more than rounding, so the tolerance is loose on purpose
 
 
 def test_experts_stored_as_row_blocks_are_found_and_sliced_by_blocks() -> None:
@@ -383,7 +385,9 @@ def test_the_aux_loss_reads_the_logits_a_router_returns_second() -> None:
     expected = sum(_hf_aux(logits, 4, top_k) for _, logits in seen) / top_k
     torch.testing.assert_close(added, expected.float(), rtol=1e-5, atol=1e-6)
     from_scores = sum(_hf_aux(scores.nan_to_num(neginf=-1e4), 4, top_k) for scores, _ in seen) / top_k
-    assert not torch.allclose(added, from_scores.float(), rtol=1e-3)  # apart by far more than rounding
+    assert not torch.allclose(
+        added, from_scores.float(), rtol=1e-3
+    )  # a negative control: it must differ by more than rounding, so the tolerance is loose on purpose
 
 
 def test_expert_linears_on_rows_grouped_by_expert_are_found_and_checked() -> None:

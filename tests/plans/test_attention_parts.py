@@ -4,6 +4,7 @@ whose length happens to equal the head count (a rotary embedding's frequencies).
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from lightning_parallel.plans.attention import helper_styles, latent_makers, own_tensor_styles
@@ -13,43 +14,41 @@ from lightning_parallel.tensor_parallel.param_styles import LocalParameters
 def test_equal_latent_widths_are_paired_by_name() -> None:
     """Dots3's q and kv latents are both 1024 wide: ``kv_b_proj`` reads what ``kv_a_proj_with_mqa`` makes (the
     latent plus the rotary key), not the narrower ``q_a_proj``; DeepSeek's unequal widths pair as before."""
-    hidden = 64
-    equal = [
-        ("q_a_proj", nn.Linear(hidden, 32)),
-        ("q_b_proj", nn.Linear(32, 64)),
-        ("kv_a_proj_with_mqa", nn.Linear(hidden, 40)),
-        ("kv_b_proj", nn.Linear(32, 128)),
-    ]
-    assert latent_makers(equal, hidden) == {"q_b_proj": "q_a_proj", "kv_b_proj": "kv_a_proj_with_mqa"}
+    equal = _latent_attention(q_latent=32)
+    assert latent_makers(equal, HIDDEN) == {"q_b_proj": "q_a_proj", "kv_b_proj": "kv_a_proj_with_mqa"}
     # without names to go by (the negative control of the name rule), the narrowest maker takes both readers
     anonymous = [(name, m) for name, (_, m) in zip(("make1", "read1", "make2", "read2"), equal, strict=True)]
-    assert set(latent_makers(anonymous, hidden).values()) == {"make1"}
-    deepseek = [
-        ("q_a_proj", nn.Linear(hidden, 48)),
-        ("q_b_proj", nn.Linear(48, 64)),
-        ("kv_a_proj_with_mqa", nn.Linear(hidden, 40)),
+    assert set(latent_makers(anonymous, HIDDEN).values()) == {"make1"}
+    deepseek = _latent_attention(q_latent=48)
+    assert latent_makers(deepseek, HIDDEN) == {"q_b_proj": "q_a_proj", "kv_b_proj": "kv_a_proj_with_mqa"}
+
+
+HIDDEN = 64
+
+
+def _latent_attention(q_latent: int) -> list[tuple[str, nn.Module]]:
+    """Multi-head latent attention's projections: a 32-wide kv latent made with an 8-wide rotary key."""
+    return [
+        ("q_a_proj", nn.Linear(HIDDEN, q_latent)),
+        ("q_b_proj", nn.Linear(q_latent, 64)),
+        ("kv_a_proj_with_mqa", nn.Linear(HIDDEN, 40)),
         ("kv_b_proj", nn.Linear(32, 128)),
     ]
-    assert latent_makers(deepseek, hidden) == {"q_b_proj": "q_a_proj", "kv_b_proj": "kv_a_proj_with_mqa"}
 
 
 class _Rotary(nn.Module):
     def __init__(self, frequencies: int) -> None:
         super().__init__()
-        self.inv_freq = nn.Buffer(torch_arange(frequencies), persistent=False)
-
-
-def torch_arange(n: int):  # noqa: ANN201 - a float tensor
-    import torch
-
-    return torch.arange(float(n))
+        self.inv_freq = nn.Buffer(torch.arange(float(frequencies)), persistent=False)
 
 
 class _Attention(nn.Module):
     def __init__(self, heads: int) -> None:
         super().__init__()
         self.rotary_emb = _Rotary(heads)  # 4 frequencies, 4 heads: RecurrentGemma's tiny config
-        self.decay = nn.Buffer(torch_arange(heads).view(heads, 1, 1))  # MiniMax-like, the attention's own
+        self.decay = nn.Buffer(
+            torch.arange(float(heads)).view(heads, 1, 1)
+        )  # MiniMax-like, the attention's own
 
 
 def test_a_child_s_buffers_stay_whole_even_when_as_long_as_the_heads() -> None:
@@ -110,7 +109,7 @@ def test_projections_inside_wrappers_and_a_gated_pair_beside_the_exit_are_found(
         "attn": ["q_proj.linear", "k_proj.linear", "v_proj.linear", "o_proj.linear"],
         "ffn": ["w_in.w_0", "w_in.w_1", "w_out"],
     }
-    block.attn.q_proj.scale = nn.Parameter(torch_arange(1))
+    block.attn.q_proj.scale = nn.Parameter(torch.arange(1.0))
     assert [n for n, _ in containers_in(block)[0].projections] == [
         "k_proj.linear",
         "v_proj.linear",
