@@ -15,6 +15,7 @@ from lightning_parallel.memory import ActivationMemoryMonitor
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.plans import ParallelPlan, auto_plan
 from lightning_parallel.strategy import HybridParallelStrategy
+from lightning_parallel.zero.arguments import ImportanceSplit
 
 if HybridParallelStrategy.strategy_name not in StrategyRegistry:
     HybridParallelStrategy.register_strategies(StrategyRegistry)
@@ -22,6 +23,7 @@ if HybridParallelStrategy.strategy_name not in StrategyRegistry:
 __all__ = [
     "ActivationMemoryMonitor",
     "HybridParallelStrategy",
+    "ImportanceSplit",
     "KnowledgeDistillation",
     "MagnitudePruning",
     "ParallelDims",

@@ -18,7 +18,7 @@ from lightning_parallel.memory.saved_tensors import COMPRESSIONS
 from lightning_parallel.pipeline.schedules import ALIASES, DEFAULT_SCHEDULE, SCHEDULES, ScheduleSpec
 from lightning_parallel.pipeline.setup import PipelineConfig
 from lightning_parallel.tensor_parallel.plan import ParallelPlan
-from lightning_parallel.zero.arguments import OWNED_KEYS, ZeroArguments
+from lightning_parallel.zero.arguments import OWNED_KEYS, ImportanceSplit, ZeroArguments
 
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
 
@@ -162,12 +162,14 @@ def zero(
 
 
 def _check_offload_update(update: Any, offload: Any, stage: int, engine: Any) -> None:
-    """``offload_update``: when the host step of offloaded shards lands (``zero/delayed_update.py``)."""
-    if update not in ("exact", "delayed"):
+    """``offload_update``: when the host step of offloaded shards lands (``zero/delayed_update.py``,
+    ``zero/importance_split.py``)."""
+    if update not in ("exact", "delayed") and not isinstance(update, ImportanceSplit):
         raise ValueError(
-            f"`offload_update={update!r}` must be 'exact' (the default: the one-process run's update) or 'delayed'"
+            f"`offload_update={update!r}` must be 'exact' (the default: the one-process run's update), 'delayed'"
             " (ZeRO-Offload's delayed parameter update: step i's host step runs during step i+1, which computes"
-            " with the parameters before step i's update)."
+            " with the parameters before step i's update) or an `ImportanceSplit(top_rows=..., update_interval=...)`"
+            " (the rows with the largest gradients at once, the others every few steps in the background)."
         )
     if update == "exact":
         return
@@ -177,7 +179,7 @@ def _check_offload_update(update: Any, offload: Any, stage: int, engine: Any) ->
             else "`zero_stage=1`" if stage == 1 else "`zero_engine='deepspeed'`"
         )  # fmt: skip
         raise ValueError(
-            f"`offload_update='delayed'` with {what}: the delayed update runs on FSDP2's engine, stepping its"
+            f"`offload_update={update!r}` with {what}: that update runs on FSDP2's engine, stepping its"
             " shards in host memory (`offload='cpu'`, `zero_stage=2` or 3). Set those, or leave"
             " `offload_update='exact'`."
         )

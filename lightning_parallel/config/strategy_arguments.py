@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lightning_parallel.config.parallel_config import PathLike, PlanArg
+from lightning_parallel.zero.arguments import OffloadUpdate
 
 __all__ = ["StrategyArguments"]
 
@@ -43,7 +44,7 @@ class StrategyArguments:
     offload_ratio: float = 1.0
     zero_reshard: Literal["step", "micro_batch"] = "step"
     zero_engine: Literal["auto", "deepspeed", "fsdp2"] = "auto"
-    offload_update: Literal["exact", "delayed"] = "exact"
+    offload_update: OffloadUpdate = "exact"
     deepspeed_config: dict[str, Any] | None = None
     activation_checkpointing: Literal["full", "selective"] | None = None
     activation_checkpointing_policy: CheckpointPolicyArg = None

@@ -191,23 +191,24 @@ class CheckpointingStrategy(MeshParallelStrategy):
         if reason is not None:
             raise ValueError(reason)
 
-    def settle_delayed_updates(self, *, close: bool = False) -> None:
-        """Install any update still in flight (``offload_update="delayed"``: ``zero/delayed_update.py``) before
-        the parameters are read whole (a checkpoint, the end of ``fit``); ``close`` also stops its worker. ZeRO-2
-        on FSDP2 then gathers the installed shards again (its whole parameters are what the model holds)."""
-        delayed = [vars(getattr(o, "_optimizer", o)).get("delayed_update") for o in self.optimizers]
-        installed = [(d.close() if close else d.settle()) for d in delayed if d is not None]
+    def settle_deferred_updates(self, *, close: bool = False) -> None:
+        """Install any update still in flight or pending (``offload_update``: ``zero/delayed_update.py``,
+        ``zero/importance_split.py``) before the parameters are read whole (a checkpoint, the end of ``fit``);
+        ``close`` also stops its worker. ZeRO-2 on FSDP2 then gathers the installed shards again (its whole
+        parameters are what the model holds)."""
+        deferred = [vars(getattr(o, "_optimizer", o)).get("deferred_update") for o in self.optimizers]
+        installed = [(d.close() if close else d.settle()) for d in deferred if d is not None]
         if any(installed) and self.parallelized is not None:
             self.parallelized.gradients.gather_again()
 
     @override
     def teardown(self) -> None:
-        self.settle_delayed_updates(close=True)  # the end of fit: the model holds the last update
+        self.settle_deferred_updates(close=True)  # the end of fit: the model holds the last update
         super().teardown()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.settle_delayed_updates()  # a checkpoint holds the latest parameters with their states
+        self.settle_deferred_updates()  # a checkpoint holds the latest parameters with their states
         if not self._save_distributed_checkpoint:
             self._check_consolidated_supported()
             return full_rows_as_user(super().lightning_module_state_dict(), registry(self.model))
@@ -236,7 +237,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        self.settle_delayed_updates()
+        self.settle_deferred_updates()
         if not self._save_distributed_checkpoint:
             return self._consolidated_optimizer_state(optimizer)
         from lightning.pytorch.core.optimizer import LightningOptimizer

@@ -50,6 +50,7 @@ from lightning_parallel.strategy.predicted_memory import predicting_sample
 from lightning_parallel.strategy.presets import PRESETS
 from lightning_parallel.strategy.zero_setup import initialize_fsdp_offload, initialize_zero
 from lightning_parallel.tensor_parallel import ParallelPlan
+from lightning_parallel.zero.arguments import OffloadUpdate
 from lightning_parallel.zero.overlapped_step import OverlappedHostStep
 
 
@@ -84,7 +85,8 @@ class HybridParallelStrategy(AskedArguments, CheckpointingStrategy):
         offload: ``"cpu"`` (optimizer states and their update on the CPU; at stage 3 the parameters
             too; Adam/AdamW become DeepSpeed's CPU Adam) or ``"nvme"`` (stage 2/3, to ``offload_path``);
             ``offload_ratio``: the fraction offloaded, by FSDP2 unit (DeepSpeed's Twin-Flow ``ratio``);
-            ``offload_update``: ``"exact"`` or ``"delayed"`` (step i's host step during step i+1: docs/zero.md).
+            ``offload_update``: ``"exact"``, ``"delayed"`` (step i's host step during step i+1) or an
+            ``ImportanceSplit`` (the rows with the largest gradients at once, the rest every few steps: docs/zero.md).
         zero_reshard: ZeRO-2/3 under stages: ``"step"`` gathers and reduce-scatters once per step;
             ``"micro_batch"`` once per micro-batch, for ZeRO's memory at every moment (docs/zero.md).
         zero_engine: ``"auto"`` (DeepSpeed's engine or torch's FSDP2, by layout: docs/zero.md), ``"fsdp2"`` or
@@ -147,7 +149,7 @@ class HybridParallelStrategy(AskedArguments, CheckpointingStrategy):
         offload_ratio: float = 1.0,
         zero_reshard: Literal["step", "micro_batch"] = "step",
         zero_engine: Literal["auto", "deepspeed", "fsdp2"] = "auto",
-        offload_update: Literal["exact", "delayed"] = "exact",
+        offload_update: OffloadUpdate = "exact",
         deepspeed_config: dict[str, Any] | None = None,
         activation_checkpointing: Literal["full", "selective"] | None = None,
         activation_checkpointing_policy: CheckpointPolicyArg = None,

@@ -62,30 +62,43 @@ def initialize_fsdp_offload(strategy: CheckpointingStrategy, trainer: Trainer) -
         strategy.optimizers, strategy.lr_scheduler_configs, strategy.config.zero, strategy.root_device.type,
         strategy.global_rank,
     )  # fmt: skip
-    if strategy.config.zero.update == "delayed":
-        attach_delayed_update(strategy)
+    if strategy.config.zero.update != "exact":
+        attach_deferred_update(strategy)
         return None
     return initialize_host_step_overlap(strategy, trainer)
 
 
-def attach_delayed_update(strategy: CheckpointingStrategy) -> None:
-    """``offload_update="delayed"``: the optimizer's step installs the last step's update and starts its own."""
+def attach_deferred_update(strategy: CheckpointingStrategy) -> None:
+    """``offload_update="delayed"`` or an :class:`ImportanceSplit`: the optimizer's step follows that update's rule
+    (``zero/delayed_update.py``, ``zero/importance_split.py``), torch's fused Adam on the host shards."""
     from lightning_parallel.zero.delayed_update import DelayedUpdate
+    from lightning_parallel.zero.importance_split import ImportanceSplitUpdate
     from lightning_parallel.zero.sharded_cpu_adam import torch_adam_refusal
 
+    update = strategy.config.zero.update
     for optimizer in [getattr(o, "_optimizer", o) for o in strategy.optimizers]:
         if (refusal := torch_adam_refusal(optimizer)) is not None:
             raise ValueError(
-                f"`offload_update='delayed'` with {refusal}. The delayed host step is torch's fused Adam on fp32"
+                f"`offload_update={update!r}` with {refusal}. That host step is torch's fused Adam on fp32"
                 " parameters: return torch.optim.Adam or AdamW from `configure_optimizers` (bias correction on), use"
                 " `precision='bf16-mixed'` rather than 'bf16-true', or leave `offload_update='exact'`."
             )
-        vars(optimizer)["delayed_update"] = DelayedUpdate(optimizer)
-    rank_zero_info(
-        "ZeRO offload (`offload_update='delayed'`): each step installs the previous step's update and computes"
-        " its own on the host during the next forward and backward, which use the parameters one update behind"
-        " (ZeRO-Offload's delayed parameter update: not the one-process run's training)."
-    )
+        vars(optimizer)["deferred_update"] = (
+            DelayedUpdate(optimizer) if update == "delayed" else ImportanceSplitUpdate(optimizer, update)
+        )
+    if update == "delayed":
+        rank_zero_info(
+            "ZeRO offload (`offload_update='delayed'`): each step installs the previous step's update and computes"
+            " its own on the host during the next forward and backward, which use the parameters one update behind"
+            " (ZeRO-Offload's delayed parameter update: not the one-process run's training)."
+        )
+    else:
+        rank_zero_info(
+            f"ZeRO offload (`offload_update={update!r}`): at each step the {update.top_rows:.0%} of each matrix's"
+            f" rows with the largest gradients are updated at once; the others' gradients are summed on the host and"
+            f" applied every {update.update_interval} steps during the next forward and backward (not the one-process"
+            " run's training)."
+        )
 
 
 def initialize_host_step_overlap(

@@ -14,7 +14,6 @@ from typing import Any, Literal
 Offload = Literal["cpu", "nvme"]
 Reshard = Literal["step", "micro_batch"]
 EngineChoice = Literal["auto", "deepspeed", "fsdp2"]
-OffloadUpdate = Literal["exact", "delayed"]
 BUCKET_ELEMENTS = 25_000_000
 
 # Keys Lightning owns: a raw DeepSpeed value for them would disagree with the Trainer silently.
@@ -45,6 +44,64 @@ PRECISION_KEYS = ("torch_autocast", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
+class ImportanceSplit:
+    """``offload_update=ImportanceSplit(...)``: the rows with the largest gradients updated at once, the rest
+    later and in the background (in the spirit of DeepSpeed's ZenFlow; the rule: ``zero/importance_split.py``).
+
+    The exact host step makes the device wait for the whole CPU Adam whenever backward cannot hide it; here
+    only ``top_rows`` of it is on the step's path. The other rows' gradients are summed on the host and
+    applied every ``update_interval`` steps by a worker that runs during the next step's forward and backward.
+    Not the one-process run's training: off unless asked for.
+    """
+
+    top_rows: float = 0.05
+    """The fraction of each matrix's rows (dim 0, over the whole parameter, not a rank's shard) updated at every
+    step: those whose gradient had the largest norm when the rows were last chosen."""
+    update_interval: int = 4
+    """Every this many steps, the other rows take one Adam step with the mean of their gradients since their
+    last one; the update lands at the next step."""
+    select_interval: int | None = None
+    """Every this many steps the rows are chosen again, from that step's gradients (None: ``update_interval``); a
+    multiple of ``update_interval``, so that no row changes side with gradients still pending."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.top_rows < 1.0:
+            raise ValueError(
+                f"`ImportanceSplit(top_rows={self.top_rows!r})` must lie strictly between 0 and 1 (the share of"
+                " each matrix's rows updated at every step, e.g. 0.05)."
+            )
+        if isinstance(self.update_interval, bool) or not isinstance(self.update_interval, int) or (
+            self.update_interval < 1
+        ):  # fmt: skip
+            raise ValueError(
+                f"`ImportanceSplit(update_interval={self.update_interval!r})` must be a positive integer (steps"
+                " between two updates of the other rows, e.g. 4)."
+            )
+        select = self.interval_of_selection
+        if (
+            isinstance(select, bool)
+            or not isinstance(select, int)
+            or select < 1
+            or select % self.update_interval
+        ):
+            raise ValueError(
+                f"`ImportanceSplit(select_interval={self.select_interval!r})` must be a positive multiple of"
+                f" `update_interval={self.update_interval}` (rows change side only when no gradient is pending),"
+                " or None."
+            )
+
+    @property
+    def interval_of_selection(self) -> int:
+        return self.update_interval if self.select_interval is None else self.select_interval
+
+    def __str__(self) -> str:
+        return f"importance {self.top_rows:.0%}/{self.update_interval}"
+
+
+OffloadUpdate = Literal["exact", "delayed"] | ImportanceSplit
+
+
+@dataclass(frozen=True)
 class ZeroArguments:
     """``zero_stage``, ``offload``, ``offload_path`` and ``deepspeed_config``, validated."""
 
@@ -72,9 +129,10 @@ class ZeroArguments:
 
     update: OffloadUpdate = "exact"
     """``offload_update=``: ``"exact"`` (each offloaded shard's host step during backward where that is exact,
-    else after it) or ``"delayed"`` (ZeRO-Offload's delayed parameter update: step i's host step runs during
-    step i+1's forward and backward, which computes with the parameters before step i's update; FSDP2's
-    engine, ``zero/delayed_update.py``)."""
+    else after it), ``"delayed"`` (ZeRO-Offload's delayed parameter update: step i's host step runs during
+    step i+1's forward and backward, which computes with the parameters before step i's update;
+    ``zero/delayed_update.py``) or an :class:`ImportanceSplit` (``zero/importance_split.py``); the last two
+    on FSDP2's engine."""
 
     @property
     def enabled(self) -> bool:

@@ -34,8 +34,8 @@ def engine_for(
     layouts (stage 2, or any model parallelism) are FSDP2's, whose optimizer states go to NVMe while
     the sharded parameters stay in host memory (``zero/sharded_nvme_adam.py``). Partial offload
     (``offload_ratio`` < 1) is FSDP2's in every layout: DeepSpeed's Twin-Flow steps the part kept on
-    the accelerator with its fused GPU Adam, which has no CPU build to test here. So is the delayed
-    update (``offload_update="delayed"``), which steps FSDP2's host shards.
+    the accelerator with its fused GPU Adam, which has no CPU build to test here. So are the delayed
+    update and the importance split (``offload_update``), which step FSDP2's host shards.
     """
     if not zero.enabled:
         return None
@@ -57,7 +57,7 @@ def _engine_by_layout(
 ) -> Engine:
     if zero.offload_ratio < 1:  # partial offload: one offload policy per FSDP2 unit (zero/fsdp.py)
         return "fsdp2"
-    if zero.update == "delayed":  # the delayed host step runs on FSDP2's host shards (zero/delayed_update.py)
+    if zero.update != "exact":  # the delayed update and the importance split step FSDP2's host shards
         return "fsdp2"
     if zero.offload == "nvme":
         model_parallel = tensor_parallel > 1 or pipeline_parallel > 1 or expert_parallel > 1

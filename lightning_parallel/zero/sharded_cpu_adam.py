@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam
 
 from lightning_parallel.zero.fsdp import KEPT_ON_DEVICE
 
@@ -46,6 +47,21 @@ def torch_adam_refusal(optimizer: Any) -> str | None:
     return None
 
 
+def adam_on(
+    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], hyper: Mapping[str, Any], *, decoupled: bool,
+    fused: bool,
+) -> None:  # fmt: skip
+    """Torch's functional Adam on plain tensors, in place; each ``steps`` entry is counted up by one first (as
+    in ``torch.optim.Adam``). ``decoupled``: AdamW's weight decay."""
+    beta1, beta2 = hyper["betas"]
+    adam(
+        params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=fused, foreach=False, decoupled_weight_decay=decoupled,
+        amsgrad=False, beta1=beta1, beta2=beta2, lr=hyper["lr"], weight_decay=hyper["weight_decay"],
+        eps=hyper["eps"], maximize=False,
+    )  # fmt: skip
+
+
 def split_by_offload(group: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The parameters of ``group`` with a gradient: (offloaded ones the kernel steps, the ones on the device)."""
     with_grad = [p for p in group["params"] if p.grad is not None]
@@ -67,11 +83,9 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
     def _step_parameters(self) -> None:
         """The update of every parameter with a gradient: the kernel for the offloaded, torch's Adam for the rest;
         none that :meth:`step_in_backward` stepped already in this step's backward."""
-        delayed = vars(self).get("delayed_update")
-        if (
-            delayed is not None
-        ):  # offload_update="delayed": this step's update lands at the next (zero/delayed_update.py)
-            delayed.launch()
+        deferred = vars(self).get("deferred_update")
+        if deferred is not None:  # offload_update="delayed" or an importance split: the update's own rule
+            deferred.launch()
             return
         early = vars(self).pop("_stepped_in_backward", set())
         for group in self.param_groups:
@@ -146,16 +160,11 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
         """Torch's Adam with this optimizer's states and rule on ``params``' local shards (``hyper``: their group's
         hyper-parameters), written into them or into ``into`` (copies: the delayed update). ``fused``: torch's
         fused CPU kernel, which releases the GIL (one dtype for parameters and states)."""
-        from torch.optim.adam import adam
-
         states = [self._state_of(p) for p in params]
-        beta1, beta2 = hyper["betas"]
-        adam(
+        adam_on(
             into if into is not None else [_local(p) for p in params], [_local(g) for g in grads],
-            [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states], [],
-            [s["step"] for s in states], fused=fused, foreach=False, decoupled_weight_decay=self.adam_w_mode,
-            amsgrad=False, beta1=beta1, beta2=beta2, lr=hyper["lr"], weight_decay=hyper["weight_decay"],
-            eps=hyper["eps"], maximize=False,
+            [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
+            [s["step"] for s in states], hyper, decoupled=self.adam_w_mode, fused=fused,
         )  # fmt: skip
 
     def __del__(self) -> None:

@@ -280,7 +280,7 @@ COUNTS = {
     "tp_sharded_parameters", "dp_sharded_parameters", "checkpointed_modules", "expert_parameters",
     "sequence_sharded_norm_inputs", "autocast_linears", "linears", "nvme_bytes_written", "float8_linears",
     "recomputed_ops", "recomputed_matmuls", "tp_block_matrix_numel", "tp_block_matrix_sharded_numel",
-    "host_state_bytes", "state_numel", "state_dp_sharded_numel",
+    "host_state_bytes", "state_numel", "state_dp_sharded_numel", "rows_at_once", "rows_deferred",
 }  # fmt: skip
 # What every rank must show: the run's record keeps the least of them.
 MINIMA = {"host_steps_in_backward", "host_steps_begun_before_backward_end"}

@@ -162,8 +162,16 @@ def offload_record(strategy: Any) -> dict[str, Any]:
             "host_state_devices": sorted({s.device.type for s in states}),
             "host_steps": _host_steps(optimizer),
             **_host_step_overlap_record(getattr(strategy, "host_step", None)),
+            **_importance_split_record(vars(optimizer).get("deferred_update")),
         }
     return {}
+
+
+def _importance_split_record(update: Any) -> dict[str, Any]:
+    """Rows the importance split updated at once and later, on this rank (``zero/importance_split.py``)."""
+    if update is None or not hasattr(update, "rows_at_once"):
+        return {}
+    return {"rows_at_once": update.rows_at_once, "rows_deferred": update.rows_deferred}
 
 
 def _host_step_overlap_record(overlap: Any) -> dict[str, Any]:

@@ -114,7 +114,7 @@ def test_the_delayed_update_trains_by_its_rule(stage: int) -> None:
     assert _differences(got, delayed) == []
     assert len(_differences(got, exact)) == len(exact)
     optimizer = trainer.strategy.optimizers[0]
-    update = vars(getattr(optimizer, "_optimizer", optimizer))["delayed_update"]
+    update = vars(getattr(optimizer, "_optimizer", optimizer))["deferred_update"]
     assert trainer.strategy.parallelized.gradients.fsdp_units  # FSDP2's engine ran it (forced by the option)
     assert (update.launched, update.installed) == (STEPS, STEPS)  # the last one installed at the end of fit
     assert trainer.strategy.host_step is None  # no exact host step in backward beside it
