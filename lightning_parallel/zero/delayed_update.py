@@ -78,6 +78,11 @@ class DelayedUpdate:
             out.append((param, copy))
         return out
 
+    def wait(self) -> None:
+        """Until the worker has read this step's gradients (before anything zeroes them in place)."""
+        if self._in_flight is not None:
+            self._in_flight.result()
+
     @torch.no_grad()
     def settle(self) -> bool:
         """Wait for the update in flight and install it into the parameters; whether there was one."""

@@ -5,7 +5,9 @@ With the exact host step the device waits for the whole CPU Adam wherever backwa
 (``zero/delayed_update.py``). DeepSpeed's ZenFlow (Lan et al., 2025) observed that a few rows of each
 matrix carry most of the gradient's norm, and keeps those current while the rest wait: that idea, as
 a rule of our own, on the host shards FSDP2 offloads. Only the chosen rows' Adam is on the step's
-path; the rest runs on a worker during the next step's forward and backward.
+path; the others' sums and their update run on a worker during the next step's forward and backward
+(it holds this step's gradients: one more gradient's worth of host memory, and a sum of the other
+rows in fp32).
 
 The rule, per matrix ``W`` (two or more dimensions; rows are ``W[i]``, chosen over the whole parameter,
 not a rank's shard) at optimizer step ``s`` of the cycle (``s = 1, 2, ...``; ``t`` the parameter's Adam
@@ -15,7 +17,7 @@ clipped and unscaled; ``k = ceil(top_rows x rows)``):
 1. the other rows' update launched at the previous flush, if any, is installed;
 2. at ``s = 1`` the ``k`` rows of largest ``|g[i]|`` are chosen;
 3. the chosen rows take an Adam step with ``g`` at ``t``: parameters and states of those rows only;
-4. the other rows' gradients are added to a host sum;
+4. the other rows' gradients are added to a host sum (by the worker);
 5. when ``s`` is a multiple of ``update_interval``, the other rows take one Adam step at ``t`` with the
    mean of the sum, computed by a worker into copies (their states in place) and installed at
    step 1 of the next optimizer step; the sum restarts;
@@ -72,13 +74,14 @@ class _Deferred:
 
 
 class _Work(NamedTuple):
-    """What the worker needs for one matrix's other rows: read at the step that launched it."""
+    """One matrix's part of the worker's task at one step: add its gradient to the others' sum and, at a flush, compute
+    their update."""
 
     hyper: dict[str, Any]
     param: torch.Tensor
-    rows: torch.Tensor
-    pending: torch.Tensor
-    summed: int
+    rows: _Rows
+    grad: torch.Tensor
+    flush: bool
     step: float
 
 
@@ -141,12 +144,12 @@ class ImportanceSplitUpdate:
         self.installed = 0
 
     def launch(self) -> None:
-        """One optimizer step of the rule (steps 1-6)."""
+        """One optimizer step of the rule (steps 1-6): the chosen rows here, the sums and the flush on the worker."""
         self._install_in_flight()
         self._step += 1
         flush = self._step % self.rule.update_interval == 0
         choose_again = self._step % self.rule.interval_of_selection == 0
-        deferred: list[_Work] = []
+        work: list[_Work] = []
         for group in self.optimizer.param_groups:
             hyper = {k: group[k] for k in _HYPER}
             whole = [p for p in group["params"] if p.grad is not None and not self._splits(p)]
@@ -163,29 +166,43 @@ class ImportanceSplitUpdate:
                     hyper, param, grad.index_select(0, rows.chosen), rows.chosen, float(state["step"])
                 )
                 self.rows_at_once += rows.chosen.numel()
-                self._add_pending(rows, grad)
-                if flush:  # the worker owns this sum from now on; the next step starts another
-                    deferred.append(
-                        _Work(hyper, param, rows.others, rows.pending, rows.summed, float(state["step"]))
-                    )  # type: ignore[arg-type]
-                    rows.pending, rows.summed = None, 0
-                self._rows[id(param)] = (
-                    chosen_rows(param, param.grad, self.rule.top_rows) if choose_again else rows
-                )
-        if deferred:
-            self._in_flight = self._pool.submit(self._deferred_updates, deferred)
-            self.launched += 1
+                work.append(_Work(hyper, param, rows, grad, flush, float(state["step"])))
+                if (
+                    choose_again
+                ):  # from this step's gradients; the sum of the rows chosen until now is flushed
+                    self._rows[id(param)] = chosen_rows(param, param.grad, self.rule.top_rows)
+                else:
+                    self._rows[id(param)] = rows
+        if work:
+            self._in_flight = self._pool.submit(self._worker_step, work)
+            self.launched += flush
+
+    def wait(self) -> None:
+        """Until the worker has read this step's gradients (before anything zeroes them in place)."""
+        if self._in_flight is not None:
+            self._in_flight.result()
 
     @staticmethod
     def _splits(param: torch.Tensor) -> bool:
         return param.ndim >= 2 and offloaded(param)
 
-    @staticmethod
-    def _add_pending(rows: _Rows, grad: torch.Tensor) -> None:
-        if rows.pending is None:
-            rows.pending = torch.zeros_like(grad, dtype=torch.float32)
-        rows.pending.index_add_(0, rows.others, grad.index_select(0, rows.others).float())
-        rows.summed += 1
+    def _worker_step(self, work: list[_Work]) -> list[_Deferred]:
+        """On the worker, during the next forward and backward: the others' sums (4) and, at a flush, their update
+        into copies (5); nothing else touches those rows or their sums until the next step waits for this."""
+        updates = []
+        for item in work:
+            rows = item.rows
+            if rows.pending is None:
+                rows.pending = torch.zeros_like(item.grad, dtype=torch.float32)
+            rows.pending.index_add_(0, rows.others, item.grad.index_select(0, rows.others).float())
+            rows.summed += 1
+            if item.flush:
+                update = _Deferred(item.param, rows.others)
+                mean = rows.pending.index_select(0, rows.others) / rows.summed
+                self._adam_rows(item.hyper, item.param, mean, rows.others, item.step, into=update)
+                rows.pending, rows.summed = None, 0
+                updates.append(update)
+        return updates
 
     @torch.no_grad()
     def _adam_rows(
@@ -210,26 +227,18 @@ class ImportanceSplitUpdate:
         else:
             into.values = values
 
-    def _deferred_updates(self, work: list[_Work]) -> list[_Deferred]:
-        """On the worker: the other rows' step (5), into copies; nothing else touches those rows until installed."""
-        updates = []
-        for item in work:
-            update = _Deferred(item.param, item.rows)
-            mean = item.pending.index_select(0, item.rows) / item.summed
-            self._adam_rows(item.hyper, item.param, mean, item.rows, item.step, into=update)
-            updates.append(update)
-        return updates
-
     @torch.no_grad()
     def _install_in_flight(self) -> bool:
+        """Wait for the worker's last task and install the update it computed, if any; whether there was one."""
         if self._in_flight is None:
             return False
-        for update in self._in_flight.result():
+        updates = self._in_flight.result()
+        self._in_flight = None
+        for update in updates:
             _local(update.param).index_copy_(0, update.rows, update.values)
             self.rows_deferred += update.rows.numel()
-        self._in_flight = None
-        self.installed += 1
-        return True
+        self.installed += bool(updates)
+        return bool(updates)
 
     @torch.no_grad()
     def settle(self) -> bool:

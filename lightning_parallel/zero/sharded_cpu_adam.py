@@ -96,6 +96,14 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
                 self._kernel_update(group, param, state["step"], state["exp_avg"], state["exp_avg_sq"])
             self._step_on_device(group, on_device)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeroing in place waits for a deferred update's worker, which may still read this step's gradients (set to
+        None, they stay alive for it)."""
+        deferred = vars(self).get("deferred_update")
+        if deferred is not None and not set_to_none:
+            deferred.wait()
+        super().zero_grad(set_to_none)
+
     @torch.no_grad()  # a worker thread: grad mode is per thread
     def step_in_backward(self, param: torch.Tensor, grad: torch.Tensor | None = None) -> None:
         """One offloaded parameter's update while backward still runs (``zero/overlapped_step.py``), then skipped

@@ -31,12 +31,16 @@ STEPS = 6
 RULE = ImportanceSplit(top_rows=0.25, update_interval=2, select_interval=4)
 
 
-def _module() -> L.LightningModule:
+def _module(zero_in_place: bool = False) -> L.LightningModule:
     from recipes.gpt.module import GPTLightningModule
 
     class AdamW(GPTLightningModule):
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+        def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+            # In place: the worker still summing this step's gradients must have read them first.
+            optimizer.zero_grad(set_to_none=not zero_in_place)
 
     torch.manual_seed(0)
     return AdamW(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -141,14 +145,14 @@ def _replay(
 
 
 def _strategy_run(
-    stage: int, tmp_path: Path, checkpoints: bool = False
+    stage: int, tmp_path: Path, checkpoints: bool = False, zero_in_place: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], L.Trainer]:
     """The parameters after training, the gradients the run computed, and the trainer."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_parallel import HybridParallelStrategy
 
-    module = _module()
+    module = _module(zero_in_place)
     capture = GradientCapture(str(tmp_path / "gradients.pt"))
     saving = (
         [ModelCheckpoint(tmp_path / "checkpoints", every_n_train_steps=3, save_top_k=-1)]
@@ -188,9 +192,9 @@ def _row_counts(params: dict[str, torch.Tensor]) -> tuple[int, int]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stage", [2, 3])
-def test_the_importance_split_trains_by_its_rule(stage: int, tmp_path: Path) -> None:
-    got, record, trainer = _strategy_run(stage, tmp_path)
+@pytest.mark.parametrize(("stage", "zero_in_place"), [(2, False), (3, False), (2, True)])
+def test_the_importance_split_trains_by_its_rule(stage: int, zero_in_place: bool, tmp_path: Path) -> None:
+    got, record, trainer = _strategy_run(stage, tmp_path, zero_in_place=zero_in_place)
     assert len(record["steps"]) == STEPS
     split, exact = _replay(record, split=True), _replay(record, split=False)
     matrices = [n for n, p in split.items() if p.ndim >= 2]
