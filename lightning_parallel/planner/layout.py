@@ -18,6 +18,7 @@ from lightning_parallel.config.strategy_arguments import StrategyArguments
 from lightning_parallel.config.validation import check_launch, strategy_config
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.planner.shapes import ModelShape
+from lightning_parallel.zero.arguments import OffloadUpdate
 
 __all__ = ["PRECISIONS", "Layout", "layout_problems", "strategy_arguments", "strategy_refusals"]
 
@@ -49,8 +50,9 @@ class Layout:
     """None, ``"cpu"`` or ``"nvme"``: where ZeRO keeps the optimizer states (stage 3: parameters too)."""
     zero_engine: str = "auto"
     """The strategy's ``zero_engine``: ``"auto"`` (by layout), ``"deepspeed"`` or ``"fsdp2"``."""
-    offload_update: str = "exact"
-    """The strategy's ``offload_update``: ``"exact"`` or ``"delayed"`` (step i's host step during step i+1)."""
+    offload_update: OffloadUpdate = "exact"
+    """The strategy's ``offload_update``: ``"exact"``, ``"delayed"`` (step i's host step during step i+1) or an
+    ``ImportanceSplit`` (the chosen rows at once, the others later)."""
     activation_checkpointing: str | None = None
     """None, ``"full"`` or ``"selective"``."""
     activation_checkpointing_policy: str = "ops"
@@ -102,7 +104,7 @@ class Layout:
         if self.expert_parallel > 1:
             parts.append(f"ep{self.expert_parallel}")
         if self.zero_stage:
-            delayed = "(delayed)" if self.offload_update == "delayed" else ""
+            delayed = "" if self.offload_update == "exact" else f"({self.offload_update})"
             parts.append(f"zero{self.zero_stage}" + (f"+{self.offload}{delayed}" if self.offload else ""))
         if self.activation_checkpointing:
             alternate = self.activation_checkpointing_policy == "ops_alternate_matmuls"

@@ -29,7 +29,9 @@ The step of the slowest rank, term by term (every rate from the :class:`~.cluste
   (``Execution.overlap_host_step``: FSDP2's CPU offload of Adam), the gradients' way down and the
   CPU Adam hide behind the last backward and the parameters' way up behind the next forward, all
   but one unit's share at least; with ``offload_update="delayed"`` the whole host step hides behind
-  the next step's forward and backward, and only what exceeds them is exposed.
+  the next step's forward and backward, and only what exceeds them is exposed; with an importance split
+  only the chosen rows' Adam waits, the other rows' sums and update hide behind the next step's passes
+  (:func:`split_host_time`).
 
 MFU counts model FLOPs (``3 x ModelShape.forward_flops_per_token``, no recomputation); the
 hardware FLOP/s count recomputation as well.
@@ -55,6 +57,7 @@ from lightning_parallel.planner.micro_batch import (
     stages,
 )
 from lightning_parallel.planner.shapes import ModelShape
+from lightning_parallel.zero.arguments import ImportanceSplit
 
 __all__ = ["STRATEGY", "Execution", "StepTime", "step_time"]
 
@@ -198,8 +201,15 @@ def step_time(
             updated / cluster.host_adam_throughput + updated * grad_bytes / pcie
         )  # gradients down, CPU Adam
         back = updated * param_bytes / pcie  # the updated parameters up
+        passes = m * (mb.forward + mb.backward + mb.recompute)
         if layout.offload_update == "delayed":  # the whole host step behind the next step's passes
-            host, back = max(0.0, host + back - m * (mb.forward + mb.backward + mb.recompute)), 0.0
+            host, back = max(0.0, host + back - passes), 0.0
+        elif isinstance(layout.offload_update, ImportanceSplit):
+            units = max(len(ranks[0].blocks), 1)
+            down = updated * grad_bytes / pcie  # during backward, as for the exact host step
+            adam = updated / cluster.host_adam_throughput
+            host = max(down - window, down / units) + split_host_time(layout.offload_update, adam, passes)
+            back = max(back - mb.forward, back / units)
         elif _overlaps_host_step(layout, execution):  # behind the last backward; back inside the next forward
             units = max(len(ranks[0].blocks), 1)
             host = max(host - window, host / units)
@@ -240,6 +250,22 @@ def step_time(
             "gradient_window": window,
         },
     )
+
+
+_SUM_SHARE = 3 / 7
+"""A gradient summed on the host against Adam's update, in memory traffic: the sum reads the gradient and reads and
+writes the sum (3 tensors' worth); Adam reads the parameter, gradient and two moments and writes three (7)."""
+
+
+def split_host_time(rule: ImportanceSplit, adam: float, passes: float) -> float:
+    """Exposed host time per step of an importance split (``zero/importance_split.py``), ``adam`` the whole host Adam's
+    time and ``passes`` one step's forward and backward: the chosen rows' Adam on the step's path; the worker's sums
+    every step and the others' update every ``update_interval``-th behind the next step's passes, the excess exposed."""
+    others = (1.0 - rule.top_rows) * adam
+    sums = others * _SUM_SHARE
+    plain, flushing = max(0.0, sums - passes), max(0.0, sums + others - passes)
+    n = rule.update_interval
+    return rule.top_rows * adam + ((n - 1) * plain + flushing) / n
 
 
 def _overlaps_host_step(layout: Layout, execution: Execution) -> bool:

@@ -241,3 +241,22 @@ def test_the_overlapped_host_step_hides_behind_backward_on_fsdp2() -> None:
     )  # the first block's, and what passes overrun
     nvme = step_time(GPT_1_3B, Layout(**batch, offload="nvme", zero_engine="fsdp2"), h200)
     assert nvme.optimizer > waiting.optimizer  # the NVMe path waits for backward (its states come from files)
+
+
+def test_the_importance_split_waits_only_for_the_chosen_rows() -> None:
+    """ZeRO-2 CPU offload of GPT-1.3B on one H200 with an importance split (``zero/importance_split.py``): the step
+    waits for the chosen rows' Adam; the others' sums and update hide behind the next step's passes, on a host
+    fast enough; on a slow host the excess shows, and more of it the fewer steps between two updates."""
+    from lightning_parallel import ImportanceSplit
+    from lightning_parallel.planner.timing import split_host_time
+
+    h200 = CLUSTERS["h200"]
+    batch = {"precision": "bf16-mixed", "micro_batch_size": 8, "sequence_length": 2048, "zero_stage": 2}
+    exact = step_time(GPT_1_3B, Layout(**batch, offload="cpu", zero_engine="fsdp2"), h200)
+    split = step_time(GPT_1_3B, Layout(**batch, offload="cpu", offload_update=ImportanceSplit()), h200)
+    adam = GPT_1_3B.parameters / h200.host_adam_throughput
+    assert split.optimizer < exact.optimizer
+    assert split_host_time(ImportanceSplit(), adam, passes=10 * adam) == pytest.approx(0.05 * adam)  # all hidden
+    slow = [split_host_time(ImportanceSplit(update_interval=n), adam, passes=0.2 * adam) for n in (1, 4)]
+    assert slow[0] > slow[1] > 0.05 * adam
+    assert slow[0] == pytest.approx(0.05 * adam + 0.95 * adam * (1 + 3 / 7) - 0.2 * adam)
