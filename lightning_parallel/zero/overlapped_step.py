@@ -68,6 +68,8 @@ class OverlappedHostStep:
         """When the last armed backward returned (``time.perf_counter()``)."""
         self.stepped_in_backward = 0
         """Parameter steps run during backward, over the whole run (the engagement record reads it)."""
+        self.begun_before_backward_end = 0
+        """Of those, the ones that started before their backward returned (timestamps), over the whole run."""
         self._handles = [p.register_post_accumulate_grad_hook(self._gradient_final) for p in params.values()]
 
     @property
@@ -112,8 +114,9 @@ class OverlappedHostStep:
     def end_of_backward(self) -> None:
         """Called when the armed step's backward returns: stamps the time, then waits for the host steps."""
         if self._armed:
-            self.backward_end = time.perf_counter()
+            self.backward_end = end = time.perf_counter()
             self.finish()
+            self.begun_before_backward_end += sum(span.start < end for span in self.spans)
 
     def close(self) -> None:
         for handle in self._handles:
