@@ -47,6 +47,10 @@ _ATTENTION_PASSES = 2.0  # fused attention: reads q, k, v, writes the output (q 
 _MLP_PASSES = 2.0  # activation function: reads and writes the inner width (gated: 3, two inputs)
 _SCORE_PASSES = 4.5  # eager attention: softmax (read, write) + dropout (read, write, mask) per score
 _PERMUTE_PASSES = 4.0  # MoE: token permutation and its inverse (read, write) per routed copy
+# Eager PyTorch, a Llama-style block (``Execution.compiled=False``), beyond the fused passes above, per token:
+_EAGER_NORM_PASSES = 8.0  # per RMSNorm: to fp32, square, mean, rsqrt-scale, back to 16-bit, gain (4 extra r/w)
+_EAGER_ROTARY_PASSES = 6.0  # q and k: complex view, multiply, real view, type cast (3 extra read/write pairs)
+_EAGER_MLP_PASSES = 2.0  # SwiGLU's activation and product apart (one more read and write of the inner width)
 _LOSS_BYTES_PER_LOGIT = 68.0  # unfused fp32 cross-entropy (Megatron's vocab-parallel): ~17 x 4 bytes
 
 
@@ -78,6 +82,15 @@ class Execution:
     """The blocks' projection matmuls in fp8 (Transformer Engine, torchao's ``Float8Linear``) at the chip's
     fp8 peak, each casting its input and weight (and in backward its output gradient) to fp8 first;
     attention's own matmuls and the output head stay 16-bit."""
+    float8_cast_passes: float = 1.5
+    """What casting one element to fp8 moves, in 16-bit element reads and writes: 1.5 (read it, write the byte)
+    by default; Transformer Engine writes the fp8 copy from the kernel before (norm, activation): 0.5; dynamic
+    per-tensor scaling as a separate pass (torchao's ``Float8Linear``) first reads the tensor for its amax: 2.5."""
+    compiled: bool = True
+    """Memory-bound ops fused into few kernels, as Megatron's fused kernels and ``torch.compile`` run them. False:
+    eager PyTorch, where a Llama-style block's RMSNorm, rotary embedding and SwiGLU, written in Python in the codes
+    that train such models (Hugging Face, torchtitan), run as separate kernels, each reading and writing its tensor
+    (:data:`_EAGER_NORM_PASSES`...); GPT-style blocks' LayerNorm and GELU are single native kernels either way."""
     overlap_host_step: bool | None = None
     """Offloaded optimizer: each shard's host step (gradient down, CPU Adam) during the last backward, and the
     parameters' way back inside the next forward's gathers (``zero/overlapped_step.py``). None: where the
@@ -187,6 +200,16 @@ def _cheap_elements(block: BlockShape, layout: Layout) -> float:
     return residual + inner + scores  # fused attention keeps its scores on chip: counted as matmul FLOPs
 
 
+def _eager_elements(block: BlockShape, layout: Layout) -> float:
+    """Elements one token's forward moves beyond :func:`_cheap_elements` in eager PyTorch (Llama-style blocks)."""
+    if not block.gated:
+        return 0.0
+    tp = layout.tensor_parallel
+    norms = 2 * _EAGER_NORM_PASSES * block.hidden / (tp if layout.sequence_parallel else 1)
+    rotary = _EAGER_ROTARY_PASSES * (block.q_width + block.kv_width) / tp
+    return norms + rotary + _EAGER_MLP_PASSES * block.ffn_hidden / tp * max(block.top_k, 1)
+
+
 def _other_elements(block: BlockShape, layout: Layout) -> float:
     """Elements fused attention's inputs and output and the MoE permutations move, per token (forward)."""
     attention = _ATTENTION_PASSES * (block.q_width + block.kv_width) / layout.tensor_parallel
@@ -236,7 +259,9 @@ def micro_batch(
     checkpointing = layout.activation_checkpointing
 
     flops = tokens * sum(b.forward_flops_per_token(seq) for b in stage.blocks) / tp
-    cheap = tokens * act * sum(_cheap_elements(b, layout) for b in stage.blocks)
+    cheap = tokens * act * sum(
+        _cheap_elements(b, layout) + (0.0 if execution.compiled else _eager_elements(b, layout)) for b in stage.blocks
+    )
     moved = cheap + tokens * act * sum(
         _gemm_elements(b, layout) + _other_elements(b, layout) for b in stage.blocks
     )
@@ -245,8 +270,9 @@ def micro_batch(
         # write 8-bit: 1.5 x its 16-bit bytes) per pass, the weights' casts once per micro-batch
         projections = tokens * sum(2.0 * b.matmul_weights_per_token for b in stage.blocks) / tp
         flops -= projections * (1.0 - cluster.peak_bf16_flops / cluster.peak_fp8_flops)
-        moved += 1.5 * tokens * act * sum(_projection_inputs(b) for b in stage.blocks) / tp
-        moved += 1.5 * act * sum(b.matmul_weights_per_token for b in stage.blocks) / tp
+        cast = execution.float8_cast_passes
+        moved += cast * tokens * act * sum(_projection_inputs(b) for b in stage.blocks) / tp
+        moved += cast * act * sum(b.matmul_weights_per_token for b in stage.blocks) / tp
     head = head_moved = 0.0
     if stage.last:  # the output matmul (vocabulary cut over tensor ranks), the cross-entropy over its logits
         vocab = shape.vocab_size / tp

@@ -113,6 +113,17 @@ def _fp8(raw: dict[str, Any]) -> bool:
     return bool(re.search(r"fp8|float8", str(raw.get("precision")), re.IGNORECASE))
 
 
+_FLOAT8_CAST_PASSES = {False: 0.5, True: 2.5}  # by "torchtitan's (torchao's) casts": Transformer Engine's else
+
+
+def _compiled(raw: dict[str, Any]) -> bool:
+    """Whether a row's memory-bound ops ran fused: as its source says; unsaid, Megatron's and NeMo's fused kernels
+    are, torchtitan's eager default (``training.compile = false``) is not."""
+    if raw.get("compile") is not None:
+        return bool(raw["compile"])
+    return not str(raw["source"]).startswith("torchtitan")
+
+
 def _recompute(text: str | None) -> str | None:
     words = (text or "").lower()
     if words.startswith("full"):
@@ -185,8 +196,9 @@ def _express(raw: dict[str, Any]) -> tuple[tuple[ModelShape, Layout, Execution] 
         micro_batch_size=raw["micro_batch"], sequence_length=raw["seq_len"], attention="flash",
     )  # fmt: skip
     execution = Execution(
-        overlap_tensor_parallel=tp > 1, overlap_gradient_reduction=True, overlap_parameter_gather=True,
-        overlap_pipeline_transfers=True, float8_linears=_fp8(raw),
+        overlap_tensor_parallel=tp > 1 and raw.get("tp_comm_overlap", True), overlap_gradient_reduction=True,
+        overlap_parameter_gather=True, overlap_pipeline_transfers=True, float8_linears=_fp8(raw),
+        compiled=_compiled(raw), float8_cast_passes=_FLOAT8_CAST_PASSES[str(raw["source"]).startswith("torchtitan")],
     )  # fmt: skip
     return (shape, layout, execution), None
 
@@ -199,7 +211,7 @@ def _from_source(raw: dict[str, Any]) -> Row:
         problem = problem or "the source does not name the chip"
     if step is None:
         problem = problem or "only a FLOP rate or MFU, in a FLOP convention the source does not state"
-    precision = "fp8" if _fp8(raw) else "16-bit"
+    precision = ("fp8 (torchao)" if str(raw["source"]).startswith("torchtitan") else "fp8") if _fp8(raw) else "16-bit"
     return Row(
         str(raw["source"]), str(raw.get("model")), str(raw.get("url")), chip or "?", precision,
         step or math.nan, setup if problem is None else None, problem,
