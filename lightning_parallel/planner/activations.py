@@ -168,7 +168,7 @@ def stage_activation_bytes(
     shape: ModelShape, layout: Layout, blocks: range, first: bool, last: bool, pp_rank: int = 0
 ) -> ActivationEstimate:
     """Activation bytes of the stage holding ``blocks`` (with the embeddings when ``first``, head when ``last``)."""
-    tokens = layout.micro_batch_size * layout.sequence_length
+    tokens = layout.local_tokens
     mode = layout.activation_checkpointing
     act, residual = _bytes(layout)
     tp = layout.tensor_parallel
@@ -176,10 +176,11 @@ def stage_activation_bytes(
     per_token = sum(block_bytes_per_token(shape.blocks[i], layout, mode) for i in blocks)
     if first:
         per_token += _INDEX_BYTES
-    if last:  # final norm, head input, what the loss keeps
+    if last:  # final norm, head input, what the loss keeps: of the whole sequence under context parallelism,
+        # which gathers it after the last block (context_parallel/hooks.py: install_exit)
         norm = shape.blocks[-1]
-        per_token += _norm_bytes(norm, shape.hidden, residual) / sp + shape.hidden * act
-        per_token += loss_bytes_per_token(shape, layout)
+        exit_bytes = _norm_bytes(norm, shape.hidden, residual) / sp + shape.hidden * act
+        per_token += (exit_bytes + loss_bytes_per_token(shape, layout)) * layout.context_parallel
     working = 0.0
     if mode and blocks:
         working = (

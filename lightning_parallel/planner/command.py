@@ -37,6 +37,10 @@ def add_planner_arguments(plan: argparse.ArgumentParser) -> None:
     group = plan.add_argument_group("memory and time (the planner)")
     group.add_argument("--data-parallel", type=int, default=None, help="data-parallel replicas (default 1)")
     group.add_argument("--expert-parallel", type=int, default=None)
+    group.add_argument(
+        "--context-parallel", type=int, default=None, help="ranks splitting each sequence (of dp)"
+    )
+    group.add_argument("--context-parallel-mode", choices=("ring", "ulysses"), default=None)
     group.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3))
     group.add_argument("--offload", choices=("cpu", "nvme"), default=None)
     group.add_argument("--activation-checkpointing", choices=("full", "selective"), default=None)
@@ -98,6 +102,8 @@ def layout_from_arguments(args: argparse.Namespace, strategy: dict[str, Any], tp
         micro_batches=pick(args.micro_batches, "micro_batches", None) or pp * virtual,
         data_parallel=data_parallel or 1,
         expert_parallel=pick(args.expert_parallel, "expert_parallel", 1),
+        context_parallel=pick(args.context_parallel, "context_parallel", 1),
+        context_parallel_mode=pick(args.context_parallel_mode, "context_parallel_mode", "ring"),
         zero_stage=pick(args.zero_stage, "zero_stage", 0),
         offload=pick(args.offload, "offload", None),
         activation_checkpointing=pick(args.activation_checkpointing, "activation_checkpointing", None),

@@ -45,6 +45,11 @@ class Layout:
     """Micro-batches per optimizer step: the pipeline's, or without stages ``accumulate_grad_batches``."""
     data_parallel: int = 1
     expert_parallel: int = 1
+    context_parallel: int = 1
+    """Ranks that split each sequence (carved out of ``data_parallel``, as the strategy does: ``dp / cp`` replicas
+    read distinct batches, each rank holds ``sequence_length / cp`` tokens of every sequence)."""
+    context_parallel_mode: str = "ring"
+    """``"ring"`` (keys and values passed around the ``cp`` ranks) or ``"ulysses"`` (all-to-all over heads)."""
     zero_stage: int = 0
     offload: str | None = None
     """None, ``"cpu"`` or ``"nvme"``: where ZeRO keeps the optimizer states (stage 3: parameters too)."""
@@ -85,7 +90,12 @@ class Layout:
 
     @property
     def global_batch(self) -> int:
-        return self.batch_per_replica * self.data_parallel
+        return self.batch_per_replica * self.data_parallel // self.context_parallel
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens of one micro-batch on one rank: each of ``cp`` ranks holds a slice of every sequence."""
+        return self.micro_batch_size * self.sequence_length // self.context_parallel
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,6 +111,11 @@ class Layout:
         elif self.micro_batches > 1:
             parts.append(f"acc{self.micro_batches}")
         parts.append(f"dp{self.data_parallel}")
+        if self.context_parallel > 1:
+            parts.append(
+                f"cp{self.context_parallel}"
+                + ("(ulysses)" if self.context_parallel_mode == "ulysses" else "")
+            )
         if self.expert_parallel > 1:
             parts.append(f"ep{self.expert_parallel}")
         if self.zero_stage:
@@ -157,8 +172,8 @@ def layout_problems(layout: Layout, shape: ModelShape, gpus: int | None = None) 
     from lightning_parallel.config.arguments import check_micro_batches, resolve_schedule, virtual_stages_for
 
     problems: list[str] = []
-    for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "expert_parallel", "micro_batches",
-                 "micro_batch_size", "sequence_length", "pipeline_virtual_stages"):  # fmt: skip
+    for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "expert_parallel", "context_parallel",
+                 "micro_batches", "micro_batch_size", "sequence_length", "pipeline_virtual_stages"):  # fmt: skip
         value = getattr(layout, name)
         if not isinstance(value, int) or value < 1:
             problems.append(f"`{name}={value!r}` must be a positive integer")
@@ -186,6 +201,17 @@ def layout_problems(layout: Layout, shape: ModelShape, gpus: int | None = None) 
                 f"`sequence_parallel=True` with `expert_parallel={ep}`: the strategy refuses the pair (its routing"
                 " would see only the rank's slice of the sequence)"
             )
+    cp = layout.context_parallel
+    if cp > 1:
+        chunks = (
+            2 * cp if layout.context_parallel_mode == "ring" else cp
+        )  # ring: a head and a tail chunk per rank
+        if layout.sequence_length % chunks:
+            problems.append(f"sequence length ({layout.sequence_length}) is not divisible into {chunks} chunks"
+                            f" (`context_parallel={cp}`, {layout.context_parallel_mode})")  # fmt: skip
+        if layout.context_parallel_mode == "ulysses" and (block.heads // tp) % cp:
+            problems.append(f"`context_parallel_mode='ulysses'`: {block.heads // tp} heads per tensor rank are not"
+                            f" divisible by `context_parallel={cp}`")  # fmt: skip
     if ep > 1:
         experts = max((b.num_experts for b in shape.blocks), default=0)
         if not experts:
@@ -244,6 +270,8 @@ def strategy_arguments(layout: Layout) -> StrategyArguments:
         tensor_parallel=layout.tensor_parallel,
         pipeline_parallel=layout.pipeline_parallel,
         expert_parallel=layout.expert_parallel,
+        context_parallel=layout.context_parallel,
+        context_parallel_mode=layout.context_parallel_mode,  # type: ignore[arg-type]
         sequence_parallel=layout.sequence_parallel,
         micro_batches=layout.micro_batches if pipelined else None,
         pipeline_schedule=layout.pipeline_schedule if pipelined else None,
@@ -285,6 +313,7 @@ def strategy_refusals(layout: Layout) -> list[str]:
             tensor_parallel=layout.tensor_parallel,
             pipeline_parallel=layout.pipeline_parallel,
             expert_parallel=layout.expert_parallel,
+            context_parallel=layout.context_parallel,
         )
         check_launch(config, dims, _precision_plugin(layout.precision))
     except ValueError as error:

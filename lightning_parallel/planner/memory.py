@@ -340,7 +340,7 @@ def _receive_buffers(shape: ModelShape, layout: Layout, stages: list[int], last:
     act = PRECISIONS[layout.precision][1]
     residual = 4 if layout.precision.endswith("-mixed") else act  # autocast leaves the residual stream fp32
     sp = layout.tensor_parallel if layout.sequence_parallel else 1
-    one = layout.micro_batch_size * layout.sequence_length * shape.hidden * residual / sp
+    one = layout.local_tokens * shape.hidden * residual / sp
     held = buffers_in_flight(resolve_schedule(layout.pipeline_schedule), layout.pipeline_parallel,
                              layout.pipeline_virtual_stages, layout.micro_batches)  # fmt: skip
     return sum(held[s] * one for s in stages)

@@ -48,7 +48,9 @@ _MLP_PASSES = 2.0  # activation function: reads and writes the inner width (gate
 _SCORE_PASSES = 4.5  # eager attention: softmax (read, write) + dropout (read, write, mask) per score
 _PERMUTE_PASSES = 4.0  # MoE: token permutation and its inverse (read, write) per routed copy
 # Eager PyTorch, a Llama-style block (``Execution.compiled=False``), beyond the fused passes above, per token:
-_EAGER_NORM_PASSES = 8.0  # per RMSNorm: to fp32, square, mean, rsqrt-scale, back to 16-bit, gain (4 extra r/w)
+_EAGER_NORM_PASSES = (
+    8.0  # per RMSNorm: to fp32, square, mean, rsqrt-scale, back to 16-bit, gain (4 extra r/w)
+)
 _EAGER_ROTARY_PASSES = 6.0  # q and k: complex view, multiply, real view, type cast (3 extra read/write pairs)
 _EAGER_MLP_PASSES = 2.0  # SwiGLU's activation and product apart (one more read and write of the inner width)
 _LOSS_BYTES_PER_LOGIT = 68.0  # unfused fp32 cross-entropy (Megatron's vocab-parallel): ~17 x 4 bytes
@@ -165,7 +167,7 @@ def _gemm_elements(block: BlockShape, layout: Layout) -> float:
     Column-parallel matrices (q|k|v, MLP up) are cut along ``N``, row-parallel ones along ``K``;
     an expert's matmul sees ``tokens x top_k / experts`` rows.
     """
-    tp, tokens = layout.tensor_parallel, layout.micro_batch_size * layout.sequence_length
+    tp, tokens = layout.tensor_parallel, layout.local_tokens
     h, ffn = block.hidden, block.ffn_hidden
     up = ffn * (2 if block.gated else 1)
     routed = max(block.top_k, 1) if block.num_experts else 1
@@ -226,6 +228,8 @@ class MicroBatch:
     recompute: float = 0.0
     tensor_parallel: float = 0.0
     expert: float = 0.0
+    context: float = 0.0
+    """Context parallelism's exchange of keys and values (ring) or of heads (Ulysses), exposed part."""
     transfers: float = 0.0
     recompute_flops: float = 0.0
 
@@ -235,7 +239,7 @@ class MicroBatch:
 
     @property
     def total(self) -> float:
-        return self.compute + self.tensor_parallel + self.expert + self.transfers
+        return self.compute + self.tensor_parallel + self.expert + self.context + self.transfers
 
 
 def _projection_inputs(block: BlockShape) -> float:
@@ -252,15 +256,20 @@ def micro_batch(
 ) -> MicroBatch:
     """Time of one micro-batch on the rank holding ``stage`` (``virtual`` chunks of it under interleaving)."""
     tp, seq = layout.tensor_parallel, layout.sequence_length
-    tokens = layout.micro_batch_size * seq
+    tokens = layout.local_tokens  # attention still spans the whole sequence: seq in the FLOPs per token
     act = PRECISIONS[layout.precision][1]
     flop_rate = matmul_peak(cluster, layout.precision) * cluster.matmul_efficiency
     byte_rate = cluster.memory_bandwidth * cluster.memory_efficiency
     checkpointing = layout.activation_checkpointing
 
     flops = tokens * sum(b.forward_flops_per_token(seq) for b in stage.blocks) / tp
-    cheap = tokens * act * sum(
-        _cheap_elements(b, layout) + (0.0 if execution.compiled else _eager_elements(b, layout)) for b in stage.blocks
+    cheap = (
+        tokens
+        * act
+        * sum(
+            _cheap_elements(b, layout) + (0.0 if execution.compiled else _eager_elements(b, layout))
+            for b in stage.blocks
+        )
     )
     moved = cheap + tokens * act * sum(
         _gemm_elements(b, layout) + _other_elements(b, layout) for b in stage.blocks
@@ -304,9 +313,39 @@ def micro_batch(
     if ep > 1:
         routed = sum(tokens * b.top_k * b.hidden * act for b in stage.blocks if b.num_experts)
         out.expert = passes * half_ring(routed, ep, group_bandwidth(cluster, ep, tp))
+    if layout.context_parallel > 1:
+        attention = tokens * sum(_attention_flops_per_token(b, seq) for b in stage.blocks) / tp / flop_rate
+        out.context = _context_exchange(stage, layout, cluster, tokens * act, attention)
     if layout.pipeline_parallel > 1 and not execution.overlap_pipeline_transfers:
         split = layout.sequence_parallel or execution.split_pipeline_transfers
         sent = tokens * shape.hidden * act / (tp if split else 1)
         bandwidth = group_bandwidth(cluster, 2, tp * layout.data_parallel)
         out.transfers = 2 * virtual * sent / bandwidth  # activations forward, gradients backward, per chunk
     return out
+
+
+def _attention_flops_per_token(block: BlockShape, sequence_length: int) -> float:
+    """The attention core's forward FLOPs per token (scores and their product with the values): what is left of a
+    block's FLOPs without its projections."""
+    return block.forward_flops_per_token(sequence_length) - 2.0 * block.matmul_weights_per_token
+
+
+def _context_exchange(
+    stage: Stage, layout: Layout, cluster: Cluster, token_bytes: float, attention: float
+) -> float:
+    """Exposed time of context parallelism's exchanges for one micro-batch (``token_bytes``: this rank's tokens x
+    bytes per element; ``attention``: its attention core's forward time). Ring: each block's keys and values
+    travel around the ``cp`` ranks (``cp - 1`` hops) behind the attention of the chunk before, the first hop in
+    the open; backward sends them again with their gradients (twice the bytes); full recomputation reruns the
+    forward's. Ulysses: all-to-alls of q, k, v and the output over the ``cp`` ranks, in line."""
+    cp, tp = layout.context_parallel, layout.tensor_parallel
+    bandwidth = group_bandwidth(cluster, cp, tp)  # cp ranks next to the tensor ranks (mesh/parallel_dims.py)
+    passes = 3 + (1 if layout.activation_checkpointing == "full" else 0)  # forward 1, backward 2, recompute 1
+    if layout.context_parallel_mode == "ulysses":
+        moved = sum(2 * (b.q_width + b.kv_width) for b in stage.blocks) / tp * token_bytes
+        return passes * half_ring(moved, cp, bandwidth)
+    kv = sum(2 * b.kv_width for b in stage.blocks) / tp * token_bytes
+    hops = (cp - 1) * kv / bandwidth  # one pass's exchange
+    # forward: attention compute hides the hops; backward moves twice the bytes behind twice the compute
+    forward = max(hops - attention, hops / cp)
+    return (passes - 2) * forward + max(2 * hops - 2 * attention, 2 * hops / cp)

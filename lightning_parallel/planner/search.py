@@ -56,6 +56,20 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+_MIN_CONTEXT_SHARD = 4096
+"""Tokens of each sequence a context-parallel rank must keep for the search to try it: below that the ring's
+exchanges outweigh the attention they hide behind, and the memory it saves is small."""
+
+
+def _context_degrees(dp: int, sequence_length: int) -> list[int]:
+    """The context-parallel degrees the search tries: 1, and divisors of ``dp`` up to a node (8) that leave each rank
+    at least :data:`_MIN_CONTEXT_SHARD` tokens in whole ring chunks."""
+    return [1] + [
+        c for c in _divisors(dp)
+        if 1 < c <= 8 and sequence_length % (2 * c) == 0 and sequence_length // c >= _MIN_CONTEXT_SHARD
+    ]  # fmt: skip
+
+
 def _batches(dp: int, pp: int, global_batch: int | None, per_replica: int | None,
              micro_batch_sizes: tuple[int, ...]) -> Iterator[tuple[int, int]]:  # fmt: skip
     """(micro-batch size, micro-batches per step) a replica can run: for a global batch (accumulating
@@ -134,11 +148,17 @@ def search(
     for tp in [d for d in _divisors(gpus) if d <= cluster.gpus_per_node]:
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
-            for ep in [e for e in _divisors(dp) if experts and experts % e == 0] or [1]:
-                family = f"tp{tp} pp{pp} dp{dp}" + (f" ep{ep}" if experts else "")
+            for ep, cp in [
+                (e, c)
+                for e in ([e for e in _divisors(dp) if experts and experts % e == 0] or [1])
+                for c in _context_degrees(dp, sequence_length)
+            ]:  # fmt: skip
+                family = (
+                    f"tp{tp} pp{pp} dp{dp}" + (f" ep{ep}" if experts else "") + (f" cp{cp}" if cp > 1 else "")
+                )
                 base = Layout(
                     tensor_parallel=tp, sequence_parallel=tp > 1 and not experts, pipeline_parallel=pp, data_parallel=dp,
-                    expert_parallel=ep, precision=precision, sequence_length=sequence_length,
+                    expert_parallel=ep, context_parallel=cp, precision=precision, sequence_length=sequence_length,
                     micro_batches=pp if pp > 1 else 1,
                 )  # fmt: skip
                 problems = layout_problems(base, shape, gpus)
@@ -147,7 +167,7 @@ def search(
                     continue
                 best_miss: tuple[float, str] | None = None
                 found = False
-                batches = _batches(dp, pp, global_batch, per_replica_batch, micro_batch_sizes)
+                batches = _batches(dp // cp, pp, global_batch, per_replica_batch, micro_batch_sizes)
                 for layout in _options(base, shape, batches):
                     if layout_problems(layout, shape, gpus):
                         continue

@@ -92,6 +92,8 @@ class StepTime:
     """The per-GPU peak MFU is quoted against (the precision's)."""
     terms: dict[str, float] = field(default_factory=dict, compare=False)
     """Intermediate quantities (micro-batch time, pipeline efficiency, ...), for reading a prediction."""
+    context_parallel: float = 0.0
+    """Context parallelism's key/value (ring) or head (Ulysses) exchanges, exposed part."""
 
     @property
     def total(self) -> float:
@@ -118,8 +120,8 @@ class StepTime:
 
     def breakdown(self) -> dict[str, float]:
         """The terms that add up to the step time."""
-        names = ("compute", "tensor_parallel", "expert_all_to_all", "pipeline_bubble", "pipeline_transfers",
-                 "data_parallel", "optimizer")  # fmt: skip
+        names = ("compute", "tensor_parallel", "context_parallel", "expert_all_to_all", "pipeline_bubble",
+                 "pipeline_transfers", "data_parallel", "optimizer")  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
 
@@ -234,6 +236,7 @@ def step_time(
         recomputation=m * mb.recompute,
         tensor_parallel=m * mb.tensor_parallel,
         expert_all_to_all=m * mb.expert,
+        context_parallel=m * mb.context,
         pipeline_bubble=bubble,
         pipeline_transfers=m * mb.transfers,
         data_parallel=reduce_grads + gather,

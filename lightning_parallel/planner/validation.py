@@ -113,7 +113,10 @@ def _fp8(raw: dict[str, Any]) -> bool:
     return bool(re.search(r"fp8|float8", str(raw.get("precision")), re.IGNORECASE))
 
 
-_FLOAT8_CAST_PASSES = {False: 0.5, True: 2.5}  # by "torchtitan's (torchao's) casts": Transformer Engine's else
+_FLOAT8_CAST_PASSES = {
+    False: 0.5,
+    True: 2.5,
+}  # by "torchtitan's (torchao's) casts": Transformer Engine's else
 
 
 def _compiled(raw: dict[str, Any]) -> bool:
@@ -152,18 +155,22 @@ def _express(raw: dict[str, Any]) -> tuple[tuple[ModelShape, Layout, Execution] 
     missing += [f"model {k}" for k in ("layers", "hidden", "heads") if not config.get(k)]
     if missing:
         return None, f"the source does not give {', '.join(missing)}"
-    if (raw.get("cp") or 1) > 1:
-        return None, "context parallelism (the planner has no cp axis yet)"
     if "deepseek" in name.lower() or config.get("q_lora_rank") or config.get("kv_lora_rank"):
         return None, "multi-head latent attention (not in the planner's block shapes)"
     vocab = config.get("vocab") or next((v for k, v in _VOCAB if k in name.lower()), None)
     if vocab is None:
         return None, "the source does not give the vocabulary"
-    gpus, tp, pp = raw["gpus"], raw["tp"], raw["pp"]
+    gpus, tp, pp, cp = raw["gpus"], raw["tp"], raw["pp"], raw.get("cp") or 1
     ep = raw.get("ep") or 1
-    dp = gpus // (tp * pp)
-    micro_batches = raw["global_batch"] // (dp * raw["micro_batch"])
-    if dp * tp * pp != gpus or micro_batches < 1 or raw["global_batch"] % (dp * raw["micro_batch"]):
+    dp = gpus // (tp * pp)  # context parallelism carved out of it, as the strategy does: dp / cp batches
+    replicas = dp // cp
+    micro_batches = raw["global_batch"] // (replicas * raw["micro_batch"])
+    if (
+        dp * tp * pp != gpus
+        or dp % cp
+        or micro_batches < 1
+        or raw["global_batch"] % (replicas * raw["micro_batch"])
+    ):
         return (
             None,
             f"{gpus} GPUs, tp {tp}, pp {pp} and batch {raw['global_batch']} do not make whole replicas",
@@ -189,7 +196,7 @@ def _express(raw: dict[str, Any]) -> tuple[tuple[ModelShape, Layout, Execution] 
     layout = Layout(
         tensor_parallel=tp, sequence_parallel=tp > 1, pipeline_parallel=pp,
         pipeline_schedule="interleaved_1f1b" if vp > 1 else "1f1b", pipeline_virtual_stages=vp,
-        micro_batches=micro_batches, data_parallel=dp, expert_parallel=ep,
+        micro_batches=micro_batches, data_parallel=dp, expert_parallel=ep, context_parallel=cp,
         zero_stage=0 if dp == 1 else 3 if fsdp else 1,
         activation_checkpointing=_recompute(raw.get("recompute")),
         precision="16-mixed" if "16-bit" in str(raw.get("precision")) else "bf16-mixed",
@@ -211,7 +218,9 @@ def _from_source(raw: dict[str, Any]) -> Row:
         problem = problem or "the source does not name the chip"
     if step is None:
         problem = problem or "only a FLOP rate or MFU, in a FLOP convention the source does not state"
-    precision = ("fp8 (torchao)" if str(raw["source"]).startswith("torchtitan") else "fp8") if _fp8(raw) else "16-bit"
+    precision = (
+        ("fp8 (torchao)" if str(raw["source"]).startswith("torchtitan") else "fp8") if _fp8(raw) else "16-bit"
+    )
     return Row(
         str(raw["source"]), str(raw.get("model")), str(raw.get("url")), chip or "?", precision,
         step or math.nan, setup if problem is None else None, problem,

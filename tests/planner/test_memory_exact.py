@@ -48,6 +48,7 @@ def _layout(strategy: dict, optimizer: str) -> Layout:
         micro_batches=micro_batches,
         data_parallel=2 // (tp * pp),
         expert_parallel=strategy.get("expert_parallel", 1),
+        context_parallel=strategy.get("context_parallel", 1),
         zero_stage=strategy.get("zero_stage", 0),
         activation_checkpointing=strategy.get("activation_checkpointing"),
         micro_batch_size=BATCH // micro_batches,

@@ -256,7 +256,9 @@ def test_the_importance_split_waits_only_for_the_chosen_rows() -> None:
     split = step_time(GPT_1_3B, Layout(**batch, offload="cpu", offload_update=ImportanceSplit()), h200)
     adam = GPT_1_3B.parameters / h200.host_adam_throughput
     assert split.optimizer < exact.optimizer
-    assert split_host_time(ImportanceSplit(), adam, passes=10 * adam) == pytest.approx(0.05 * adam)  # all hidden
+    assert split_host_time(ImportanceSplit(), adam, passes=10 * adam) == pytest.approx(
+        0.05 * adam
+    )  # all hidden
     slow = [split_host_time(ImportanceSplit(update_interval=n), adam, passes=0.2 * adam) for n in (1, 4)]
     assert slow[0] > slow[1] > 0.05 * adam
     assert slow[0] == pytest.approx(0.05 * adam + 0.95 * adam * (1 + 3 / 7) - 0.2 * adam)

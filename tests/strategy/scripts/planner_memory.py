@@ -51,6 +51,7 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "zero2": ("recipe_gpt", {"optimizer": "adamw"}, {"zero_stage": 2}),
     "zero3": ("recipe_gpt", {"optimizer": "adamw"}, {"zero_stage": 3}),
     "ep2_zero2": ("recipe_moe", {}, {"expert_parallel": 2, "zero_stage": 2}),
+    "cp2": ("hf_llama", {}, {"context_parallel": 2}),  # each rank half of every sequence, ring attention
     "auto": ("recipe_gpt", {"optimizer": "adamw", "n_layer": 4}, {}),  # HybridParallelStrategy.auto on TINY
 }
 TINY_MEMORY = (
