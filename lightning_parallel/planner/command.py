@@ -29,6 +29,7 @@ from lightning_parallel.planner.report import (
 from lightning_parallel.planner.search import search
 from lightning_parallel.planner.shapes import describe
 from lightning_parallel.planner.timing import step_time
+from lightning_parallel.planner.validation import expected_error
 
 __all__ = ["add_planner_arguments", "layout_from_arguments", "run_planner"]
 
@@ -130,7 +131,11 @@ def run_planner(
             )
         result = search(model, args.gpus, cluster, args.global_batch, layout.sequence_length, layout.precision,
                         top=args.top, shape=shape)  # fmt: skip
-        return search_lines(result, args.gpus, cluster), search_json(result)
+        confidence = expected_error(cluster.name, layout.precision)
+        return [*search_lines(result, args.gpus, cluster), confidence], {
+            **search_json(result),
+            "expected_error": confidence,
+        }
     problems = layout_problems(layout, shape)
     if problems:
         raise ValueError(

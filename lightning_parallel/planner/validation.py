@@ -362,6 +362,35 @@ def markdown(rows: Sequence[Row], folds: Sequence[Fold]) -> str:
 
 
 _BEGIN, _END = "<!-- validation table: begin -->", "<!-- validation table: end -->"
+ERRORS = Path(__file__).with_name("validation_errors.json")
+"""The out-of-sample errors by kind of row, written with the table: what ``plan --search`` quotes."""
+
+
+def errors_by_kind(folds: Sequence[Fold]) -> dict[str, dict[str, float]]:
+    """Mean out-of-sample error and row count per ``"chip/precision"``, per ``"chip"`` and over ``"all"`` rows."""
+    kinds: dict[str, list[float]] = {}
+    for fold in folds:
+        for row, error in zip(fold.rows, fold.out_of_sample, strict=True):
+            for kind in (f"{row.chip}/{row.precision}", row.chip, "all"):
+                kinds.setdefault(kind, []).append(error)
+    return {k: {"rows": len(v), "out_of_sample": round(Fold.mean(v), 4)} for k, v in sorted(kinds.items())}
+
+
+def expected_error(chip: str, precision: str) -> str:
+    """How sure a prediction on ``chip`` in Trainer ``precision`` is: the validation's error for the nearest kind of
+    published row (its chip and precision, else its chip, else all rows), as one line."""
+    kinds = json.loads(ERRORS.read_text())
+    wanted = "fp8" if "fp8" in precision else "16-bit"
+    for kind in (f"{chip}/{wanted}", chip, "all"):
+        if kind in kinds:
+            found = kinds[kind]
+            what = "published rows of every kind" if kind == "all" else f"published rows on {kind}"
+            note = "" if precision != "32-true" else " (published runs are 16-bit or fp8; 32-true is less sure)"
+            return (
+                f"expected step-time error: {100 * found['out_of_sample']:.0f}% mean, out of sample, over the"
+                f" {found['rows']} {what} (docs/planner.md, leave one source out){note}"
+            )
+    return "expected step-time error: unknown (no validation data)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,9 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="put the table in docs/planner.md")
     args = parser.parse_args(argv)
     rows = load_rows()
-    table = markdown(rows, leave_one_source_out(rows))
+    folds = leave_one_source_out(rows)
+    table = markdown(rows, folds)
     print(table)
     if args.write:
+        ERRORS.write_text(json.dumps(errors_by_kind(folds), indent=1) + "\n")
         doc = Path(__file__).parents[2] / "docs" / "planner.md"
         text = doc.read_text()
         start, end = text.index(_BEGIN) + len(_BEGIN), text.index(_END)

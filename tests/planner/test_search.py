@@ -144,6 +144,7 @@ def test_the_plan_command_prints_memory_time_json_and_a_picture(capsys, tmp_path
     code, out, _ = _plan(capsys, "--init", init, "--search", "--gpus", "4", "--cluster", "h100",
                          "--global-batch", "16", "--top", "3")  # fmt: skip
     assert code == 0 and "fastest layouts that fit on 4 x h100" in out and " 3. " in out
+    assert "expected step-time error:" in out and "published rows on h100/16-bit" in out  # how sure it is
 
 
 def test_a_layout_that_cannot_exist_is_reported_not_predicted(capsys) -> None:

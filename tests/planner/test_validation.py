@@ -4,6 +4,7 @@ file is checked for what the protocol needs (sources, links, enough expressible 
 
 from __future__ import annotations
 
+import json
 import math
 
 from lightning_parallel.planner.cluster import CLUSTERS
@@ -137,3 +138,34 @@ def test_rows_carry_what_their_code_did() -> None:
         (8, 1),
         (8, 2),
     ]
+
+
+def test_search_quotes_the_error_of_the_nearest_kind_of_row(tmp_path, monkeypatch) -> None:
+    """``plan --search`` says how sure it is: the fold errors averaged by chip and precision, else chip, else all."""
+    from lightning_parallel.planner import validation
+
+    rows = [*ROWS, _row("mbridge-a", 4.0, precision="fp8")]
+    folds = leave_one_source_out(rows, _stub)
+    kinds = validation.errors_by_kind(folds)
+    assert kinds["all"]["rows"] == len(rows) and kinds["h100/fp8"]["rows"] == 1
+    errors = [e for f in folds for e in f.out_of_sample]
+    assert kinds["all"]["out_of_sample"] == round(sum(errors) / len(errors), 4)
+    path = tmp_path / "errors.json"
+    path.write_text(json.dumps(kinds))
+    monkeypatch.setattr(validation, "ERRORS", path)
+    assert "1 published rows on h100/fp8" in validation.expected_error("h100", "fp8")
+    assert f"{kinds['h100/16-bit']['rows']} published rows on h100/16-bit" in validation.expected_error(
+        "h100", "bf16-mixed"
+    )
+    assert "of every kind" in validation.expected_error("tpu-v9", "bf16-mixed")
+
+
+def test_the_shipped_errors_are_those_of_the_table_in_the_docs() -> None:
+    """``--write`` writes both; a table regenerated without the file (or the reverse) fails here."""
+    from pathlib import Path
+
+    from lightning_parallel.planner.validation import ERRORS
+
+    overall = json.loads(ERRORS.read_text())["all"]
+    doc = (Path(__file__).parents[2] / "docs" / "planner.md").read_text()
+    assert f"| **all** | {overall['rows']} | **{100 * overall['out_of_sample']:.1f}%** |" in doc
