@@ -113,6 +113,7 @@ def _fp8(raw: dict[str, Any]) -> bool:
     return bool(re.search(r"fp8|float8", str(raw.get("precision")), re.IGNORECASE))
 
 
+_GPT_STYLE = ("gpt", "megatron-turing", "bloom", "opt")
 _FLOAT8_CAST_PASSES = {
     False: 0.5,
     True: 2.5,
@@ -184,7 +185,10 @@ def _express(raw: dict[str, Any]) -> tuple[tuple[ModelShape, Layout, Execution] 
     ffn = config.get("ffn_hidden") or config.get("ffn_hidden_derived") or config.get("expert_ffn_hidden")
     if experts:
         ffn = config.get("expert_ffn_hidden") or ffn
-    llama_like = bool(config.get("kv_heads")) or "llama" in name.lower() or bool(experts)
+    # GPT-3's design (GeLU MLP, biases, tied embeddings) whatever fields the row lists: Korthikanti et al.'s rows give
+    # kv_heads equal to heads, which must not make them gated
+    gpt_style = name.lower().startswith(_GPT_STYLE)
+    llama_like = not gpt_style and (bool(config.get("kv_heads")) or "llama" in name.lower() or bool(experts))
     shape = ModelShape.gpt(
         config["layers"], config["hidden"], config["heads"], vocab, ffn_hidden=ffn,
         kv_heads=config.get("kv_heads"), gated=llama_like, tied_head=not llama_like,

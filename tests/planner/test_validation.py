@@ -169,3 +169,12 @@ def test_the_shipped_errors_are_those_of_the_table_in_the_docs() -> None:
     overall = json.loads(ERRORS.read_text())["all"]
     doc = (Path(__file__).parents[2] / "docs" / "planner.md").read_text()
     assert f"| **all** | {overall['rows']} | **{100 * overall['out_of_sample']:.1f}%** |" in doc
+
+
+def test_gpt_rows_keep_gpt_3s_block_whatever_fields_they_list() -> None:
+    """Korthikanti et al.'s rows list kv_heads equal to heads; that must not make their GPTs gated (a third more MLP)."""
+    rows = [r for r in load_rows() if r.problem is None and r.source.startswith("korthikanti")]
+    assert rows and all(not r.setup[0].blocks[0].gated and r.setup[0].tied_head for r in rows)
+    assert all(not r.setup[2].overlap_tensor_parallel for r in rows)  # 2022: collectives in line
+    llama = [r for r in load_rows() if r.problem is None and "llama" in r.name.lower()]
+    assert llama and all(r.setup[0].blocks[0].gated for r in llama)
