@@ -147,6 +147,19 @@ CLUSTERS: dict[str, Cluster] = {
             " H200's: those runs overlap every collective with compute, which the model counts as free, so"
             " what the overlapped collectives take from the matmuls (SMs, HBM) lands in this factor.",
         ),
+        replace(
+            _hopper(
+                "h100-hbm2e-500w",
+                91_553,  # 96 GB as stated (nvidia-smi's total for this part is not published)
+                2400 * GB,
+                _H100_MATMUL,
+                f" Matmul {_H100_MATMUL}: the H100's. Meta's Grand Teton H100 (torchtitan's benchmarks): 96 GB of HBM2e"
+                " at 2.4 TB/s, 500 W. torchtitan: its peak 'is between SXM and NVL, and we don't know its exact value':"
+                " the midpoint of the H100 SXM's 989 and the H100 NVL's 835 TFLOP/s dense bf16 (1,979 and 1,671 fp8).",
+            ),
+            peak_bf16_flops=912e12,
+            peak_fp8_flops=1825e12,
+        ),
         _hopper(
             "h200",
             143_771,

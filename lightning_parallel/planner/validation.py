@@ -85,6 +85,8 @@ class Row:
     setup: tuple[ModelShape, Layout, Execution] | None = field(default=None, compare=False, repr=False)
     problem: str | None = None
     """Why the model cannot express it (then it is left out)."""
+    cluster: str | None = None
+    """The preset it is predicted on, where not ``chip``'s (a variant of the chip: its efficiency is the chip's fit)."""
 
     @property
     def group(self) -> str:
@@ -93,6 +95,12 @@ class Row:
     @property
     def key(self) -> tuple[str, str]:
         return self.chip, self.precision
+
+
+def _preset(hardware: str | None, chip: str | None) -> str | None:
+    """The cluster preset a row ran on where it is not its chip's: the 96 GB HBM2e, 500 W H100 (torchtitan's)."""
+    text = (hardware or "").lower()
+    return "h100-hbm2e-500w" if chip == "h100" and "hbm2e" in text else chip
 
 
 def _chip(hardware: str | None) -> str | None:
@@ -227,7 +235,7 @@ def _from_source(raw: dict[str, Any]) -> Row:
     )
     return Row(
         str(raw["source"]), str(raw.get("model")), str(raw.get("url")), chip or "?", precision,
-        step or math.nan, setup if problem is None else None, problem,
+        step or math.nan, setup if problem is None else None, problem, _preset(raw.get("hardware"), chip),
     )  # fmt: skip
 
 
@@ -261,7 +269,7 @@ def predict(row: Row, efficiency: float) -> float:
     key = (id(row.setup), round(efficiency, 4))
     if key not in _PREDICTED:
         shape, layout, execution = row.setup
-        cluster = replace(CLUSTERS[row.chip], matmul_efficiency=key[1])
+        cluster = replace(CLUSTERS[row.cluster or row.chip], matmul_efficiency=key[1])
         _PREDICTED[key] = (row.setup, step_time(shape, layout, cluster, execution).total)
     return _PREDICTED[key][1]
 
@@ -377,7 +385,7 @@ def errors_by_kind(folds: Sequence[Fold]) -> dict[str, dict[str, float]]:
         for row, error in zip(fold.rows, fold.out_of_sample, strict=True):
             for kind in (f"{row.chip}/{row.precision}", row.chip, "all"):
                 kinds.setdefault(kind, []).append(error)
-    return {k: {"rows": len(v), "out_of_sample": round(Fold.mean(v), 4)} for k, v in sorted(kinds.items())}
+    return {k: {"rows": len(v), "out_of_sample": round(Fold.mean(v), 6)} for k, v in sorted(kinds.items())}
 
 
 def expected_error(chip: str, precision: str) -> str:
@@ -389,7 +397,9 @@ def expected_error(chip: str, precision: str) -> str:
         if kind in kinds:
             found = kinds[kind]
             what = "published rows of every kind" if kind == "all" else f"published rows on {kind}"
-            note = "" if precision != "32-true" else " (published runs are 16-bit or fp8; 32-true is less sure)"
+            note = (
+                "" if precision != "32-true" else " (published runs are 16-bit or fp8; 32-true is less sure)"
+            )
             return (
                 f"expected step-time error: {100 * found['out_of_sample']:.0f}% mean, out of sample, over the"
                 f" {found['rows']} {what} (docs/planner.md, leave one source out){note}"

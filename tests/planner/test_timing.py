@@ -171,7 +171,10 @@ def test_zero_stages_experts_and_offload() -> None:
 
 
 def test_presets_and_yaml(tmp_path: Path) -> None:
-    assert set(CLUSTERS) == {"a100-40gb", "a100-80gb", "h100", "h200", "b200", "gb200"}
+    assert set(CLUSTERS) == {"a100-40gb", "a100-80gb", "h100", "h100-hbm2e-500w", "h200", "b200", "gb200"}
+    variant = CLUSTERS["h100-hbm2e-500w"]  # torchtitan's H100s: slower memory, a peak between SXM's and NVL's
+    assert variant.memory_bandwidth < CLUSTERS["h100"].memory_bandwidth
+    assert 835e12 < variant.peak_bf16_flops < CLUSTERS["h100"].peak_bf16_flops
     assert load_cluster("H100") is CLUSTERS["h100"]
     assert CLUSTERS["a100-40gb"].peak_fp8_flops == 0 and CLUSTERS["b200"].peak_bf16_flops == 2.25e15
     full = tmp_path / "mine.yaml"
