@@ -71,6 +71,9 @@ class Layout:
     """``"flash"`` (fused attention keeps no score matrix) or ``"eager"`` (keeps softmax scores)."""
     optimizer: str = "adamw"
     """``"adamw"``/``"adam"`` (two fp32 states), ``"sgd"`` (momentum: one), ``"adafactor"`` (factored)."""
+    compile: bool = False
+    """The strategy's ``compile``: ``torch.compile`` fuses the memory-bound ops eager PyTorch runs one by one
+    (``Execution.compiled``)."""
     loss_parallel: bool | None = None
     """The strategy's ``loss_parallel``: None (default) and True keep the loss on the vocabulary shards of a
     sharded head (``tensor_parallel/vocab_loss.py``); False gathers the logits for it."""
@@ -290,6 +293,7 @@ def strategy_arguments(layout: Layout) -> StrategyArguments:
             else None
         ),  # type: ignore[arg-type]
         loss_parallel=layout.loss_parallel,
+        compile=layout.compile,
     )
 
 

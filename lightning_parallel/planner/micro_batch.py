@@ -88,8 +88,9 @@ class Execution:
     """What casting one element to fp8 moves, in 16-bit element reads and writes: 1.5 (read it, write the byte)
     by default; Transformer Engine writes the fp8 copy from the kernel before (norm, activation): 0.5; dynamic
     per-tensor scaling as a separate pass (torchao's ``Float8Linear``) first reads the tensor for its amax: 2.5."""
-    compiled: bool = True
-    """Memory-bound ops fused into few kernels, as Megatron's fused kernels and ``torch.compile`` run them. False:
+    compiled: bool | None = None
+    """None: as the layout's ``compile`` (the strategy's argument; eager by default). True: memory-bound ops fused
+    into few kernels, as Megatron's fused kernels and ``torch.compile`` run them. False:
     eager PyTorch, where a Llama-style block's RMSNorm, rotary embedding and SwiGLU, written in Python in the codes
     that train such models (Hugging Face, torchtitan), run as separate kernels, each reading and writing its tensor
     (:data:`_EAGER_NORM_PASSES`...); GPT-style blocks' LayerNorm and GELU are single native kernels either way."""
@@ -257,6 +258,7 @@ def micro_batch(
     """Time of one micro-batch on the rank holding ``stage`` (``virtual`` chunks of it under interleaving)."""
     tp, seq = layout.tensor_parallel, layout.sequence_length
     tokens = layout.local_tokens  # attention still spans the whole sequence: seq in the FLOPs per token
+    compiled = layout.compile if execution.compiled is None else execution.compiled
     act = PRECISIONS[layout.precision][1]
     flop_rate = matmul_peak(cluster, layout.precision) * cluster.matmul_efficiency
     byte_rate = cluster.memory_bandwidth * cluster.memory_efficiency
@@ -267,7 +269,7 @@ def micro_batch(
         tokens
         * act
         * sum(
-            _cheap_elements(b, layout) + (0.0 if execution.compiled else _eager_elements(b, layout))
+            _cheap_elements(b, layout) + (0.0 if compiled else _eager_elements(b, layout))
             for b in stage.blocks
         )
     )

@@ -154,6 +154,7 @@ def _setup(run: PublishedRun) -> tuple[ModelShape, Layout, Cluster, Execution]:
             split_pipeline_transfers=True,
             gradient_bytes=2,
             parameter_bytes=2,
+            compiled=True,  # Megatron's fused kernels
         )
         cluster = CLUSTERS["a100-80gb"]
     else:
@@ -164,6 +165,7 @@ def _setup(run: PublishedRun) -> tuple[ModelShape, Layout, Cluster, Execution]:
             overlap_pipeline_transfers=True,
             gradient_bytes=4,
             parameter_bytes=2,
+            compiled=True,  # Megatron's fused kernels
         )
         cluster = CLUSTERS["h100"]
     return shape, layout, cluster, execution
