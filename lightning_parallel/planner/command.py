@@ -115,6 +115,7 @@ def layout_from_arguments(args: argparse.Namespace, strategy: dict[str, Any], tp
         micro_batch_size=args.micro_batch_size,
         sequence_length=args.sequence_length or 2048,
         optimizer=args.optimizer,
+        compile=bool(strategy.get("compile", False)),
     )
 
 

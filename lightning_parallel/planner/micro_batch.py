@@ -285,10 +285,12 @@ def micro_batch(
         moved += cast * tokens * act * sum(_projection_inputs(b) for b in stage.blocks) / tp
         moved += cast * act * sum(b.matmul_weights_per_token for b in stage.blocks) / tp
     head = head_moved = 0.0
-    if stage.last:  # the output matmul (vocabulary cut over tensor ranks), the cross-entropy over its logits
+    if stage.last:  # the output matmul (vocabulary cut over tensor ranks), the cross-entropy over its logits,
+        # of the whole sequence under context parallelism (the runtime gathers it after the last block)
         vocab = shape.vocab_size / tp
-        head = tokens * 2.0 * shape.head_weights / tp
-        head_moved = tokens * (act * (shape.hidden + vocab) + _LOSS_BYTES_PER_LOGIT / 2 * vocab)
+        exit_tokens = layout.micro_batch_size * seq
+        head = exit_tokens * 2.0 * shape.head_weights / tp
+        head_moved = exit_tokens * (act * (shape.hidden + vocab) + _LOSS_BYTES_PER_LOGIT / 2 * vocab)
         head_moved += act * shape.head_weights / tp
 
     out = MicroBatch()
@@ -318,6 +320,11 @@ def micro_batch(
     if layout.context_parallel > 1:
         attention = tokens * sum(_attention_flops_per_token(b, seq) for b in stage.blocks) / tp / flop_rate
         out.context = _context_exchange(stage, layout, cluster, tokens * act, attention)
+        if stage.last:  # the exit's all-gather of the hidden state, its gradient's reduce-scatter back
+            whole = layout.micro_batch_size * seq * shape.hidden * act
+            out.context += 2 * half_ring(
+                whole, layout.context_parallel, group_bandwidth(cluster, layout.context_parallel, tp)
+            )
     if layout.pipeline_parallel > 1 and not execution.overlap_pipeline_transfers:
         split = layout.sequence_parallel or execution.split_pipeline_transfers
         sent = tokens * shape.hidden * act / (tp if split else 1)
@@ -343,9 +350,9 @@ def _context_exchange(
     cp, tp = layout.context_parallel, layout.tensor_parallel
     bandwidth = group_bandwidth(cluster, cp, tp)  # cp ranks next to the tensor ranks (mesh/parallel_dims.py)
     passes = 3 + (1 if layout.activation_checkpointing == "full" else 0)  # forward 1, backward 2, recompute 1
-    if layout.context_parallel_mode == "ulysses":
+    if layout.context_parallel_mode == "ulysses":  # backward: one reverse all-to-all of the same bytes
         moved = sum(2 * (b.q_width + b.kv_width) for b in stage.blocks) / tp * token_bytes
-        return passes * half_ring(moved, cp, bandwidth)
+        return (passes - 1) * half_ring(moved, cp, bandwidth)
     kv = sum(2 * b.kv_width for b in stage.blocks) / tp * token_bytes
     hops = (cp - 1) * kv / bandwidth  # one pass's exchange
     # forward: attention compute hides the hops; backward moves twice the bytes behind twice the compute

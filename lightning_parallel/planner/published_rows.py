@@ -22,7 +22,7 @@ from lightning_parallel.planner.micro_batch import Execution
 from lightning_parallel.planner.published import MEGATRON_H100, PTD_P, PublishedRun, _setup, published_flops
 from lightning_parallel.planner.shapes import ModelShape
 
-__all__ = ["DATA", "SOURCE_GROUPS", "Row", "load_rows", "source_group"]
+__all__ = ["ARCHITECTURES", "DATA", "SOURCE_GROUPS", "Row", "load_rows", "source_group"]
 
 DATA = Path(__file__).with_name("published_runs.json")
 # Who measured a source's rows: the unit left out.
@@ -75,6 +75,10 @@ class Row:
     @property
     def key(self) -> tuple[str, str]:
         return self.chip, self.precision
+
+
+ARCHITECTURES = {"h100-hbm2e-500w": "h100"}
+"""Presets that are variants of a chip: their rows are fitted (and their errors counted) as the chip's."""
 
 
 def _preset(hardware: str | None, chip: str | None) -> str | None:

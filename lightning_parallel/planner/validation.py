@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_parallel.planner.cluster import CLUSTERS
-from lightning_parallel.planner.published_rows import Row, load_rows
+from lightning_parallel.planner.published_rows import ARCHITECTURES, Row, load_rows
 from lightning_parallel.planner.timing import step_time
 
 __all__ = ["Fold", "Row", "fit", "leave_one_source_out", "load_rows", "markdown"]
@@ -174,6 +174,7 @@ def expected_error(chip: str, precision: str) -> str:
     """How sure a prediction on ``chip`` in Trainer ``precision`` is: the validation's error for the nearest kind of
     published row (its chip and precision, else its chip, else all rows), as one line."""
     kinds = json.loads(ERRORS.read_text())
+    chip = ARCHITECTURES.get(chip, chip)  # a variant's rows are fitted and counted as its chip's
     wanted = "fp8" if "fp8" in precision else "16-bit"
     for kind in (f"{chip}/{wanted}", chip, "all"):
         if kind in kinds:

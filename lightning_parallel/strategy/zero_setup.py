@@ -76,6 +76,13 @@ def attach_deferred_update(strategy: CheckpointingStrategy) -> None:
     from lightning_parallel.zero.sharded_cpu_adam import torch_adam_refusal
 
     update = strategy.config.zero.update
+    if update != "delayed" and strategy.dims is not None and strategy.dims.tensor_parallel > 1:
+        raise ValueError(
+            f"`offload_update={update!r}` with `tensor_parallel={strategy.dims.tensor_parallel}`: the importance split"
+            " chooses rows over each whole matrix and has been tested with data parallelism alone (a tensor-parallel"
+            " cut of the rows, fused q|k|v's strided one included, is not handled). Use `tensor_parallel=1`, or"
+            " `offload_update='exact'` or 'delayed'."
+        )
     for optimizer in [getattr(o, "_optimizer", o) for o in strategy.optimizers]:
         if (refusal := torch_adam_refusal(optimizer)) is not None:
             raise ValueError(

@@ -6,8 +6,8 @@ With the exact host step the device waits for the whole CPU Adam wherever backwa
 matrix carry most of the gradient's norm, and keeps those current while the rest wait: that idea, as
 a rule of our own, on the host shards FSDP2 offloads. Only the chosen rows' Adam is on the step's
 path; the others' sums and their update run on a worker during the next step's forward and backward
-(it holds this step's gradients: one more gradient's worth of host memory, and a sum of the other
-rows in fp32).
+(it holds this step's gradients: one more gradient's worth of host memory, and an fp32 sum the size
+of the rank's shard).
 
 The rule, per matrix ``W`` (two or more dimensions; rows are ``W[i]``, chosen over the whole parameter,
 not a rank's shard) at optimizer step ``s`` of the cycle (``s = 1, 2, ...``; ``t`` the parameter's Adam
@@ -120,7 +120,8 @@ def chosen_rows(param: torch.Tensor, grad: torch.Tensor, top_rows: float) -> _Ro
             shape=torch.Size([param.shape[0]]), stride=(1,),
         ).full_tensor()  # fmt: skip
     top = torch.zeros(param.shape[0], dtype=torch.bool)
-    top[squares.cpu().topk(max(1, math.ceil(top_rows * param.shape[0]))).indices] = True
+    chosen = max(1, math.ceil(round(top_rows * param.shape[0], 9)))  # 0.07 x 100 is 7.000000000000001
+    top[squares.cpu().topk(chosen).indices] = True
     mine = top[global_row_indices(param)]
     return _Rows(chosen=mine.nonzero().flatten(), others=(~mine).nonzero().flatten())
 

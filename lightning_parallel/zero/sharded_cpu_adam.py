@@ -99,7 +99,9 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zeroing in place waits for a deferred update's worker, which may still read this step's gradients (set to
         None, they stay alive for it)."""
-        deferred = vars(self).get("deferred_update")
+        deferred = vars(getattr(self, "_optimizer", self)).get(
+            "deferred_update"
+        )  # through Lightning's wrapper too
         if deferred is not None and not set_to_none:
             deferred.wait()
         super().zero_grad(set_to_none)

@@ -43,9 +43,11 @@ def test_each_rank_holds_a_slice_of_every_sequence() -> None:
     assert (
         split.compute < plain.compute / 3.5
     )  # a quarter of the tokens (attention still spans the whole sequence)
-    # tokens per GPU per second: the ring's exchanges hide behind the attention at 32K tokens
-    assert split.tokens_per_s / plain.tokens_per_s > 0.95
+    # the ring's exchanges hide behind the attention at 32K tokens ...
     assert 0 < split.context_parallel < 0.02 * split.total and plain.context_parallel == 0
+    # ... but every cp rank runs the head and the loss over the whole sequence (the runtime gathers it after the
+    # last block; vocabulary 128,256): tokens per GPU per second fall by about that redundant work
+    assert 0.8 < split.tokens_per_s / plain.tokens_per_s < 0.95
 
 
 def test_the_exchanges_show_where_they_cannot_hide() -> None:
