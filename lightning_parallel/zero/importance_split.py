@@ -6,8 +6,8 @@ With the exact host step the device waits for the whole CPU Adam wherever backwa
 matrix carry most of the gradient's norm, and keeps those current while the rest wait: that idea, as
 a rule of our own, on the host shards FSDP2 offloads. Only the chosen rows' Adam is on the step's
 path; the others' sums and their update run on a worker during the next step's forward and backward
-(it holds this step's gradients: one more gradient's worth of host memory, and an fp32 sum the size
-of the rank's shard).
+(it holds this step's gradients: one more gradient's worth of host memory, and an fp32 sum of the other
+rows).
 
 The rule, per matrix ``W`` (two or more dimensions; rows are ``W[i]``, chosen over the whole parameter,
 not a rank's shard) at optimizer step ``s`` of the cycle (``s = 1, 2, ...``; ``t`` the parameter's Adam
@@ -56,7 +56,8 @@ _HYPER = ("lr", "betas", "eps", "weight_decay")
 
 @dataclass
 class _Rows:
-    """One matrix's split on this rank: local row indices of each side and the others' pending gradient sum."""
+    """One matrix's split on this rank: local row indices of each side and the others' pending gradient sum (their
+    rows only, in the order of ``others``)."""
 
     chosen: torch.Tensor
     others: torch.Tensor
@@ -193,13 +194,14 @@ class ImportanceSplitUpdate:
         updates = []
         for item in work:
             rows = item.rows
-            if rows.pending is None:
-                rows.pending = torch.zeros_like(item.grad, dtype=torch.float32)
-            rows.pending.index_add_(0, rows.others, item.grad.index_select(0, rows.others).float())
+            others = item.grad.index_select(
+                0, rows.others
+            ).float()  # a new tensor: the first step's sum as it is
+            rows.pending = others if rows.pending is None else rows.pending.add_(others)
             rows.summed += 1
             if item.flush:
                 update = _Deferred(item.param, rows.others)
-                mean = rows.pending.index_select(0, rows.others) / rows.summed
+                mean = rows.pending / rows.summed
                 self._adam_rows(item.hyper, item.param, mean, rows.others, item.step, into=update)
                 rows.pending, rows.summed = None, 0
                 updates.append(update)
@@ -252,7 +254,7 @@ class ImportanceSplitUpdate:
                 rows = self._rows.get(id(param))
                 if rows is None or rows.pending is None:
                     continue
-                mean = rows.pending.index_select(0, rows.others) / rows.summed
+                mean = rows.pending / rows.summed
                 self._adam_rows(hyper, param, mean, rows.others, float(self.optimizer.state[param]["step"]))
                 self.rows_deferred += rows.others.numel()
                 changed = True
