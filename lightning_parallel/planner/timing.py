@@ -199,26 +199,27 @@ def step_time(
     updated = sum(n / (d if zero else 1) for n, d, _ in groups)  # elements this rank's optimizer updates
     if layout.offload in ("cpu", "nvme"):
         pcie = cluster.host_bandwidth * cluster.host_efficiency
-        host = (
-            updated / cluster.host_adam_throughput + updated * grad_bytes / pcie
+        units = max(len(ranks[0].blocks), 1)  # what overlaps leaves exposed at least: one unit's share
+        down, adam = (
+            updated * grad_bytes / pcie,
+            updated / cluster.host_adam_throughput,
         )  # gradients down, CPU Adam
+        host = down + adam
         back = updated * param_bytes / pcie  # the updated parameters up
         passes = m * (mb.forward + mb.backward + mb.recompute)
         if layout.offload_update == "delayed":  # the whole host step behind the next step's passes
             host, back = max(0.0, host + back - passes), 0.0
-        elif isinstance(layout.offload_update, ImportanceSplit):
-            units = max(len(ranks[0].blocks), 1)
-            down = updated * grad_bytes / pcie  # during backward, as for the exact host step
-            adam = updated / cluster.host_adam_throughput
+        elif isinstance(
+            layout.offload_update, ImportanceSplit
+        ):  # the gradients' way down as for the exact step
             host = max(down - window, down / units) + split_host_time(layout.offload_update, adam, passes)
             back = max(back - mb.forward, back / units)
         elif _overlaps_host_step(layout, execution):  # behind the last backward; back inside the next forward
-            units = max(len(ranks[0].blocks), 1)
             host = max(host - window, host / units)
             back = max(back - mb.forward, back / units)
         optimizer = host + back
         if zero == 3:  # the parameters live on the host: copied up for each gather, a block ahead of its use
-            up, units = updated * param_bytes / pcie, max(len(ranks[0].blocks), 1)
+            up = updated * param_bytes / pcie
             optimizer += m * (max(0.0, up - mb.forward) + max(0.0, up - mb.backward) + 2 * up / units)
         if layout.offload == "nvme":
             optimizer += 2 * updated * _OFFLOADED_STATE_BYTES / cluster.nvme_bandwidth

@@ -24,11 +24,11 @@ resume). ``tests/zero/test_delayed_update.py`` trains against a one-process run 
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from lightning_parallel.zero.deferred_update import DeferredUpdate
 from lightning_parallel.zero.sharded_cpu_adam import (  # DeepSpeed's: imported with offload only
     _local,
     offloaded,
@@ -40,13 +40,11 @@ _Work = list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]  # (hyper-parame
 _Updated = list[tuple[torch.Tensor, torch.Tensor]]  # (parameter, its updated copy)
 
 
-class DelayedUpdate:
+class DelayedUpdate(DeferredUpdate):
     """The delayed update of a :class:`~lightning_parallel.zero.sharded_cpu_adam.ShardedCPUAdam`'s parameters."""
 
     def __init__(self, optimizer: Any) -> None:
-        self.optimizer = optimizer
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lp-delayed-update")
-        self._in_flight: Future[_Updated] | None = None
+        super().__init__(optimizer, "lp-delayed-update")
         self._ready: _Updated = []
         self.installed = 0
         """Updates installed so far (one per optimizer step that had gradients; the engagement record reads it)."""
@@ -58,7 +56,7 @@ class DelayedUpdate:
         host: _Work = []
         device: _Work = []
         for group in self.optimizer.param_groups:
-            hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+            hyper = self.hyper(group)
             for param in group["params"]:
                 if param.grad is not None:
                     (host if offloaded(param) else device).append((hyper, param, param.grad))
@@ -78,11 +76,6 @@ class DelayedUpdate:
             out.append((param, copy))
         return out
 
-    def wait(self) -> None:
-        """Until the worker has read this step's gradients (before anything zeroes them in place)."""
-        if self._in_flight is not None:
-            self._in_flight.result()
-
     @torch.no_grad()
     def settle(self) -> bool:
         """Wait for the update in flight and install it into the parameters; whether there was one."""
@@ -94,8 +87,3 @@ class DelayedUpdate:
             _local(param).copy_(copy)
         self.installed += 1
         return True
-
-    def close(self) -> bool:
-        installed = self.settle()
-        self._pool.shutdown(wait=True)
-        return installed

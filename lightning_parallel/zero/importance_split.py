@@ -35,7 +35,6 @@ gradient seen, and a run resumed from it continues as the run that saved it
 from __future__ import annotations
 
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -43,6 +42,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from lightning_parallel.zero.arguments import ImportanceSplit
+from lightning_parallel.zero.deferred_update import DeferredUpdate
 from lightning_parallel.zero.sharded_cpu_adam import (  # DeepSpeed's: imported with offload only
     _local,
     adam_on,
@@ -50,8 +50,6 @@ from lightning_parallel.zero.sharded_cpu_adam import (  # DeepSpeed's: imported 
 )
 
 __all__ = ["ImportanceSplitUpdate"]
-
-_HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
 @dataclass
@@ -127,15 +125,13 @@ def chosen_rows(param: torch.Tensor, grad: torch.Tensor, top_rows: float) -> _Ro
     return _Rows(chosen=mine.nonzero().flatten(), others=(~mine).nonzero().flatten())
 
 
-class ImportanceSplitUpdate:
+class ImportanceSplitUpdate(DeferredUpdate):
     """The importance split of a :class:`~lightning_parallel.zero.sharded_cpu_adam.ShardedCPUAdam`'s offloaded
     matrices (the rule: this module's docstring)."""
 
     def __init__(self, optimizer: Any, rule: ImportanceSplit) -> None:
-        self.optimizer = optimizer
+        super().__init__(optimizer, "lp-importance-split")
         self.rule = rule
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lp-importance-split")
-        self._in_flight: Future[list[_Deferred]] | None = None
         self._rows: dict[int, _Rows] = {}
         self._step = 0
         self.rows_at_once = 0
@@ -153,7 +149,7 @@ class ImportanceSplitUpdate:
         choose_again = self._step % self.rule.interval_of_selection == 0
         work: list[_Work] = []
         for group in self.optimizer.param_groups:
-            hyper = {k: group[k] for k in _HYPER}
+            hyper = self.hyper(group)
             whole = [p for p in group["params"] if p.grad is not None and not self._splits(p)]
             if whole:
                 self.optimizer.torch_adam(
@@ -178,11 +174,6 @@ class ImportanceSplitUpdate:
         if work:
             self._in_flight = self._pool.submit(self._worker_step, work)
             self.launched += flush
-
-    def wait(self) -> None:
-        """Until the worker has read this step's gradients (before anything zeroes them in place)."""
-        if self._in_flight is not None:
-            self._in_flight.result()
 
     @staticmethod
     def _splits(param: torch.Tensor) -> bool:
@@ -249,7 +240,7 @@ class ImportanceSplitUpdate:
         the end of ``fit``); whether any parameter changed."""
         changed = self._install_in_flight()
         for group in self.optimizer.param_groups:
-            hyper = {k: group[k] for k in _HYPER}
+            hyper = self.hyper(group)
             for param in group["params"]:
                 rows = self._rows.get(id(param))
                 if rows is None or rows.pending is None:
@@ -260,9 +251,4 @@ class ImportanceSplitUpdate:
                 changed = True
         self._rows.clear()
         self._step = 0
-        return changed
-
-    def close(self) -> bool:
-        changed = self.settle()
-        self._pool.shutdown(wait=True)
         return changed

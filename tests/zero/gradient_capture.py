@@ -15,7 +15,7 @@ import lightning as L
 import torch
 from torch.distributed.tensor import DTensor
 
-_HYPER = ("lr", "betas", "eps", "weight_decay")
+from lightning_parallel.zero.deferred_update import HYPER_PARAMETERS
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -34,7 +34,7 @@ class GradientCapture(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.record["initial"] = {n: _whole(p) for n, p in pl_module.named_parameters()}
         group = trainer.optimizers[0].param_groups[0]
-        self.record["hyper"] = {k: group[k] for k in _HYPER}
+        self.record["hyper"] = {k: group[k] for k in HYPER_PARAMETERS}
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer

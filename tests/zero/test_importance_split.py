@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_parallel import ImportanceSplit
 from tests.zero.gradient_capture import GradientCapture
+from tests.zero.test_delayed_update import _differences  # the parity rule on every parameter
 
 pytest.importorskip("deepspeed")
 
@@ -170,14 +171,6 @@ def _strategy_run(
         for n, p in module.named_parameters()
     }
     return params, torch.load(tmp_path / "gradients.pt"), trainer
-
-
-def _differences(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
-    return [
-        name
-        for name in want
-        if not torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-6)  # the parity rule
-    ]
 
 
 def _deferred_update(trainer: L.Trainer) -> Any:
