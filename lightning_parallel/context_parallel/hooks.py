@@ -19,11 +19,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.context_parallel.attention import ContextState, route_attention
+from lightning_parallel.context_parallel.local_tokens import LocalTokensMode
 from lightning_parallel.context_parallel.split import gather, scatter, scatter_side_inputs
 from lightning_parallel.tensor_parallel.regions import find_hidden, map_first_tensor, replace_hidden
 
@@ -69,14 +71,24 @@ def install_entry(
 
 
 def install_exit(
-    module: nn.Module, blocks: list[str], state: ContextState, skip: Callable[[nn.Module], bool]
+    module: nn.Module,
+    blocks: list[str],
+    state: ContextState,
+    skip: Callable[[nn.Module], bool],
+    tokens: LocalTokensMode | None = None,
 ) -> list[RemovableHandle]:
-    """Gather the whole sequence leaving the model's last block (on the rank that runs it)."""
+    """Leaving the model's last block (on the rank that runs it): in a training step followed by ``tokens``
+    (``local_tokens.py``: the head and the loss on this rank's tokens), elsewhere gathered whole."""
     last = module.get_submodule(blocks[-1])
     if skip(last):
         return []
 
+    def followed_or_whole(hidden: torch.Tensor) -> torch.Tensor:
+        if tokens is not None and tokens.active and not isinstance(hidden, DTensor):
+            return tokens.track_exit(hidden)
+        return gather(hidden, state.split, state.group)
+
     def leave(block: nn.Module, args: Any, output: Any) -> Any:
-        return map_first_tensor(output, lambda t: gather(t, state.split, state.group))
+        return map_first_tensor(output, followed_or_whole)
 
     return [last.register_forward_hook(leave)]

@@ -23,6 +23,7 @@ from lightning_parallel.context_parallel import (
     verify_blocks,
 )
 from lightning_parallel.context_parallel.attention import Mode
+from lightning_parallel.context_parallel.local_tokens import LocalTokensMode
 from lightning_parallel.context_parallel.verify import Captured
 from lightning_parallel.mesh import Axis
 from lightning_parallel.pipeline.stages import SkippedBlock
@@ -84,10 +85,15 @@ def enter(module: nn.Module, blocks: list[str], state: ContextState) -> list[Rem
     return install_entry(module, blocks, state, skip=_skipped)
 
 
-def leave(module: nn.Module, blocks: list[str], state: ContextState) -> list[RemovableHandle]:
-    handles = install_exit(module, blocks, state, skip=_skipped)
+def leave(
+    module: nn.Module, blocks: list[str], state: ContextState
+) -> tuple[list[RemovableHandle], LocalTokensMode]:
+    """The exit's hook, and the follower of this rank's tokens that training steps enter."""
+    tokens = LocalTokensMode(state.split, state.group)
+    handles = install_exit(module, blocks, state, skip=_skipped, tokens=tokens)
     rank_zero_info(
         f"Context parallelism: sequences split over {state.split.degree} ranks ({state.mode} attention,"
-        f" load-balanced causal chunks), blocks {blocks[0]}..{blocks[-1]}"
+        f" load-balanced causal chunks), blocks {blocks[0]}..{blocks[-1]}; in training steps the final norm, the"
+        " head and F.cross_entropy run on each rank's tokens"
     )
-    return handles
+    return handles, tokens

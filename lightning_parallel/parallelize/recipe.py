@@ -119,7 +119,8 @@ def parallelize(
         )
         result.hooks += hooks
     if context is not None:  # after the sequence-parallel region's own gather
-        result.hooks += context_parallel_step.leave(module, blocks, context)
+        hooks, result.context_tokens = context_parallel_step.leave(module, blocks, context)
+        result.hooks += hooks
     fsdp = shard_for_zero(module, config, dims, mesh, blocks)  # ZeRO on FSDP2, before the stages exist
     if fsdp is not None and dims.ep_enabled:  # FSDP2 replaced the experts' parameters (zero/fsdp.py)
         experts.parameter_ids = {id(p) for p in expert_parameters(module).values()}

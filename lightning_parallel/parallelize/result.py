@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from lightning_parallel.context_parallel import ContextState
+from lightning_parallel.context_parallel.local_tokens import LocalTokensMode
 from lightning_parallel.memory.saved_tensors import ActivationSaver
 from lightning_parallel.parallelize.experts_step import ExpertState
 from lightning_parallel.parallelize.gradients import GradientReductions
@@ -40,6 +41,8 @@ class Parallelized:
     """Expert parameters and the MoE auxiliary-loss collector."""
     context: ContextState | None = None
     """The context-parallel split (None without context parallelism)."""
+    context_tokens: LocalTokensMode | None = None
+    """Follows this rank's tokens after the last block through each training step (``context_parallel/local_tokens.py``)."""
     loss_parallel: bool = False
     """Whether the training step runs with vocabulary-sharded logits (``loss_parallel=True`` and a sharded head)."""
     loss_state: LossParallelState = field(default_factory=LossParallelState)

@@ -286,11 +286,10 @@ def micro_batch(
         moved += cast * act * sum(b.matmul_weights_per_token for b in stage.blocks) / tp
     head = head_moved = 0.0
     if stage.last:  # the output matmul (vocabulary cut over tensor ranks), the cross-entropy over its logits,
-        # of the whole sequence under context parallelism (the runtime gathers it after the last block)
+        # of this rank's tokens (under context parallelism too: context_parallel/local_tokens.py)
         vocab = shape.vocab_size / tp
-        exit_tokens = layout.micro_batch_size * seq
-        head = exit_tokens * 2.0 * shape.head_weights / tp
-        head_moved = exit_tokens * (act * (shape.hidden + vocab) + _LOSS_BYTES_PER_LOGIT / 2 * vocab)
+        head = tokens * 2.0 * shape.head_weights / tp
+        head_moved = tokens * (act * (shape.hidden + vocab) + _LOSS_BYTES_PER_LOGIT / 2 * vocab)
         head_moved += act * shape.head_weights / tp
 
     out = MicroBatch()
@@ -320,9 +319,9 @@ def micro_batch(
     if layout.context_parallel > 1:
         attention = tokens * sum(_attention_flops_per_token(b, seq) for b in stage.blocks) / tp / flop_rate
         out.context = _context_exchange(stage, layout, cluster, tokens * act, attention)
-        if stage.last:  # the exit's all-gather of the hidden state, its gradient's reduce-scatter back
-            whole = layout.micro_batch_size * seq * shape.hidden * act
-            out.context += 2 * half_ring(
+        if stage.last:  # the all-gather of the per-token losses (fp32), before the step's reduction
+            whole = layout.micro_batch_size * seq * 4.0
+            out.context += half_ring(
                 whole, layout.context_parallel, group_bandwidth(cluster, layout.context_parallel, tp)
             )
     if layout.pipeline_parallel > 1 and not execution.overlap_pipeline_transfers:

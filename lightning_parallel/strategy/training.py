@@ -9,7 +9,9 @@ stages: around the whole schedule, whose backward runs inside it):
   outlives its op, one copy of an activation for all the projections reading it), and under tensor
   parallelism the inputs the forward gathered over tp kept as this rank's slice (``memory/regather.py``);
 - the vocabulary-parallel loss: by default ``F.cross_entropy`` on the logits of a sharded head runs on the
-  shards (``tensor_parallel/vocab_loss.py``); with ``loss_parallel=True`` torch's ``loss_parallel()``.
+  shards (``tensor_parallel/vocab_loss.py``); with ``loss_parallel=True`` torch's ``loss_parallel()``;
+- under context parallelism, the follower of each rank's tokens after the last block (the head and the loss
+  on them: ``context_parallel/local_tokens.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def _step_memory(strategy: Any, p: Parallelized) -> Iterator[None]:
         )
         if p.loss_state.mode is not None:
             stack.enter_context(followed_logits(p.loss_state))
+        if p.context_tokens is not None:  # inside the vocabulary's follower: sees the step's calls first
+            stack.enter_context(p.context_tokens)
         yield
 
 
@@ -71,6 +75,8 @@ def training_step(
             aux.start_step(pipelined.loss_scale(module, scaler, micro_batches=1))
         if not p.loss_parallel:
             output = lightning_step(*args, **kwargs)
+            if p.context_tokens is not None:  # tensors the step returns, whole, as one process returns them
+                output = p.context_tokens.whole_values(output)
         else:
             with sharded_loss_step(module, p.loss_state):
                 output = to_plain(lightning_step(*args, **kwargs))

@@ -1,4 +1,4 @@
-"""Activation bytes held for backward per rank fall as 1/C inside the block stack, counted by part.
+"""Activation bytes held for backward per rank fall as 1/C, inside the block stack and after it, counted by part.
 
 Measured through the real Trainer on 4 ranks (``tests/strategy/scripts/context_memory.py``): the
 recipe GPT (width E=32, 4 heads) on B=2 sequences of T=64 tokens per data replica, with
@@ -9,12 +9,15 @@ recipe GPT (width E=32, 4 heads) on B=2 sequences of T=64 tokens per data replic
   kernel it replaces, for this rank's tokens); Ulysses holds ``1/C`` plus its output in sequence
   layout beside the kernel's in head layout (``B x T/C x E`` fp32) plus its two int64 orders of
   the whole sequence (``8T`` bytes each: into sequence order, shared by q, k and v, and back);
-- outside the stack (the rest): the same as one process, replicated on every rank (embedding
-  output, final norm, head and loss on the whole sequence), plus this rank's positions entering
-  the split (``8T/C`` bytes).
+- outside the stack (the rest): the embedding's indices as one process keeps them (``8BT`` and ``8T``
+  bytes: the embedding runs before the split), this rank's positions entering the split (``8T/C``),
+  and ``1/C`` of one process's exit: the final norm, the head and the loss's fp32 log-probabilities
+  and targets run on this rank's tokens (``context_parallel/local_tokens.py``), with the loss's two
+  scalars (its fp32 total weight, and the int64 count of targets its mean divides by).
 
-The block bound is also the negative control: a layout that did not split the sequence would hold
-``C`` times what it allows.
+Both bounds are also the negative controls: a layout that did not split the sequence would hold ``C``
+times what they allow in the blocks, and the exit gathered whole after the stack (as before the
+follower) would hold one process's exit outside it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from tests.strategy import launch
 
 pytestmark = [pytest.mark.distributed]
 B, T, E, F32, INT64 = 2, 64, 32, 4, 8
+EMBEDDING = INT64 * B * T + INT64 * T  # the token and position embeddings' indices
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +52,7 @@ def _parts(run: dict, layout: str) -> tuple[int, int]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("degree", [2, 4])
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
-def test_block_activations_fall_as_one_over_c_and_the_replicated_parts_stay(
+def test_block_and_exit_activations_fall_as_one_over_c(
     measured: list[dict], mode: str, degree: int
 ) -> None:
     for rank, run in enumerate(measured):
@@ -61,4 +65,6 @@ def test_block_activations_fall_as_one_over_c_and_the_replicated_parts_stay(
         print(f"rank {rank} cp{degree} {mode}: block {block} (cp1 {block_1}, {block / block_1:.3f}),"
               f" outside {outside} (cp1 {outside_1})")  # fmt: skip
         assert block == expected, f"rank {rank}: one block holds {block} bytes, expected {expected}"
-        assert outside == outside_1 + INT64 * T // degree, f"rank {rank}: {outside} outside vs {outside_1}"
+        exit_1 = outside_1 - EMBEDDING - F32  # one process's final norm, head and loss, its total weight aside
+        expected_outside = EMBEDDING + INT64 * T // degree + exit_1 // degree + F32 + INT64
+        assert outside == expected_outside, f"rank {rank}: {outside} outside vs {outside_1} in one process"

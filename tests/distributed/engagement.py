@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.distributed.engagement_evidence import (
+    context_tokens_record,
     fsdp2_sharding_problem,
     host_optimizer_problem,
     host_step_overlap_problem,
@@ -272,6 +273,7 @@ def rank_record(
         **offload_record(strategy),
         **state_sharding_record(strategy),
         **recomputation_record(strategy),
+        **context_tokens_record(strategy),
     }
     return record
 
@@ -281,6 +283,7 @@ COUNTS = {
     "sequence_sharded_norm_inputs", "autocast_linears", "linears", "nvme_bytes_written", "float8_linears",
     "recomputed_ops", "recomputed_matmuls", "tp_block_matrix_numel", "tp_block_matrix_sharded_numel",
     "host_state_bytes", "state_numel", "state_dp_sharded_numel", "rows_at_once", "rows_deferred",
+    "context_local_losses",
 }  # fmt: skip
 # What every rank must show: the run's record keeps the least of them.
 MINIMA = {"host_steps_in_backward", "host_steps_begun_before_backward_end"}

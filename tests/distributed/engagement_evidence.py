@@ -10,7 +10,9 @@
 - **ZeRO on FSDP2**: the share of optimizer-state elements sharded over a data-parallel axis (the
   reduce-scatter counts come from the collective counter, ``engagement.py``);
 - **recomputation**: which policy ran is told by what backward ran again (the compute-dtype counter:
-  every op, and the matrix products among them); the policy asked for is read here.
+  every op, and the matrix products among them); the policy asked for is read here;
+- **context parallelism after the stack**: the losses computed on each rank's tokens and the functions
+  that needed the whole sequence gathered (``context_parallel/local_tokens.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ __all__ = [
     "offload_record",
     "recomputation_problem",
     "recomputation_record",
+    "context_tokens_record",
     "state_sharding_record",
     "tensor_parallel_problem",
     "tensor_parallel_record",
@@ -220,6 +223,13 @@ def recomputation_record(strategy: Any) -> dict[str, Any]:
     if checkpointing.ops:
         return {"recompute_policy": "ops_alternate_matmuls" if checkpointing.alternate_matmuls else "ops"}
     return {"recompute_policy": str(checkpointing.mode)}
+
+
+def context_tokens_record(strategy: Any) -> dict[str, Any]:
+    tokens = getattr(getattr(strategy, "parallelized", None), "context_tokens", None)
+    if tokens is None:
+        return {}
+    return {"context_local_losses": tokens.local_losses, "context_tokens_gathered": sorted(tokens.gathered)}
 
 
 def _check(condition: bool, message: str) -> str | None:

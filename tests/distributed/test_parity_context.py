@@ -12,7 +12,8 @@ cp=2 x ep=2 on 2 ranks (also under ZeRO-1/2/3); on 4 ranks with dp, ep=4 x cp=2,
 with pp, and ZeRO over each of those meshes.
 
 Each case also asserts that the split engaged: the model's attention calls were routed (one per
-block per step) and the collectives of its mode carried bytes. The negative controls of the
+block per step) and the collectives of its mode carried bytes, and after the last block the head and
+the loss ran on each rank's tokens (``context_parallel/local_tokens.py``) with nothing gathered whole. The negative controls of the
 mechanism are in ``tests/context_parallel/`` (attention over this rank's tokens alone misses the
 reference) and ``tests/strategy/test_bad_input.py`` (a model whose attention is not routable is
 refused at setup, because the split would change it).
@@ -158,6 +159,12 @@ def _assert_engaged(case: Case, result: Result) -> None:
     collective = "ring" if kwargs.get("context_parallel_mode", "ring") == "ring" else "all_to_all"
     assert result.facts.get(f"context_{collective}_bytes", 0) > 0, f"{case.name}: {result.facts}"
     assert result.facts.get("context_all_gather_bytes", 0) > 0 or kwargs.get("pipeline_parallel", 1) > 1
+    # After the last block, the head and the loss ran on each rank's tokens: one loss per micro-batch on every
+    # rank holding the head (torch's shape inference may run one more), nothing gathered the whole sequence.
+    head_ranks = result.world_size // kwargs.get("pipeline_parallel", 1)
+    losses = result.engagement.get("context_local_losses", 0)
+    assert losses >= head_ranks * STEPS * accumulation * micro_batches, f"{case.name}: {losses} local losses"
+    assert result.engagement.get("context_tokens_gathered") == [], f"{case.name}: {result.engagement}"
 
 
 @pytest.mark.compat
