@@ -176,8 +176,8 @@ def stage_activation_bytes(
     per_token = sum(block_bytes_per_token(shape.blocks[i], layout, mode) for i in blocks)
     if first:
         per_token += _INDEX_BYTES
-    if last:  # final norm, head input, what the loss keeps: of this rank's tokens, under context parallelism too
-        # (context_parallel/local_tokens.py: the head and the loss run on each rank's tokens)
+    if last:  # final norm, head input, what the loss keeps: of this rank's tokens (under context parallelism
+        # too: context_parallel/local_tokens.py runs the head and the loss on each rank's tokens)
         norm = shape.blocks[-1]
         exit_bytes = _norm_bytes(norm, shape.hidden, residual) / sp + shape.hidden * act
         per_token += exit_bytes + loss_bytes_per_token(shape, layout)
