@@ -52,9 +52,7 @@ def _parts(run: dict, layout: str) -> tuple[int, int]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("degree", [2, 4])
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
-def test_block_and_exit_activations_fall_as_one_over_c(
-    measured: list[dict], mode: str, degree: int
-) -> None:
+def test_block_and_exit_activations_fall_as_one_over_c(measured: list[dict], mode: str, degree: int) -> None:
     for rank, run in enumerate(measured):
         assert (run["batch"], run["length"]) == (B, T)
         block_1, outside_1 = _parts(run, "cp1_ring")
@@ -65,6 +63,8 @@ def test_block_and_exit_activations_fall_as_one_over_c(
         print(f"rank {rank} cp{degree} {mode}: block {block} (cp1 {block_1}, {block / block_1:.3f}),"
               f" outside {outside} (cp1 {outside_1})")  # fmt: skip
         assert block == expected, f"rank {rank}: one block holds {block} bytes, expected {expected}"
-        exit_1 = outside_1 - EMBEDDING - F32  # one process's final norm, head and loss, its total weight aside
+        exit_1 = (
+            outside_1 - EMBEDDING - F32
+        )  # one process's final norm, head and loss, its total weight aside
         expected_outside = EMBEDDING + INT64 * T // degree + exit_1 // degree + F32 + INT64
         assert outside == expected_outside, f"rank {rank}: {outside} outside vs {outside_1} in one process"

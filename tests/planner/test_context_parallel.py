@@ -70,7 +70,9 @@ def test_activations_shrink_with_the_slice() -> None:
         model = GPTLightningModule(vocab_size=32000, block_size=SEQ, n_layer=8, n_head=8, n_embd=1024)
     for checkpointing in (None, "full"):
         kept = [
-            max(r.activations for r in rank_memory(model, _layout(cp, activation_checkpointing=checkpointing)))
+            max(
+                r.activations for r in rank_memory(model, _layout(cp, activation_checkpointing=checkpointing))
+            )
             for cp in (1, 4)
         ]
         assert kept[1] == pytest.approx(kept[0] / 4, rel=1e-3), (checkpointing, kept)
