@@ -14,7 +14,8 @@ so we run it once on a real batch (before anything is sharded) and watch:
   block): they live on every stage whose blocks read them, each stage computes them as the
   one-process model does, and their gradients are summed over those stages like a tied weight's;
 - whether a block's other arguments carry what an earlier block computed (keys and values shared
-  across layers): a cut between them would hand the later stage nothing, so it is refused.
+  across layers), returned besides the hidden state or wrote into a container every block receives
+  (``handed_state.py``): a cut between them would hand the later stage nothing, so it is refused.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.compat import tree_map_only
+from lightning_parallel.pipeline.handed_state import HandedState
 from lightning_parallel.tensor_parallel.regions import find_hidden
 
 
@@ -123,6 +125,9 @@ class DiscoveryProbe:
         self.seen: dict[str, Any] = {}
         # block index -> its other differentiable arguments
         self.side_inputs: dict[int, list[torch.Tensor]] = {}
+        self.handed = (
+            HandedState()
+        )  # integers a block returns for the next one, containers a block writes into
         self.result: Discovery | None = None
         self._handles: list[Any] = []
         self._frozen: list[nn.Parameter] = []
@@ -135,11 +140,13 @@ class DiscoveryProbe:
                 self.seen["first_input"] = hidden
             if index not in self.side_inputs:
                 self.side_inputs[index] = _other_tensors((args, kwargs), hidden)
+            self.handed.entering(index, _named(args, kwargs), hidden)
 
         return hook
 
     def _post_hook(self, index: int) -> Callable[..., Any]:
-        def hook(mod: nn.Module, args: Any, output: Any) -> Any:
+        def hook(mod: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
+            self.handed.leaving(index, _named(args, kwargs), output, OutputTemplate.hidden_of(output))
             template = self.seen.setdefault("template", OutputTemplate.of(output))
             if index != len(self.blocks) - 1:
                 return None
@@ -153,7 +160,7 @@ class DiscoveryProbe:
     def attach(self) -> None:
         for index, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(self._pre_hook(index), with_kwargs=True))
-            self._handles.append(block.register_forward_hook(self._post_hook(index)))
+            self._handles.append(block.register_forward_hook(self._post_hook(index), with_kwargs=True))
         self._frozen = [p for p in self.module.parameters() if not p.requires_grad]
         for p in self._frozen:  # classify frozen weights too (transfer learning): they still need a home
             p.requires_grad_(True)
@@ -162,6 +169,7 @@ class DiscoveryProbe:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.handed.clear()
         for p in self._frozen:
             p.requires_grad_(False)
         self._frozen = []
@@ -175,6 +183,10 @@ class DiscoveryProbe:
                 f"During one training step the blocks {names[0]}..{names[-1]} were called in the"
                 f" order {calls[:12]}{'...' if len(calls) > 12 else ''}, not once each in order. {SUPPORTED_STEP}"
             )
+        if self.handed.found is not None:
+            later, argument, earlier = self.handed.found
+            raise PipelineSetupError(_handed_on(self.block_names[later], f"`{argument}`, written or returned by"
+                                                f" block {self.block_names[earlier]}"))  # fmt: skip
         outside = self.outside
         post = _reached(loss, outside) if loss is not None else [True] * len(outside)
         first_input = self.seen["first_input"]
@@ -209,11 +221,7 @@ class DiscoveryProbe:
             earlier = [p for block in self.blocks[:index] for p in block.parameters()]
             if any(_reached(total, earlier)):
                 raise PipelineSetupError(
-                    f"Block {self.block_names[index]} receives, besides the hidden state, a tensor computed by an"
-                    " earlier block (keys and values shared across layers, or another state one layer hands a"
-                    " later one). Pipeline stages pass on only the hidden state, so a cut between them would"
-                    " lose it. Use pipeline_parallel=1 for this model (tensor, expert and data parallelism and"
-                    " ZeRO apply)."
+                    _handed_on(self.block_names[index], "a tensor computed by an earlier block")
                 )
             reached = _reached(total, self.outside)
             names = {param_names[id(p)] for p, hit in zip(self.outside, reached, strict=True) if hit}
@@ -235,6 +243,19 @@ def discover(
         probe.detach()
     assert probe.result is not None
     return probe.result
+
+
+def _handed_on(block: str, what: str) -> str:
+    return (
+        f"Block {block} receives, besides the hidden state, {what} (keys and values shared across layers,"
+        " or another state one layer hands a later one). Pipeline stages pass on only the hidden state, so a"
+        " cut between them would lose it. Use pipeline_parallel=1 for this model (tensor, expert and data"
+        " parallelism and ZeRO apply)."
+    )
+
+
+def _named(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {**{f"positional argument {i}": a for i, a in enumerate(args)}, **kwargs}
 
 
 def _other_tensors(arguments: Any, hidden: torch.Tensor) -> list[torch.Tensor]:

@@ -1,0 +1,80 @@
+"""State one block hands a later one besides the hidden state is refused at setup, with the argument named.
+
+Two ways a model does it that the hidden state's autograd cannot show: a block writes into a container every
+block receives (``gemma3n``'s and ``kolibri``'s ``shared_kv_states``, a ``UserDict``) and a later block reads it;
+a block returns a second tensor, integers, that the model's loop hands to the next (``hy_v4``'s
+``prev_topk_indices``). Negative controls: a container the blocks only read (tables made at model level) and a
+second output the loop collects without handing it on are accepted.
+"""
+
+from __future__ import annotations
+
+from collections import UserDict
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_parallel.pipeline.discover import PipelineSetupError, discover
+
+WIDTH = 8
+
+
+class _Block(nn.Module):
+    def __init__(self, index: int, mode: str) -> None:
+        super().__init__()
+        self.index, self.mode = index, mode
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, hidden: torch.Tensor, shared: UserDict, previous: torch.Tensor | None = None) -> object:
+        out = hidden + self.proj(hidden)
+        if self.mode == "shared_kv":
+            if self.index == 0:
+                shared["kv"] = self.proj(hidden)  # stored by the first block ...
+            else:
+                out = out + shared["kv"]  # ... read by the next
+        elif self.mode == "read_only":
+            out = out * shared["scale"]
+        if self.mode in ("indices", "collected"):
+            return out, out.argmax(dim=-1)
+        return out
+
+
+class _Model(nn.Module):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.blocks = nn.ModuleList(_Block(i, mode) for i in range(2))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = UserDict(scale=torch.ones(WIDTH))
+        previous, collected = None, []
+        for block in self.blocks:
+            if self.mode == "indices":
+                x, previous = block(x, shared, previous=previous)
+            elif self.mode == "collected":
+                x, indices = block(x, shared)
+                collected.append(indices)
+            else:
+                x = block(x, shared)
+        return self.head(x).mean()
+
+
+def _discover(mode: str) -> object:
+    model = _Model(mode)
+    return discover(model, ["blocks.0", "blocks.1"], lambda: model(torch.randn(2, 4, WIDTH)))
+
+
+@pytest.mark.parametrize(
+    ("mode", "argument"), [("shared_kv", "positional argument 1"), ("indices", "previous")]
+)
+def test_state_a_block_hands_a_later_one_is_refused_naming_the_argument(mode: str, argument: str) -> None:
+    with pytest.raises(PipelineSetupError, match=rf"Block blocks\.1 receives, besides the hidden state, `{argument}`"
+                                                 r", written or returned by block blocks\.0"):  # fmt: skip
+        _discover(mode)
+
+
+@pytest.mark.parametrize("mode", ["read_only", "collected"])
+def test_containers_only_read_and_outputs_not_handed_on_are_accepted(mode: str) -> None:
+    assert _discover(mode).block_names == ["blocks.0", "blocks.1"]
