@@ -93,6 +93,13 @@ def z_loss_and_accuracy(x: torch.Tensor, p: Params, y: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits.view(-1, V), y.view(-1), ignore_index=-100) + 1e-2 * z + 0.0 * accuracy
 
 
+def masked_in_place(x: torch.Tensor, p: Params, y: torch.Tensor) -> torch.Tensor:
+    """An assignment into the logits (a banned token): the changed whole copy is what every later use reads."""
+    logits = _logits(x, p)
+    logits[..., 0] = -5.0
+    return F.cross_entropy(logits.view(-1, V), y.view(-1), ignore_index=-100)
+
+
 def weighted(x: torch.Tensor, p: Params, y: torch.Tensor) -> torch.Tensor:
     """Class weights: the loss is not computed on the tokens (it gathers, the same loss)."""
     logits = _logits(x, p)
@@ -104,7 +111,7 @@ def weighted(x: torch.Tensor, p: Params, y: torch.Tensor) -> torch.Tensor:
 STEPS: dict[str, Callable[[torch.Tensor, Params, torch.Tensor], torch.Tensor]] = {
     step.__name__: step
     for step in (nanogpt, hugging_face, smoothed, nll, per_token, whole_shapes, shifted, z_loss_and_accuracy,
-                 weighted)
+                 masked_in_place, weighted)
 }  # fmt: skip
 
 

@@ -6,7 +6,8 @@ over shifted labels; label smoothing; ``log_softmax`` and ``F.nll_loss``; per-to
 step; reshapes by the logits' own ``shape`` with a soft cap): the loss and every gradient (hidden state,
 norm, head) match the reference within 1e-5, with the loss computed on this rank's tokens and nothing
 gathered. Steps that need the whole sequence (a shift written on the logits, a z-loss's mean over tokens
-with an accuracy, class weights) still match, through the gather, and say which function needed it.
+with an accuracy, an assignment into the logits, class weights) still match, through the gather, and say
+which function needed it.
 
 Negative control: the same step on a split hidden state with each rank's own targets, without the
 follower (each rank's mean over its tokens), misses the reference's loss.
@@ -25,6 +26,7 @@ ON_TOKENS = ["nanogpt", "hugging_face", "smoothed", "nll", "per_token", "whole_s
 GATHERING = {
     "shifted": {"__getitem__"},
     "z_loss_and_accuracy": {"mean", "__eq__"},
+    "masked_in_place": {"__setitem__", "view"},
     "weighted": {"cross_entropy"},
 }
 CONTROLS = ["nanogpt", "hugging_face"]

@@ -209,7 +209,8 @@ def test_a_block_reading_what_an_earlier_block_computed_is_refused() -> None:
     model = _quiet(FAMILIES["per_layer_inputs"](share_state=True))
     batch = _batch()
     with pytest.raises(
-        PipelineSetupError, match=r"Block model\.blocks\.1 receives, besides the hidden state, `shared`, written"
+        PipelineSetupError,
+        match=r"Block model\.blocks\.1 receives, besides the hidden state, `shared`, written",
     ):
         discover(model, find_block_names(model), lambda: model.training_step(batch, 0))
 
