@@ -10,9 +10,12 @@ the hidden state's autograd does not show:
 
 Cut between the two, the later stage would receive nothing, and fail there (a ``KeyError`` on one rank,
 "connection closed" on the others) or compute without it. :class:`HandedState` watches the block calls of
-the step :mod:`~lightning_parallel.pipeline.discover` samples and names the argument, so the strategy refuses
-the layout at setup, on every rank alike. Caches (objects that are not containers) are not searched: a
-training step runs without one.
+the step :mod:`~lightning_parallel.pipeline.discover` samples: what a block returned besides the hidden state
+and what it stored in a container are candidates, and a later block that computes with one of them (a
+``TorchFunctionMode`` entered around each block sees the tensors its operations receive) is named, so the
+strategy refuses the layout at setup, on every rank alike. A candidate a later block receives but never
+computes with (GLM-DSA's top-k indices on layers that select their own) is no state handed on. Caches
+(objects that are not containers) are not searched: a training step runs without one.
 """
 
 from __future__ import annotations
@@ -21,49 +24,94 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 __all__ = ["HandedState"]
 
 _DEPTH = 3  # containers inside containers searched this deep
 
 
+class _Reads(TorchFunctionMode):
+    """Around one block's forward: the candidates its operations compute with."""
+
+    def __init__(self, state: HandedState) -> None:
+        super().__init__()
+        self.state = state
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        self.state.saw((args, kwargs))
+        return func(*args, **kwargs)
+
+
 class HandedState:
-    """Per block call: what earlier blocks returned besides the hidden state, and the containers they wrote."""
+    """Per block call: the tensors earlier blocks handed on besides the hidden state, and who computes with them."""
 
     def __init__(self) -> None:
-        self._returned: dict[int, int] = {}  # id(tensor) -> the block that returned it
+        self._candidates: dict[
+            int, tuple[int, str]
+        ] = {}  # id(tensor) -> (the block that made it, how it travels)
         self._kept: list[torch.Tensor] = []  # alive until the step ends, so no other tensor takes their id
-        self._written: dict[int, int] = {}  # id(container) -> the first block that wrote into it
-        self._before: dict[int, tuple[Any, ...]] = {}  # id(container) -> its content entering the block
+        self._before: dict[
+            int, tuple[str, tuple[Any, ...]]
+        ] = {}  # id(container) -> (argument, content entering)
+        self._watched: dict[int, str] = {}  # id(candidate) -> the argument it came in, for the block running
+        self._index = -1
+        self._reads: _Reads | None = None
         self.found: tuple[int, str, int] | None = None
         """(the later block, its argument, the earlier block) of the first state handed on."""
 
     def entering(self, index: int, arguments: dict[str, Any], hidden: torch.Tensor) -> None:
-        self._before = {}
+        self._index, self._before, self._watched = index, {}, {}
         for name, value in arguments.items():
             for item in _within(value):
-                if item is hidden:
-                    continue
                 if isinstance(item, torch.Tensor):
-                    earlier = self._returned.get(id(item))
+                    if item is not hidden and id(item) in self._candidates:
+                        self._watched[id(item)] = name
                 else:
-                    earlier = self._written.get(id(item))
-                    self._before[id(item)] = _content(item)
-                if earlier is not None and earlier < index and self.found is None:
-                    self.found = (index, name, earlier)
+                    self._before[id(item)] = (name, _content(item))
+        self._reads = _Reads(self)
+        self._reads.__enter__()
+
+    def saw(self, values: Any) -> None:
+        """An operation of the running block received ``values``: does it compute with a candidate?"""
+        if self.found is not None or not self._watched:
+            return
+        for item in _within(values):
+            if isinstance(item, torch.Tensor) and id(item) in self._watched:
+                earlier = self._candidates[id(item)][0]
+                if earlier < self._index:
+                    self.found = (self._index, self._watched[id(item)], earlier)
+                    return
 
     def leaving(self, index: int, arguments: dict[str, Any], output: Any, hidden: torch.Tensor) -> None:
+        self._stop_watching()
         for value in arguments.values():
             for item in _within(value):
-                if not isinstance(item, torch.Tensor) and self._before.get(id(item)) != _content(item):
-                    self._written.setdefault(id(item), index)
+                if isinstance(item, torch.Tensor) or id(item) not in self._before:
+                    continue
+                name, before = self._before[id(item)]
+                if before != _content(item):  # the block stored something: what it stored is handed on
+                    known = {entry for entry in before}
+                    for stored in _stored(item, known):
+                        self._candidate(stored, index, name)
         for item in _within(output):
             if isinstance(item, torch.Tensor) and item is not hidden:
-                self._returned.setdefault(id(item), index)
-                self._kept.append(item)
+                self._candidate(item, index, "returned")
 
     def clear(self) -> None:
-        self._returned, self._written, self._before, self._kept = {}, {}, {}, []
+        self._stop_watching()
+        self._candidates, self._before, self._watched, self._kept = {}, {}, {}, []
+
+    def _candidate(self, tensor: torch.Tensor, index: int, how: str) -> None:
+        for item in _within(tensor):
+            self._candidates.setdefault(id(item), (index, how))
+            self._kept.append(item)
+
+    def _stop_watching(self) -> None:
+        if self._reads is not None:
+            self._reads.__exit__(None, None, None)
+            self._reads = None
 
 
 def _within(value: Any, depth: int = 0) -> Iterator[Any]:
@@ -89,3 +137,15 @@ def _content(container: Any) -> tuple[Any, ...]:
     if isinstance(container, Mapping):
         return tuple((key, id(item)) for key, item in container.items())
     return tuple(id(item) for item in container)
+
+
+def _stored(container: Any, known: set[Any]) -> Iterator[Any]:
+    """The entries of ``container`` not among ``known`` (its content before the block ran)."""
+    if isinstance(container, Mapping):
+        for key, item in container.items():
+            if (key, id(item)) not in known:
+                yield item
+    else:
+        for item in container:
+            if id(item) not in known:
+                yield item

@@ -3,8 +3,9 @@
 Two ways a model does it that the hidden state's autograd cannot show: a block writes into a container every
 block receives (``gemma3n``'s and ``kolibri``'s ``shared_kv_states``, a ``UserDict``) and a later block reads it;
 a block returns a second tensor, integers, that the model's loop hands to the next (``hy_v4``'s
-``prev_topk_indices``). Negative controls: a container the blocks only read (tables made at model level) and a
-second output the loop collects without handing it on are accepted.
+``prev_topk_indices``). Negative controls: a container the blocks only read (tables made at model level), a
+second output the loop collects without handing it on, and one handed on that the next block never computes
+with (GLM-DSA's top-k indices reaching a layer that selects its own) are accepted.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ class _Block(nn.Module):
                 out = out + shared["kv"]  # ... read by the next
         elif self.mode == "read_only":
             out = out * shared["scale"]
-        if self.mode in ("indices", "collected"):
+        elif self.mode == "indices" and previous is not None:
+            out = out + previous.unsqueeze(-1).to(out.dtype)  # a shared sparse-attention layer's selection
+        if self.mode in ("indices", "unused_indices", "collected"):
             return out, out.argmax(dim=-1)
         return out
 
@@ -51,7 +54,7 @@ class _Model(nn.Module):
         shared = UserDict(scale=torch.ones(WIDTH))
         previous, collected = None, []
         for block in self.blocks:
-            if self.mode == "indices":
+            if self.mode in ("indices", "unused_indices"):
                 x, previous = block(x, shared, previous=previous)
             elif self.mode == "collected":
                 x, indices = block(x, shared)
@@ -75,6 +78,6 @@ def test_state_a_block_hands_a_later_one_is_refused_naming_the_argument(mode: st
         _discover(mode)
 
 
-@pytest.mark.parametrize("mode", ["read_only", "collected"])
+@pytest.mark.parametrize("mode", ["read_only", "collected", "unused_indices"])
 def test_containers_only_read_and_outputs_not_handed_on_are_accepted(mode: str) -> None:
     assert _discover(mode).block_names == ["blocks.0", "blocks.1"]
