@@ -13,9 +13,10 @@ so we run it once on a real batch (before anything is sharded) and watch:
   relative-position bias or per-layer embeddings made once at model level and handed to every
   block): they live on every stage whose blocks read them, each stage computes them as the
   one-process model does, and their gradients are summed over those stages like a tied weight's;
-- whether a block's other arguments carry what an earlier block computed (keys and values shared
-  across layers), returned besides the hidden state or wrote into a container every block receives
-  (``handed_state.py``): a cut between them would hand the later stage nothing, so it is refused.
+- whether a block's other arguments carry what an earlier block computed: a tensor derived from its
+  weights is refused (a cut between them would hand the later stage nothing); state it returned besides
+  the hidden state or wrote into a container every block receives (keys and values shared across layers,
+  ``handed_state.py``) becomes a pair of blocks no stage boundary may separate.
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ class Discovery:
     side_parameters: dict[int, set[str]] = field(
         default_factory=dict
     )  # block index -> canonical names reaching it through its arguments other than the hidden state
+    handed: dict[tuple[int, int], str] = field(
+        default_factory=dict
+    )  # (earlier block, later block) -> the later one's argument carrying state between them (handed_state.py)
 
 
 class DiscoveryProbe:
@@ -183,10 +187,6 @@ class DiscoveryProbe:
                 f"During one training step the blocks {names[0]}..{names[-1]} were called in the"
                 f" order {calls[:12]}{'...' if len(calls) > 12 else ''}, not once each in order. {SUPPORTED_STEP}"
             )
-        if self.handed.found is not None:
-            later, argument, earlier = self.handed.found
-            raise PipelineSetupError(_handed_on(self.block_names[later], f"`{argument}`, written or returned by"
-                                                f" block {self.block_names[earlier]}"))  # fmt: skip
         outside = self.outside
         post = _reached(loss, outside) if loss is not None else [True] * len(outside)
         first_input = self.seen["first_input"]
@@ -207,22 +207,28 @@ class DiscoveryProbe:
             if not (is_pre or is_post or any(name in names for names in side.values())):
                 result.other_parameters.add(name)
         result.side_parameters = side
+        result.handed = dict(self.handed.pairs)
         self.result = result
 
     def _side_parameters(self) -> dict[int, set[str]]:
-        """Per block, the parameters outside the blocks its other arguments depend on; refused where those
-        arguments depend on an earlier block's parameters (state one block hands a later one)."""
+        """Per block, the parameters outside the blocks its other arguments depend on. Where those arguments
+        depend on an earlier block's weights (state one block hands a later one), the earliest such block and
+        this one make a pair the stage split keeps together (``handed_state.py``)."""
         param_names = {id(p): n for n, p in self.module.named_parameters()}
         out: dict[int, set[str]] = {}
         for index, tensors in sorted(self.side_inputs.items()):
             if not tensors:
                 continue
             total = sum(t.float().sum() for t in tensors)
-            earlier = [p for block in self.blocks[:index] for p in block.parameters()]
-            if any(_reached(total, earlier)):
-                raise PipelineSetupError(
-                    _handed_on(self.block_names[index], "a tensor computed by an earlier block")
-                )
+            # What a block stored or returned is followed exactly (handed_state.py); other tensors made from an
+            # earlier block's weights pair with the latest such block (the earlier ones reach it through the
+            # hidden state, which the stages pass on).
+            made = [t for t in tensors if not self.handed.is_candidate(t)]
+            owners = [(b, p) for b, block in enumerate(self.blocks[:index]) for p in block.parameters()]
+            hits = _reached(sum(t.float().sum() for t in made), [p for _, p in owners]) if made else []
+            latest = max((b for (b, _), hit in zip(owners, hits, strict=False) if hit), default=None)
+            if latest is not None:
+                self.handed.pairs.setdefault((latest, index), WEIGHTS)
             reached = _reached(total, self.outside)
             names = {param_names[id(p)] for p, hit in zip(self.outside, reached, strict=True) if hit}
             if names:
@@ -245,7 +251,11 @@ def discover(
     return probe.result
 
 
-def _handed_on(block: str, what: str) -> str:
+WEIGHTS = ""
+"""The argument recorded for a pair found through autograd: a tensor computed from the earlier block's weights."""
+
+
+def handed_on(block: str, what: str) -> str:
     return (
         f"Block {block} receives, besides the hidden state, {what} (keys and values shared across layers,"
         " or another state one layer hands a later one). Pipeline stages pass on only the hidden state, so a"

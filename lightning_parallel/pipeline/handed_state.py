@@ -12,8 +12,10 @@ Cut between the two, the later stage would receive nothing, and fail there (a ``
 "connection closed" on the others) or compute without it. :class:`HandedState` watches the block calls of
 the step :mod:`~lightning_parallel.pipeline.discover` samples: what a block returned besides the hidden state
 and what it stored in a container are candidates, and a later block that computes with one of them (a
-``TorchFunctionMode`` entered around each block sees the tensors its operations receive) is named, so the
-strategy refuses the layout at setup, on every rank alike. A candidate a later block receives but never
+``TorchFunctionMode`` entered around each block sees the tensors its operations receive) makes a pair. The
+stage split then puts no boundary between the blocks of a pair (``pipeline/setup.py``): each stage runs the
+model from its first line, so the container is made again there and filled by the stage's own writer; a
+layout with no such cut is refused at setup, on every rank alike, naming the blocks and the argument. A candidate a later block receives but never
 computes with (GLM-DSA's top-k indices on layers that select their own) is no state handed on. Caches
 (objects that are not containers) are not searched: a training step runs without one.
 """
@@ -58,8 +60,9 @@ class HandedState:
         self._watched: dict[int, str] = {}  # id(candidate) -> the argument it came in, for the block running
         self._index = -1
         self._reads: _Reads | None = None
-        self.found: tuple[int, str, int] | None = None
-        """(the later block, its argument, the earlier block) of the first state handed on."""
+        self.pairs: dict[tuple[int, int], str] = {}
+        """(the earlier block, the later one) -> the later block's argument the state came in, for each state
+        handed on: a pipeline stage boundary must not fall between them."""
 
     def entering(self, index: int, arguments: dict[str, Any], hidden: torch.Tensor) -> None:
         self._index, self._before, self._watched = index, {}, {}
@@ -75,14 +78,13 @@ class HandedState:
 
     def saw(self, values: Any) -> None:
         """An operation of the running block received ``values``: does it compute with a candidate?"""
-        if self.found is not None or not self._watched:
+        if not self._watched:
             return
         for item in _within(values):
             if isinstance(item, torch.Tensor) and id(item) in self._watched:
                 earlier = self._candidates[id(item)][0]
                 if earlier < self._index:
-                    self.found = (self._index, self._watched[id(item)], earlier)
-                    return
+                    self.pairs.setdefault((earlier, self._index), self._watched[id(item)])
 
     def leaving(self, index: int, arguments: dict[str, Any], output: Any, hidden: torch.Tensor) -> None:
         self._stop_watching()
@@ -98,6 +100,10 @@ class HandedState:
         for item in _within(output):
             if isinstance(item, torch.Tensor) and item is not hidden:
                 self._candidate(item, index, "returned")
+
+    def is_candidate(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is one a block stored or returned (followed exactly by its identity)."""
+        return id(tensor) in self._candidates
 
     def clear(self) -> None:
         self._stop_watching()

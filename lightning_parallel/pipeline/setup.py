@@ -7,15 +7,16 @@ everywhere with the same ``ValueError`` before any pipeline communication starts
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.mesh import Axis
-from lightning_parallel.pipeline.discover import Discovery
+from lightning_parallel.pipeline.discover import WEIGHTS, Discovery, PipelineSetupError, handed_on
 from lightning_parallel.pipeline.schedules import ScheduleSpec, stage_owner, stages_of_rank
 from lightning_parallel.pipeline.split import balanced_boundaries, check_user_boundaries, stage_ranges
 from lightning_parallel.pipeline.stages import StageLayout, StageRuntime, cut_into_stages
@@ -63,6 +64,8 @@ class StageSplit:
     block_costs: list[int]
     ranges: list[range]
     owners: list[int]
+    user_boundaries: bool = False
+    """The boundaries came from ``plan={"pipeline_boundaries": ...}`` (never moved: refused where they cut state)."""
 
 
 def split_stages(module: nn.Module, config: PipelineConfig) -> StageSplit:
@@ -73,12 +76,47 @@ def split_stages(module: nn.Module, config: PipelineConfig) -> StageSplit:
     else:
         starts = balanced_boundaries(costs, config.num_stages)
     owners = [stage_owner(config.spec, s, config.pipeline_parallel) for s in range(config.num_stages)]
-    return StageSplit(names, costs, stage_ranges(starts, len(names)), owners)
+    return StageSplit(names, costs, stage_ranges(starts, len(names)), owners, config.boundaries is not None)
 
 
 def plan_stages(module: nn.Module, split: StageSplit, discovery: Discovery) -> StageLayout:
     """The stage layout: the split, and what one real step (``discovery``) showed about the model."""
+    split = keep_handed_state_within_stages(split, discovery.handed)
     return StageLayout.build(module, split.ranges, split.owners, discovery)
+
+
+def keep_handed_state_within_stages(split: StageSplit, handed: dict[tuple[int, int], str]) -> StageSplit:
+    """The split moved so that no stage boundary separates two blocks that hand state to each other besides the
+    hidden state (``handed_state.py``); a ``PipelineSetupError`` naming them where no split can."""
+    forbidden = {start for earlier, later in handed for start in range(earlier + 1, later + 1)}
+    starts = [r.start for r in split.ranges]
+    crossed = [pair for pair in handed if any(pair[0] < b <= pair[1] for b in starts[1:])]
+    if not crossed:
+        return split
+    earlier, later = crossed[0]
+    argument = handed[(earlier, later)]
+    what = (
+        f"`{argument}`, written or returned by block {split.block_names[earlier]}"
+        if argument != WEIGHTS
+        else f"a tensor computed from the weights of block {split.block_names[earlier]}"
+    )
+    refusal = handed_on(split.block_names[later], what)
+    if split.user_boundaries:
+        raise PipelineSetupError(
+            f"{refusal} `pipeline_boundaries` puts a stage boundary between them: move it."
+        )
+    try:
+        starts = balanced_boundaries(split.block_costs, len(split.ranges), forbidden)
+    except ValueError:
+        raise PipelineSetupError(
+            f"{refusal} No split into {len(split.ranges)} stages keeps every such pair of blocks on one stage."
+        ) from None
+    moved = replace(split, ranges=stage_ranges(starts, len(split.block_names)))
+    rank_zero_info(
+        f"Pipeline: stage boundaries moved to blocks {starts[1:]} (were {[r.start for r in split.ranges][1:]}):"
+        f" blocks {sorted(handed)} hand state besides the hidden state, kept on one stage"
+    )
+    return moved
 
 
 def cut_for_rank(

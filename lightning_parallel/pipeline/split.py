@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 
 
-def balanced_boundaries(costs: Sequence[int | float], num_stages: int) -> list[int]:
+def balanced_boundaries(
+    costs: Sequence[int | float], num_stages: int, forbidden: Set[int] = frozenset()
+) -> list[int]:
     """First block index of every stage, minimising the largest stage cost (exact, by dynamic programming).
 
     Costs are per block (parameter counts by default). Identical blocks get equal counts; the
-    remainder goes to the later stages, which hold the fewest activations under 1F1B.
+    remainder goes to the later stages, which hold the fewest activations under 1F1B. ``forbidden``: block
+    indices no stage may start at (state handed between blocks: ``handed_state.py``); a ``ValueError`` where
+    no split avoids them.
     """
     n = len(costs)
     check_stage_count(n, num_stages)
@@ -29,9 +33,15 @@ def balanced_boundaries(costs: Sequence[int | float], num_stages: int) -> list[i
         for j in range(s, n - (num_stages - s) + 1):
             # "<" keeps the earliest cut among equals: earlier stages get fewer blocks.
             for i in range(s - 1, j):
+                if i in forbidden and i > 0:
+                    continue
                 value = max(best[s - 1][i], span(i, j))
                 if value < best[s][j]:
                     best[s][j], cut[s][j] = value, i
+    if best[num_stages][n] == inf:
+        raise ValueError(
+            f"no split of {n} blocks into {num_stages} stages starts none at {sorted(forbidden)}"
+        )
     starts, j = [], n
     for s in range(num_stages, 0, -1):
         j = cut[s][j]

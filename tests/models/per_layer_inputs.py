@@ -3,7 +3,9 @@ the blocks (Gemma 3n's and 4's per-layer embeddings; CPM-Ant's learned position 
 pipeline parallelism those weights live on every stage that reads them, and their gradients are summed.
 
 ``share_state=True`` instead hands each block, through a dict, what the block before it computed (keys and
-values shared across layers): pipeline stages pass on only the hidden state, so that model is refused.
+values shared across layers): pipeline stages pass on only the hidden state, and no stage boundary can avoid
+every such pair of blocks, so that model is refused. ``share_state="pair"``: only block 1 stores and block 2
+reads (as Gemma 3n's last layers reuse what one layer stored): the split keeps the two on one stage.
 ``strided_hidden=True``: each block returns its hidden state as a transposed view (the values unchanged, the
 strides not), which a point-to-point send and receive cannot take as it is. The model's loop reads each
 block's ``kind`` attribute, as Nemotron-H's reads ``block_type``: a stage must answer it for blocks it skips.
@@ -24,19 +26,22 @@ from tests.models.optim import parity_optimizer
 class SideInputBlock(nn.Module):
     kind = "side input"
 
-    def __init__(self, width: int, side: int, strided_hidden: bool = False) -> None:
+    def __init__(
+        self, width: int, side: int, strided_hidden: bool = False, reads: bool = True, stores: bool = True
+    ) -> None:
         super().__init__()
         self.mix, self.side = nn.Linear(width, width), nn.Linear(side, width)
-        self.strided_hidden = strided_hidden
+        self.strided_hidden, self.reads, self.stores = strided_hidden, reads, stores
 
     def forward(
         self, hidden: torch.Tensor, per_layer: torch.Tensor, shared: dict | None = None
     ) -> torch.Tensor:
         out = hidden + torch.tanh(self.mix(hidden)) + self.side(per_layer)
         if shared is not None:
-            if "kv" in shared:
+            if self.reads and "kv" in shared:
                 out = out + shared["kv"]
-            shared["kv"] = self.mix(hidden)
+            if self.stores:
+                shared["kv"] = self.mix(hidden)
         return out.transpose(0, 1).contiguous().transpose(0, 1) if self.strided_hidden else out
 
 
@@ -47,12 +52,16 @@ class PerLayerInputs(nn.Module):
         layers: int,
         width: int,
         side: int = 4,
-        share_state: bool = False,
+        share_state: bool | str = False,
         strided_hidden: bool = False,
     ) -> None:
         super().__init__()
         self.embed, self.per_layer = nn.Embedding(vocab, width), nn.Embedding(vocab, layers * side)
-        self.blocks = nn.ModuleList(SideInputBlock(width, side, strided_hidden) for _ in range(layers))
+        pair = share_state == "pair"
+        self.blocks = nn.ModuleList(
+            SideInputBlock(width, side, strided_hidden, reads=not pair or i == 2, stores=not pair or i == 1)
+            for i in range(layers)
+        )
         self.head, self.side, self.share_state = nn.Linear(width, vocab), side, share_state
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -69,7 +78,7 @@ class PerLayerInputs(nn.Module):
 class PerLayerInputsModule(L.LightningModule):
     def __init__(
         self, vocab_size: int = 128, block_size: int = 32, n_layer: int = 4, n_embd: int = 16,
-        share_state: bool = False, strided_hidden: bool = False, learning_rate: float | None = None,
+        share_state: bool | str = False, strided_hidden: bool = False, learning_rate: float | None = None,
         optimizer: str = "sgd",
     ) -> None:  # fmt: skip
         super().__init__()

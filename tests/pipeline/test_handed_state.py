@@ -1,9 +1,10 @@
-"""State one block hands a later one besides the hidden state is refused at setup, with the argument named.
+"""State one block hands a later one besides the hidden state: found, kept within one stage, or refused, named.
 
 Two ways a model does it that the hidden state's autograd cannot show: a block writes into a container every
 block receives (``gemma3n``'s and ``kolibri``'s ``shared_kv_states``, a ``UserDict``) and a later block reads it;
 a block returns a second tensor, integers, that the model's loop hands to the next (``hy_v4``'s
-``prev_topk_indices``). Negative controls: a container the blocks only read (tables made at model level), a
+``prev_topk_indices``). Each makes a pair of blocks the stage split keeps together (``pipeline/setup.py``),
+refusing where no split can (or the user's boundaries cut it). Negative controls: a container the blocks only read (tables made at model level), a
 second output the loop collects without handing it on, and one handed on that the next block never computes
 with (GLM-DSA's top-k indices reaching a layer that selects its own) are accepted.
 """
@@ -11,12 +12,14 @@ with (GLM-DSA's top-k indices reaching a layer that selects its own) are accepte
 from __future__ import annotations
 
 from collections import UserDict
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.pipeline.discover import PipelineSetupError, discover
+from lightning_parallel.pipeline.discover import Discovery, PipelineSetupError, discover
+from lightning_parallel.pipeline.setup import StageSplit, keep_handed_state_within_stages
 
 WIDTH = 8
 
@@ -64,7 +67,7 @@ class _Model(nn.Module):
         return self.head(x).mean()
 
 
-def _discover(mode: str) -> object:
+def _discover(mode: str) -> Discovery:
     model = _Model(mode)
     return discover(model, ["blocks.0", "blocks.1"], lambda: model(torch.randn(2, 4, WIDTH)))
 
@@ -72,12 +75,22 @@ def _discover(mode: str) -> object:
 @pytest.mark.parametrize(
     ("mode", "argument"), [("shared_kv", "positional argument 1"), ("indices", "previous")]
 )
-def test_state_a_block_hands_a_later_one_is_refused_naming_the_argument(mode: str, argument: str) -> None:
-    with pytest.raises(PipelineSetupError, match=rf"Block blocks\.1 receives, besides the hidden state, `{argument}`"
-                                                 r", written or returned by block blocks\.0"):  # fmt: skip
-        _discover(mode)
+def test_state_a_block_hands_a_later_one_makes_a_pair_naming_the_argument(mode: str, argument: str) -> None:
+    assert _discover(mode).handed == {(0, 1): argument}
 
 
 @pytest.mark.parametrize("mode", ["read_only", "collected", "unused_indices"])
-def test_containers_only_read_and_outputs_not_handed_on_are_accepted(mode: str) -> None:
-    assert _discover(mode).block_names == ["blocks.0", "blocks.1"]
+def test_containers_only_read_and_outputs_not_computed_with_make_no_pair(mode: str) -> None:
+    assert _discover(mode).handed == {}
+
+
+def test_a_split_between_the_pair_is_refused_naming_both_blocks() -> None:
+    split = StageSplit(["blocks.0", "blocks.1"], [1, 1], [range(0, 1), range(1, 2)], [0, 1])
+    with pytest.raises(PipelineSetupError, match=r"Block blocks\.1 receives, besides the hidden state, `previous`,"
+                                                 r" written or returned by block blocks\.0 .* No split into 2"):  # fmt: skip
+        keep_handed_state_within_stages(split, {(0, 1): "previous"})
+    given = StageSplit(["a", "b", "c"], [1, 1, 1], [range(0, 2), range(2, 3)], [0, 1], user_boundaries=True)
+    with pytest.raises(PipelineSetupError, match="`pipeline_boundaries` puts a stage boundary between them"):
+        keep_handed_state_within_stages(given, {(1, 2): "shared"})
+    moved = keep_handed_state_within_stages(replace(given, user_boundaries=False), {(1, 2): "shared"})
+    assert moved.ranges == [range(0, 1), range(1, 3)]

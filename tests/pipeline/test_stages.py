@@ -19,7 +19,7 @@ import torch
 from lightning_parallel.config.arguments import resolve_schedule
 from lightning_parallel.pipeline.discover import PipelineSetupError, discover
 from lightning_parallel.pipeline.schedules import stage_owner, stages_of_rank
-from lightning_parallel.pipeline.setup import find_block_names
+from lightning_parallel.pipeline.setup import StageSplit, find_block_names, plan_stages
 from lightning_parallel.pipeline.split import balanced_boundaries, stage_ranges
 from lightning_parallel.pipeline.stages import (
     SkippedBlock,
@@ -47,7 +47,8 @@ def _layout(model: Any, batch: Any, schedule: str, pp: int, virtual: int) -> Sta
     num_stages = pp * virtual
     ranges = stage_ranges(balanced_boundaries([1] * len(names), num_stages), len(names))
     discovery = discover(model, names, lambda: model.training_step(batch, 0))
-    return StageLayout.build(model, ranges, [stage_owner(spec, s, pp) for s in range(num_stages)], discovery)
+    split = StageSplit(names, [1] * len(names), ranges, [stage_owner(spec, s, pp) for s in range(num_stages)])
+    return plan_stages(model, split, discovery)
 
 
 def _chain(
@@ -205,14 +206,46 @@ def test_negative_control_without_them_the_later_stage_reads_a_zero_placeholder(
     assert not torch.allclose(loss, model.training_step(batch, 0).detach(), rtol=1e-5)
 
 
-def test_a_block_reading_what_an_earlier_block_computed_is_refused() -> None:
-    model = _quiet(FAMILIES["per_layer_inputs"](share_state=True))
-    batch = _batch()
+def test_a_block_reading_what_an_earlier_block_computed_is_refused_where_no_split_avoids_it() -> None:
+    model = _quiet(
+        FAMILIES["per_layer_inputs"](share_state=True)
+    )  # every block reads what the one before stored
     with pytest.raises(
         PipelineSetupError,
-        match=r"Block model\.blocks\.1 receives, besides the hidden state, `shared`, written",
+        match=r"Block model\.blocks\.2 receives, besides the hidden state, `shared`, written or returned by block"
+        r" model\.blocks\.1 .* No split into 2 stages keeps every such pair of blocks on one stage",
     ):
-        discover(model, find_block_names(model), lambda: model.training_step(batch, 0))
+        _layout(model, _batch(), "1f1b", 2, 1)
+
+
+def test_blocks_that_hand_state_on_stay_on_one_stage_and_the_cut_model_matches() -> None:
+    """Block 1 stores what block 2 reads: the balanced cut (before block 2) moves so that both run on one stage."""
+    torch.manual_seed(0)
+    model = _quiet(FAMILIES["per_layer_inputs"](share_state="pair"))
+    batch = _batch()
+    layout = _layout(model, batch, "1f1b", 2, 1)
+    assert layout.discovery.handed == {(1, 2): "shared"}
+    assert [r.start for r in layout.ranges] == [0, 1]  # was [0, 2]
+    loss, grads = _chain(model, batch, "1f1b", 2, 1)
+    reference = model.training_step(batch, 0)
+    model.zero_grad()
+    reference.backward()
+    torch.testing.assert_close(loss, reference.detach())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_negative_control_cut_between_them_the_later_block_computes_without_the_state(
+    monkeypatch: Any,
+) -> None:
+    from lightning_parallel.pipeline import setup
+
+    monkeypatch.setattr(setup, "keep_handed_state_within_stages", lambda split, handed: split)
+    torch.manual_seed(0)
+    model = _quiet(FAMILIES["per_layer_inputs"](share_state="pair"))
+    batch = _batch()
+    loss, _ = _chain(model, batch, "1f1b", 2, 1)
+    assert not torch.allclose(loss, model.training_step(batch, 0).detach(), rtol=1e-5)
 
 
 def test_a_stage_answers_attribute_reads_of_the_blocks_it_skips_and_sends_a_contiguous_hidden_state() -> None:
