@@ -250,11 +250,13 @@ def _model_width(model: nn.Module, stack: str) -> int | None:
 
 def _check_replicated(model: nn.Module, plan: ParallelPlan, replicated: list[tuple[str, str]]) -> None:
     """Modules of the blocks left whole: noted in the plan; a refusal when nothing of the blocks is split (a
-    state-space model: tensor parallelism would only copy it), or under sequence parallelism (they would run
-    on a slice of the sequence)."""
-    if not replicated:
+    state-space model, or blocks without attention or MLP projections tensor parallelism can find: it would
+    only copy them), or under sequence parallelism (they would run on a slice of the sequence)."""
+    if not replicated and plan.containers:
         return
-    first, why = replicated[0]
+    first, why = (
+        replicated[0] if replicated else (plan.block_names[0], "no attention or MLP projections found")
+    )
     if not plan.containers:
         raise ValueError(
             f"`tensor_parallel={plan.tensor_parallel}`: no block of {type(model).__name__} has an attention or MLP"

@@ -474,3 +474,27 @@ def test_frozen_routing_statistics_stay_plain_under_sequence_parallelism() -> No
     plan = auto_plan(model, 2, True)
     assert "model.layers.1.mlp.gate.moe_statics" not in plan.styles  # no gradient to sum: left a plain tensor
     assert set(plan.styles["model.layers.1.mlp.gate"].dims) == {"weight"}
+
+
+def test_blocks_without_projections_tensor_parallelism_can_find_are_refused_not_copied() -> None:
+    """JetMoE's layers (attention and MLP as mixtures of experts over stacked weights, no linear projections): a
+    plan would shard only the embedding and the head, every block copied on each rank; refused at setup, naming
+    the block. Negative control: the same model with one linear MLP per block gets a plan."""
+
+    class Mixture(nn.Module):
+        def __init__(self, linear: bool) -> None:
+            super().__init__()
+            self.experts = nn.Parameter(torch.randn(4, 16, 16))
+            self.mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) if linear else None
+
+    class Model(nn.Module):
+        def __init__(self, linear: bool) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(64, 16)
+            self.layers = nn.ModuleList(Mixture(linear) for _ in range(4))
+            self.head = nn.Linear(16, 64, bias=False)
+
+    with pytest.raises(ValueError, match=r"no block of Model has an attention or MLP that tensor parallelism can"
+                                         r" split: `layers\.0` \(no attention or MLP projections found\)"):  # fmt: skip
+        auto_plan(Model(linear=False), 2, False)
+    assert len(auto_plan(Model(linear=True), 2, False).containers) == 4
