@@ -25,6 +25,11 @@ whose MLP and mixture of attention heads call expert linears on rows grouped by 
 (``experts/grouped_linear.py``).
 ``tests/experts/test_foreign.py`` holds the detection's and the checks' negative controls.
 
+Under pp=2: Kolibri, whose layer 3 reuses the keys and values layer 1 stored in a dict every layer receives
+(``shared_kv_states``, ``kv_source_layers=[0, 1, 2, 1]``): the balanced cut before layer 2 moves to layer 1 so
+that the pair runs on one stage (``pipeline/handed_state.py``). The negative control of the pairs is
+``tests/pipeline/test_stages.py``.
+
 Each tp case's record shows the mode the verification chose; each negative control takes that way away
 (``tests/distributed/plan_switches.py``) and the family is refused at setup by the block verification.
 """
@@ -65,6 +70,11 @@ def _case(
 
 
 CASES = [_case(family) for family in TRAITS]
+SHARED_KV_PP = register(
+    Case("sweep_trait_kolibri1_1_pp2", "hf_tiny",
+         StrategySpec("lightning_parallel:HybridParallelStrategy", {"pipeline_parallel": 2, "timeout": 60}),
+         world_size=2, data_parallel=1, steps=3, batch_size=4, model_kwargs={"model_type": "kolibri1_1"})
+)[0]  # fmt: skip
 SIZE_COINCIDENCES = {family: _case(family) for family in ("recurrent_gemma", "ergo", "moshi", "doge")}
 RETURNED_UNDER_SP = _case("gpt_neox_japanese", sequence_parallel=True)
 EXPERTS = {
@@ -75,7 +85,7 @@ EXPERTS = {
 
 @pytest.fixture(scope="module")
 def two_process() -> dict[str, Result]:
-    everything = [*CASES, RETURNED_UNDER_SP, *EXPERTS.values(), *SIZE_COINCIDENCES.values()]
+    everything = [*CASES, RETURNED_UNDER_SP, *EXPERTS.values(), *SIZE_COINCIDENCES.values(), SHARED_KV_PP]
     return run_cases(everything, 2, timeout_s=600, references_for=everything)
 
 
@@ -123,3 +133,12 @@ def test_negative_control_without_its_way_of_sharding_the_family_is_refused(fami
     _, switch = TRAITS[family]
     with pytest.raises(HarnessError, match="does not reproduce the unsharded block"):
         run_cases([_case(family, switch)], 2, timeout_s=180)
+
+
+@pytest.mark.timeout(900)
+def test_a_layer_reusing_an_earlier_layers_keys_and_values_trains_like_one_process_under_pp2(
+    two_process: dict[str, Result],
+) -> None:
+    result = two_process[SHARED_KV_PP.name]
+    assert_parity(result, reference(SHARED_KV_PP))
+    assert not result.engagement_problems, result.engagement_problems
