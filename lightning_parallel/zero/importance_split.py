@@ -61,6 +61,8 @@ class _Rows:
     others: torch.Tensor
     pending: torch.Tensor | None = None
     summed: int = 0
+    hyper: dict[str, Any] | None = None
+    """The hyper-parameters of the last step summed into ``pending``: a settle applies it as that step's flush would."""
 
 
 @dataclass
@@ -189,7 +191,7 @@ class ImportanceSplitUpdate(DeferredUpdate):
                 0, rows.others
             ).float()  # a new tensor: the first step's sum as it is
             rows.pending = others if rows.pending is None else rows.pending.add_(others)
-            rows.summed += 1
+            rows.summed, rows.hyper = rows.summed + 1, item.hyper
             if item.flush:
                 update = _Deferred(item.param, rows.others)
                 mean = rows.pending / rows.summed
@@ -240,12 +242,13 @@ class ImportanceSplitUpdate(DeferredUpdate):
         the end of ``fit``); whether any parameter changed."""
         changed = self._install_in_flight()
         for group in self.optimizer.param_groups:
-            hyper = self.hyper(group)
             for param in group["params"]:
                 rows = self._rows.get(id(param))
                 if rows is None or rows.pending is None:
                     continue
                 mean = rows.pending / rows.summed
+                # the last summed step's learning rate, not the scheduler's next one
+                hyper = rows.hyper if rows.hyper is not None else self.hyper(group)
                 self._adam_rows(hyper, param, mean, rows.others, float(self.optimizer.state[param]["step"]))
                 self.rows_deferred += rows.others.numel()
                 changed = True

@@ -25,7 +25,7 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
 class GradientCapture(L.Callback):
     """Saves to ``path`` (rank 0, at the end of training): the parameters before training, each optimizer step's whole
-    gradients and the optimizer's hyper-parameters, by the module's names."""
+    gradients and learning rate, and the optimizer's hyper-parameters, by the module's names."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -42,6 +42,9 @@ class GradientCapture(L.Callback):
         self.record["steps"].append(
             {n: _whole(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
         )
+        self.record.setdefault("lrs", []).append(
+            optimizer.param_groups[0]["lr"]
+        )  # this step's (a scheduler's)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_rank == 0:

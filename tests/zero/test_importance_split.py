@@ -14,6 +14,7 @@ on the same gradients must not, or the tests could not tell the rules apart.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +33,21 @@ STEPS = 6
 RULE = ImportanceSplit(top_rows=0.25, update_interval=2, select_interval=4)
 
 
-def _module(zero_in_place: bool = False) -> L.LightningModule:
+def _decay(step: int) -> float:
+    """The learning-rate factor after ``step`` scheduler steps (the scheduled runs)."""
+    return 1.0 / (1.0 + step)
+
+
+def _module(zero_in_place: bool = False, scheduled: bool = False) -> L.LightningModule:
     from recipes.gpt.module import GPTLightningModule
 
     class AdamW(GPTLightningModule):
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+            if not scheduled:
+                return optimizer
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _decay)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
         def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
             # In place: the worker still summing this step's gradients must have read them first.
@@ -64,9 +74,13 @@ class _Adam:
         self.exp_avg_sq = torch.zeros_like(param)
         self.t = 0
 
-    def updated(self, rows: torch.Tensor, grad: torch.Tensor, t: int) -> torch.Tensor:
-        """The new values of ``rows`` (a boolean mask) for gradient rows ``grad`` at step count ``t``; moments in place."""
-        (beta1, beta2), lr, eps, decay = (self.hyper[k] for k in ("betas", "lr", "eps", "weight_decay"))
+    def updated(
+        self, rows: torch.Tensor, grad: torch.Tensor, t: int, lr: float | None = None
+    ) -> torch.Tensor:
+        """The new values of ``rows`` (a boolean mask) for gradient rows ``grad`` at step count ``t`` (and learning rate
+        ``lr``, the optimizer's by default); moments in place."""
+        (beta1, beta2), base, eps, decay = (self.hyper[k] for k in ("betas", "lr", "eps", "weight_decay"))
+        lr = base if lr is None else lr
         self.exp_avg[rows] = beta1 * self.exp_avg[rows] + (1 - beta1) * grad
         self.exp_avg_sq[rows] = beta2 * self.exp_avg_sq[rows] + (1 - beta2) * grad * grad
         corrected = self.exp_avg[rows] / (1 - beta1**t)
@@ -81,11 +95,16 @@ def _replay(
     *,
     ended: bool = True,
     shards: int = 1,
+    settle_lr: Callable[[int], float] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The rule on ``record``'s gradients (``split=False``: every row at every step, AdamW). A checkpoint saved after
     step k (``saved_after``) installs the update in flight, applies what is pending and restarts the cycle; so does
     the end of ``fit`` (``ended``; not yet in a callback's ``on_train_end``). ``shards`` > 1: each of that many
-    consecutive blocks of rows chooses its own share (what a rank choosing among its own rows would do)."""
+    consecutive blocks of rows chooses its own share (what a rank choosing among its own rows would do). Each step
+    updates at its own learning rate (``record["lrs"]``); a settle after step k at ``settle_lr(k)``, by default the
+    learning rate of step k, the last summed (the negative control passes the scheduler's next one)."""
+    lrs = record.get("lrs", [None] * len(record["steps"]))
+    settle_lr = settle_lr or (lambda step: lrs[step - 1])
     params = {n: p.clone() for n, p in record["initial"].items()}
     adams = {n: _Adam(p, record["hyper"]) for n, p in params.items()}
     chosen: dict[str, torch.Tensor] = {}
@@ -107,11 +126,13 @@ def _replay(
             params[name][rows] = values
         in_flight.clear()
 
-    def settle() -> None:
+    def settle(step: int) -> None:
         install()
         for name, total in pending.items():
             others = ~chosen[name]
-            params[name][others] = adams[name].updated(others, total[others] / summed, adams[name].t)
+            params[name][others] = adams[name].updated(
+                others, total[others] / summed, adams[name].t, settle_lr(step)
+            )
         pending.clear()
         chosen.clear()
 
@@ -124,36 +145,44 @@ def _replay(
             adam.t += 1
             if not split or grad.ndim < 2:
                 everything = torch.ones(grad.shape[0], dtype=torch.bool)
-                params[name][everything] = adam.updated(everything, grad, adam.t)
+                params[name][everything] = adam.updated(everything, grad, adam.t, lrs[step - 1])
                 continue
             rows = chosen.setdefault(name, choose(grad))
-            params[name][rows] = adam.updated(rows, grad[rows], adam.t)
+            params[name][rows] = adam.updated(rows, grad[rows], adam.t, lrs[step - 1])
             pending[name] = pending.get(name, torch.zeros_like(grad)) + grad * (~rows)[:, None]
             if flush:
                 others = ~rows
                 in_flight.append(
-                    (name, others, adam.updated(others, pending.pop(name)[others] / summed, adam.t))
+                    (
+                        name,
+                        others,
+                        adam.updated(others, pending.pop(name)[others] / summed, adam.t, lrs[step - 1]),
+                    )
                 )
             if cycle % RULE.interval_of_selection == 0:
                 chosen[name] = choose(grad)
         summed = 0 if flush else summed
         if step in saved_after:
-            settle()
+            settle(step)
             cycle = summed = 0
     if ended:
-        settle()
+        settle(len(record["steps"]))
     return params
 
 
 def _strategy_run(
-    stage: int, tmp_path: Path, checkpoints: bool = False, zero_in_place: bool = False
+    stage: int,
+    tmp_path: Path,
+    checkpoints: bool = False,
+    zero_in_place: bool = False,
+    scheduled: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], L.Trainer]:
     """The parameters after training, the gradients the run computed, and the trainer."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_parallel import HybridParallelStrategy
 
-    module = _module(zero_in_place)
+    module = _module(zero_in_place, scheduled)
     capture = GradientCapture(str(tmp_path / "gradients.pt"))
     saving = (
         [ModelCheckpoint(tmp_path / "checkpoints", every_n_train_steps=3, save_top_k=-1)]
@@ -240,6 +269,21 @@ def test_a_checkpoint_holds_every_gradient_seen(tmp_path: Path) -> None:
     rows, chosen = _row_counts(got)
     # Flushes at steps 2 and 5 (the cycle restarted after 3), the pending rows at the saves after 3 and 6.
     assert _deferred_update(trainer).rows_deferred == 4 * (rows - chosen)
+
+
+@pytest.mark.timeout(300)
+def test_under_a_schedule_a_settle_applies_the_last_summed_steps_learning_rate(tmp_path: Path) -> None:
+    """A learning rate that falls every step: each step's rows at its own rate, a flush at its step's, and a settle
+    (the save after step 3, the end of fit) at the rate of the last step it sums, not at the one the scheduler set
+    for the next step (the negative control: replayed so, the run misses it)."""
+    got, record, _ = _strategy_run(2, tmp_path, checkpoints=True, scheduled=True)
+    assert record["lrs"] == pytest.approx([1e-2 * _decay(k) for k in range(STEPS)])
+    saved = _replay(record, split=True, saved_after=frozenset({3}))
+    assert _differences(got, saved) == []
+    after_the_scheduler = _replay(
+        record, split=True, saved_after=frozenset({3}), settle_lr=lambda k: 1e-2 * _decay(k)
+    )
+    assert len(_differences(got, after_the_scheduler)) > 0
 
 
 @pytest.mark.distributed
