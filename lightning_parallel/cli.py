@@ -29,10 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
+import lightning_parallel  # noqa: F401  (registers the strategy names)
 from lightning_parallel.checkpoint.transfer import add_export_command, run_export
+from lightning_parallel.config.arguments import pipeline
+from lightning_parallel.pipeline.setup import split_stages
 from lightning_parallel.planner.command import add_planner_arguments, layout_from_arguments, run_planner
 from lightning_parallel.planner.report import dumps
 from lightning_parallel.plans import ParallelPlan, auto_plan, plan_from_dict
+from lightning_parallel.strategy import HybridParallelStrategy
 from lightning_parallel.tensor_parallel.styles import sharded_dims
 
 __all__ = ["build_parser", "main", "parameter_shards"]
@@ -93,9 +97,6 @@ def _strategy_settings(strategy: Any) -> dict[str, Any]:
     """Tensor/sequence-parallel settings of a LightningCLI ``trainer.strategy`` entry, if it names ours."""
     if isinstance(strategy, str):
         from lightning.pytorch.strategies import StrategyRegistry
-
-        import lightning_parallel  # noqa: F401  (registers the names)
-        from lightning_parallel.strategy import HybridParallelStrategy
 
         entry = (
             StrategyRegistry[strategy] if strategy in StrategyRegistry else None
@@ -181,9 +182,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def pipeline_lines(model: nn.Module, pp: int, schedule: str | None, virtual: int | None) -> list[str]:
     """Which blocks each pipeline stage will hold: the split the strategy makes at setup (``split_stages``)."""
-    from lightning_parallel.config.arguments import pipeline
-    from lightning_parallel.pipeline.setup import split_stages
-
     config = pipeline(pp, None, schedule, virtual, None)
     assert config is not None
     split = split_stages(model, config)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_parallel.compat import StridedShard
+from lightning_parallel.experts import expert_shard
 
 # Optimizer state keyed per parameter name ("param_groups.<fqn>.lr", "state.<fqn>.exp_avg"), not
 # as one list of parameter groups: under pipeline parallelism each rank holds different
@@ -75,8 +76,6 @@ def restore_strided(loaded: Any, like: Any) -> Any:
 
 def expert_layouts(model: torch.nn.Module) -> dict[str, Any]:
     """Parameters that hold a slice of a stacked expert weight (expert parallelism), by name."""
-    from lightning_parallel.experts import expert_shard
-
     out = {}
     for name, param in model.named_parameters():
         shard = expert_shard(param)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_parallel.checkpoint.dataloader import ResumableDataLoaderMixin
+
 __all__ = ["loader_states", "reopen_cut_epoch"]
 
 
@@ -38,8 +40,6 @@ def _keeps_own_state(loader: Any) -> bool:
     """A loader that saves its position itself, other than the strategy's resumable loaders
     (``checkpoint/dataloader.py``: their state is rebuilt from Lightning's progress, and taking it gathers
     the ranks' random states)."""
-    from lightning_parallel.checkpoint.dataloader import ResumableDataLoaderMixin
-
     return callable(getattr(loader, "state_dict", None)) and not isinstance(loader, ResumableDataLoaderMixin)
 
 

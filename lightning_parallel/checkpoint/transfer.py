@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_parallel.checkpoint.layouts import expert_layouts
+from lightning_parallel.checkpoint.row_layouts import registry
 from lightning_parallel.checkpoint.safe_load import load_trusted_or_weights
 from lightning_parallel.compat import METADATA_FILENAME, read_checkpoint_entries
 
@@ -105,9 +107,6 @@ def load_weights(
         set_model_state_dict,
     )
     from torch.distributed.tensor import DTensor, distribute_tensor
-
-    from lightning_parallel.checkpoint.layouts import expert_layouts
-    from lightning_parallel.checkpoint.row_layouts import registry
 
     full = read_state_dict(source) if isinstance(source, (str, os.PathLike)) else dict(source)
     what = f"`init_weights={str(source)!r}`" if isinstance(source, (str, os.PathLike)) else "the state dict"

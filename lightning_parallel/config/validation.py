@@ -33,7 +33,9 @@ from lightning_parallel.config.parallel_config import (
 from lightning_parallel.config.strategy_arguments import StrategyArguments
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.pipeline.setup import PipelineConfig
+from lightning_parallel.zero import ZeroPrecision
 from lightning_parallel.zero.arguments import ZERO_PRECISIONS, ZeroArguments
+from lightning_parallel.zero.engine_choice import config_engine
 
 
 def strategy_config(a: StrategyArguments) -> ParallelConfig:
@@ -238,8 +240,6 @@ def compression_with_tensor_parallel_problem(
 def check_zero_shards_something(config: ParallelConfig, dims: ParallelDims) -> None:
     """DeepSpeed's engine under expert parallelism shards over the experts' replicas only (``zero/groups.py``):
     with as many expert ranks as data-parallel ranks it would shard nothing, silently."""
-    from lightning_parallel.zero.engine_choice import config_engine
-
     ep, dp = dims.expert_parallel, dims.data_parallel
     if ep > 1 and dp // ep == 1 and config_engine(config, dims) == "deepspeed":
         raise ValueError(
@@ -258,8 +258,6 @@ def check_zero_precision(zero: ZeroArguments, plugin: Any) -> None:
     silently dropped: DeepSpeed owns the casts, the master weights and the loss scale here.
     """
     from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-
-    from lightning_parallel.zero import ZeroPrecision
 
     if isinstance(plugin, ZeroPrecision):
         return

@@ -25,6 +25,7 @@ from lightning_parallel.context_parallel import (
 from lightning_parallel.context_parallel.attention import Mode
 from lightning_parallel.context_parallel.local_tokens import LocalTokensMode
 from lightning_parallel.context_parallel.verify import Captured
+from lightning_parallel.experts.layer import MoE
 from lightning_parallel.mesh import Axis
 from lightning_parallel.pipeline.stages import SkippedBlock
 
@@ -47,8 +48,6 @@ def context_state(
 def refuse_dropping_experts(module: nn.Module, degree: int) -> None:
     """An MoE with a capacity drops assignments by their place in the batch's queues: split over context
     ranks, which tokens a rank routes together changes, and so do the drops (whatever the data)."""
-    from lightning_parallel.experts.layer import MoE
-
     for name, layer in module.named_modules():
         if isinstance(layer, MoE) and layer.capacity_factor is not None:
             raise ValueError(

@@ -7,6 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.mesh import Axis, ParallelDims
+from lightning_parallel.pipeline.stages import SkippedBlock
 from lightning_parallel.zero.engine_choice import config_engine
 from lightning_parallel.zero.fsdp import ExpertSharding, Sharded, fully_shard_modules
 from lightning_parallel.zero.tensor_parallel import local_shard_parameters
@@ -30,7 +31,6 @@ def shard_for_zero(
         local_shard_parameters(module)
     if engine != "fsdp2":
         return None
-    from lightning_parallel.pipeline.stages import SkippedBlock
 
     kept = [module.get_submodule(b) for b in blocks if not isinstance(module.get_submodule(b), SkippedBlock)]
     # Gathered once per step under stages (not once per micro-batch) unless the user asks for the memory;

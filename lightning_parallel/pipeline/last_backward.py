@@ -29,6 +29,7 @@ from torch.distributed.pipelining import PipelineStage
 from lightning_parallel.compat import without_sends_to_self
 from lightning_parallel.data_parallel.gradient_sync import GradientSync
 from lightning_parallel.pipeline.receive_buffers import ReceiveBuffers
+from lightning_parallel.zero.fsdp_schedule import reduce_accumulated, reduce_in_backward
 from lightning_parallel.zero.tensor_parallel import user_name
 
 
@@ -161,8 +162,6 @@ class LastBackward:
 
     def end_batch(self) -> None:
         """The schedule is over: units no stage of this rank holds parameters of reduce now (none in practice)."""
-        from lightning_parallel.zero.fsdp_schedule import reduce_accumulated
-
         reduce_accumulated([u for u, s in zip(self.fsdp_units, self.unit_stages, strict=True) if not s])
         self._ends_step = False
 
@@ -177,8 +176,6 @@ class LastBackward:
                     units.append(self.fsdp_units[index])
         sync = self.sync if self._ends_step else None
         if units:  # every batch: ZeRO-2/3 keep gradients sharded between accumulation batches
-            from lightning_parallel.zero.fsdp_schedule import reduce_in_backward
-
             reduce_in_backward(units)
         if sync is not None:
             sync.begin_final(self.stage_parameters[stage])
@@ -186,8 +183,6 @@ class LastBackward:
         if sync is not None:
             sync.end_final()
         if units:
-            from lightning_parallel.zero.fsdp_schedule import reduce_accumulated
-
             reduce_accumulated(
                 units
             )  # what the hooks did not see (weight passes outside autograd's accumulation)

@@ -39,6 +39,7 @@ from lightning_parallel.pipeline.microbatch import (
 )
 from lightning_parallel.pipeline.schedules import ScheduleSpec
 from lightning_parallel.pipeline.stages import StageExit, StageLayout, StageModule, StageRuntime
+from lightning_parallel.zero.fsdp_schedule import finish_interrupted_forwards
 from lightning_parallel.zero.tensor_parallel import registered_parameter, user_name
 
 
@@ -146,8 +147,6 @@ class PipelineRunner:
             output = ctx.step_fn(ctx.micro_batches[mb_index], *ctx.step_args)
         except StageExit as exit_:
             if self.fsdp_units:
-                from lightning_parallel.zero.fsdp_schedule import finish_interrupted_forwards
-
                 finish_interrupted_forwards(self.fsdp_units, exit_.hidden)
             return exit_.hidden
         finally:

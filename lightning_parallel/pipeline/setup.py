@@ -19,7 +19,7 @@ from lightning_parallel.mesh import Axis
 from lightning_parallel.pipeline.discover import WEIGHTS, Discovery, PipelineSetupError, handed_on
 from lightning_parallel.pipeline.schedules import ScheduleSpec, stage_owner, stages_of_rank
 from lightning_parallel.pipeline.split import balanced_boundaries, check_user_boundaries, stage_ranges
-from lightning_parallel.pipeline.stages import StageLayout, StageRuntime, cut_into_stages
+from lightning_parallel.pipeline.stages import SkippedBlock, StageLayout, StageRuntime, cut_into_stages
 from lightning_parallel.plans.detect import block_names
 from lightning_parallel.zero.tensor_parallel import registered_parameter
 
@@ -171,7 +171,6 @@ def norm_duplicates(layout: StageLayout, pp_rank: int, module: nn.Module) -> set
 
 def filter_plan_to_kept_modules(plan: Any, module: nn.Module) -> Any:
     """Drop tensor-parallel styles for modules another stage holds (they have no parameters here)."""
-    from lightning_parallel.pipeline.stages import SkippedBlock
 
     def kept(name: str) -> bool:
         try:

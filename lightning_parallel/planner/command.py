@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_parallel.config.arguments import resolve_schedule, virtual_stages_for
 from lightning_parallel.planner.cluster import CLUSTERS, Cluster, load_cluster
 from lightning_parallel.planner.layout import PRECISIONS, Layout, layout_problems
 from lightning_parallel.planner.memory import rank_memory
@@ -82,8 +83,6 @@ def layout_from_arguments(args: argparse.Namespace, strategy: dict[str, Any], tp
     virtual = args.pipeline_virtual_stages or strategy.get("pipeline_virtual_stages")
     schedule = args.pipeline_schedule or strategy.get("pipeline_schedule") or "1f1b"
     if pp > 1:  # the strategy's defaults: stages per rank by the schedule, micro-batches one per stage
-        from lightning_parallel.config.arguments import resolve_schedule, virtual_stages_for
-
         spec = resolve_schedule(schedule)
         schedule, virtual = spec.name, virtual_stages_for(spec, virtual)
     else:

@@ -14,11 +14,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lightning_parallel.config.arguments import check_micro_batches, resolve_schedule, virtual_stages_for
 from lightning_parallel.config.strategy_arguments import StrategyArguments
 from lightning_parallel.config.validation import check_launch, strategy_config
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.planner.shapes import ModelShape
-from lightning_parallel.zero.arguments import OffloadUpdate
+from lightning_parallel.zero.arguments import ZERO_PRECISIONS, OffloadUpdate, ZeroArguments
+from lightning_parallel.zero.engine_choice import engine_for
 
 __all__ = ["PRECISIONS", "Layout", "layout_problems", "strategy_arguments", "strategy_refusals"]
 
@@ -142,7 +144,6 @@ def _zero_problems(problems: list[str], layout: Layout) -> None:
     """The refusals of ``config/validation.py`` that need the degrees: what ZeRO cannot shard or run in."""
     if not layout.zero_stage:
         return
-    from lightning_parallel.zero.arguments import ZERO_PRECISIONS
 
     if layout.precision not in ZERO_PRECISIONS:
         problems.append(f"`precision={layout.precision!r}` with ZeRO: one of {sorted(ZERO_PRECISIONS)}")
@@ -156,9 +157,6 @@ def _zero_problems(problems: list[str], layout: Layout) -> None:
 
 def zero_engine(layout: Layout) -> str | None:
     """The engine ZeRO runs ``layout`` on (None without ZeRO), as the strategy picks it (``zero/engine_choice.py``)."""
-    from lightning_parallel.zero.arguments import ZeroArguments
-    from lightning_parallel.zero.engine_choice import engine_for
-
     zero = ZeroArguments(
         stage=layout.zero_stage,
         offload=layout.offload,  # type: ignore[arg-type]
@@ -172,8 +170,6 @@ def zero_engine(layout: Layout) -> str | None:
 
 def layout_problems(layout: Layout, shape: ModelShape, gpus: int | None = None) -> list[str]:
     """Why ``layout`` cannot run ``shape`` (on ``gpus`` devices when given); empty when it can."""
-    from lightning_parallel.config.arguments import check_micro_batches, resolve_schedule, virtual_stages_for
-
     problems: list[str] = []
     for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "expert_parallel", "context_parallel",
                  "micro_batches", "micro_batch_size", "sequence_length", "pipeline_virtual_stages"):  # fmt: skip

@@ -20,11 +20,17 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
+from lightning_parallel.config.arguments import pipeline, resolve_schedule
 from lightning_parallel.data_parallel.buckets import BUCKET_BYTES
 from lightning_parallel.experts import find_moe_blocks
+from lightning_parallel.pipeline.receive_buffers import buffers_in_flight
+from lightning_parallel.pipeline.setup import split_stages
 from lightning_parallel.planner.activations import stage_activation_bytes
 from lightning_parallel.planner.layout import PRECISIONS, Layout, layout_problems, zero_engine
 from lightning_parallel.planner.shapes import ModelShape, describe
+from lightning_parallel.plans import auto_plan
+from lightning_parallel.plans.detect import block_names
+from lightning_parallel.tensor_parallel.styles import sharded_dims
 from lightning_parallel.zero.arguments import BUCKET_ELEMENTS
 
 __all__ = ["ParameterPlacement", "RankMemory", "parameter_placements", "rank_memory"]
@@ -114,10 +120,6 @@ def parameter_placements(
     model: nn.Module, layout: Layout, stage_of_block: list[int]
 ) -> list[ParameterPlacement]:
     """Every parameter once (tied ones under their first name), with the stages holding it."""
-    from lightning_parallel.plans import auto_plan
-    from lightning_parallel.plans.detect import block_names
-    from lightning_parallel.tensor_parallel.styles import sharded_dims
-
     tp = layout.tensor_parallel
     plan = auto_plan(model, tp, layout.sequence_parallel) if tp > 1 else None
     modules = dict(model.named_modules())
@@ -162,13 +164,9 @@ def parameter_placements(
 
 def _stage_split(model: nn.Module, layout: Layout) -> tuple[list[int], list[range], list[int]]:
     """(stage of each block, blocks of each stage, pipeline rank of each stage), as the strategy cuts."""
-    from lightning_parallel.plans.detect import block_names
-
     if layout.pipeline_parallel == 1:
         n = len(block_names(model))
         return [0] * n, [range(n)], [0]
-    from lightning_parallel.config.arguments import pipeline
-    from lightning_parallel.pipeline.setup import split_stages
 
     config = pipeline(layout.pipeline_parallel, layout.micro_batches, layout.pipeline_schedule,
                       layout.pipeline_virtual_stages if layout.pipeline_virtual_stages > 1 else None, None)  # fmt: skip
@@ -334,9 +332,6 @@ def _receive_buffers(shape: ModelShape, layout: Layout, stages: list[int], last:
     receives outstanding or micro-batches in flight there (counted on torch's own schedule), each one
     micro-batch's hidden state (the activations a stage after the first receives, the gradients one before
     the last receives)."""
-    from lightning_parallel.config.arguments import resolve_schedule
-    from lightning_parallel.pipeline.receive_buffers import buffers_in_flight
-
     act = PRECISIONS[layout.precision][1]
     residual = 4 if layout.precision.endswith("-mixed") else act  # autocast leaves the residual stream fp32
     sp = layout.tensor_parallel if layout.sequence_parallel else 1

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from lightning_parallel.config.arguments import resolve_schedule
 from lightning_parallel.pipeline.schedules import ideal_efficiency
 from lightning_parallel.planner.cluster import Cluster
-from lightning_parallel.planner.layout import PRECISIONS, Layout
+from lightning_parallel.planner.layout import PRECISIONS, Layout, zero_engine
 from lightning_parallel.planner.micro_batch import (
     STRATEGY,
     Execution,
@@ -276,7 +276,6 @@ def _overlaps_host_step(layout: Layout, execution: Execution) -> bool:
     """Whether the host step runs during backward: ``execution``'s say, else where the strategy does it."""
     if execution.overlap_host_step is not None:
         return execution.overlap_host_step
-    from lightning_parallel.planner.layout import zero_engine
 
     return (
         layout.offload == "cpu" and layout.optimizer in ("adam", "adamw") and zero_engine(layout) == "fsdp2"

@@ -25,6 +25,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import compat
+from lightning_parallel.checkpoint import atomic
+from lightning_parallel.checkpoint.dataloader import gather_objects, make_resumable
 from lightning_parallel.checkpoint.layouts import (
     FLAT,
     contiguous_shards,
@@ -36,6 +38,7 @@ from lightning_parallel.checkpoint.layouts import (
     saved_keys,
 )
 from lightning_parallel.checkpoint.loop_state import loader_states, reopen_cut_epoch
+from lightning_parallel.checkpoint.random_states import native_rng_states, portable_rng_states
 from lightning_parallel.checkpoint.row_layouts import (
     full_optimizer_rows_as_stored,
     full_optimizer_rows_as_user,
@@ -50,6 +53,8 @@ from lightning_parallel.checkpoint.safe_load import (
     load_trusted_or_weights,
     size_mismatch,
 )
+from lightning_parallel.checkpoint.transfer import load_weights
+from lightning_parallel.checkpoint.zero import load_zero_checkpoint, zero_model_state, zero_optimizer_state
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.config.validation import consolidated_refusal
 from lightning_parallel.mesh import Axis
@@ -102,8 +107,6 @@ class CheckpointingStrategy(MeshParallelStrategy):
 
     def _load_init_weights(self, module: torch.nn.Module, path: Path) -> None:
         """``init_weights``: after sharding, before the optimizer exists (``checkpoint/transfer.py``)."""
-        from lightning_parallel.checkpoint.transfer import load_weights
-
         load_weights(module, path, strict=getattr(module, "strict_loading", True))
         rank_zero_info(f"{type(self).__name__}: loaded the weights of {path}")
 
@@ -111,8 +114,6 @@ class CheckpointingStrategy(MeshParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         """Training loaders become stateful (``checkpoint/dataloader.py``), so Lightning stores their
         position and a mid-epoch checkpoint continues with the very next batch."""
-        from lightning_parallel.checkpoint.dataloader import make_resumable
-
         dataloader = super().process_dataloader(dataloader)
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
@@ -126,10 +127,6 @@ class CheckpointingStrategy(MeshParallelStrategy):
     ) -> None:
         """Sharded (one folder, ``torch.distributed.checkpoint``) or consolidated (one file), written to a
         hidden folder beside it and moved into place only when complete (``checkpoint/atomic.py``)."""
-
-        from lightning_parallel.checkpoint import atomic
-        from lightning_parallel.checkpoint.dataloader import gather_objects
-        from lightning_parallel.checkpoint.random_states import portable_rng_states
 
         if storage_options is not None:
             raise TypeError(
@@ -171,8 +168,6 @@ class CheckpointingStrategy(MeshParallelStrategy):
         """Each rank's random state as it was at the save (dropout, random samplers): the exact-resume part
         Lightning does not store. With another number of ranks, rank 0's state (ranks seeded alike)."""
 
-        from lightning_parallel.checkpoint.random_states import native_rng_states
-
         states = (checkpoint.get(STATE_KEY) or {}).get("rng_states")
         if not states:
             return
@@ -213,8 +208,6 @@ class CheckpointingStrategy(MeshParallelStrategy):
             self._check_consolidated_supported()
             return full_rows_as_user(super().lightning_module_state_dict(), registry(self.model))
         if self.deepspeed_zero:  # DeepSpeed's fp32 masters, same layout (checkpoint/zero.py)
-            from lightning_parallel.checkpoint.zero import zero_model_state
-
             return zero_model_state(self.lightning_module, self._ep_mesh())
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -246,8 +239,6 @@ class CheckpointingStrategy(MeshParallelStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         if self.deepspeed_zero:
-            from lightning_parallel.checkpoint.zero import zero_optimizer_state
-
             return zero_optimizer_state(self.lightning_module, optimizer, self.zero_engine, self._ep_mesh())
         assert self.model is not None
         state = rows_as_user(
@@ -286,9 +277,6 @@ class CheckpointingStrategy(MeshParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-
-        from lightning_parallel.checkpoint import atomic
-
         path = Path(self.broadcast(str(checkpoint_path)))
         if self.global_rank == 0:
             atomic.recover(path, log=rank_zero_info)  # a crash in the middle of moving a save into place
@@ -334,8 +322,6 @@ class CheckpointingStrategy(MeshParallelStrategy):
 
         assert self.model is not None and self.lightning_module is not None
         if self.deepspeed_zero:
-            from lightning_parallel.checkpoint.zero import load_zero_checkpoint
-
             optimizer = self.optimizers[0] if self.zero_engine is not None else None  # none: validate/test
             load_zero_checkpoint(self.lightning_module, optimizer, self.zero_engine, path, self._ep_mesh(),
                                  strict=self.lightning_module.strict_loading)  # fmt: skip

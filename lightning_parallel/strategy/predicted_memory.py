@@ -20,6 +20,7 @@ from torch import nn
 from lightning_parallel.planner.layout import PRECISIONS, Layout
 from lightning_parallel.planner.memory import rank_memory
 from lightning_parallel.planner.report import memory_lines
+from lightning_parallel.strategy.sampling import sample_step
 
 __all__ = ["job_layout", "log_predicted_memory", "predicting_sample"]
 
@@ -73,7 +74,6 @@ def predicting_sample(
     The batch is the one the strategy reads anyway, on every rank: reading another (on rank 0 alone) would
     advance that rank's data and random state, and the ranks would no longer see the same batches.
     """
-    from lightning_parallel.strategy.sampling import sample_step
 
     def sample() -> Any:
         step = sample_step(trainer, strategy)

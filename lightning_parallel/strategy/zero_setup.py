@@ -71,6 +71,7 @@ def initialize_fsdp_offload(strategy: CheckpointingStrategy, trainer: Trainer) -
 def attach_deferred_update(strategy: CheckpointingStrategy) -> None:
     """``offload_update="delayed"`` or an :class:`ImportanceSplit`: the optimizer's step follows that update's rule
     (``zero/delayed_update.py``, ``zero/importance_split.py``), torch's fused Adam on the host shards."""
+    # lazy: the three import deepspeed (through zero/sharded_cpu_adam.py), needed only with offload
     from lightning_parallel.zero.delayed_update import DelayedUpdate
     from lightning_parallel.zero.importance_split import ImportanceSplitUpdate
     from lightning_parallel.zero.sharded_cpu_adam import torch_adam_refusal

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.zero.arguments import ZeroArguments
 from lightning_parallel.zero.deepspeed_ops import announce_compilation
+from lightning_parallel.zero.fsdp import KEPT_ON_DEVICE
 from lightning_parallel.zero.groups import MeshParallelUnit
 from lightning_parallel.zero.optimizer import offload_optimizer
 
@@ -93,8 +94,6 @@ def offload_sharded_optimizers(
 
 def partial_offload_line(optimizers: list[Any], zero: ZeroArguments) -> str:
     """What ``offload_ratio`` chose on this rank: the fraction of the optimizer's elements offloaded."""
-    from lightning_parallel.zero.fsdp import KEPT_ON_DEVICE
-
     params = [p for o in optimizers for group in o.param_groups for p in group["params"]]
     kept = sum(p.numel() for p in params if getattr(p, KEPT_ON_DEVICE, False))
     total = sum(p.numel() for p in params) or 1

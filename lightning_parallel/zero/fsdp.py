@@ -45,6 +45,8 @@ from lightning_parallel.compat import (
     fsdp_param_groups,
     fsdp_state,
 )
+from lightning_parallel.experts import expert_shard
+from lightning_parallel.experts.detection import SHARD_ATTR
 from lightning_parallel.tensor_parallel.row_layout import ROW_LAYOUT, stamp_row_layouts
 
 
@@ -90,8 +92,6 @@ def expert_placement(param: nn.Parameter, replicas: int) -> Shard:
 
     FSDP2 shards a dim other than 0 evenly only, so the first later dim that ``replicas`` divides.
     """
-    from lightning_parallel.experts import expert_shard
-
     mark = expert_shard(param)
     if mark is None or mark.dim is None:  # a ModuleList expert: one whole expert, any dim
         return Shard(0)
@@ -115,8 +115,6 @@ class ExpertSharding:
 
 def _expert_owners(root: nn.Module) -> list[tuple[nn.Module, dict[str, object]]]:
     """Modules that register expert parameters themselves, with each parameter's ``ExpertShard``."""
-    from lightning_parallel.experts import expert_shard
-
     owners = []
     for module in root.modules():
         marks = {n: expert_shard(p) for n, p in module.named_parameters(recurse=False)}
@@ -244,8 +242,6 @@ def _shard_experts(
     """One unit per module holding expert weights, over their replicas; the ``ExpertShard`` marks carried
     over to FSDP2's new (DTensor) parameters, which checkpoints, clipping and the norms read."""
 
-    from lightning_parallel.experts.detection import SHARD_ATTR
-
     units = []
     replicas = experts.mesh.size()
     for owner, marks in _expert_owners(root):
@@ -279,8 +275,6 @@ def regather(units: list[FSDPModule]) -> None:
     The gathered parameters are other objects than the shards; expert marks and row layouts are carried over
     to them, so ``expert_parameters(module)`` and ``row_layout(param)`` answer alike between steps.
     """
-    from lightning_parallel.experts.detection import SHARD_ATTR
-
     for unit in units:
         unit.unshard()
         for group in fsdp_param_groups(fsdp_state(unit)):

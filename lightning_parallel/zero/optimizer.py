@@ -57,6 +57,7 @@ def offload_optimizer(
                 f" {option}. Drop {option}, or turn offloading off."
             )
     extra: dict[str, Any] = {}
+    # lazy: all three import deepspeed, an optional dependency (zero/sharded_cpu_adam.py)
     if sharded and nvme is not None:
         from lightning_parallel.zero.sharded_nvme_adam import ShardedNVMeAdam as CPUAdam
 
