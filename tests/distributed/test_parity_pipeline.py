@@ -60,7 +60,9 @@ TWO = [
     ),
     # Block 1 stores in a dict what block 2 reads (keys and values shared across layers): the balanced cut before
     # block 2 moves so that both run on one stage (pipeline/handed_state.py; negative control in test_stages.py).
-    _case("pp2_shared_state_pair", "per_layer_inputs", fields={"model_kwargs": {**DEEP, "share_state": "pair"}}),
+    _case(
+        "pp2_shared_state_pair", "per_layer_inputs", fields={"model_kwargs": {**DEEP, "share_state": "pair"}}
+    ),
     # A hidden state handed on as a transposed view: the stage sends it contiguous, receives into contiguous buffers.
     _case(
         "pp2_strided_hidden", "per_layer_inputs", fields={"model_kwargs": {**DEEP, "strided_hidden": True}}
