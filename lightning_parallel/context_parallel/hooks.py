@@ -3,10 +3,11 @@
 Entering the first block, the hidden state is cut to this rank's tokens; entering every block,
 the other tensors it is handed that carry the sequence (rotary tables, position ids,
 ``cache_position``) are cut alike, because they were computed by model-level code for the whole
-sequence; masks stay whole (the attention reads what it needs). Leaving the last block, the
-hidden state is gathered whole again, so that model-level code after the stack (final norm, head,
-the user's loss) sees what one process sees. Every block's attention calls are routed over the
-split (``attention.py``).
+sequence; masks stay whole (the attention reads what it needs). Leaving the last block, in a
+training step the hidden state stays split and is followed through the final norm, the head and
+the loss (``local_tokens.py``); elsewhere it is gathered whole again. Either way model-level code
+after the stack computes what one process computes. Every block's attention calls are routed over
+the split (``attention.py``).
 
 Installed in two parts around tensor parallelism (``parallelize/recipe.py``): the entering hooks
 before its sequence-parallel region (the split over ``cp`` comes first, the split over ``tp`` of

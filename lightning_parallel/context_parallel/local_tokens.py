@@ -68,8 +68,7 @@ class LocalTokensMode(TorchFunctionMode):
         self.split, self.group = split, group
         self.active = False
         self._tracked: dict[int, tuple[weakref.ref, TokenLayout]] = {}
-        self._whole: dict[int, torch.Tensor] = {}
-        self._whole_only: set[int] = set()
+        self._whole: dict[tuple[int, bool], torch.Tensor] = {}  # (id, grad mode) -> the tensor gathered whole
         self.local_losses = 0
         """Losses computed on this rank's tokens (since setup)."""
         self.gathered: set[str] = set()
@@ -89,7 +88,6 @@ class LocalTokensMode(TorchFunctionMode):
     def start_step(self) -> None:
         self._tracked.clear()
         self._whole.clear()
-        self._whole_only.clear()
 
     def track_exit(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last block's output (``(batch, length / C, ...)``), to follow."""
@@ -99,15 +97,18 @@ class LocalTokensMode(TorchFunctionMode):
     def _track(self, tensor: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         key = id(tensor)
         self._tracked[key] = (weakref.ref(tensor, lambda _: self._forget(key)), layout)
-        self._whole.pop(key, None)
+        self._drop_whole(key)
         if isinstance(tensor, DTensor):  # the head's redistribution makes a new DTensor around the same local
             self._track(tensor._local_tensor, layout)
         return tensor
 
     def _forget(self, key: int) -> None:
         self._tracked.pop(key, None)
-        self._whole.pop(key, None)
-        self._whole_only.discard(key)
+        self._drop_whole(key)
+
+    def _drop_whole(self, key: int) -> None:
+        for grad in (False, True):
+            self._whole.pop((key, grad), None)
 
     def layout_of(self, value: Any) -> TokenLayout | None:
         """The layout of a followed tensor (a DTensor made from one too); None for any other value."""
@@ -133,8 +134,7 @@ class LocalTokensMode(TorchFunctionMode):
         if not layouts:
             return func(*args, **kwargs)
         name = function_name(func)
-        stale = any(id(v) in self._whole_only for v in values)
-        if len(layouts) == 1 and not stale:
+        if len(layouts) == 1:
             layout = next(iter(layouts))
             if func in _LOSSES:
                 loss = self._loss(func, layout, args, kwargs)
@@ -144,22 +144,30 @@ class LocalTokensMode(TorchFunctionMode):
                 out = self._keep_split(func, name, layout, args, kwargs)
                 if out is not _MISSING:
                     return out
-        self._tell(name)
-        out = func(*tree_map(self._gathered, args), **tree_map(self._gathered, kwargs))
         if in_place(name) and args and self.layout_of(args[0]) is not None:
-            # the whole copy changed (it was cached by the gather), not this rank's tokens: every later use takes it
-            self._whole_only.add(id(args[0]))
-        return out
+            raise ValueError(
+                f"context_parallel: the training step changes, in place with `{name}`, a tensor computed after the"
+                " last block, which holds this rank's tokens only, at positions that mix tokens (or with an"
+                " operand of the whole sequence). Write it out of place (`x = x.masked_fill(...)`,"
+                " `x = torch.where(...)`); writes that keep each token to itself (`logits[..., 0] = -1e4`) run as"
+                " they are."
+            )
+        self._tell(name)
+        return func(*tree_map(self._gathered, args), **tree_map(self._gathered, kwargs))
 
     def whole_values(self, value: Any) -> Any:
         """``value`` with every followed tensor in it gathered whole (what a step returns)."""
         return tree_map(self._gathered, value)
 
     def _gathered(self, value: Any) -> Any:
+        """``value`` whole if followed, gathered once per tensor and grad mode (a copy made under ``no_grad`` has no
+        graph); a DTensor made from a followed tensor is gathered each time (its own id is not followed)."""
         layout = self.layout_of(value)
         if layout is None:
             return value
-        key = id(value)
+        if self._followed(value) is None:
+            return layout.whole(value)
+        key = (id(value), torch.is_grad_enabled())
         if key not in self._whole:
             self._whole[key] = layout.whole(value)
         return self._whole[key]
@@ -167,12 +175,17 @@ class LocalTokensMode(TorchFunctionMode):
     def _keep_split(self, func: Any, name: str, layout: TokenLayout, args: tuple, kwargs: dict) -> Any:
         """The function's answer on this rank's tokens, followed; ``_MISSING`` where it mixes tokens."""
         first = args[0] if args else None
-        if name == "__get__":  # a property: the shape answers for the whole sequence
+        # Sizes answer for the whole sequence, as one process's; where grad is off (inside a custom autograd
+        # Function's forward, whose kernels read this storage, or under no_grad) they are this rank's, as held.
+        sizes_whole = torch.is_grad_enabled()
+        if name == "__get__":
             prop = getattr(getattr(func, "__self__", None), "__name__", "")
-            if prop == "shape":
+            if prop == "shape" and sizes_whole:
                 return layout.whole_shape(first)
-            return func(*args, **kwargs) if prop in PROPERTIES else _MISSING
+            return func(*args, **kwargs) if prop in PROPERTIES | {"shape"} else _MISSING
         if self.layout_of(first) is not None and name in ("size", "numel", "nelement", "__len__"):
+            if not sizes_whole:
+                return func(*args, **kwargs)
             whole = layout.whole_shape(first)
             if name == "__len__":
                 return whole[0]
@@ -187,8 +200,10 @@ class LocalTokensMode(TorchFunctionMode):
             return _MISSING
         out_layout, run = call
         out = run()
-        if in_place(name):  # the followed tensor changed: a whole copy made before is out of date
-            self._whole.pop(id(first), None)
+        if in_place(
+            name
+        ):  # the followed tensor changed, and views of it: whole copies made before are out of date
+            self._whole.clear()
         return self._follow(out, out_layout)
 
     def _follow(self, out: Any, layout: TokenLayout) -> Any:

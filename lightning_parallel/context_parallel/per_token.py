@@ -109,6 +109,10 @@ def per_token_call(
 
     ``layout_of``: the layout of each followed tensor (None for any other value)."""
     base = _base(name)
+    if base == "where" and len(args) + len(kwargs) < 3:
+        return None  # torch.where(condition): the indices of its true entries
+    if base == "setitem":
+        return _per_token_setitem(func, layout, args, layout_of)
     if name in _ELEMENTWISE_NAMES or base in _ELEMENTWISE:
         anchor = next(v for v in flat_arguments(args, kwargs) if layout_of(v) is not None)
         features = anchor.dim() - layout.token_dims
@@ -146,6 +150,18 @@ def per_token_call(
             (layout, lambda: func(*args, **kwargs)) if _keeps_tokens(args[1], first.dim(), layout) else None
         )
     return None
+
+
+def _per_token_setitem(
+    func: Any, layout: TokenLayout, args: tuple, layout_of: LayoutOf
+) -> tuple[TokenLayout, Callable[[], Any]] | None:
+    """``x[..., 0] = v``: a write that leaves every token dimension whole, of a number or of a value over features."""
+    if len(args) != 3 or layout_of(args[0]) is None or not _keeps_tokens(args[1], args[0].dim(), layout):
+        return None
+    value = args[2]
+    if isinstance(value, torch.Tensor) and (layout_of(value) is not None or value.dim() > 0):
+        return None
+    return layout, lambda: func(*args)
 
 
 def _broadcasts_per_token(value: Any, layout: TokenLayout, features: int, layout_of: LayoutOf) -> bool:
@@ -279,13 +295,14 @@ def _base(name: str) -> str:
     return {"truediv": "div"}.get(base, base)
 
 
+_IN_PLACE_OPERATORS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                       "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+                       "__imatmul__"}  # fmt: skip
+
+
 def in_place(name: str) -> bool:
     """``add_``, ``__iadd__``, ``__setitem__``: the function changes its first argument."""
-    if name == "__setitem__":
-        return True
-    return (name.endswith("_") and not name.startswith("__")) or (
-        name.startswith("__i") and name != "__index__"
-    )
+    return name in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.startswith("__"))
 
 
 def function_name(func: Any) -> str:

@@ -11,16 +11,18 @@ The split is entered once, at the first block, and left once, after the last
 replicated parameters (gradients averaged over every data-parallel rank, ``cp`` included) is
 exact:
 
-- leaving the split, every rank gathers the whole sequence, and what follows (final norm, head,
-  loss) is the same computation on every rank: its gradient is the same everywhere, so the
-  backward of the gather takes this rank's tokens and multiplies them by ``C``: that is the
-  reduce-scatter (sum) of ``C`` equal gradients, without its communication;
+- leaving the split, a gather makes the whole sequence on every rank (after the last block outside
+  training steps; in training steps only where the step needs it, per-token losses at least:
+  ``local_tokens.py``), and what follows it is the same computation on every rank: its gradient is
+  the same everywhere, so the backward of the gather takes this rank's tokens and multiplies them
+  by ``C``: that is the reduce-scatter (sum) of ``C`` equal gradients, without its communication;
 - entering the split is an ``index_select``: its backward puts this rank's gradient back at its
   positions, zeros elsewhere (no communication).
 
-Every gradient inside the stack is then ``C`` times this rank's part; averaged over the ``C`` ranks
-it is the sum of the parts, which is the one-process gradient. Gradients of what runs after
-the stack are equal on every rank, and their average is themselves.
+Every gradient before a gather (inside the stack, and the final norm's and head's where they run on
+this rank's tokens) is then ``C`` times this rank's part; averaged over the ``C`` ranks it is the sum
+of the parts, which is the one-process gradient. Gradients of what runs after a gather are equal on
+every rank, and their average is themselves.
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ so we run it once on a real batch (before anything is sharded) and watch:
   relative-position bias or per-layer embeddings made once at model level and handed to every
   block): they live on every stage whose blocks read them, each stage computes them as the
   one-process model does, and their gradients are summed over those stages like a tied weight's;
-- whether a block's other arguments carry what an earlier block computed: a tensor derived from its
-  weights is refused (a cut between them would hand the later stage nothing); state it returned besides
-  the hidden state or wrote into a container every block receives (keys and values shared across layers,
-  ``handed_state.py``) becomes a pair of blocks no stage boundary may separate.
+- whether a block's other arguments carry what an earlier block computed (a tensor derived from its
+  weights, state it returned besides the hidden state or wrote into a container every block receives:
+  keys and values shared across layers, ``handed_state.py``): each makes a pair of blocks no stage
+  boundary may separate (a cut between them would hand the later stage nothing).
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ class DiscoveryProbe:
 
     def _side_parameters(self) -> dict[int, set[str]]:
         """Per block, the parameters outside the blocks its other arguments depend on. Where those arguments
-        depend on an earlier block's weights (state one block hands a later one), the earliest such block and
+        depend on an earlier block's weights (state one block hands a later one), the latest such block and
         this one make a pair the stage split keeps together (``handed_state.py``)."""
         param_names = {id(p): n for n, p in self.module.named_parameters()}
         out: dict[int, set[str]] = {}
@@ -222,7 +222,8 @@ class DiscoveryProbe:
             total = sum(t.float().sum() for t in tensors)
             # What a block stored or returned is followed exactly (handed_state.py); other tensors made from an
             # earlier block's weights pair with the latest such block (the earlier ones reach it through the
-            # hidden state, which the stages pass on).
+            # hidden state, which the stages pass on). A write into a plain tensor the model made (no container,
+            # no graph: ``buffer.copy_(x.detach())``) is not seen.
             made = [t for t in tensors if not self.handed.is_candidate(t)]
             owners = [(b, p) for b, block in enumerate(self.blocks[:index]) for p in block.parameters()]
             hits = _reached(sum(t.float().sum() for t in made), [p for _, p in owners]) if made else []

@@ -1,4 +1,4 @@
-"""State one block hands a later one outside the hidden state, seen during the sampled step and refused.
+"""State one block hands a later one outside the hidden state, seen during the sampled step: kept on one stage.
 
 Pipeline stages pass on the hidden state alone. Some models hand a later block more than that, in ways
 the hidden state's autograd does not show:

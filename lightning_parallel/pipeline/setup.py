@@ -103,7 +103,7 @@ def keep_handed_state_within_stages(split: StageSplit, handed: dict[tuple[int, i
     refusal = handed_on(split.block_names[later], what)
     if split.user_boundaries:
         raise PipelineSetupError(
-            f"{refusal} `pipeline_boundaries` puts a stage boundary between them: move it."
+            f"{refusal} Or move the boundary: `pipeline_boundaries` puts one between blocks {earlier} and {later}."
         )
     try:
         starts = balanced_boundaries(split.block_costs, len(split.ranges), forbidden)

@@ -75,11 +75,11 @@ def training_step(
             aux.start_step(pipelined.loss_scale(module, scaler, micro_batches=1))
         if not p.loss_parallel:
             output = lightning_step(*args, **kwargs)
-            if p.context_tokens is not None:  # tensors the step returns, whole, as one process returns them
-                output = p.context_tokens.whole_values(output)
         else:
             with sharded_loss_step(module, p.loss_state):
                 output = to_plain(lightning_step(*args, **kwargs))
+        if p.context_tokens is not None:  # tensors the step returns, whole, as one process returns them
+            output = p.context_tokens.whole_values(output)
         return aux.with_injected(output) if aux is not None else output
 
 

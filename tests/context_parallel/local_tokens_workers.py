@@ -94,9 +94,48 @@ def z_loss_and_accuracy(x: torch.Tensor, p: Params, y: torch.Tensor) -> torch.Te
 
 
 def masked_in_place(x: torch.Tensor, p: Params, y: torch.Tensor) -> torch.Tensor:
-    """An assignment into the logits (a banned token): the changed whole copy is what every later use reads."""
+    """An assignment into the logits that keeps each token to itself (a banned token), after a view was taken: it
+    runs on this rank's tokens, and the view sees it."""
     logits = _logits(x, p)
+    flat = logits.view(-1, V)
     logits[..., 0] = -5.0
+    return F.cross_entropy(flat, y.view(-1), ignore_index=-100)
+
+
+def logged_without_grad(x: torch.Tensor, p: Params, y: torch.Tensor) -> torch.Tensor:
+    """A metric under ``no_grad`` gathers the logits first; the loss after it still has its gradient."""
+    logits = _logits(x, p)
+    with torch.no_grad():
+        peak = logits[:, :-1].max()
+    return (
+        F.cross_entropy(logits[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1), ignore_index=-100) + 0.0 * peak
+    )
+
+
+class _Doubled(torch.autograd.Function):
+    """A custom function (a fused kernel's stand-in): its forward reads the shape of the storage it is given."""
+
+    seen: tuple[int, ...] = ()
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        _Doubled.seen = tuple(x.shape)
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad * 2.0
+
+
+def custom_function(x: torch.Tensor, p: Params, y: torch.Tensor) -> torch.Tensor:
+    logits = _Doubled.apply(_logits(x, p))
+    return F.cross_entropy(logits.view(-1, V), y.view(-1), ignore_index=-100)
+
+
+def position_write(x: torch.Tensor, p: Params, y: torch.Tensor) -> torch.Tensor:
+    """A write at a sequence position (it mixes tokens across ranks): refused, not a drifting copy."""
+    logits = _logits(x, p)
+    logits[:, 0] = 0.0
     return F.cross_entropy(logits.view(-1, V), y.view(-1), ignore_index=-100)
 
 
@@ -111,7 +150,7 @@ def weighted(x: torch.Tensor, p: Params, y: torch.Tensor) -> torch.Tensor:
 STEPS: dict[str, Callable[[torch.Tensor, Params, torch.Tensor], torch.Tensor]] = {
     step.__name__: step
     for step in (nanogpt, hugging_face, smoothed, nll, per_token, whole_shapes, shifted, z_loss_and_accuracy,
-                 masked_in_place, weighted)
+                 masked_in_place, logged_without_grad, custom_function, position_write, weighted)
 }  # fmt: skip
 
 
@@ -154,11 +193,14 @@ def compare(rank: int, world_size: int, name: str, followed: bool = True) -> dic
     mode = LocalTokensMode(split, dist.group.WORLD)
     h, p = _leaves(hidden, params)
     mine = scatter(h, split, dim=1)
-    if followed:
-        with mode:
-            loss = step(mode.track_exit(mine), p, targets)
-    else:
-        loss = step(mine, p, scatter(targets, split, dim=1))
+    try:
+        if followed:
+            with mode:
+                loss = step(mode.track_exit(mine), p, targets)
+        else:
+            loss = step(mine, p, scatter(targets, split, dim=1))
+    except ValueError as error:
+        return {"refused": str(error)}
     loss.backward()
     grads = {"hidden": h.grad, **{k: _grad(v) for k, v in p.items()}}
     for grad in grads.values():  # the data-parallel average over the context ranks
@@ -171,6 +213,7 @@ def compare(rank: int, world_size: int, name: str, followed: bool = True) -> dic
         "grads_close": all(_close(grads[k], expected[k]) for k in expected),
         "local_losses": mode.local_losses,
         "gathered": sorted(mode.gathered),
+        "function_saw": _Doubled.seen,
     }
 
 
