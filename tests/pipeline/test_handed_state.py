@@ -90,7 +90,10 @@ def test_a_split_between_the_pair_is_refused_naming_both_blocks() -> None:
                                                  r" written or returned by block blocks\.0 .* No split into 2"):  # fmt: skip
         keep_handed_state_within_stages(split, {(0, 1): "previous"})
     given = StageSplit(["a", "b", "c"], [1, 1, 1], [range(0, 2), range(2, 3)], [0, 1], user_boundaries=True)
-    with pytest.raises(PipelineSetupError, match="Or move the boundary: `pipeline_boundaries` puts one between blocks 1 and 2"):
+    with pytest.raises(
+        PipelineSetupError,
+        match="Or move the boundary: `pipeline_boundaries` puts one between blocks 1 and 2",
+    ):
         keep_handed_state_within_stages(given, {(1, 2): "shared"})
     moved = keep_handed_state_within_stages(replace(given, user_boundaries=False), {(1, 2): "shared"})
     assert moved.ranges == [range(0, 1), range(1, 3)]

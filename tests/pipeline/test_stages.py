@@ -90,6 +90,17 @@ def _chain(
     return loss.detach(), grads
 
 
+def _assert_cut_matches_whole(model: Any, batch: Any) -> None:
+    """Loss and every gradient of the model cut into two 1F1B stages equal the whole model's."""
+    loss, grads = _chain(model, batch, "1f1b", 2, 1)
+    reference = model.training_step(batch, 0)
+    model.zero_grad()
+    reference.backward()
+    torch.testing.assert_close(loss, reference.detach())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 CASES = [
     ("nanogpt", "1f1b", 2, 1),
     ("nanogpt", "interleaved_1f1b", 2, 2),
@@ -186,13 +197,7 @@ def test_weights_that_make_every_block_s_inputs_live_on_every_stage_and_sum_thei
     layout = _layout(model, batch, "1f1b", 2, 1)
     assert layout.discovery.side_parameters == {i: {"model.per_layer.weight"} for i in range(4)}
     assert layout.tied_across_ranks() == {"model.per_layer.weight": (0, 1)}
-    loss, grads = _chain(model, batch, "1f1b", 2, 1)
-    reference = model.training_step(batch, 0)
-    model.zero_grad()
-    reference.backward()
-    torch.testing.assert_close(loss, reference.detach())
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-7, msg=name)
+    _assert_cut_matches_whole(model, batch)
 
 
 def test_negative_control_without_them_the_later_stage_reads_a_zero_placeholder(monkeypatch: Any) -> None:
@@ -226,13 +231,7 @@ def test_blocks_that_hand_state_on_stay_on_one_stage_and_the_cut_model_matches()
     layout = _layout(model, batch, "1f1b", 2, 1)
     assert layout.discovery.handed == {(1, 2): "shared"}
     assert [r.start for r in layout.ranges] == [0, 1]  # was [0, 2]
-    loss, grads = _chain(model, batch, "1f1b", 2, 1)
-    reference = model.training_step(batch, 0)
-    model.zero_grad()
-    reference.backward()
-    torch.testing.assert_close(loss, reference.detach())
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-7, msg=name)
+    _assert_cut_matches_whole(model, batch)
 
 
 def test_negative_control_cut_between_them_the_later_block_computes_without_the_state(
