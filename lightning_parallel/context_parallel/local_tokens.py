@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch._ops import OpOverload, OpOverloadPacket
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
@@ -57,6 +56,7 @@ from lightning_parallel.context_parallel.split import SequenceSplit
 __all__ = ["LocalTokensMode", "TokenLayout"]
 
 _LOSSES = (F.cross_entropy, F.nll_loss)
+_ATEN_OPERATORS = (type(torch.ops.aten.add.Tensor), type(torch.ops.aten.add))  # an overload and its packet
 _MISSING = object()
 
 
@@ -125,7 +125,7 @@ class LocalTokensMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if not self._tracked or isinstance(func, (OpOverload, OpOverloadPacket)):
+        if not self._tracked or isinstance(func, _ATEN_OPERATORS):
             # aten operators called from Python (a dispatch mode's, autograd's backward under one) work on the
             # tensors as they are held: this rank's tokens, as the graph recorded them
             return func(*args, **kwargs)

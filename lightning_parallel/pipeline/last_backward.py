@@ -29,7 +29,7 @@ from torch.distributed.pipelining import PipelineStage
 from lightning_parallel.compat import without_sends_to_self
 from lightning_parallel.data_parallel.gradient_sync import GradientSync
 from lightning_parallel.pipeline.receive_buffers import ReceiveBuffers
-from lightning_parallel.zero.fsdp_schedule import reduce_accumulated, reduce_in_backward
+from lightning_parallel.zero import fsdp_schedule
 from lightning_parallel.zero.tensor_parallel import user_name
 
 
@@ -162,7 +162,9 @@ class LastBackward:
 
     def end_batch(self) -> None:
         """The schedule is over: units no stage of this rank holds parameters of reduce now (none in practice)."""
-        reduce_accumulated([u for u, s in zip(self.fsdp_units, self.unit_stages, strict=True) if not s])
+        fsdp_schedule.reduce_accumulated(
+            [u for u, s in zip(self.fsdp_units, self.unit_stages, strict=True) if not s]
+        )
         self._ends_step = False
 
     @contextmanager
@@ -176,13 +178,13 @@ class LastBackward:
                     units.append(self.fsdp_units[index])
         sync = self.sync if self._ends_step else None
         if units:  # every batch: ZeRO-2/3 keep gradients sharded between accumulation batches
-            reduce_in_backward(units)
+            fsdp_schedule.reduce_in_backward(units)
         if sync is not None:
             sync.begin_final(self.stage_parameters[stage])
         yield
         if sync is not None:
             sync.end_final()
         if units:
-            reduce_accumulated(
+            fsdp_schedule.reduce_accumulated(
                 units
             )  # what the hooks did not see (weight passes outside autograd's accumulation)
