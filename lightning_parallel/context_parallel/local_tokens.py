@@ -46,12 +46,12 @@ from lightning_parallel.context_parallel.per_token import (
     PASS_THROUGH,
     PROPERTIES,
     TokenLayout,
-    flat_arguments,
     function_name,
     in_place,
     per_token_call,
 )
 from lightning_parallel.context_parallel.split import SequenceSplit
+from lightning_parallel.tensor_parallel.regions import flat_arguments
 
 __all__ = ["LocalTokensMode", "TokenLayout"]
 

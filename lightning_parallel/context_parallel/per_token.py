@@ -18,7 +18,7 @@ on that token alone, judged from the function and its arguments, never from valu
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,8 +27,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_parallel.context_parallel.split import SequenceSplit, gather
+from lightning_parallel.tensor_parallel.regions import flat_arguments
 
-__all__ = ["PASS_THROUGH", "PROPERTIES", "LayoutOf", "TokenLayout", "flat_arguments", "function_name", "in_place",
+__all__ = ["PASS_THROUGH", "PROPERTIES", "LayoutOf", "TokenLayout", "function_name", "in_place",
            "per_token_call"]  # fmt: skip
 
 _CASTS = {"float", "half", "bfloat16", "double", "to", "type", "type_as", "contiguous", "detach", "clone"}
@@ -307,11 +308,3 @@ def in_place(name: str) -> bool:
 
 def function_name(func: Any) -> str:
     return getattr(func, "__name__", repr(func))
-
-
-def flat_arguments(args: tuple, kwargs: dict) -> Iterator[Any]:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, (list, tuple)):
-            yield from value
-        else:
-            yield value

@@ -19,6 +19,7 @@ Two boundaries need care when the user's module code is left as it is:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,6 +30,16 @@ from torch.utils.hooks import RemovableHandle
 
 HIDDEN_KWARGS = ("hidden_states", "x", "hidden", "inputs", "input", "h")
 SEQUENCE_DIM = 1
+
+
+def flat_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
+    """A call's arguments one level deep (the items of a list or tuple argument too): where a function-mode
+    follower looks for the tensors it follows."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            yield from value
+        else:
+            yield value
 
 
 def find_hidden(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str | int, torch.Tensor]:

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 from lightning_parallel.compat import tree_map
+from lightning_parallel.tensor_parallel.regions import flat_arguments
 
 __all__ = ["ShardedLogitsMode", "vocab_parallel_cross_entropy"]
 
@@ -165,7 +166,7 @@ class ShardedLogitsMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if not self._tracked or not self._any_tracked(_flat(args, kwargs)):
+        if not self._tracked or not self._any_tracked(flat_arguments(args, kwargs)):
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if func is F.cross_entropy:
@@ -241,12 +242,3 @@ def _cuts_vocabulary(name: str, args: tuple) -> bool:
     if any(k is Ellipsis for k in key):
         return key[-1] is not Ellipsis and key[-1] != slice(None)
     return len(key) >= tensor.dim() and key[tensor.dim() - 1] != slice(None)
-
-
-def _flat(args: tuple, kwargs: dict) -> Iterator[Any]:
-    for value in args:
-        if isinstance(value, (list, tuple)):
-            yield from value
-        else:
-            yield value
-    yield from kwargs.values()
