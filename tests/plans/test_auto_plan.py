@@ -498,3 +498,31 @@ def test_blocks_without_projections_tensor_parallelism_can_find_are_refused_not_
                                          r" split: `layers\.0` \(no attention or MLP projections found\)"):  # fmt: skip
         auto_plan(Model(linear=False), 2, False)
     assert len(auto_plan(Model(linear=True), 2, False).containers) == 4
+
+
+@pytest.mark.parametrize(
+    ("family", "refusal"),
+    [
+        # a block made of a state-space mixer only (Nemotron-H's Mamba layers)
+        ("nemotron_h", r"cannot split `model\.layers\.0\.mixer` \(NemotronHMamba2Mixer: .*nothing else of block"),
+        # linear-attention mixers holding more of the blocks' matrix weights than what the plan splits
+        ("qwen4_exp_text", r"cannot split `model\.layers\.0\.linear_attn` .* left whole number \d+ elements"),
+        # a second stack of blocks the plan would leave whole (HRM's high- and low-level modules)
+        ("hrm_text", r"cannot split `model\.H_module\.layers` \(a second stack of blocks beside"),
+    ],
+)
+def test_hybrids_tensor_parallelism_would_mostly_copy_are_refused_naming_the_module(
+    family: str, refusal: str
+) -> None:
+    """A plan that splits a hybrid's attention and MLPs but copies most of its blocks on every rank is refused
+    at setup, naming the module it cannot split. Negative control: Jamba, whose Mamba mixers are a small part
+    of its blocks, gets a plan splitting its attention and MLPs, the mixers noted as left whole."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.tiny_configs import tiny_config
+
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=rf"`tensor_parallel=2`: tensor parallelism {refusal}"):
+        auto_plan(AutoModelForCausalLM.from_config(tiny_config(family)), 2, False)
+    plan = auto_plan(AutoModelForCausalLM.from_config(tiny_config("jamba")), 2, False)
+    assert plan.containers and any("mamba: left replicated (JambaMambaMixer" in note for note in plan.notes)
