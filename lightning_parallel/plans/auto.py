@@ -301,7 +301,10 @@ def _mostly_whole(
     split, whole = _split_and_whole(model, plan)
     if whole > split and replicated:
         name, reason = max(replicated, key=lambda item: _matrix_numel(model, item[0]))
-        return name, f"{reason}; the blocks' matrix weights left whole number {whole} elements, those split {split}"
+        return (
+            name,
+            f"{reason}; the blocks' matrix weights left whole number {whole} elements, those split {split}",
+        )
     return None
 
 
@@ -317,7 +320,9 @@ def _check_replicated(
     first, why = (
         replicated[0] if replicated else (plan.block_names[0], "no attention or MLP projections found")
     )
-    fix = " Use tensor_parallel=1 (pipeline, expert and data parallelism and ZeRO apply), or pass `plan=` with"
+    fix = (
+        " Use tensor_parallel=1 (pipeline, expert and data parallelism and ZeRO apply), or pass `plan=` with"
+    )
     if not plan.containers:
         raise ValueError(
             f"`tensor_parallel={plan.tensor_parallel}`: no block of {type(model).__name__} has an attention or MLP"

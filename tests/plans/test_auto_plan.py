@@ -504,7 +504,10 @@ def test_blocks_without_projections_tensor_parallelism_can_find_are_refused_not_
     ("family", "refusal"),
     [
         # a block made of a state-space mixer only (Nemotron-H's Mamba layers)
-        ("nemotron_h", r"cannot split `model\.layers\.0\.mixer` \(NemotronHMamba2Mixer: .*nothing else of block"),
+        (
+            "nemotron_h",
+            r"cannot split `model\.layers\.0\.mixer` \(NemotronHMamba2Mixer: .*nothing else of block",
+        ),
         # linear-attention mixers holding more of the blocks' matrix weights than what the plan splits
         ("qwen4_exp_text", r"cannot split `model\.layers\.0\.linear_attn` .* left whole number \d+ elements"),
         # a second stack of blocks the plan would leave whole (HRM's high- and low-level modules)
