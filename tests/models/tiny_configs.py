@@ -73,6 +73,9 @@ _SIZES: dict[str, Any] = {
     **dict.fromkeys(("attn_layer_offset", "expert_layer_offset"), lambda v: min(v, 1)),
     "num_kv_shared_layers": lambda v: min(v, 2), "use_mamba_kernels": False, "router_jitter_noise": 0.0,
     "moe_jitter_eps": None, "use_cache": False,
+    # transformers' native (CPU) chunkwise mLSTM kernel writes keys' states into values-wide slots: it runs
+    # only with keys as wide as values (xLSTM's default halves them for its GPU kernels)
+    "qk_dim_factor": 1.0,
 }  # fmt: skip
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "kv_n_heads", "num_query_groups",
              "multi_query_group_num", "swa_num_key_value_heads")  # fmt: skip
@@ -152,13 +155,15 @@ def shrink(defaults: dict[str, Any], picks: list[int] | None) -> dict[str, Any]:
                 out[key] = [_tiny(key, value[i]) for i in picks]
         elif isinstance(value, list) and picks is not None and key in _PER_LAYER_INDEX_LISTS:
             out[key] = [picks.index(i) for i in value if i in picks]
-        elif key in _SIZES and value is not None and not isinstance(value, bool):
+        elif key in _SIZES and value is not None and isinstance(value, bool) == isinstance(_SIZES[key], bool):
             out[key] = _tiny(key, value)
     return out
 
 
 def _tiny(key: str, value: Any) -> Any:
     rule = _SIZES.get(key)
+    if isinstance(rule, bool) and isinstance(value, bool):
+        return rule  # a switch turned off (a cache, a fused kernel): training needs neither
     if rule is None or isinstance(value, (str, bool)) or value is None:
         return value
     if isinstance(value, list):
@@ -272,6 +277,12 @@ def decoder_families() -> tuple[list[str], dict[str, str]]:
 
     families, left_out = [], {}
     for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        if not _takes_labels(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]):
+            left_out[model_type] = (
+                "its causal-LM class takes no labels: a draft model for speculative decoding, run on a backbone's"
+                " hidden states and keys and values, not trained on tokens alone"
+            )
+            continue
         try:
             config = AutoConfig.for_model(model_type)
         except Exception:  # noqa: BLE001 - a family whose defaults do not build stays in: its row says why
@@ -289,6 +300,16 @@ def decoder_families() -> tuple[list[str], dict[str, str]]:
         else:
             families.append(model_type)
     return families, left_out
+
+
+def _takes_labels(class_name: str | tuple[str, ...]) -> bool:
+    import inspect
+
+    import transformers
+
+    name = class_name[0] if isinstance(class_name, (list, tuple)) else class_name
+    model_class = getattr(transformers, name, None)
+    return model_class is None or "labels" in inspect.signature(model_class.forward).parameters
 
 
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
