@@ -264,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
 
     families, left_out = decoder_families()
     data.update(transformers=transformers.__version__, torch=torch.__version__, left_out=left_out)
+    for gone in [f for f in data["families"] if f in left_out]:  # left out since its rows were run
+        del data["families"][gone]
+    save(args.results, data)
     chosen = args.families.split(",") if args.families else families
     layouts = [layout for layout in args.layouts.split(",") if layout]
     retry = {r for r in args.retry.split(",") if r}
