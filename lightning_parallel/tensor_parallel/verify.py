@@ -359,7 +359,19 @@ def verify_and_choose_modes(
         else:
             raise ValueError(
                 f"The tensor-parallel plan for block `{block_name}` ({type(block).__name__}) does not reproduce the"
-                " unsharded block: " + " | ".join(failures) + ". Pass `plan=` to shard it differently, or use"
-                " tensor_parallel=1 for this model."
+                f" unsharded block in any of the {len(failures)} ways tried: {_summary(failures)}. Pass `plan=` to"
+                " shard it differently, or use tensor_parallel=1 for this model."
             )
     return lines
+
+
+def _summary(failures: list[str], ways: int = 4, problems: int = 3) -> str:
+    """The first ``ways`` failed ways with their first ``problems`` differences each: enough to see what breaks
+    (a block can be tried 16 ways with 20 gradients each, too long for a message read in a log)."""
+    shown = []
+    for failure in failures[:ways]:
+        found = failure.split("; ")
+        more = f"; and {len(found) - problems} more" if len(found) > problems else ""
+        shown.append("; ".join(found[:problems]) + more)
+    rest = f" | and {len(failures) - ways} more ways" if len(failures) > ways else ""
+    return " | ".join(shown) + rest

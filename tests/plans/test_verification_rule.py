@@ -100,3 +100,17 @@ def test_experts_that_run_grouped_mm_get_float64_gradients_by_their_loop(monkeyp
     # negative control: without the switch, no float64 gradients at all
     monkeypatch.setattr(verify, "_eager_experts", lambda module: False)  # type: ignore[attr-defined]
     assert exact_gradients(layer, inputs) == {}
+
+
+def test_the_refusal_lists_a_few_ways_and_differences_each() -> None:
+    """A block tried 16 ways with 20 differences each is refused in a message of four ways, three differences
+    each (it was every way with every gradient, pages of log). Negative control: two ways of two differences
+    are shown whole."""
+    from lightning_parallel.tensor_parallel.verify import _summary
+
+    failures = [f"way {w}: " + "; ".join(f"gradient of `p{g}` differs" for g in range(20)) for w in range(16)]
+    summary = _summary(failures)
+    assert summary.count(" | ") == 4 and summary.endswith("| and 12 more ways")
+    assert summary.count("; and 17 more") == 4 and "`p3`" not in summary
+    few = ["way a: output differs; input gradient differs", "way b: RuntimeError: shapes"]
+    assert _summary(few) == " | ".join(few)
