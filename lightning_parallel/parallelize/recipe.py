@@ -31,6 +31,8 @@ under ZeRO, hands both to DeepSpeed's engine.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -48,10 +50,12 @@ from lightning_parallel.parallelize.result import Parallelized
 from lightning_parallel.parallelize.sample import SampledStep, StepProbe
 from lightning_parallel.parallelize.zero_sharding import shard_for_zero
 from lightning_parallel.pipeline.microbatch import split_batch
+from lightning_parallel.pipeline.setup import PipelineConfig
 from lightning_parallel.pipeline.stages import SkippedBlock, StageLayout
 from lightning_parallel.plans.detect import block_names
 from lightning_parallel.tensor_parallel import BlockInputCapture, ParallelPlan, capture_block_inputs
 from lightning_parallel.tensor_parallel.block_kinds import first_block_of_each_kind
+from lightning_parallel.tensor_parallel.loss_parallel import LossParallelState
 from lightning_parallel.tensor_parallel.verify import Captured
 from lightning_parallel.zero.engine_choice import config_engine
 from lightning_parallel.zero.fsdp_schedule import before_schedule
@@ -88,16 +92,11 @@ def parallelize(
         if dims.cp_enabled
         else None
     )
+    verifies = (plan is not None and config.tensor.verify_plan) or (context is not None and bool(blocks))
     layout, captured = observe_one_step(
-        module,
-        config,
-        plan,
-        blocks,
-        sample,
-        training=training,
-        pipelined=dims.pp_enabled,
-        split=context is not None,
-    )
+        module, plan, blocks, sample,
+        pipeline=config.pipeline if dims.pp_enabled else None, verifies=verifies, training=training,
+    )  # fmt: skip
     if plan is not None and captured is not None and config.tensor.verify_plan:
         tensor_parallel_step.verify_plan(module, plan, mesh[Axis.TP], captured)
     if plan is not None:  # every rank alike, before anything is sharded
@@ -108,50 +107,50 @@ def parallelize(
     experts = apply_experts(
         module, config.experts, dims, mesh, sequence_parallel=plan is not None and plan.sequence_parallel
     )
-    result = Parallelized(dims.layout, blocks, plan=plan, experts=experts, context=context)
+    hooks: list[Any] = []
     if (
         context is not None
     ):  # after the pipeline's injection of received activations, before sequence parallelism
-        result.hooks += context_parallel_step.enter(module, blocks, context)
+        hooks += context_parallel_step.enter(module, blocks, context)
+    loss_parallel, loss_state = False, LossParallelState()
     if plan is not None:
-        hooks, result.loss_parallel, result.loss_state = tensor_parallel_step.shard(
+        tp_hooks, loss_parallel, loss_state = tensor_parallel_step.shard(
             module, plan, config.tensor, mesh[Axis.TP], pipelined=dims.pp_enabled
         )
-        result.hooks += hooks
+        hooks += tp_hooks
+    context_tokens = None
     if context is not None:  # after the sequence-parallel region's own gather
-        hooks, result.context_tokens = context_parallel_step.leave(module, blocks, context)
-        result.hooks += hooks
+        cp_hooks, context_tokens = context_parallel_step.leave(module, blocks, context)
+        hooks += cp_hooks
     fsdp = shard_for_zero(module, config, dims, mesh, blocks)  # ZeRO on FSDP2, before the stages exist
     if fsdp is not None and dims.ep_enabled:  # FSDP2 replaced the experts' parameters (zero/fsdp.py)
-        experts.parameter_ids = {id(p) for p in expert_parameters(module).values()}
+        experts = replace(experts, parameter_ids={id(p) for p in expert_parameters(module).values()})
+    runner, norm_exclude = None, set()
     if cut is not None:
         assert config.pipeline is not None
-        result.pipeline, result.norm_exclude = pipeline_step.build_runner(
+        runner, norm_exclude = pipeline_step.build_runner(
             module, cut, config.pipeline, mesh, device, experts.aux_losses, fsdp.units if fsdp else [],
             fsdp_before_schedule=before_schedule(config.zero.reshard, config.zero.stage) if fsdp else None,
         )  # fmt: skip
-        result.hooks += cut.runtime.handles
-    result.activation_saver = apply_memory_savers(
+        hooks += cut.runtime.handles
+    activation_saver = apply_memory_savers(
         module, config.memory, blocks, plan, experts.aux_losses, cut.runtime if cut is not None else None,
         compiled=config.compile,
     )  # fmt: skip
-    if result.activation_saver is not None:
-        result.hooks += result.activation_saver.handles
+    if activation_saver is not None:
+        hooks += activation_saver.handles
     if config.compile:
         compile_blocks(module, blocks)
-    result.gradients = plan_gradient_reductions(
-        module,
-        config,
-        dims,
-        mesh,
-        runner=result.pipeline,
-        expert_ids=experts.parameter_ids,
-        blocks=blocks,
-        fsdp=fsdp,
+    gradients = plan_gradient_reductions(
+        module, config, dims, mesh, runner=runner, expert_ids=experts.parameter_ids, blocks=blocks, fsdp=fsdp
     )
-    result.hooks += result.gradients.hooks
-    rank_zero_info("Gradient reductions: " + "; ".join(result.gradients.describe()))
-    return result
+    hooks += gradients.hooks
+    rank_zero_info("Gradient reductions: " + "; ".join(gradients.describe()))
+    return Parallelized(
+        dims.layout, blocks, plan=plan, pipeline=runner, experts=experts, context=context,
+        context_tokens=context_tokens, loss_parallel=loss_parallel, loss_state=loss_state,
+        activation_saver=activation_saver, gradients=gradients, norm_exclude=norm_exclude, hooks=hooks,
+    )  # fmt: skip
 
 
 def sync_parameters(module: nn.Module) -> None:
@@ -162,33 +161,33 @@ def sync_parameters(module: nn.Module) -> None:
 
 def observe_one_step(
     module: nn.Module,
-    config: ParallelConfig,
     plan: ParallelPlan | None,
     blocks: list[str],
     make_sample: Callable[[], SampledStep | None],
     *,
+    pipeline: PipelineConfig | None,
+    verifies: bool,
     training: bool,
-    pipelined: bool,
-    split: bool,
 ) -> tuple[StageLayout | None, dict[str, Captured] | None]:
     """The pipeline's stage layout and the verified blocks' inputs, from one run of the user's step.
 
-    ``split``: context parallelism verifies its split on the same captured inputs.
+    ``pipeline``: the stages to discover (None: not pipelined). ``verifies``: capture the inputs of one block of
+    each kind, on which the tensor-parallel plan and the context split are verified. ``training``: the step
+    returns a loss (``Trainer.fit``).
     """
-    verifies = (plan is not None and config.tensor.verify_plan) or (split and bool(blocks))
-    sample = make_sample() if pipelined or verifies else None
+    sample = make_sample() if pipeline is not None or verifies else None
     probes: list[StepProbe] = []
     discovery = None
-    if pipelined:
-        assert config.pipeline is not None
+    stage_split = None
+    if pipeline is not None:
         if sample is None:
             raise ValueError(pipeline_step.NO_DATA)
-        split, discovery = pipeline_step.discovery_probe(
-            module, config.pipeline, sample.batch, training=training
+        stage_split, discovery = pipeline_step.discovery_probe(
+            module, pipeline, sample.batch, training=training
         )
         probes.append(discovery)
         if training:  # the stages run micro-batches: watch one (the whole batch's activations may not fit)
-            sample = sample.on(split_batch(sample.batch, config.pipeline.micro_batches)[0])
+            sample = sample.on(split_batch(sample.batch, pipeline.micro_batches)[0])
     capture = None
     if verifies:
         if sample is None:
@@ -211,8 +210,8 @@ def observe_one_step(
             captured.update(
                 capture_block_inputs(sample.call, {n: capture.blocks[n] for n in capture.missing})
             )
-    assert discovery is not None and discovery.result is not None
-    return pipeline_step.plan_stages(module, split, discovery.result), captured
+    assert discovery is not None and discovery.result is not None and stage_split is not None
+    return pipeline_step.plan_stages(module, stage_split, discovery.result), captured
 
 
 def compile_blocks(module: nn.Module, blocks: list[str]) -> None:

@@ -71,8 +71,9 @@ def _observe(holder: bool, pipelined: bool = True) -> tuple[Any, Any, dict[str, 
     plan = ParallelPlan(
         tensor_parallel=2, sequence_parallel=False, block_names=[f"blocks.{i}" for i in range(4)]
     )
+    pipeline = strategy.config.pipeline if pipelined else None
     layout, captured = observe_one_step(
-        model, strategy.config, plan, plan.block_names, make, training=True, pipelined=pipelined, split=False
+        model, plan, plan.block_names, make, pipeline=pipeline, verifies=True, training=True
     )
     return layout, captured, counts
 
