@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
 import lightning_parallel  # noqa: F401  (registers the strategy names)
@@ -96,8 +97,6 @@ def import_object(dotted: str) -> Any:
 def _strategy_settings(strategy: Any) -> dict[str, Any]:
     """Tensor/sequence-parallel settings of a LightningCLI ``trainer.strategy`` entry, if it names ours."""
     if isinstance(strategy, str):
-        from lightning.pytorch.strategies import StrategyRegistry
-
         entry = (
             StrategyRegistry[strategy] if strategy in StrategyRegistry else None
         )  # the entry, not .get()'s instance

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -77,7 +78,6 @@ def _set_random_state(loader: DataLoader, state: dict[str, Any]) -> None:
 
 def gather_objects(obj: Any) -> list[Any]:
     """``obj`` of every rank (this rank's alone without a process group)."""
-    import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [obj]
@@ -95,7 +95,6 @@ def _length(loader: Any) -> int | None:
 
 
 def _rank() -> tuple[int, int]:
-    import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()

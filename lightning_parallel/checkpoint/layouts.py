@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, Shard
 
@@ -152,7 +153,6 @@ def experts_as_local(
 
 def saved_keys(path: Any, entry: str) -> dict[str, Any]:
     """``key -> storage metadata`` of one entry of a DCP checkpoint (what the files hold, before reading)."""
-    from torch.distributed.checkpoint import FileSystemReader
 
     prefix = f"{entry}."
     metadata = FileSystemReader(path).read_metadata().state_dict_metadata

@@ -14,6 +14,7 @@ batch (and the resumable loader, ``checkpoint/dataloader.py``, continues with th
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from lightning_parallel.checkpoint.dataloader import ResumableDataLoaderMixin
@@ -31,7 +32,6 @@ def loader_states(trainer: Any) -> list[Any] | None:
     combined = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
     if combined is None or not any(_keeps_own_state(loader) for loader in combined.flattened):
         return None  # no such loader: nothing to take (and no state_dict call, which may be a collective)
-    import copy
 
     return copy.deepcopy(combined._state_dicts())
 

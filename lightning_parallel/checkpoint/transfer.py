@@ -21,7 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_parallel.checkpoint.layouts import expert_layouts
 from lightning_parallel.checkpoint.row_layouts import registry
@@ -71,7 +78,6 @@ def _prefix(module_keys: list[str], file_keys: list[str]) -> str:
 
 
 def _all_ranks(keys: set[str]) -> set[str]:
-    import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return keys
@@ -101,12 +107,6 @@ def load_weights(
     Call it on every rank (the check of unexpected names is collective). ``strict``: every weight
     the module holds must be in the file, and every tensor of the file must land somewhere.
     """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
-    )
-    from torch.distributed.tensor import DTensor, distribute_tensor
 
     full = read_state_dict(source) if isinstance(source, (str, os.PathLike)) else dict(source)
     what = f"`init_weights={str(source)!r}`" if isinstance(source, (str, os.PathLike)) else "the state dict"

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_parallel.checkpoint.layouts import (
@@ -123,7 +124,6 @@ def _owned_by_this_rank(module: nn.Module) -> Callable[[int], bool]:
     the copies are identical: keeping every ``dp``-th one on each rank (round robin) divides the memory
     a save holds by ``dp``, and the group's ranks together still write every weight once.
     """
-    import torch.distributed as dist
 
     group = next(
         (

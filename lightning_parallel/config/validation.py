@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_parallel.config import arguments
@@ -257,7 +258,6 @@ def check_zero_precision(zero: ZeroArguments, plugin: Any) -> None:
     Anything beyond Lightning's plain plugins (fp8, quantisation, a custom scaler) would be
     silently dropped: DeepSpeed owns the casts, the master weights and the loss scale here.
     """
-    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
     if isinstance(plugin, ZeroPrecision):
         return

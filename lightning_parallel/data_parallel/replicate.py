@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
@@ -116,7 +117,6 @@ def average_direct_parameters(root: nn.Module, dp_mesh: DeviceMesh) -> list[Remo
 @contextmanager
 def no_gradient_sync(units: list[nn.Module]) -> Iterator[None]:
     """Skip the gradient all-reduce while accumulating micro-batches (Lightning's ``accumulate_grad_batches``)."""
-    from torch.distributed.fsdp import FSDPModule
 
     def set_sync(unit: nn.Module, enabled: bool) -> None:
         if isinstance(unit, FSDPModule):

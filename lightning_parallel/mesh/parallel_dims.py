@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from torch.distributed.device_mesh import init_device_mesh
+
 from lightning_parallel.compat import flatten_mesh
 
 if TYPE_CHECKING:
@@ -174,7 +176,6 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create (once) the mesh with every axis named; all ranks must call this together."""
-        from torch.distributed.device_mesh import init_device_mesh
 
         if self._mesh is None:
             if self.ep_enabled and self.cp_enabled:
@@ -212,7 +213,6 @@ class ParallelDims:
         ``dp_batch = dp_replicate x ep_mid``. ``cp > ep``: ``pp x dp_batch x cp_mid x ep x tp`` with
         ``cp = cp_mid x ep``, ``dp_replicate = dp_batch x cp_mid``. ``dp`` is the three middle axes.
         """
-        from torch.distributed.device_mesh import init_device_mesh
 
         ep, cp = self.expert_parallel, self.context_parallel
         if ep >= cp:

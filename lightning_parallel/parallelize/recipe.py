@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from lightning_parallel.compat import sync_module_states
 from lightning_parallel.config import ParallelConfig
@@ -233,8 +235,6 @@ def check_module_as_given(module: nn.Module) -> None:
     """The recipe starts from the user's whole, materialised model: refuse, on every rank alike, parameters on the
     meta device (nothing to run the sampled step on, nothing to shard) and a model already sharded by hand in
     ``configure_model`` (DTensor parameters, ``fully_shard``), which the recipe would shard a second time."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
 
     meta = [name for name, p in module.named_parameters() if p.is_meta]
     if meta:

@@ -24,10 +24,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.pipelining import stage as torch_stage
+from torch.distributed.pipelining.schedules import get_schedule_class
 
 from lightning_parallel.pipeline.schedules import ScheduleSpec, stages_of_rank
 
@@ -182,10 +185,6 @@ def buffers_in_flight(
 
 @functools.lru_cache(maxsize=256)
 def _simulated(spec: ScheduleSpec, p: int, v: int, m: int) -> list[int]:
-    from types import SimpleNamespace
-
-    from torch import nn
-    from torch.distributed.pipelining.schedules import get_schedule_class
 
     n = p * v
     stages = [SimpleNamespace(stage_index=s, num_stages=n, group_size=p, group_rank=0, is_first=s == 0,

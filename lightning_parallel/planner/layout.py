@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
 from lightning_parallel.config.arguments import check_micro_batches, resolve_schedule, virtual_stages_for
 from lightning_parallel.config.strategy_arguments import StrategyArguments
 from lightning_parallel.config.validation import check_launch, strategy_config
@@ -295,7 +297,6 @@ def strategy_arguments(layout: Layout) -> StrategyArguments:
 
 def _precision_plugin(precision: str) -> Any:
     """The plain plugin ``Trainer(precision=...)`` makes (only its type and name are read)."""
-    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
     if precision.endswith("-mixed"):
         return MixedPrecision(precision, "cpu")  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ Around that, each kind of attention found in the wild is recognised by shape, no
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 from torch import nn
@@ -205,7 +206,6 @@ def choose_exit(cand: ContainerCandidate, hidden: int | None) -> tuple[str, nn.M
     """The projection that writes the attention's output: of those writing the model width that every other
     projection could follow, the one named as an output (``o_proj``, ``out_proj``, ``dense``, ``c_proj``),
     else the last registered (an output gate, ``gate_proj``, may be registered after ``o_proj``)."""
-    import re
 
     fitting = [
         (n, m) for n, m in cand.projections if hidden is None or projection_dims(m)[1] == hidden

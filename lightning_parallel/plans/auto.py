@@ -10,6 +10,8 @@ naming the module, the attribute and the degrees that would work.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -43,6 +45,7 @@ from lightning_parallel.plans.detect import (
     norms_in,
     sequence_mixer,
 )
+from lightning_parallel.plans.left_whole import check_left_whole
 from lightning_parallel.tensor_parallel.norm_styles import GatheredNorm
 from lightning_parallel.tensor_parallel.param_styles import LocalParameters
 from lightning_parallel.tensor_parallel.plan import EntryVariant, ParallelPlan, ShardedContainer
@@ -95,7 +98,6 @@ def scaled_attributes(module: nn.Module, tp: int, known: dict) -> dict[str, tupl
 
 def _forward_source(module: nn.Module) -> str:
     """The source of ``module``'s ``forward`` ("" where Python cannot show it)."""
-    import inspect
 
     try:
         return inspect.getsource(type(module).forward)
@@ -248,106 +250,6 @@ def _model_width(model: nn.Module, stack: str) -> int | None:
     return embedding[1].embedding_dim if embedding is not None else None
 
 
-def _matrix_numel(model: nn.Module, module_name: str) -> int:
-    return sum(p.numel() for p in model.get_submodule(module_name).parameters() if p.dim() == 2)
-
-
-def _other_block_stack(model: nn.Module, plan: ParallelPlan) -> str | None:
-    """A second list of blocks with attention or MLP projections, outside the planned stack (HRM's high- and
-    low-level modules): the plan covers one stack, so it would stay whole on every rank."""
-    stack = plan.block_list or ""
-    for name, module in model.named_modules():
-        inside = name == stack or name.startswith(stack + ".") or stack.startswith(name + ".")
-        if inside or not isinstance(module, nn.ModuleList) or len(module) < 2:
-            continue
-        if len({type(child) for child in module}) == 1 and any(containers_in(child) for child in module):
-            return name
-    return None
-
-
-def _split_and_whole(model: nn.Module, plan: ParallelPlan) -> tuple[int, int]:
-    """Matrix elements of the block stack the plan gives a style (split, or read as the split parts need
-    them: a latent's down-projection), and those it leaves whole. Experts are expert parallelism's to split
-    and counted in neither."""
-    experts = {n for info in find_moe_blocks(model) for n in info.expert_param_names}
-    split_modules = {n for n, style in plan.styles.items() if not isinstance(style, SequenceParallel)}
-    split = whole = 0
-    for block in plan.block_names:
-        for name, param in model.get_submodule(block).named_parameters():
-            full = join(block, name)
-            if param.dim() != 2 or full in experts:
-                continue
-            if full.rsplit(".", 1)[0] in split_modules:
-                split += param.numel()
-            else:
-                whole += param.numel()
-    return split, whole
-
-
-def _mostly_whole(
-    model: nn.Module, plan: ParallelPlan, replicated: list[tuple[str, str]], mixers: list[tuple[str, str]]
-) -> tuple[str, str] | None:
-    """Why tensor parallelism would mostly copy the blocks rather than split them (None: it splits most):
-    a block whose only token mixer stays whole with nothing else to split, a second block stack the plan
-    does not cover, or modules left whole holding more of the blocks' matrix weights than the split part."""
-    planned_blocks = {b for b in plan.block_names for c in plan.containers if c.name.startswith(b + ".")}
-    for name, reason in mixers:
-        block = next(b for b in plan.block_names if name.startswith(b + "."))
-        if block not in planned_blocks:
-            return name, f"{reason}; nothing else of block `{block}` can be split"
-    other = _other_block_stack(model, plan)
-    if other is not None:
-        return other, f"a second stack of blocks beside `{plan.block_list}`, which the plan splits"
-    split, whole = _split_and_whole(model, plan)
-    if whole > split and replicated:
-        name, reason = max(replicated, key=lambda item: _matrix_numel(model, item[0]))
-        return (
-            name,
-            f"{reason}; the blocks' matrix weights left whole number {whole} elements, those split {split}",
-        )
-    return None
-
-
-def _check_replicated(
-    model: nn.Module, plan: ParallelPlan, replicated: list[tuple[str, str]], mixers: list[tuple[str, str]]
-) -> None:
-    """Modules of the blocks left whole: noted in the plan; a refusal when nothing of the blocks is split
-    (blocks without attention or MLP projections tensor parallelism can find: it would only copy them), when
-    token mixers that are neither attention nor an MLP (state-space, convolution, linear attention) make up a
-    block or most of a hybrid stack (tensor parallelism would mostly copy it: weights, optimizer states and
-    compute on every rank), or under sequence parallelism (they would run on a slice of the sequence).
-    A hybrid whose mixers are a small part (Jamba's, Qwen3-Next's) keeps them whole, noted in the plan."""
-    first, why = (
-        replicated[0] if replicated else (plan.block_names[0], "no attention or MLP projections found")
-    )
-    fix = (
-        " Use tensor_parallel=1 (pipeline, expert and data parallelism and ZeRO apply), or pass `plan=` with"
-    )
-    if not plan.containers:
-        raise ValueError(
-            f"`tensor_parallel={plan.tensor_parallel}`: no block of {type(model).__name__} has an attention or MLP"
-            f" that tensor parallelism can split: `{first}` ({why}) is not one.{fix} styles of your own."
-        )
-    mostly_whole = _mostly_whole(model, plan, replicated, mixers)
-    if mostly_whole is not None:
-        name, reason = mostly_whole
-        raise ValueError(
-            f"`tensor_parallel={plan.tensor_parallel}`: tensor parallelism cannot split `{name}` ({reason}), and"
-            " would mostly copy this model's blocks on every tensor-parallel rank (weights, optimizer states and"
-            f" compute) instead of splitting them.{fix} styles of your own for the modules you want split."
-        )
-    if not replicated:
-        return
-    if plan.sequence_parallel:
-        raise ValueError(
-            f"`sequence_parallel=True`: `{first}` ({why}) is neither attention nor an MLP, so tensor parallelism"
-            " keeps it whole, and under sequence parallelism it would see only this rank's slice of the sequence."
-            " Use sequence_parallel=False (tensor parallelism still splits the attention and MLPs)."
-        )
-    for name, reason in replicated:
-        plan.notes.append(f"{name}: left replicated ({reason})")
-
-
 def auto_plan(model: nn.Module, tensor_parallel: int, sequence_parallel: bool) -> ParallelPlan:
     """Discover the Megatron-style plan of ``model`` for ``tensor_parallel`` ranks."""
     tp, sp = tensor_parallel, sequence_parallel
@@ -405,7 +307,7 @@ def auto_plan(model: nn.Module, tensor_parallel: int, sequence_parallel: bool) -
         replicated = [
             (n, why) for n, why in replicated if not any(n == m or n.startswith(m + ".") for m in moe)
         ]
-    _check_replicated(model, plan, replicated, whole_mixers)
+    check_left_whole(model, plan, replicated, whole_mixers)
     embedding = find_token_embedding(model, stack.name)
     if embedding is not None:
         name, emb = embedding

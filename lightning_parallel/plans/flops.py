@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 
 import torch
+from lightning.fabric.utilities.throughput import get_available_flops
 from torch import nn
 
 from lightning_parallel.experts import find_moe_blocks
@@ -99,7 +100,6 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     for chip, peaks in _PEAKS.items():
         if chip in name and "sxm1" not in name and "nvl" not in name:
             return peaks.get(key)
-    from lightning.fabric.utilities.throughput import get_available_flops
 
     found = get_available_flops(device, dtype)
     return float(found) if found else None

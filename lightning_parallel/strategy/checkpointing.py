@@ -20,7 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -209,7 +219,6 @@ class CheckpointingStrategy(MeshParallelStrategy):
             return full_rows_as_user(super().lightning_module_state_dict(), registry(self.model))
         if self.deepspeed_zero:  # DeepSpeed's fp32 masters, same layout (checkpoint/zero.py)
             return zero_model_state(self.lightning_module, self._ep_mesh())
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         assert self.model is not None
         layouts = expert_layouts(self.model)
@@ -233,8 +242,6 @@ class CheckpointingStrategy(MeshParallelStrategy):
         self.settle_deferred_updates()
         if not self._save_distributed_checkpoint:
             return self._consolidated_optimizer_state(optimizer)
-        from lightning.pytorch.core.optimizer import LightningOptimizer
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
@@ -257,9 +264,6 @@ class CheckpointingStrategy(MeshParallelStrategy):
         rows = registry(self.model)
         if not rows:
             return super().optimizer_state(optimizer)
-        from lightning.pytorch.core.optimizer import LightningOptimizer
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-        from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
 
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
@@ -293,7 +297,6 @@ class CheckpointingStrategy(MeshParallelStrategy):
 
     def _load_sharded_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         """As :meth:`_read_sharded_checkpoint`; a damaged folder is reported as such, never half-loaded."""
-        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
         try:
             return self._read_sharded_checkpoint(path, weights_only)
@@ -314,11 +317,6 @@ class CheckpointingStrategy(MeshParallelStrategy):
 
     def _read_sharded_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         """As Lightning's loader, but fused projections are read as Shard(dim) (see contiguous_shards)."""
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
 
         assert self.model is not None and self.lightning_module is not None
         if self.deepspeed_zero:
@@ -362,11 +360,6 @@ class CheckpointingStrategy(MeshParallelStrategy):
         """One consolidated file. Lightning's loader cuts each rank's shard out of the full tensor as one
         box (torch's ``broadcast_from_rank0`` path), which silently loads the wrong rows of a fused
         projection; ``distribute_tensor`` (``broadcast_from_rank0=False``) is right for every placement."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
 
         assert self.model is not None and self.lightning_module is not None
         self._check_consolidated_supported(zero_only=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_parallel.config.validation import check_zero_optimizers
@@ -114,7 +115,6 @@ def initialize_host_step_overlap(
 ) -> OverlappedHostStep | None:
     """ZeRO on FSDP2 with ``offload="cpu"``: the host step of each offloaded shard during backward, where exact
     (``zero/overlapped_step.py``); the setup log says whether it engaged and, if not, why."""
-    from lightning.pytorch.utilities.model_helpers import is_overridden
 
     parallelized = strategy.parallelized
     module = strategy.lightning_module

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_parallel.tensor_parallel.styles import ColwiseProjection
@@ -87,7 +87,6 @@ class LatentReader(ColwiseProjection):
         return (_ReplicatedKeepingShares.apply(x, mesh), *inputs[1:])
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        from torch.distributed.tensor import distribute_module
 
         return distribute_module(
             module,

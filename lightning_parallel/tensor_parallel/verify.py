@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -220,7 +221,6 @@ def user_gradient(param: torch.Tensor) -> torch.Tensor | None:
 
 def ranks_with_other_inputs(captured: dict[str, Captured], mesh: DeviceMesh) -> list[int]:
     """The ranks of the tensor-parallel group whose first captured block input differs from the group's first rank's."""
-    import torch.distributed as dist
 
     if not captured or mesh.size() == 1:
         return []

@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -82,7 +83,6 @@ def offload_sharded_optimizers(
     of Lightning's ``scheduler_configs`` re-pointed), their states in files of ``offload_path`` with
     ``"nvme"``; other optimizers stay (refused with ``"nvme"``)."""
     schedulers = [config.scheduler for config in scheduler_configs]
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
     if (line := announce_compilation(zero, device_type)) is not None:
         rank_zero_info(line)

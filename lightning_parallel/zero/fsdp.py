@@ -37,7 +37,7 @@ from typing import cast
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_parallel.compat import (
@@ -147,7 +147,6 @@ def fully_shard_modules(
 ) -> Sharded:
     """``fully_shard`` the expert weights (``experts``), every block, then every other parameter-holding
     child of ``root``; with ``offload``, the units :func:`offloaded_units` picks for ``offload_ratio``."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
     whole = unsharded_parameters(root)  # before sharding: afterwards every parameter is a DTensor over dp
     expert_owners = [owner for owner, _ in _expert_owners(root)] if experts is not None else []
@@ -221,7 +220,6 @@ def offloaded_units(modules: list[nn.Module], whole: set[nn.Parameter], ratio: f
 def _shard(module: nn.Module, kwargs: dict, *, kept: bool) -> nn.Module:
     """``fully_shard(module)``; ``kept``: mark its sharded parameters as left on the device by partial offload
     (the offloaded optimizer steps those with torch's Adam there: ``zero/sharded_cpu_adam.py``)."""
-    from torch.distributed.fsdp import fully_shard
 
     unit = fully_shard(module, **kwargs)
     if kept:

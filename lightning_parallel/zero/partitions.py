@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 __all__ = [
@@ -163,7 +164,6 @@ def set_full(param: nn.Parameter, value: torch.Tensor, key: str | None = None) -
         return
     if not param.requires_grad:
         return
-    import torch.distributed as dist
 
     part = partition_of(value, dist.get_rank(param.ds_process_group), param.ds_tensor.numel())
     if key is None:

@@ -1,0 +1,119 @@
+"""What a tensor-parallel plan leaves whole on every rank, and when that makes it a refusal.
+
+Tensor parallelism splits attention and MLPs; anything else of a block (a small gate, a hybrid's state-space,
+convolution or linear-attention mixer) runs whole on each tensor-parallel rank. A small part left whole is
+noted in the plan (Jamba's and Qwen3-Next's mixers); where the plan would mostly copy the blocks instead of
+splitting them, :func:`check_left_whole` refuses it at setup, naming the module: its weights, optimizer
+states and compute would be paid ``tp`` times for little memory saved.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor.parallel import SequenceParallel
+
+from lightning_parallel.experts import find_moe_blocks
+from lightning_parallel.plans.detect import containers_in, join
+from lightning_parallel.tensor_parallel.plan import ParallelPlan
+
+__all__ = ["check_left_whole"]
+
+
+def _matrix_numel(model: nn.Module, module_name: str) -> int:
+    return sum(p.numel() for p in model.get_submodule(module_name).parameters() if p.dim() == 2)
+
+
+def _other_block_stack(model: nn.Module, plan: ParallelPlan) -> str | None:
+    """A second list of blocks with attention or MLP projections, outside the planned stack (HRM's high- and
+    low-level modules): the plan covers one stack, so it would stay whole on every rank."""
+    stack = plan.block_list or ""
+    for name, module in model.named_modules():
+        inside = name == stack or name.startswith(stack + ".") or stack.startswith(name + ".")
+        if inside or not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        if len({type(child) for child in module}) == 1 and any(containers_in(child) for child in module):
+            return name
+    return None
+
+
+def _split_and_whole(model: nn.Module, plan: ParallelPlan) -> tuple[int, int]:
+    """Matrix elements of the block stack the plan gives a style (split, or read as the split parts need
+    them: a latent's down-projection), and those it leaves whole. Experts are expert parallelism's to split
+    and counted in neither."""
+    experts = {n for info in find_moe_blocks(model) for n in info.expert_param_names}
+    split_modules = {n for n, style in plan.styles.items() if not isinstance(style, SequenceParallel)}
+    split = whole = 0
+    for block in plan.block_names:
+        for name, param in model.get_submodule(block).named_parameters():
+            full = join(block, name)
+            if param.dim() != 2 or full in experts:
+                continue
+            if full.rsplit(".", 1)[0] in split_modules:
+                split += param.numel()
+            else:
+                whole += param.numel()
+    return split, whole
+
+
+def _mostly_whole(
+    model: nn.Module, plan: ParallelPlan, replicated: list[tuple[str, str]], mixers: list[tuple[str, str]]
+) -> tuple[str, str] | None:
+    """Why tensor parallelism would mostly copy the blocks rather than split them (None: it splits most):
+    a block whose only token mixer stays whole with nothing else to split, a second block stack the plan
+    does not cover, or modules left whole holding more of the blocks' matrix weights than the split part."""
+    planned_blocks = {b for b in plan.block_names for c in plan.containers if c.name.startswith(b + ".")}
+    for name, reason in mixers:
+        block = next(b for b in plan.block_names if name.startswith(b + "."))
+        if block not in planned_blocks:
+            return name, f"{reason}; nothing else of block `{block}` can be split"
+    other = _other_block_stack(model, plan)
+    if other is not None:
+        return other, f"a second stack of blocks beside `{plan.block_list}`, which the plan splits"
+    split, whole = _split_and_whole(model, plan)
+    if whole > split and replicated:
+        name, reason = max(replicated, key=lambda item: _matrix_numel(model, item[0]))
+        return (
+            name,
+            f"{reason}; the blocks' matrix weights left whole number {whole} elements, those split {split}",
+        )
+    return None
+
+
+def check_left_whole(
+    model: nn.Module, plan: ParallelPlan, replicated: list[tuple[str, str]], mixers: list[tuple[str, str]]
+) -> None:
+    """Modules of the blocks left whole: noted in the plan; a refusal when nothing of the blocks is split
+    (blocks without attention or MLP projections tensor parallelism can find: it would only copy them), when
+    token mixers that are neither attention nor an MLP (state-space, convolution, linear attention) make up a
+    block or most of a hybrid stack (tensor parallelism would mostly copy it: weights, optimizer states and
+    compute on every rank), or under sequence parallelism (they would run on a slice of the sequence).
+    A hybrid whose mixers are a small part (Jamba's, Qwen3-Next's) keeps them whole, noted in the plan."""
+    first, why = (
+        replicated[0] if replicated else (plan.block_names[0], "no attention or MLP projections found")
+    )
+    fix = (
+        " Use tensor_parallel=1 (pipeline, expert and data parallelism and ZeRO apply), or pass `plan=` with"
+    )
+    if not plan.containers:
+        raise ValueError(
+            f"`tensor_parallel={plan.tensor_parallel}`: no block of {type(model).__name__} has an attention or MLP"
+            f" that tensor parallelism can split: `{first}` ({why}) is not one.{fix} styles of your own."
+        )
+    mostly_whole = _mostly_whole(model, plan, replicated, mixers)
+    if mostly_whole is not None:
+        name, reason = mostly_whole
+        raise ValueError(
+            f"`tensor_parallel={plan.tensor_parallel}`: tensor parallelism cannot split `{name}` ({reason}), and"
+            " would mostly copy this model's blocks on every tensor-parallel rank (weights, optimizer states and"
+            f" compute) instead of splitting them.{fix} styles of your own for the modules you want split."
+        )
+    if not replicated:
+        return
+    if plan.sequence_parallel:
+        raise ValueError(
+            f"`sequence_parallel=True`: `{first}` ({why}) is neither attention nor an MLP, so tensor parallelism"
+            " keeps it whole, and under sequence parallelism it would see only this rank's slice of the sequence."
+            " Use sequence_parallel=False (tensor parallelism still splits the attention and MLPs)."
+        )
+    for name, reason in replicated:
+        plan.notes.append(f"{name}: left replicated ({reason})")
