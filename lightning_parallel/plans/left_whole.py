@@ -79,6 +79,13 @@ def _mostly_whole(
     return None
 
 
+def _owner_name(model: nn.Module, plan: ParallelPlan) -> str:
+    """The class of the module whose blocks these are (Hugging Face's ``MambaModel``, not the LightningModule or
+    the causal-LM wrapper around it)."""
+    parent = (plan.block_list or "").rpartition(".")[0]  # the module holding the list
+    return type(model.get_submodule(parent) if parent else model).__name__
+
+
 def check_left_whole(
     model: nn.Module, plan: ParallelPlan, replicated: list[tuple[str, str]], mixers: list[tuple[str, str]]
 ) -> None:
@@ -96,7 +103,7 @@ def check_left_whole(
     )
     if not plan.containers:
         raise ValueError(
-            f"`tensor_parallel={plan.tensor_parallel}`: no block of {type(model).__name__} has an attention or MLP"
+            f"`tensor_parallel={plan.tensor_parallel}`: no block of {_owner_name(model, plan)} has an attention or MLP"
             f" that tensor parallelism can split: `{first}` ({why}) is not one.{fix} styles of your own."
         )
     mostly_whole = _mostly_whole(model, plan, replicated, mixers)

@@ -498,6 +498,11 @@ def test_blocks_without_projections_tensor_parallelism_can_find_are_refused_not_
                                          r" split: `layers\.0` \(no attention or MLP projections found\)"):  # fmt: skip
         auto_plan(Model(linear=False), 2, False)
     assert len(auto_plan(Model(linear=True), 2, False).containers) == 4
+    # the message names the model whose blocks they are, not what wraps it (a LightningModule, a causal-LM head)
+    wrapper = nn.Module()
+    wrapper.inner = Model(linear=False)
+    with pytest.raises(ValueError, match=r"no block of Model has .* `inner\.layers\.0`"):
+        auto_plan(wrapper, 2, False)
 
 
 @pytest.mark.parametrize(
