@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_parallel.context_parallel.split import SequenceSplit, gather
-from lightning_parallel.tensor_parallel.regions import flat_arguments
+from lightning_parallel.tensor_parallel.regions import basic_index, flat_arguments
 
 __all__ = ["PASS_THROUGH", "PROPERTIES", "LayoutOf", "TokenLayout", "function_name", "in_place",
            "per_token_call"]  # fmt: skip
@@ -223,19 +223,10 @@ def _requested_shape(
 
 def _keeps_tokens(key: Any, ndim: int, layout: TokenLayout) -> bool:
     """Indexing with integers and slices that leaves every token dimension whole (``x[..., :V]``, ``x[:, 0:]``)."""
-    key = key if isinstance(key, tuple) else (key,)
-    if (
-        not all(isinstance(k, (int, slice)) or k is Ellipsis for k in key)
-        or sum(k is Ellipsis for k in key) > 1
-    ):
-        return False
-    if Ellipsis in key:
-        at = key.index(Ellipsis)
-        key = (*key[:at], *[slice(None)] * (ndim - len(key) + 1), *key[at + 1 :])
-    key = (*key, *[slice(None)] * (ndim - len(key)))
-    return all(
+    expanded = basic_index(key, ndim)
+    return expanded is not None and all(
         isinstance(k, slice) and k.start in (None, 0) and k.stop is None and k.step in (None, 1)
-        for k in key[: layout.token_dims]
+        for k in expanded[: layout.token_dims]
     )
 
 

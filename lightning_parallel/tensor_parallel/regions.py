@@ -42,6 +42,22 @@ def flat_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[An
             yield value
 
 
+def basic_index(key: Any, ndim: int) -> tuple[int | slice, ...] | None:
+    """An indexing key of integers, slices and at most one ``...`` as one integer or slice per dimension of an
+    ``ndim``-dimensional tensor (``...`` and the missing trailing entries as whole slices); None for any other key
+    (tensors, ``None``, booleans): where a function-mode follower asks which dimensions an indexing keeps whole."""
+    key = key if isinstance(key, tuple) else (key,)
+    basic = all((isinstance(k, (int, slice)) and not isinstance(k, bool)) or k is Ellipsis for k in key)
+    if not basic or sum(k is Ellipsis for k in key) > 1:
+        return None
+    if Ellipsis in key:
+        at = key.index(Ellipsis)
+        key = (*key[:at], *[slice(None)] * (ndim - len(key) + 1), *key[at + 1 :])
+    if len(key) > ndim:
+        return None
+    return (*key, *[slice(None)] * (ndim - len(key)))
+
+
 def find_hidden(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str | int, torch.Tensor]:
     """``(position or keyword, tensor)`` of the hidden state among a block's (or container's) arguments.
 

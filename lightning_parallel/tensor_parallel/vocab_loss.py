@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 from lightning_parallel.compat import tree_map
-from lightning_parallel.tensor_parallel.regions import flat_arguments
+from lightning_parallel.tensor_parallel.regions import basic_index, flat_arguments
 
 __all__ = ["ShardedLogitsMode", "vocab_parallel_cross_entropy"]
 
@@ -235,10 +235,5 @@ def _cuts_vocabulary(name: str, args: tuple) -> bool:
     Kept sharded: integers, slices and ``...`` that leave the last dimension whole (``logits[:, :-1]``)."""
     if name != "__getitem__" or len(args) < 2:
         return False
-    tensor, key = args[0], args[1]
-    key = key if isinstance(key, tuple) else (key,)
-    if not all(isinstance(k, (int, slice)) or k is Ellipsis for k in key):
-        return True
-    if any(k is Ellipsis for k in key):
-        return key[-1] is not Ellipsis and key[-1] != slice(None)
-    return len(key) >= tensor.dim() and key[tensor.dim() - 1] != slice(None)
+    expanded = basic_index(args[1], args[0].dim())
+    return expanded is None or (bool(expanded) and expanded[-1] != slice(None))

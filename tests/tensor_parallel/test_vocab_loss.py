@@ -110,3 +110,24 @@ def test_vocab_parallel_cross_entropy_equals_torch() -> None:
 @pytest.mark.timeout(120)
 def test_the_mode_computes_the_loss_on_the_shards_and_gathers_for_the_rest() -> None:
     spawn_gloo(_mode_follows_the_logits, 2)
+
+
+def test_one_key_expansion_serves_both_followers() -> None:
+    """``basic_index`` (tensor_parallel/regions.py) turns a key into one entry per dimension; the vocabulary follower
+    keeps a slice that leaves the last dimension whole sharded, the context follower one that leaves the tokens whole.
+    Negative controls: a tensor, ``None`` or a boolean in the key is not a basic index (both followers gather)."""
+    import torch
+
+    from lightning_parallel.tensor_parallel.regions import basic_index
+    from lightning_parallel.tensor_parallel.vocab_loss import _cuts_vocabulary
+
+    whole = slice(None)
+    assert basic_index((slice(None, -1),), 3) == (slice(None, -1), whole, whole)
+    assert basic_index((..., 0), 3) == (whole, whole, 0)
+    assert basic_index((0, ..., slice(2)), 4) == (0, whole, whole, slice(2))
+    for key in (torch.tensor([1]), (None, 0), (True,), (..., ...), (0, 0, 0, 0)):
+        assert basic_index(key, 3) is None
+    logits = torch.zeros(2, 3, 5)
+    assert not _cuts_vocabulary("__getitem__", (logits, (slice(None), slice(None, -1))))
+    assert _cuts_vocabulary("__getitem__", (logits, (..., slice(0, 4))))
+    assert _cuts_vocabulary("__getitem__", (logits, torch.tensor([0])))
