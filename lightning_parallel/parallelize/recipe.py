@@ -96,9 +96,14 @@ def parallelize(
     )
     verifies = (plan is not None and config.tensor.verify_plan) or (context is not None and bool(blocks))
     layout, captured = observe_one_step(
-        module, plan, blocks, sample,
-        pipeline=config.pipeline if dims.pp_enabled else None, verifies=verifies, training=training,
-    )  # fmt: skip
+        module,
+        plan,
+        blocks,
+        sample,
+        pipeline=config.pipeline if dims.pp_enabled else None,
+        verifies=verifies,
+        training=training,
+    )
     if plan is not None and captured is not None and config.tensor.verify_plan:
         tensor_parallel_step.verify_plan(module, plan, mesh[Axis.TP], captured)
     if plan is not None:  # every rank alike, before anything is sharded
@@ -131,14 +136,25 @@ def parallelize(
     if cut is not None:
         assert config.pipeline is not None
         runner, norm_exclude = pipeline_step.build_runner(
-            module, cut, config.pipeline, mesh, device, experts.aux_losses, fsdp.units if fsdp else [],
+            module,
+            cut,
+            config.pipeline,
+            mesh,
+            device,
+            experts.aux_losses,
+            fsdp.units if fsdp else [],
             fsdp_before_schedule=before_schedule(config.zero.reshard, config.zero.stage) if fsdp else None,
-        )  # fmt: skip
+        )
         hooks += cut.runtime.handles
     activation_saver = apply_memory_savers(
-        module, config.memory, blocks, plan, experts.aux_losses, cut.runtime if cut is not None else None,
+        module,
+        config.memory,
+        blocks,
+        plan,
+        experts.aux_losses,
+        cut.runtime if cut is not None else None,
         compiled=config.compile,
-    )  # fmt: skip
+    )
     if activation_saver is not None:
         hooks += activation_saver.handles
     if config.compile:
@@ -149,10 +165,20 @@ def parallelize(
     hooks += gradients.hooks
     rank_zero_info("Gradient reductions: " + "; ".join(gradients.describe()))
     return Parallelized(
-        dims.layout, blocks, plan=plan, pipeline=runner, experts=experts, context=context,
-        context_tokens=context_tokens, loss_parallel=loss_parallel, loss_state=loss_state,
-        activation_saver=activation_saver, gradients=gradients, norm_exclude=norm_exclude, hooks=hooks,
-    )  # fmt: skip
+        dims.layout,
+        blocks,
+        plan=plan,
+        pipeline=runner,
+        experts=experts,
+        context=context,
+        context_tokens=context_tokens,
+        loss_parallel=loss_parallel,
+        loss_state=loss_state,
+        activation_saver=activation_saver,
+        gradients=gradients,
+        norm_exclude=norm_exclude,
+        hooks=hooks,
+    )
 
 
 def sync_parameters(module: nn.Module) -> None:
