@@ -26,6 +26,7 @@ from lightning_parallel.experts import find_moe_blocks
 from lightning_parallel.pipeline.receive_buffers import buffers_in_flight
 from lightning_parallel.pipeline.setup import split_stages
 from lightning_parallel.planner.activations import stage_activation_bytes
+from lightning_parallel.planner.host_updates import deferred_update_bytes
 from lightning_parallel.planner.layout import PRECISIONS, Layout, layout_problems, zero_engine
 from lightning_parallel.planner.shapes import ModelShape, describe
 from lightning_parallel.plans import auto_plan
@@ -74,6 +75,9 @@ class RankMemory:
     parameters_host: int = 0
     gradients_host: int = 0
     optimizer_host: int = 0
+    update_host: int = 0
+    """What a deferred host update holds beside the offloaded states (``offload_update`` other than ``"exact"``:
+    :func:`deferred_update_bytes`)."""
     nvme: int = 0
     elements: int = 0
     """Parameter elements this rank holds (after every split)."""
@@ -89,7 +93,7 @@ class RankMemory:
 
     @property
     def host_total(self) -> int:
-        return self.parameters_host + self.gradients_host + self.optimizer_host
+        return self.parameters_host + self.gradients_host + self.optimizer_host + self.update_host
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -269,6 +273,19 @@ def _one_rank(layout: Layout, engine: str | None, local: list, pp_rank: int, tp_
             rank.buffers = (elements - shard) * param_bytes
         else:  # a gathered unit and the next one prefetched
             rank.buffers = 2 * max((n for _, n, _ in local), default=0) * param_bytes
+        if layout.offload == "cpu" and layout.offload_update != "exact":
+            matrices = [(n, s, _fsdp_local(n, s, p.tp_dim, dp, dp_rank)) for p, n, s in local if len(s) >= 2]
+            rows = sum(
+                kept // (n // s[0]) for n, s, kept in matrices
+            )  # the split refuses tp: dim 0 is sharded
+            rank.update_host = deferred_update_bytes(
+                layout.offload_update,
+                shard,
+                sum(kept for *_, kept in matrices),
+                rows,
+                param_bytes,
+                grad_bytes,
+            )
     else:  # DeepSpeed: one flat partition per rank, padded, over the experts' replicas under ep (zero/groups.py)
         if (
             layout.precision == "16-mixed"
