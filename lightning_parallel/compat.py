@@ -80,7 +80,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
                "flatten_mesh", note="2.11 cannot slice a flattened axis of non-adjacent axes (NotImplementedError);"
                " _flatten returns the mesh it made before"),
     PrivateApi("torch.utils._pytree:tree_map", "tensor_parallel/verify.py, loss_parallel.py", "tree_map"),
-    PrivateApi("torch.utils._pytree:tree_map_only", "context_parallel/, pipeline/discover.py", "tree_map_only"),
+    PrivateApi("torch.utils._pytree:tree_map_only", "context_parallel/, pipeline/discover.py, runner.py", "tree_map_only"),
     PrivateApi("torch.utils._python_dispatch:is_traceable_wrapper_subclass", "memory/counting.py",
                "is_traceable_wrapper_subclass", note="__tensor_flatten__ lists one more name on 2.13; index 0 read"),
     PrivateApi("torch.utils._python_dispatch:TorchDispatchMode", "memory/checkpointing.py",

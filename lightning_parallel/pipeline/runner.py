@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor
 
+from lightning_parallel.compat import tree_map_only
 from lightning_parallel.data_parallel.gradient_sync import GradientGroup
 from lightning_parallel.pipeline.discover import PipelineSetupError, extract_loss
 from lightning_parallel.pipeline.last_backward import LastBackward, ReducingStage
@@ -368,20 +369,8 @@ def _merge_outputs(outputs: list[Any]) -> Any:
 
 
 def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
+    return tree_map_only(torch.Tensor, lambda tensor: tensor.detach().cpu(), value)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
+    return tree_map_only(torch.Tensor, lambda tensor: tensor.to(device), value)
