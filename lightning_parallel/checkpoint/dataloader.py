@@ -277,8 +277,10 @@ def _resumable_class(cls: type[DataLoader]) -> type:
 
 def _torchdata_loader(dataloader: DataLoader) -> bool:
     """torchdata's ``StatefulDataLoader`` (or a subclass): its own state is replaced by this module's."""
-    return any(cls.__module__.startswith("torchdata.") and cls.__name__ == "StatefulDataLoader"
-               for cls in type(dataloader).__mro__)  # fmt: skip
+    return any(
+        cls.__module__.startswith("torchdata.") and cls.__name__ == "StatefulDataLoader"
+        for cls in type(dataloader).__mro__
+    )
 
 
 def can_resume(dataloader: object) -> bool:

@@ -118,9 +118,13 @@ def experts_as_dtensors(
             if replicas_mesh is None or value.device_mesh.ndim != 1:
                 continue
             out[key] = DTensor.from_local(
-                value.to_local(), replicas_mesh, [value.placements[0], Shard(0)], run_check=False,
-                shape=global_shape, stride=stride,
-            )  # fmt: skip
+                value.to_local(),
+                replicas_mesh,
+                [value.placements[0], Shard(0)],
+                run_check=False,
+                shape=global_shape,
+                stride=stride,
+            )
             continue
         out[key] = DTensor.from_local(
             value, mesh, [Shard(0)], run_check=False, shape=global_shape, stride=stride
@@ -143,9 +147,13 @@ def experts_as_local(
             if original.device_mesh is value.device_mesh:
                 return value
             return DTensor.from_local(
-                value.to_local(), original.device_mesh, original.placements, run_check=False,
-                shape=original.shape, stride=original.stride(),
-            )  # fmt: skip
+                value.to_local(),
+                original.device_mesh,
+                original.placements,
+                run_check=False,
+                shape=original.shape,
+                stride=original.stride(),
+            )
         return value.to_local()
 
     return {k: local(k, v) for k, v in state.items()}

@@ -90,8 +90,12 @@ class ChannelPruning(MagnitudePruning):
     def _count_selected(self, plugin: Any) -> int:
         """Channels, over the whole model: one per row of each up projection (its layout counts them once)."""
         ups = [up.weight for up in self._ups]
-        self._channels = LayoutSum(ups, getattr(plugin, "pipeline_group", None), getattr(plugin, "expert_group", None),
-                                   getattr(plugin, "expert_ids", None))  # fmt: skip
+        self._channels = LayoutSum(
+            ups,
+            getattr(plugin, "pipeline_group", None),
+            getattr(plugin, "expert_group", None),
+            getattr(plugin, "expert_ids", None),
+        )
         return round(
             float(self._channels([torch.ones(local_values(w).shape[0], device=w.device) for w in ups])[0])
         )

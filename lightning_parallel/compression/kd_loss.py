@@ -33,8 +33,9 @@ __all__ = ["distillation_kl", "shard_like"]
 
 def shard_like(full: Tensor, sharded: DTensor) -> DTensor:
     """``full`` (replicated logits) as a DTensor with ``sharded``'s vocabulary split: a local slice, no traffic."""
-    replicated = DTensor.from_local(full, sharded.device_mesh, [Replicate()] * sharded.device_mesh.ndim,
-                                    run_check=False)  # fmt: skip
+    replicated = DTensor.from_local(
+        full, sharded.device_mesh, [Replicate()] * sharded.device_mesh.ndim, run_check=False
+    )
     return replicated.redistribute(placements=sharded.placements)
 
 

@@ -145,8 +145,13 @@ class MagnitudePruning(Callback):
         return self._generate_state_key(pattern=self.pattern, parameters=self.parameters)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps_done": self.steps_done, "last_event_step": self.last_event_step, "sparsity": self.sparsity,
-                "threshold": self.threshold, "pruned": self.pruned}  # fmt: skip
+        return {
+            "steps_done": self.steps_done,
+            "last_event_step": self.last_event_step,
+            "sparsity": self.sparsity,
+            "threshold": self.threshold,
+            "pruned": self.pruned,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.steps_done = int(state_dict["steps_done"])

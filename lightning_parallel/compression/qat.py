@@ -134,8 +134,9 @@ class QuantizationAwareTraining(Callback):
         self.prepared = count
 
 
-def convert_qat(module: nn.Module, scheme: str = "8da4w", group_size: int = 32,
-                modules: Sequence[str] | None = None) -> nn.Module:  # fmt: skip
+def convert_qat(
+    module: nn.Module, scheme: str = "8da4w", group_size: int = 32, modules: Sequence[str] | None = None
+) -> nn.Module:
     """The QAT-trained float ``module`` (weights loaded, one process) as torchao's quantised model, in place."""
     _torchao()
     from torchao.quantization.qat import QATConfig
@@ -148,8 +149,9 @@ def convert_qat(module: nn.Module, scheme: str = "8da4w", group_size: int = 32,
     return module
 
 
-def post_training_quantize(module: nn.Module, scheme: str = "8da4w", group_size: int = 32,
-                           modules: Sequence[str] | None = None) -> nn.Module:  # fmt: skip
+def post_training_quantize(
+    module: nn.Module, scheme: str = "8da4w", group_size: int = 32, modules: Sequence[str] | None = None
+) -> nn.Module:
     """``module`` quantised with the same scheme without QAT (the comparison QAT must beat), in place."""
     keep = selection(module, modules)
     check_groups(module, keep, scheme, group_size)

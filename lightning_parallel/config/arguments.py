@@ -175,9 +175,12 @@ def _check_offload_update(update: Any, offload: Any, stage: int, engine: Any) ->
         return
     if offload != "cpu" or stage == 1 or engine == "deepspeed":
         what = (
-            f"`offload={offload!r}`" if offload != "cpu"
-            else "`zero_stage=1`" if stage == 1 else "`zero_engine='deepspeed'`"
-        )  # fmt: skip
+            f"`offload={offload!r}`"
+            if offload != "cpu"
+            else "`zero_stage=1`"
+            if stage == 1
+            else "`zero_engine='deepspeed'`"
+        )
         raise ValueError(
             f"`offload_update={update!r}` with {what}: that update runs on FSDP2's engine, stepping its"
             " shards in host memory (`offload='cpu'`, `zero_stage=2` or 3). Set those, or leave"

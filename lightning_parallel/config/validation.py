@@ -75,9 +75,12 @@ def strategy_config(a: StrategyArguments) -> ParallelConfig:
     )
     _check_zero_reshard(zero, pipeline)
     memory = arguments.memory_savers(
-        a.activation_checkpointing, a.activation_checkpointing_policy, a.activation_offload,
-        a.activation_compression, a.gradient_compression,
-    )  # fmt: skip
+        a.activation_checkpointing,
+        a.activation_checkpointing_policy,
+        a.activation_offload,
+        a.activation_compression,
+        a.gradient_compression,
+    )
     _check_memory_savers(memory, a.gradient_compression, tp, pipeline, zero)
     context = arguments.context_parallel(a.context_parallel, a.context_parallel_mode)
     _check_context(context, a.compile)

@@ -118,9 +118,15 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block, sca
 
 
 def _attend_backward(
-    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    block: Block, scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block: Block,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's part of dq, dk, dv, given the FINAL output and log-sum-exp of the queries."""
     if fused(q.device):
         # Rows with no key anywhere have lse = -inf (output 0); the kernel would make exp(-inf + inf) = NaN of
@@ -158,30 +164,46 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pairs: ChunkPairs, scale: float,
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pairs: ChunkPairs,
+        scale: float,
         group: dist.ProcessGroup,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         with torch.autocast(q.device.type, enabled=False):  # the fp32 math must stay fp32, as in backward
             return RingAttention._forward(ctx, q, k, v, pairs, scale, group)
 
     @staticmethod
     def _forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pairs: ChunkPairs, scale: float,
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pairs: ChunkPairs,
+        scale: float,
         group: dist.ProcessGroup,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         groups, chunk = q.shape[1] // k.shape[1], pairs.chunk_size
         b, h, t, d = q.shape
         parts = [
-            (torch.zeros((b, h, chunk, d), device=q.device), torch.full((b, h, chunk), float("-inf"), device=q.device))
+            (
+                torch.zeros((b, h, chunk, d), device=q.device),
+                torch.full((b, h, chunk), float("-inf"), device=q.device),
+            )
             for _ in range(t // chunk)
-        ]  # fmt: skip
+        ]
         visiting = (k, v)
         for hop in range(size):
             pending = _Exchange(visiting, group) if hop < size - 1 else None
             kx, vx = _expand(visiting[0], groups), _expand(visiting[1], groups)
             for block in pairs.blocks((rank - hop) % size, q.dtype, q.device):
-                qs, ks = slice(block.q_index * chunk, (block.q_index + 1) * chunk), slice(block.k_index * chunk, (block.k_index + 1) * chunk)  # fmt: skip
+                qs, ks = (
+                    slice(block.q_index * chunk, (block.q_index + 1) * chunk),
+                    slice(block.k_index * chunk, (block.k_index + 1) * chunk),
+                )
                 part = _attend(q[:, :, qs], kx[:, :, ks], vx[:, :, ks], block, scale)
                 parts[block.q_index] = _merge(parts[block.q_index], part)
             if pending is not None:
@@ -215,11 +237,20 @@ class RingAttention(torch.autograd.Function):
             kx, vx = _expand(visiting[0], groups), _expand(visiting[1], groups)
             dk, dv = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
             for block in pairs.blocks((rank - hop) % size, q.dtype, q.device):
-                qs, ks = slice(block.q_index * chunk, (block.q_index + 1) * chunk), slice(block.k_index * chunk, (block.k_index + 1) * chunk)  # fmt: skip
+                qs, ks = (
+                    slice(block.q_index * chunk, (block.q_index + 1) * chunk),
+                    slice(block.k_index * chunk, (block.k_index + 1) * chunk),
+                )
                 dq_part, dk_part, dv_part = _attend_backward(
-                    grad_out[:, :, qs], q[:, :, qs], kx[:, :, ks], vx[:, :, ks], out[:, :, qs], lse[:, :, qs],
-                    block, scale,
-                )  # fmt: skip
+                    grad_out[:, :, qs],
+                    q[:, :, qs],
+                    kx[:, :, ks],
+                    vx[:, :, ks],
+                    out[:, :, qs],
+                    lse[:, :, qs],
+                    block,
+                    scale,
+                )
                 dq[:, :, qs] += dq_part.float()
                 dk[:, :, ks] += _fold(dk_part.float(), groups)
                 dv[:, :, ks] += _fold(dv_part.float(), groups)

@@ -92,7 +92,12 @@ def ulysses_attention(
         attn_mask = attn_mask[:, rank * heads // c : (rank + 1) * heads // c]
     order = split.natural_order(q.shape[2] * c, q.device)
     out = F.scaled_dot_product_attention(
-        to_heads(q, split, group, order), to_heads(k, split, group, order), to_heads(v, split, group, order),
-        attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-    )  # fmt: skip
+        to_heads(q, split, group, order),
+        to_heads(k, split, group, order),
+        to_heads(v, split, group, order),
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
     return to_sequence(out, split, group)

@@ -84,10 +84,14 @@ def verify_blocks(
         except Exception as error:  # noqa: BLE001 - any failure means the split cannot run this block
             problem = f"{type(error).__name__}: {error}"
         if not all_agree(problem is None):
-            calls = "" if seen.calls else (
-                " No `F.scaled_dot_product_attention` call was seen in it: its attention is computed by other ops"
-                " (for a Hugging Face model, pass `attn_implementation=\"sdpa\"`), which the split cannot route."
-            )  # fmt: skip
+            calls = (
+                ""
+                if seen.calls
+                else (
+                    " No `F.scaled_dot_product_attention` call was seen in it: its attention is computed by other ops"
+                    ' (for a Hugging Face model, pass `attn_implementation="sdpa"`), which the split cannot route.'
+                )
+            )
             raise ValueError(
                 f"Context parallelism does not reproduce block `{name}` ({type(block).__name__}):"
                 f" {problem or 'it failed on another rank'}.{calls} Use `context_parallel=1` for this model."

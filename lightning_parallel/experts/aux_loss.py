@@ -210,8 +210,11 @@ class AuxLossCollector:
     def total(self) -> torch.Tensor | None:
         """The weighted sum that :meth:`add_to_loss` would add now (consumes nothing), or None."""
         parts = [] if self._model_added_its_own else list(self._pending)
-        parts += [b.block._pending_aux for b in self.blocks if b.kind == "lightning_parallel"
-                  and b.block._pending_aux is not None]  # fmt: skip
+        parts += [
+            b.block._pending_aux
+            for b in self.blocks
+            if b.kind == "lightning_parallel" and b.block._pending_aux is not None
+        ]
         return torch.stack([p.reshape(()) for p in parts]).sum() if parts else None
 
     def add_to_loss(self, loss: torch.Tensor) -> torch.Tensor:

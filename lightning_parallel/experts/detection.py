@@ -168,8 +168,16 @@ def _row_blocks(child: nn.Module, counts: set[int]) -> tuple[int, int] | None:
 def _match(prefix: str, block: nn.Module) -> MoEBlockInfo | None:
     if isinstance(block, MoE):
         names = [f"{prefix}experts.{n}" for n, _ in block.experts.named_parameters()]
-        return MoEBlockInfo(prefix.rstrip("."), block, "lightning_parallel", block.num_experts, block.top_k,
-                            "router", "experts", names)  # fmt: skip
+        return MoEBlockInfo(
+            prefix.rstrip("."),
+            block,
+            "lightning_parallel",
+            block.num_experts,
+            block.top_k,
+            "router",
+            "experts",
+            names,
+        )
     routers = _router_experts(block)
     grouped = _grouped_linears(block, routers)
     if grouped is not None:
@@ -211,9 +219,18 @@ def _match(prefix: str, block: nn.Module) -> MoEBlockInfo | None:
             if kind == "module_list" or per_expert(p, local, rows)
         ]
         outputs = (1, 0) if kind == "prescaled" else (0, 1)  # Llama 4's router returns (scores, logits)
-        return MoEBlockInfo(prefix.rstrip("."), block, kind, num_experts,
-                            _top_k(block, getattr(block, router_name)), router_name, name, params,
-                            rows_per_expert=rows, router_outputs=outputs)  # fmt: skip
+        return MoEBlockInfo(
+            prefix.rstrip("."),
+            block,
+            kind,
+            num_experts,
+            _top_k(block, getattr(block, router_name)),
+            router_name,
+            name,
+            params,
+            rows_per_expert=rows,
+            router_outputs=outputs,
+        )
     return None
 
 
@@ -262,9 +279,18 @@ def _grouped_info(
     if not router_names:
         return None
     params = [f"{prefix}{name}.{n}" for name in names for n, _ in getattr(block, name).named_parameters()]
-    return MoEBlockInfo(prefix.rstrip("."), block, "grouped_linear", num_experts,
-                        _top_k(block, getattr(block, router_names[0])), router_names[0], names[0], params,
-                        router_outputs=(4, 2), grouped_names=tuple(names))  # fmt: skip
+    return MoEBlockInfo(
+        prefix.rstrip("."),
+        block,
+        "grouped_linear",
+        num_experts,
+        _top_k(block, getattr(block, router_names[0])),
+        router_names[0],
+        names[0],
+        params,
+        router_outputs=(4, 2),
+        grouped_names=tuple(names),
+    )
 
 
 def find_moe_blocks(model: nn.Module) -> list[MoEBlockInfo]:

@@ -71,8 +71,14 @@ def adapt_fused_experts(info: MoEBlockInfo, ep_group: ProcessGroup) -> None:
     if hasattr(experts, "num_experts"):
         experts.num_experts = num_experts // size  # the original forward indexes the local slice
 
-    def forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self: nn.Module,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         num_tokens, top_k = top_k_index.shape
         hidden_NH = hidden.reshape(num_tokens, -1)  # DBRX hands its experts (batch, sequence, width)
 

@@ -117,8 +117,10 @@ def _slice_stacked(
             )
         local = full
         if size > 1:
-            local = nn.Parameter(full.detach()[shard.first_row : shard.first_row + shard.local_rows].clone(),
-                                 requires_grad=full.requires_grad)  # fmt: skip
+            local = nn.Parameter(
+                full.detach()[shard.first_row : shard.first_row + shard.local_rows].clone(),
+                requires_grad=full.requires_grad,
+            )
             setattr(holder, name, local)
         setattr(local, _SHARD_ATTR, shard)
 

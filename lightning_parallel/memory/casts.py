@@ -37,8 +37,15 @@ __all__ = ["CastSaver", "CastStats", "WeightCastReference", "cast_parameter", "c
 
 # Autograd nodes of views that share their input's storage (a linear saves its weight's cast transposed,
 # its input's cast reshaped).
-VIEW_NODES = {"TBackward0", "TransposeBackward0", "ViewBackward0", "UnsafeViewBackward0", "PermuteBackward0",
-              "ExpandBackward0", "AliasBackward0"}  # fmt: skip
+VIEW_NODES = {
+    "TBackward0",
+    "TransposeBackward0",
+    "ViewBackward0",
+    "UnsafeViewBackward0",
+    "PermuteBackward0",
+    "ExpandBackward0",
+    "AliasBackward0",
+}
 
 
 def cast_source(tensor: torch.Tensor) -> tuple[Any, int] | None:

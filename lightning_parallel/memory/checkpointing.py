@@ -70,13 +70,24 @@ def _ops(*names: str) -> set[Any]:
 # Expensive to recompute, so kept by selective checkpointing (torchtitan's list, as packets; the experts'
 # grouped matmul too: found recomputed in backward by the engagement record of ep2 with "selective").
 KEEP_OPS = _ops(
-    "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm", "aten.linear", "aten._grouped_mm",
-    "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
-    "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
-    "aten._flash_attention_forward", "aten._efficient_attention_forward",
-    "_c10d_functional.all_reduce", "_c10d_functional.all_gather_into_tensor",
-    "_c10d_functional.reduce_scatter_tensor", "_c10d_functional.all_to_all_single",
-)  # fmt: skip
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten.baddbmm",
+    "aten._scaled_mm",
+    "aten.linear",
+    "aten._grouped_mm",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._flash_attention_forward",
+    "aten._efficient_attention_forward",
+    "_c10d_functional.all_reduce",
+    "_c10d_functional.all_gather_into_tensor",
+    "_c10d_functional.reduce_scatter_tensor",
+    "_c10d_functional.all_to_all_single",
+)
 
 
 def keep_op(op: Any) -> bool:

@@ -37,9 +37,17 @@ __all__ = ["GatheredInputSaver", "RegatherStats", "gathered_over"]
 # Autograd nodes a gathered input passes through on its way to a matmul without changing its values'
 # layout on the ranks: views, autocast's cast, and the DTensor <-> local tensor wrappers.
 _TRANSPARENT = {
-    "TBackward0", "TransposeBackward0", "ViewBackward0", "UnsafeViewBackward0", "PermuteBackward0",
-    "ExpandBackward0", "AliasBackward0", "ToCopyBackward0", "ToLocalBackward", "FromLocalBackward",
-}  # fmt: skip
+    "TBackward0",
+    "TransposeBackward0",
+    "ViewBackward0",
+    "UnsafeViewBackward0",
+    "PermuteBackward0",
+    "ExpandBackward0",
+    "AliasBackward0",
+    "ToCopyBackward0",
+    "ToLocalBackward",
+    "FromLocalBackward",
+}
 _GATHER = "RedistributeBackward"
 # torch 2.13 names the gather into one tensor all_gather_single (all_gather_into_tensor warns there, and is
 # the name torch 2.11 has): the same collective.

@@ -181,9 +181,13 @@ class ActivationSaver:
             with torch.no_grad():
                 flat = torch.empty(0, dtype=local.dtype, device=local.device).set_(storage)
                 stored = _StoredStorage(
-                    flat, self.compression, offload, self._block_entries, self.buffers,
+                    flat,
+                    self.compression,
+                    offload,
+                    self._block_entries,
+                    self.buffers,
                     self._side_stream(local.device) if offload else None,
-                )  # fmt: skip
+                )
             self._stored[key] = (weakref.ref(storage), stored)
             if stored.offloaded:
                 self._groups.setdefault(stored.group, []).append(weakref.ref(stored))

@@ -75,8 +75,18 @@ class _StoredStorage:
     """
 
     __slots__ = (
-        "data", "scale", "dtype", "device", "numel", "group", "offloaded", "ready", "event", "live", "__weakref__"
-    )  # fmt: skip
+        "data",
+        "scale",
+        "dtype",
+        "device",
+        "numel",
+        "group",
+        "offloaded",
+        "ready",
+        "event",
+        "live",
+        "__weakref__",
+    )
 
     def __init__(
         self,

@@ -34,8 +34,9 @@ def _reduced_placements(grad: DTensor, dim: int) -> list[Any]:
 def _factor(grad: DTensor, dim: int) -> DTensor:
     shape = list(grad.shape)
     shape[dim] = 1
-    return dtensor_zeros(shape, device_mesh=grad.device_mesh, placements=_reduced_placements(grad, dim),
-                         dtype=grad.dtype)  # fmt: skip
+    return dtensor_zeros(
+        shape, device_mesh=grad.device_mesh, placements=_reduced_placements(grad, dim), dtype=grad.dtype
+    )
 
 
 def _squared_mean(grad: DTensor, dim: int, like: DTensor) -> DTensor:
@@ -81,10 +82,14 @@ class Adafactor(torch.optim.Adafactor):
         if not state:
             state["step"] = torch.tensor(0.0)
             if grad.dim() > 1:
-                state["row_var"] = _factor(grad, -1) if isinstance(grad, DTensor) else grad.new_zeros(
-                    (*grad.shape[:-1], 1))  # fmt: skip
-                state["col_var"] = _factor(grad, -2) if isinstance(grad, DTensor) else grad.new_zeros(
-                    (*grad.shape[:-2], 1, grad.shape[-1]))  # fmt: skip
+                state["row_var"] = (
+                    _factor(grad, -1) if isinstance(grad, DTensor) else grad.new_zeros((*grad.shape[:-1], 1))
+                )
+                state["col_var"] = (
+                    _factor(grad, -2)
+                    if isinstance(grad, DTensor)
+                    else grad.new_zeros((*grad.shape[:-2], 1, grad.shape[-1]))
+                )
             else:
                 state["variance"] = torch.zeros_like(grad)
         lr, eps1, eps2, d = float(group["lr"]), group["eps"][0], group["eps"][1], group["d"]
@@ -106,7 +111,7 @@ class Adafactor(torch.optim.Adafactor):
                 row_scale = row_var.mean(dim=-2, keepdim=True).redistribute(
                     row_var.device_mesh, [Replicate()] * row_var.device_mesh.ndim
                 )
-            else:  # fmt: skip
+            else:
                 row_var.lerp_(
                     torch.norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1)), one_minus_beta2
                 )

@@ -63,7 +63,11 @@ def apply_experts(
         # under sequence parallelism each tp rank routes its own slice of the sequence (plans/auto.py)
         sequence = mesh[Axis.TP].get_group() if sequence_parallel and dims.tp_enabled else None
         state.aux_losses = AuxLossCollector(
-            module, coef=config.aux_loss_coef or 0.0, z_loss_coef=config.z_loss_coef, token_group=group,
-            mode="backward", sequence_group=sequence,
-        )  # fmt: skip
+            module,
+            coef=config.aux_loss_coef or 0.0,
+            z_loss_coef=config.z_loss_coef,
+            token_group=group,
+            mode="backward",
+            sequence_group=sequence,
+        )
     return state

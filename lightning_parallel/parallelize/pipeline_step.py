@@ -78,10 +78,20 @@ def build_runner(
 ) -> tuple[PipelineRunner, set[int]]:
     """torch's stages and schedule over this rank's cut; also the tied weights left out of the gradient norm."""
     runner = PipelineRunner(
-        module, cut.layout, config.spec, cut.my_stages, config.micro_batches, mesh[Axis.PP].get_group(), device,
-        cut.runtime, cut.owned, tied_weight_groups(cut.layout, mesh), aux_collector=aux_losses,
-        fsdp_units=fsdp_units, fsdp_before_schedule=fsdp_before_schedule,
-    )  # fmt: skip
+        module,
+        cut.layout,
+        config.spec,
+        cut.my_stages,
+        config.micro_batches,
+        mesh[Axis.PP].get_group(),
+        device,
+        cut.runtime,
+        cut.owned,
+        tied_weight_groups(cut.layout, mesh),
+        aux_collector=aux_losses,
+        fsdp_units=fsdp_units,
+        fsdp_before_schedule=fsdp_before_schedule,
+    )
     norm_exclude = norm_duplicates(cut.layout, mesh[Axis.PP].get_local_rank(), module)
     ranges = ", ".join(
         f"stage {s} (rank {cut.layout.owners[s]}): blocks {r.start}-{r.stop - 1}"

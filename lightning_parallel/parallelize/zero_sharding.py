@@ -39,6 +39,11 @@ def shard_for_zero(
     # Experts over their replicas (dp_replicate), everything else over the whole dp (zero/fsdp.py).
     experts = ExpertSharding(mesh[Axis.DP_REPLICATE], dims.data_parallel) if dims.ep_enabled else None
     return fully_shard_modules(
-        module, mesh[Axis.DP], kept, offload=config.zero.offload is not None, reshard_after_forward=reshard,
-        experts=experts, offload_ratio=config.zero.offload_ratio,
-    )  # fmt: skip
+        module,
+        mesh[Axis.DP],
+        kept,
+        offload=config.zero.offload is not None,
+        reshard_after_forward=reshard,
+        experts=experts,
+        offload_ratio=config.zero.offload_ratio,
+    )

@@ -187,10 +187,21 @@ def buffers_in_flight(
 def _simulated(spec: ScheduleSpec, p: int, v: int, m: int) -> list[int]:
 
     n = p * v
-    stages = [SimpleNamespace(stage_index=s, num_stages=n, group_size=p, group_rank=0, is_first=s == 0,
-                              is_last=s == n - 1, submod=nn.Identity(), stage_index_to_group_rank={},
-                              has_backward=True, group=None)
-              for s in stages_of_rank(spec, 0, p, v)]  # fmt: skip
+    stages = [
+        SimpleNamespace(
+            stage_index=s,
+            num_stages=n,
+            group_size=p,
+            group_rank=0,
+            is_first=s == 0,
+            is_last=s == n - 1,
+            submod=nn.Identity(),
+            stage_index_to_group_rank={},
+            has_backward=True,
+            group=None,
+        )
+        for s in stages_of_rank(spec, 0, p, v)
+    ]
     schedule = get_schedule_class(spec.torch_name)(stages, n_microbatches=m, loss_fn=lambda a, b: a)
     order = getattr(schedule, "pipeline_order_with_comms", None) or schedule.pipeline_order
     held, peak = [0] * n, [0] * n

@@ -157,8 +157,13 @@ def render_timeline(
     for span in spans:
         left = (span.start - origin) * 1e3
         width = span.duration * 1e3
-        ax.broken_barh([(left, width)], (span.rank - 0.4, 0.8), facecolors=_COLORS.get(span.kind, "#8C8C8C"),
-                       edgecolors="black", linewidth=0.3)  # fmt: skip
+        ax.broken_barh(
+            [(left, width)],
+            (span.rank - 0.4, 0.8),
+            facecolors=_COLORS.get(span.kind, "#8C8C8C"),
+            edgecolors="black",
+            linewidth=0.3,
+        )
         label = f"s{span.stage}:{span.microbatch}" if show_stage else str(span.microbatch)
         if width >= min_width_per_char * (len(label) + 1):
             ax.text(left + width / 2, span.rank, label, ha="center", va="center", fontsize=7, color="white")
@@ -168,8 +173,12 @@ def render_timeline(
     ax.set_xlabel("time (ms)")
     kinds = [k for k in KINDS if any(s.kind == k for s in spans)]
     kinds += sorted({s.kind for s in spans} - set(KINDS))
-    ax.legend(handles=[Patch(color=_COLORS.get(k, "#8C8C8C"), label=k) for k in kinds],
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)  # fmt: skip
+    ax.legend(
+        handles=[Patch(color=_COLORS.get(k, "#8C8C8C"), label=k) for k in kinds],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=8,
+    )
     try:
         bubble = f"bubble fraction {bubble_fraction(spans, lanes):.1%}"
     except ValueError:  # only zero-length spans: nothing to measure
@@ -347,8 +356,9 @@ class PipelineTimeline(Callback):
         except ValueError:  # no spans: the strategy did not run its stages in this batch
             rank_zero_warn("PipelineTimeline: no stage compute was recorded in the step; nothing written.")
             return
-        pl_module.log("pipeline_bubble_fraction", self.bubble_fraction, on_step=True, on_epoch=False,
-                      sync_dist=False)  # fmt: skip
+        pl_module.log(
+            "pipeline_bubble_fraction", self.bubble_fraction, on_step=True, on_epoch=False, sync_dist=False
+        )
         if trainer.global_rank == 0:
             self._write(spans, num_ranks)
 

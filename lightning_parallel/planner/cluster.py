@@ -65,8 +65,13 @@ class Cluster:
             zero_allowed = item.name == "peak_fp8_flops"
             if not isinstance(value, (int, float)) or value < 0 or (value == 0 and not zero_allowed):
                 raise ValueError(f"Cluster {self.name!r}: `{item.name}={value!r}` must be a positive number.")
-        for name in ("matmul_efficiency", "memory_efficiency", "intra_node_efficiency",
-                     "inter_node_efficiency", "host_efficiency"):  # fmt: skip
+        for name in (
+            "matmul_efficiency",
+            "memory_efficiency",
+            "intra_node_efficiency",
+            "inter_node_efficiency",
+            "host_efficiency",
+        ):
             if getattr(self, name) > 1:
                 raise ValueError(
                     f"Cluster {self.name!r}: `{name}={getattr(self, name)}` is a fraction of a peak (<= 1)."

@@ -59,8 +59,9 @@ def add_planner_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--micro-batches", type=int, default=None, help="per step (default: pipeline ranks)")
     group.add_argument("--sequence-length", type=int, default=None, help="tokens per sequence (default 2048)")
     group.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "adafactor"), default="adamw")
-    group.add_argument("--cluster", default=None,
-                       help=f"a preset ({', '.join(CLUSTERS)}) or a YAML file: adds the step time")  # fmt: skip
+    group.add_argument(
+        "--cluster", default=None, help=f"a preset ({', '.join(CLUSTERS)}) or a YAML file: adds the step time"
+    )
     group.add_argument(
         "--search", action="store_true", help="list the fastest layouts that fit (needs --gpus)"
     )
@@ -129,8 +130,16 @@ def run_planner(
             raise ValueError(
                 "`--search` needs `--gpus N`, `--global-batch B` and `--cluster NAME` (or a YAML file)."
             )
-        result = search(model, args.gpus, cluster, args.global_batch, layout.sequence_length, layout.precision,
-                        top=args.top, shape=shape)  # fmt: skip
+        result = search(
+            model,
+            args.gpus,
+            cluster,
+            args.global_batch,
+            layout.sequence_length,
+            layout.precision,
+            top=args.top,
+            shape=shape,
+        )
         confidence = expected_error(cluster.name, layout.precision)
         return [*search_lines(result, args.gpus, cluster), confidence], {
             **search_json(result),

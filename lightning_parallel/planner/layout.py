@@ -153,8 +153,10 @@ def _zero_problems(problems: list[str], layout: Layout) -> None:
     if layout.offload in (None, "cpu", "nvme") and layout.zero_stage in (1, 2, 3):
         engine = zero_engine(layout)
         if ep > 1 and dp // ep == 1 and engine == "deepspeed":
-            problems.append(f"`zero_stage={layout.zero_stage}` with `expert_parallel={ep}` on {dp} data-parallel ranks"
-                            " shards nothing on DeepSpeed's engine (it shards over each expert's replicas)")  # fmt: skip
+            problems.append(
+                f"`zero_stage={layout.zero_stage}` with `expert_parallel={ep}` on {dp} data-parallel ranks"
+                " shards nothing on DeepSpeed's engine (it shards over each expert's replicas)"
+            )
 
 
 def zero_engine(layout: Layout) -> str | None:
@@ -173,8 +175,17 @@ def zero_engine(layout: Layout) -> str | None:
 def layout_problems(layout: Layout, shape: ModelShape, gpus: int | None = None) -> list[str]:
     """Why ``layout`` cannot run ``shape`` (on ``gpus`` devices when given); empty when it can."""
     problems: list[str] = []
-    for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "expert_parallel", "context_parallel",
-                 "micro_batches", "micro_batch_size", "sequence_length", "pipeline_virtual_stages"):  # fmt: skip
+    for name in (
+        "tensor_parallel",
+        "pipeline_parallel",
+        "data_parallel",
+        "expert_parallel",
+        "context_parallel",
+        "micro_batches",
+        "micro_batch_size",
+        "sequence_length",
+        "pipeline_virtual_stages",
+    ):
         value = getattr(layout, name)
         if not isinstance(value, int) or value < 1:
             problems.append(f"`{name}={value!r}` must be a positive integer")
@@ -208,18 +219,27 @@ def layout_problems(layout: Layout, shape: ModelShape, gpus: int | None = None) 
             2 * cp if layout.context_parallel_mode == "ring" else cp
         )  # ring: a head and a tail chunk per rank
         if layout.sequence_length % chunks:
-            problems.append(f"sequence length ({layout.sequence_length}) is not divisible into {chunks} chunks"
-                            f" (`context_parallel={cp}`, {layout.context_parallel_mode})")  # fmt: skip
+            problems.append(
+                f"sequence length ({layout.sequence_length}) is not divisible into {chunks} chunks"
+                f" (`context_parallel={cp}`, {layout.context_parallel_mode})"
+            )
         if layout.context_parallel_mode == "ulysses" and (block.heads // tp) % cp:
-            problems.append(f"`context_parallel_mode='ulysses'`: {block.heads // tp} heads per tensor rank are not"
-                            f" divisible by `context_parallel={cp}`")  # fmt: skip
+            problems.append(
+                f"`context_parallel_mode='ulysses'`: {block.heads // tp} heads per tensor rank are not"
+                f" divisible by `context_parallel={cp}`"
+            )
     if ep > 1:
         experts = max((b.num_experts for b in shape.blocks), default=0)
         if not experts:
             problems.append(f"`expert_parallel={ep}` but the model has no routed experts")
         _divides(problems, "routed experts", experts, ep, "expert_parallel")
-        _divides(problems, "data-parallel ranks (experts are sharded over them)", layout.data_parallel, ep,
-                 "expert_parallel")  # fmt: skip
+        _divides(
+            problems,
+            "data-parallel ranks (experts are sharded over them)",
+            layout.data_parallel,
+            ep,
+            "expert_parallel",
+        )
     if layout.pipeline_parallel > 1:
         try:
             spec = resolve_schedule(layout.pipeline_schedule)

@@ -111,7 +111,7 @@ MEGATRON_H100: tuple[PublishedRun, ...] = tuple(
         tflops,
         1 if p > 1 else batch // d,
         4 if p > 1 else 1,
-    )  # fmt: skip
+    )
     for name, a, h, layers, t, p, d, batch, tflops in (
         ("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8),
         ("7.1B", 32, 4096, 30, 2, 1, 48, 192, 465.9),
@@ -130,8 +130,15 @@ def _setup(run: PublishedRun) -> tuple[ModelShape, Layout, Cluster, Execution]:
     """The shape, layout, cluster and execution a published row describes (module docstring: sources)."""
     ptd_p = run.source == _PTD_P
     sequence, vocab = (2048, 51_200) if ptd_p else (4096, 131_072)
-    shape = ModelShape.gpt(run.layers, run.hidden, run.heads, vocab, sequence_length=sequence,
-                           tied_head=ptd_p, name=f"GPT-{run.name}")  # fmt: skip
+    shape = ModelShape.gpt(
+        run.layers,
+        run.hidden,
+        run.heads,
+        vocab,
+        sequence_length=sequence,
+        tied_head=ptd_p,
+        name=f"GPT-{run.name}",
+    )
     per_replica = run.batch // run.data
     layout = Layout(
         tensor_parallel=run.tensor,

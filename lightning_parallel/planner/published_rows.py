@@ -182,27 +182,48 @@ def _express(raw: dict[str, Any]) -> tuple[tuple[ModelShape, Layout, Execution] 
     gpt_style = name.lower().startswith(_GPT_STYLE)
     llama_like = not gpt_style and (bool(config.get("kv_heads")) or "llama" in name.lower() or bool(experts))
     shape = ModelShape.gpt(
-        config["layers"], config["hidden"], config["heads"], vocab, ffn_hidden=ffn,
-        kv_heads=config.get("kv_heads"), gated=llama_like, tied_head=not llama_like,
-        sequence_length=raw["seq_len"], num_experts=experts, top_k=config.get("top_k") or 0,
-        bias=not llama_like, name=name,
-    )  # fmt: skip
+        config["layers"],
+        config["hidden"],
+        config["heads"],
+        vocab,
+        ffn_hidden=ffn,
+        kv_heads=config.get("kv_heads"),
+        gated=llama_like,
+        tied_head=not llama_like,
+        sequence_length=raw["seq_len"],
+        num_experts=experts,
+        top_k=config.get("top_k") or 0,
+        bias=not llama_like,
+        name=name,
+    )
     fsdp = isinstance(raw.get("fsdp"), int) and raw["fsdp"] > 1
     vp = raw.get("vp") or 1
     layout = Layout(
-        tensor_parallel=tp, sequence_parallel=tp > 1, pipeline_parallel=pp,
-        pipeline_schedule="interleaved_1f1b" if vp > 1 else "1f1b", pipeline_virtual_stages=vp,
-        micro_batches=micro_batches, data_parallel=dp, expert_parallel=ep, context_parallel=cp,
+        tensor_parallel=tp,
+        sequence_parallel=tp > 1,
+        pipeline_parallel=pp,
+        pipeline_schedule="interleaved_1f1b" if vp > 1 else "1f1b",
+        pipeline_virtual_stages=vp,
+        micro_batches=micro_batches,
+        data_parallel=dp,
+        expert_parallel=ep,
+        context_parallel=cp,
         zero_stage=0 if dp == 1 else 3 if fsdp else 1,
         activation_checkpointing=_recompute(raw.get("recompute")),
         precision="16-mixed" if "16-bit" in str(raw.get("precision")) else "bf16-mixed",
-        micro_batch_size=raw["micro_batch"], sequence_length=raw["seq_len"], attention="flash",
-    )  # fmt: skip
+        micro_batch_size=raw["micro_batch"],
+        sequence_length=raw["seq_len"],
+        attention="flash",
+    )
     execution = Execution(
-        overlap_tensor_parallel=tp > 1 and raw.get("tp_comm_overlap", True), overlap_gradient_reduction=True,
-        overlap_parameter_gather=True, overlap_pipeline_transfers=True, float8_linears=_fp8(raw),
-        compiled=_compiled(raw), float8_cast_passes=_FLOAT8_CAST_PASSES[str(raw["source"]).startswith("torchtitan")],
-    )  # fmt: skip
+        overlap_tensor_parallel=tp > 1 and raw.get("tp_comm_overlap", True),
+        overlap_gradient_reduction=True,
+        overlap_parameter_gather=True,
+        overlap_pipeline_transfers=True,
+        float8_linears=_fp8(raw),
+        compiled=_compiled(raw),
+        float8_cast_passes=_FLOAT8_CAST_PASSES[str(raw["source"]).startswith("torchtitan")],
+    )
     return (shape, layout, execution), None
 
 
@@ -218,17 +239,31 @@ def _from_source(raw: dict[str, Any]) -> Row:
         ("fp8 (torchao)" if str(raw["source"]).startswith("torchtitan") else "fp8") if _fp8(raw) else "16-bit"
     )
     return Row(
-        str(raw["source"]), str(raw.get("model")), str(raw.get("url")), chip or "?", precision,
-        step or math.nan, setup if problem is None else None, problem, _preset(raw.get("hardware"), chip),
-    )  # fmt: skip
+        str(raw["source"]),
+        str(raw.get("model")),
+        str(raw.get("url")),
+        chip or "?",
+        precision,
+        step or math.nan,
+        setup if problem is None else None,
+        problem,
+        _preset(raw.get("hardware"), chip),
+    )
 
 
 def _from_table(run: PublishedRun) -> Row:
     shape, layout, cluster, execution = _setup(run)
     step = published_flops(run) / (run.tflops * 1e12 * run.gpus)
     source = "PTD-P" if run in PTD_P else "megatron-lm-readme-h100-2024"
-    return Row(source, f"GPT {run.name}", "lightning_parallel/planner/published.py", cluster.name, "16-bit", step,
-               (shape, layout, execution))  # fmt: skip
+    return Row(
+        source,
+        f"GPT {run.name}",
+        "lightning_parallel/planner/published.py",
+        cluster.name,
+        "16-bit",
+        step,
+        (shape, layout, execution),
+    )
 
 
 def load_rows(path: Path = DATA) -> list[Row]:

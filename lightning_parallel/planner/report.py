@@ -20,8 +20,13 @@ __all__ = ["dumps", "memory_lines", "plan_json", "render_plan", "search_json", "
 
 GIB = 2**30
 _KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers")
-_COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52",
-           "buffers": "#8172B3"}  # fmt: skip
+_COLORS = {
+    "parameters": "#4C72B0",
+    "gradients": "#DD8452",
+    "optimizer": "#55A868",
+    "activations": "#C44E52",
+    "buffers": "#8172B3",
+}
 
 
 def _unit(largest: float) -> tuple[str, int]:
@@ -86,8 +91,9 @@ def search_lines(result: SearchResult, gpus: int, cluster: Cluster) -> list[str]
     return lines
 
 
-def plan_json(layout: Layout, ranks: list[RankMemory], time: StepTime | None = None,
-              cluster: Cluster | None = None) -> dict[str, Any]:  # fmt: skip
+def plan_json(
+    layout: Layout, ranks: list[RankMemory], time: StepTime | None = None, cluster: Cluster | None = None
+) -> dict[str, Any]:
     out: dict[str, Any] = {"layout": layout.as_dict(), "ranks": [r.as_dict() for r in ranks]}
     if time is not None and cluster is not None:
         out["cluster"] = cluster.name
@@ -110,7 +116,7 @@ def search_json(result: SearchResult) -> dict[str, Any]:
                 "step_s": c.time.total,
                 "peak_bytes": c.peak.device_total,
                 "peak_rank": c.peak.label,
-            }  # fmt: skip
+            }
             for c in result.fastest
         ],
         "rejected": result.rejected,
@@ -122,8 +128,13 @@ def dumps(value: dict[str, Any]) -> str:
     return json.dumps(value, indent=1, default=str)
 
 
-def render_plan(path: str | Path, layout: Layout, ranks: list[RankMemory], time: StepTime | None = None,
-                cluster: Cluster | None = None) -> Path:  # fmt: skip
+def render_plan(
+    path: str | Path,
+    layout: Layout,
+    ranks: list[RankMemory],
+    time: StepTime | None = None,
+    cluster: Cluster | None = None,
+) -> Path:
     """A PNG: stacked bars of memory per rank by kind (the device's memory as a line), and the step's terms."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -153,8 +164,10 @@ def render_plan(path: str | Path, layout: Layout, ranks: list[RankMemory], time:
             ax2.barh(["step"], [value], left=left, label=name, color=f"C{i}")
             left += value
         ax2.set_xlabel("ms")
-        ax2.set_title(f"step {time.total * 1e3:.1f} ms, {time.tokens_per_s:,.0f} tokens/s, MFU {time.mfu:.1%}",
-                      fontsize=10)  # fmt: skip
+        ax2.set_title(
+            f"step {time.total * 1e3:.1f} ms, {time.tokens_per_s:,.0f} tokens/s, MFU {time.mfu:.1%}",
+            fontsize=10,
+        )
         ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

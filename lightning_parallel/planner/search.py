@@ -65,13 +65,15 @@ def _context_degrees(dp: int, sequence_length: int) -> list[int]:
     """The context-parallel degrees the search tries: 1, and divisors of ``dp`` up to a node (8) that leave each rank
     at least :data:`_MIN_CONTEXT_SHARD` tokens in whole ring chunks."""
     return [1] + [
-        c for c in _divisors(dp)
+        c
+        for c in _divisors(dp)
         if 1 < c <= 8 and sequence_length % (2 * c) == 0 and sequence_length // c >= _MIN_CONTEXT_SHARD
-    ]  # fmt: skip
+    ]
 
 
-def _batches(dp: int, pp: int, global_batch: int | None, per_replica: int | None,
-             micro_batch_sizes: tuple[int, ...]) -> Iterator[tuple[int, int]]:  # fmt: skip
+def _batches(
+    dp: int, pp: int, global_batch: int | None, per_replica: int | None, micro_batch_sizes: tuple[int, ...]
+) -> Iterator[tuple[int, int]]:
     """(micro-batch size, micro-batches per step) a replica can run: for a global batch (accumulating
     without stages), or for a fixed batch per replica (one DataLoader batch per step)."""
     if per_replica is not None:
@@ -109,10 +111,15 @@ def _options(base: Layout, shape: ModelShape, batches: Iterator[tuple[int, int]]
             for zero in (0, 1, 2, 3) if dp > 1 else (0,):
                 for checkpointing, policy in _CHECKPOINTING:
                     yield replace(
-                        base, micro_batch_size=mbs, micro_batches=micro_batches, pipeline_schedule=schedule,
-                        pipeline_virtual_stages=virtual, zero_stage=zero, activation_checkpointing=checkpointing,
+                        base,
+                        micro_batch_size=mbs,
+                        micro_batches=micro_batches,
+                        pipeline_schedule=schedule,
+                        pipeline_virtual_stages=virtual,
+                        zero_stage=zero,
+                        activation_checkpointing=checkpointing,
                         activation_checkpointing_policy=policy,
-                    )  # fmt: skip
+                    )
 
 
 def search(
@@ -152,15 +159,21 @@ def search(
                 (e, c)
                 for e in ([e for e in _divisors(dp) if experts and experts % e == 0] or [1])
                 for c in _context_degrees(dp, sequence_length)
-            ]:  # fmt: skip
+            ]:
                 family = (
                     f"tp{tp} pp{pp} dp{dp}" + (f" ep{ep}" if experts else "") + (f" cp{cp}" if cp > 1 else "")
                 )
                 base = Layout(
-                    tensor_parallel=tp, sequence_parallel=tp > 1 and not experts, pipeline_parallel=pp, data_parallel=dp,
-                    expert_parallel=ep, context_parallel=cp, precision=precision, sequence_length=sequence_length,
+                    tensor_parallel=tp,
+                    sequence_parallel=tp > 1 and not experts,
+                    pipeline_parallel=pp,
+                    data_parallel=dp,
+                    expert_parallel=ep,
+                    context_parallel=cp,
+                    precision=precision,
+                    sequence_length=sequence_length,
                     micro_batches=pp if pp > 1 else 1,
-                )  # fmt: skip
+                )
                 problems = layout_problems(base, shape, gpus)
                 if problems:
                     result.rejected[family] = "; ".join(problems)
@@ -176,16 +189,23 @@ def search(
                     worst = max(ranks, key=lambda r: r.device_total)
                     if worst.device_total > budget:
                         if best_miss is None or worst.device_total < best_miss[0]:
-                            best_miss = (worst.device_total, f"out of memory on {worst.label}: {worst.device_total / 2**20:,.1f} MiB"
-                                         f" > {budget / 2**20:,.1f} MiB usable, even with {layout.short()}")  # fmt: skip
+                            best_miss = (
+                                worst.device_total,
+                                f"out of memory on {worst.label}: {worst.device_total / 2**20:,.1f} MiB"
+                                f" > {budget / 2**20:,.1f} MiB usable, even with {layout.short()}",
+                            )
                         continue
                     found = True
                     fits.append(Candidate(layout, ranks, step_time(shape, layout, cluster)))
                 if not found:
-                    result.rejected[family] = best_miss[1] if best_miss else (
-                        f"no micro-batch size of {micro_batch_sizes} divides the batch"
-                        f" ({global_batch or per_replica_batch}) over {dp} replicas with a schedule that runs it"
-                    )  # fmt: skip
+                    result.rejected[family] = (
+                        best_miss[1]
+                        if best_miss
+                        else (
+                            f"no micro-batch size of {micro_batch_sizes} divides the batch"
+                            f" ({global_batch or per_replica_batch}) over {dp} replicas with a schedule that runs it"
+                        )
+                    )
     fits.sort(key=lambda c: -c.time.tokens_per_s)
     result.fastest = fits[:top]
     return result

@@ -120,8 +120,16 @@ class StepTime:
 
     def breakdown(self) -> dict[str, float]:
         """The terms that add up to the step time."""
-        names = ("compute", "tensor_parallel", "context_parallel", "expert_all_to_all", "pipeline_bubble",
-                 "pipeline_transfers", "data_parallel", "optimizer")  # fmt: skip
+        names = (
+            "compute",
+            "tensor_parallel",
+            "context_parallel",
+            "expert_all_to_all",
+            "pipeline_bubble",
+            "pipeline_transfers",
+            "data_parallel",
+            "optimizer",
+        )
         return {name: getattr(self, name) for name in names}
 
 

@@ -119,12 +119,15 @@ def leave_one_source_out(rows: Sequence[Row], predictor: Predictor = predict) ->
         held = [r for r in usable if r.group == group]
         others = fit([r for r in usable if r.group != group], predictor)
         chosen = [efficiency_for(r, others) for r in held]
-        folds.append(Fold(
-            group, held,
-            [_relative(r, e, predictor) for r, (e, _) in zip(held, chosen, strict=True)],
-            [_relative(r, efficiency_for(r, everything)[0], predictor) for r in held],
-            sum(how != "chip and precision" for _, how in chosen),
-        ))  # fmt: skip
+        folds.append(
+            Fold(
+                group,
+                held,
+                [_relative(r, e, predictor) for r, (e, _) in zip(held, chosen, strict=True)],
+                [_relative(r, efficiency_for(r, everything)[0], predictor) for r in held],
+                sum(how != "chip and precision" for _, how in chosen),
+            )
+        )
     return folds
 
 

@@ -145,9 +145,13 @@ def clip_grad_norm_(
     params = unique_parameters(parameters)
     measured = [p for p in params if id(p) not in norm_exclude] if norm_exclude else params
     total_norm = global_grad_norm(
-        measured, norm_type, pipeline_group, error_if_nonfinite=error_if_nonfinite, expert_group=expert_group,
+        measured,
+        norm_type,
+        pipeline_group,
+        error_if_nonfinite=error_if_nonfinite,
+        expert_group=expert_group,
         expert_ids=expert_ids,
-    )  # fmt: skip
+    )
     coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
     by_device_dtype: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
     for local in _local_grads(params):

@@ -321,8 +321,14 @@ class CheckpointingStrategy(MeshParallelStrategy):
         assert self.model is not None and self.lightning_module is not None
         if self.deepspeed_zero:
             optimizer = self.optimizers[0] if self.zero_engine is not None else None  # none: validate/test
-            load_zero_checkpoint(self.lightning_module, optimizer, self.zero_engine, path, self._ep_mesh(),
-                                 strict=self.lightning_module.strict_loading)  # fmt: skip
+            load_zero_checkpoint(
+                self.lightning_module,
+                optimizer,
+                self.zero_engine,
+                path,
+                self._ep_mesh(),
+                strict=self.lightning_module.strict_loading,
+            )
             return load_trusted_or_weights(path / compat.METADATA_FILENAME, RESUME, weights_only)
         layouts, ep_mesh, replicas = expert_layouts(self.model), self._ep_mesh(), self._expert_replicas_mesh()
         rows = registry(self.model)

@@ -105,8 +105,11 @@ def log_predicted_memory(module: nn.Module, strategy: Any, trainer: Trainer, bat
     rank_zero_info("\n".join([f"predicted {lines[0]}{note}", *lines[1:]]))
     planned = getattr(strategy, "planned_layout", None)
     if planned is not None:
-        differs = {k: (getattr(planned, k), getattr(layout, k)) for k in ("precision", "data_parallel",
-                   "micro_batch_size", "sequence_length") if getattr(planned, k) != getattr(layout, k)}  # fmt: skip
+        differs = {
+            k: (getattr(planned, k), getattr(layout, k))
+            for k in ("precision", "data_parallel", "micro_batch_size", "sequence_length")
+            if getattr(planned, k) != getattr(layout, k)
+        }
         if differs:
             rank_zero_warn(
                 "HybridParallelStrategy.auto planned another job than this one (planned, actual): "

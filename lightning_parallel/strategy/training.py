@@ -68,9 +68,16 @@ def training_step(
     with _step_memory(strategy, p):
         if p.pipeline is not None:
             return pipelined.training_step(
-                p.pipeline, module, scaler, aux, strategy.precision_plugin.train_step_context, args, kwargs,
-                final=not strategy._sync_blocked, batch_idx=strategy._batch_idx,
-            )  # fmt: skip
+                p.pipeline,
+                module,
+                scaler,
+                aux,
+                strategy.precision_plugin.train_step_context,
+                args,
+                kwargs,
+                final=not strategy._sync_blocked,
+                batch_idx=strategy._batch_idx,
+            )
         if aux is not None:
             aux.start_step(pipelined.loss_scale(module, scaler, micro_batches=1))
         if not p.loss_parallel:

@@ -37,10 +37,16 @@ def initialize_zero(strategy: CheckpointingStrategy, trainer: Trainer, pipelined
     if (line := announce_compilation(zero, strategy.root_device.type)) is not None:
         rank_zero_info(line)
     engine, optimizer, mpu = initialize_engine(
-        strategy.lightning_module, strategy.optimizers[0], [c.scheduler for c in strategy.lr_scheduler_configs],
-        zero, strategy.device_mesh, strategy.precision_plugin.precision, trainer.gradient_clip_val,
-        strategy._process_group_backend, strategy._timeout,
-    )  # fmt: skip
+        strategy.lightning_module,
+        strategy.optimizers[0],
+        [c.scheduler for c in strategy.lr_scheduler_configs],
+        zero,
+        strategy.device_mesh,
+        strategy.precision_plugin.precision,
+        trainer.gradient_clip_val,
+        strategy._process_group_backend,
+        strategy._timeout,
+    )
     strategy.zero_engine = engine
     strategy.optimizers = [optimizer]
     if not pipelined:
@@ -60,9 +66,12 @@ def initialize_fsdp_offload(strategy: CheckpointingStrategy, trainer: Trainer) -
     """FSDP2's shards on the host: Adam/AdamW become DeepSpeed's CPU Adam on them, and where exact each shard's
     step starts during backward (the returned overlap; None where it cannot)."""
     strategy.optimizers = offload_sharded_optimizers(
-        strategy.optimizers, strategy.lr_scheduler_configs, strategy.config.zero, strategy.root_device.type,
+        strategy.optimizers,
+        strategy.lr_scheduler_configs,
+        strategy.config.zero,
+        strategy.root_device.type,
         strategy.global_rank,
-    )  # fmt: skip
+    )
     if strategy.config.zero.update != "exact":
         attach_deferred_update(strategy)
         return None

@@ -42,11 +42,38 @@ __all__ = ["ShardedLogitsMode", "vocab_parallel_cross_entropy"]
 
 # Functions that keep the vocabulary dimension where it is (the last), or read only metadata.
 _KEEPS_SHARDS = {
-    "view", "reshape", "flatten", "contiguous", "float", "to", "type", "bfloat16", "half", "double", "detach",
-    "__getitem__", "view_as", "reshape_as", "clone", "requires_grad_", "retain_grad",
-}  # fmt: skip
-_METADATA = {"size", "dim", "numel", "ndimension", "__get__", "__len__", "stride", "is_contiguous", "element_size",
-             "is_floating_point", "get_device", "nelement"}  # fmt: skip
+    "view",
+    "reshape",
+    "flatten",
+    "contiguous",
+    "float",
+    "to",
+    "type",
+    "bfloat16",
+    "half",
+    "double",
+    "detach",
+    "__getitem__",
+    "view_as",
+    "reshape_as",
+    "clone",
+    "requires_grad_",
+    "retain_grad",
+}
+_METADATA = {
+    "size",
+    "dim",
+    "numel",
+    "ndimension",
+    "__get__",
+    "__len__",
+    "stride",
+    "is_contiguous",
+    "element_size",
+    "is_floating_point",
+    "get_device",
+    "nelement",
+}
 # Hooks on the logits themselves: FSDP2 registers its pre-backward hook on a module's outputs, and a hook put
 # on a gathered copy would never run (the loss on the shards does not reach it): ZeRO-3 then meets freed
 # weights in the head's backward.
@@ -115,9 +142,14 @@ def vocab_parallel_cross_entropy(
     vocab = logits.shape[-1]
     step = -(-vocab // mesh.size())  # Shard(-1) splits like torch.chunk
     per_token = _VocabParallelCrossEntropy.apply(
-        logits.to_local(), target, mesh.get_local_rank() * step, vocab, mesh.get_group(), ignore_index,
+        logits.to_local(),
+        target,
+        mesh.get_local_rank() * step,
+        vocab,
+        mesh.get_group(),
+        ignore_index,
         label_smoothing,
-    )  # fmt: skip
+    )
     if reduction == "none":
         return per_token
     if reduction == "sum":

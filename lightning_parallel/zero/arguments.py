@@ -70,9 +70,11 @@ class ImportanceSplit:
                 f"`ImportanceSplit(top_rows={self.top_rows!r})` must lie strictly between 0 and 1 (the share of"
                 " each matrix's rows updated at every step, e.g. 0.05)."
             )
-        if isinstance(self.update_interval, bool) or not isinstance(self.update_interval, int) or (
-            self.update_interval < 1
-        ):  # fmt: skip
+        if (
+            isinstance(self.update_interval, bool)
+            or not isinstance(self.update_interval, int)
+            or (self.update_interval < 1)
+        ):
             raise ValueError(
                 f"`ImportanceSplit(update_interval={self.update_interval!r})` must be a positive integer (steps"
                 " between two updates of the other rows, e.g. 4)."
@@ -173,8 +175,12 @@ class ZeroArguments:
         elif self.offload == "nvme":
             assert self.offload_path is not None
             zero["offload_optimizer"] = {"device": "nvme", "nvme_path": self.offload_path, "pin_memory": True}
-            zero["offload_param"] = {"device": "nvme", "nvme_path": self.offload_path, "pin_memory": True,
-                                     "buffer_size": largest_parameter}  # fmt: skip
+            zero["offload_param"] = {
+                "device": "nvme",
+                "nvme_path": self.offload_path,
+                "pin_memory": True,
+                "buffer_size": largest_parameter,
+            }
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,  # only used by DeepSpeed's throughput log
             "gradient_accumulation_steps": 1,

@@ -255,8 +255,15 @@ def _shard_experts(
             id(owner.get_parameter(n)): expert_placement(owner.get_parameter(n), replicas) for n in marks
         }
         kwargs, kept = options(owner)
-        unit = _shard(owner, {**kwargs, "mesh": experts.mesh,
-                              "shard_placement_fn": lambda p, placements=placements: placements[id(p)]}, kept=kept)  # fmt: skip
+        unit = _shard(
+            owner,
+            {
+                **kwargs,
+                "mesh": experts.mesh,
+                "shard_placement_fn": lambda p, placements=placements: placements[id(p)],
+            },
+            kept=kept,
+        )
         unit.set_gradient_divide_factor(float(experts.data_parallel))
         # gloo has no pre-multiplied sum: sum, then divide. Not on one replica, where torch 2.13 skips the
         # collective and divides once itself, and the forced sum would divide a second time (measured).

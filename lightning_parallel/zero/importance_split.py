@@ -90,11 +90,13 @@ def _row_placements(param: DTensor, partial_elsewhere: bool) -> list[Placement]:
     """How a vector over ``param``'s rows (dim 0) lies on its mesh: sharded where dim 0 is; where another dim is
     sharded, a partial sum (``partial_elsewhere``: row norms) or replicated (row indices)."""
     return [
-        p if isinstance(p, Shard) and p.dim == 0
-        else Partial() if isinstance(p, Shard) and partial_elsewhere
+        p
+        if isinstance(p, Shard) and p.dim == 0
+        else Partial()
+        if isinstance(p, Shard) and partial_elsewhere
         else Replicate()
         for p in param.placements
-    ]  # fmt: skip
+    ]
 
 
 def global_row_indices(param: torch.Tensor) -> torch.Tensor:
@@ -117,9 +119,13 @@ def chosen_rows(param: torch.Tensor, grad: torch.Tensor, top_rows: float) -> _Ro
     if isinstance(param, DTensor):
         mesh = param.device_mesh
         squares = DTensor.from_local(
-            squares.to(mesh.device_type), mesh, _row_placements(param, partial_elsewhere=True), run_check=False,
-            shape=torch.Size([param.shape[0]]), stride=(1,),
-        ).full_tensor()  # fmt: skip
+            squares.to(mesh.device_type),
+            mesh,
+            _row_placements(param, partial_elsewhere=True),
+            run_check=False,
+            shape=torch.Size([param.shape[0]]),
+            stride=(1,),
+        ).full_tensor()
     top = torch.zeros(param.shape[0], dtype=torch.bool)
     chosen = max(1, math.ceil(round(top_rows * param.shape[0], 9)))  # 0.07 x 100 is 7.000000000000001
     top[squares.cpu().topk(chosen).indices] = True
@@ -202,9 +208,14 @@ class ImportanceSplitUpdate(DeferredUpdate):
 
     @torch.no_grad()
     def _adam_rows(
-        self, hyper: dict[str, Any], param: torch.Tensor, grad_rows: torch.Tensor, rows: torch.Tensor, step: float,
+        self,
+        hyper: dict[str, Any],
+        param: torch.Tensor,
+        grad_rows: torch.Tensor,
+        rows: torch.Tensor,
+        step: float,
         into: _Deferred | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Adam at step count ``step`` on ``rows`` of ``param`` (local indices): their states in place, their values
         in place or, with ``into``, into ``into.values`` (installed later)."""
         state = self.optimizer.state[param]
@@ -213,9 +224,15 @@ class ImportanceSplitUpdate(DeferredUpdate):
         exp_avg, exp_avg_sq = (_local(state[k]) for k in ("exp_avg", "exp_avg_sq"))
         moments = [exp_avg.index_select(0, rows), exp_avg_sq.index_select(0, rows)]
         adam_on(
-            [values], [grad_rows.to(values.dtype)], [moments[0]], [moments[1]], [torch.tensor(step - 1.0)], hyper,
-            decoupled=self.optimizer.adam_w_mode, fused=True,
-        )  # fmt: skip
+            [values],
+            [grad_rows.to(values.dtype)],
+            [moments[0]],
+            [moments[1]],
+            [torch.tensor(step - 1.0)],
+            hyper,
+            decoupled=self.optimizer.adam_w_mode,
+            fused=True,
+        )
         exp_avg.index_copy_(0, rows, moments[0])
         exp_avg_sq.index_copy_(0, rows, moments[1])
         if into is None:

@@ -125,9 +125,13 @@ class OverlappedHostStep:
 
 
 def overlap_refusal(
-    optimizer: Any, *, gradient_clip_val: float | None, clipping_overridden: bool, loss_scaled: bool,
+    optimizer: Any,
+    *,
+    gradient_clip_val: float | None,
+    clipping_overridden: bool,
+    loss_scaled: bool,
     reduced_per_micro_batch: bool,
-) -> str | None:  # fmt: skip
+) -> str | None:
     """Why the host step cannot start during backward in this run (None: it can), as the setup log says it."""
     from lightning_parallel.zero.sharded_cpu_adam import (
         torch_adam_refusal,  # imports DeepSpeed: only with offload

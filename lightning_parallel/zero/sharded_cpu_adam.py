@@ -48,18 +48,37 @@ def torch_adam_refusal(optimizer: Any) -> str | None:
 
 
 def adam_on(
-    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], hyper: Mapping[str, Any], *, decoupled: bool,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    hyper: Mapping[str, Any],
+    *,
+    decoupled: bool,
     fused: bool,
-) -> None:  # fmt: skip
+) -> None:
     """Torch's functional Adam on plain tensors, in place; each ``steps`` entry is counted up by one first (as
     in ``torch.optim.Adam``). ``decoupled``: AdamW's weight decay."""
     beta1, beta2 = hyper["betas"]
     adam(
-        params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=fused, foreach=False, decoupled_weight_decay=decoupled,
-        amsgrad=False, beta1=beta1, beta2=beta2, lr=hyper["lr"], weight_decay=hyper["weight_decay"],
-        eps=hyper["eps"], maximize=False,
-    )  # fmt: skip
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        fused=fused,
+        foreach=False,
+        decoupled_weight_decay=decoupled,
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=hyper["lr"],
+        weight_decay=hyper["weight_decay"],
+        eps=hyper["eps"],
+        maximize=False,
+    )
 
 
 def split_by_offload(group: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -122,17 +141,28 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
         vars(self).setdefault("_stepped_in_backward", set()).add(id(param))
 
     def _kernel_update(
-        self, group: dict[str, Any], param: torch.Tensor, step: torch.Tensor, exp_avg: torch.Tensor,
+        self,
+        group: dict[str, Any],
+        param: torch.Tensor,
+        step: torch.Tensor,
+        exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """DeepSpeed's vectorised Adam on the local shards of ``param``, its gradient and its states, in place."""
         beta1, beta2 = group["betas"]
         tensors = [_local(t) for t in (param, param.grad, exp_avg, exp_avg_sq)]
         updated = [t if t.is_contiguous() else t.contiguous() for t in tensors]
         self.ds_opt_adam.adam_update(
-            self.opt_id, int(step), group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-            group["bias_correction"], *updated,
-        )  # fmt: skip
+            self.opt_id,
+            int(step),
+            group["lr"],
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            group["bias_correction"],
+            *updated,
+        )
         for original, copy in zip(tensors, updated, strict=True):
             if copy is not original:
                 original.copy_(copy)
@@ -164,18 +194,28 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
 
     @torch.no_grad()
     def torch_adam(
-        self, hyper: Mapping[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
-        into: list[torch.Tensor] | None = None, *, fused: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        hyper: Mapping[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        into: list[torch.Tensor] | None = None,
+        *,
+        fused: bool = False,
+    ) -> None:
         """Torch's Adam with this optimizer's states and rule on ``params``' local shards (``hyper``: their group's
         hyper-parameters), written into them or into ``into`` (copies: the delayed update). ``fused``: torch's
         fused CPU kernel, which releases the GIL (one dtype for parameters and states)."""
         states = [self._state_of(p) for p in params]
         adam_on(
-            into if into is not None else [_local(p) for p in params], [_local(g) for g in grads],
-            [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
-            [s["step"] for s in states], hyper, decoupled=self.adam_w_mode, fused=fused,
-        )  # fmt: skip
+            into if into is not None else [_local(p) for p in params],
+            [_local(g) for g in grads],
+            [_local(s["exp_avg"]) for s in states],
+            [_local(s["exp_avg_sq"]) for s in states],
+            [s["step"] for s in states],
+            hyper,
+            decoupled=self.adam_w_mode,
+            fused=fused,
+        )
 
     def __del__(self) -> None:
         # Lightning wraps each optimizer in a ``LightningOptimizer`` that subclasses it and forwards attribute
