@@ -29,25 +29,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from lightning_parallel.memory.casts import _Geometry
+from lightning_parallel.memory.casts import VIEW_NODES, _Geometry
 from lightning_parallel.memory.counting import active_counter, local_tensor
 
 __all__ = ["GatheredInputSaver", "RegatherStats", "gathered_over"]
 
 # Autograd nodes a gathered input passes through on its way to a matmul without changing its values'
 # layout on the ranks: views, autocast's cast, and the DTensor <-> local tensor wrappers.
-_TRANSPARENT = {
-    "TBackward0",
-    "TransposeBackward0",
-    "ViewBackward0",
-    "UnsafeViewBackward0",
-    "PermuteBackward0",
-    "ExpandBackward0",
-    "AliasBackward0",
-    "ToCopyBackward0",
-    "ToLocalBackward",
-    "FromLocalBackward",
-}
+_TRANSPARENT = VIEW_NODES | {"ToCopyBackward0", "ToLocalBackward", "FromLocalBackward"}
 _GATHER = "RedistributeBackward"
 # torch 2.13 names the gather into one tensor all_gather_single (all_gather_into_tensor warns there, and is
 # the name torch 2.11 has): the same collective.
