@@ -54,6 +54,8 @@ def strategy_config(a: StrategyArguments) -> ParallelConfig:
         a.offload_update,
     )
     tp, pp, plan = a.tensor_parallel, a.pipeline_parallel, a.plan
+    if isinstance(tp, int) and (refusal := importance_split_refusal(zero.update, tp)) is not None:
+        raise ValueError(refusal)  # "auto" degrees: at setup (strategy/zero_setup.py)
     if not a.save_distributed_checkpoint:
         refusal = consolidated_refusal(pp, a.expert_parallel, zero.stage)
         if refusal is not None:
@@ -89,6 +91,18 @@ def strategy_config(a: StrategyArguments) -> ParallelConfig:
     )
     tensor = TensorParallelConfig(tp, a.sequence_parallel, styles, a.verify_plan, a.loss_parallel)
     return ParallelConfig(tensor, pipeline, experts, zero, memory, a.compile, weights, context)
+
+
+def importance_split_refusal(update: object, tensor_parallel: int) -> str | None:
+    """Why ``offload_update`` cannot run with ``tensor_parallel`` ranks (None: it can)."""
+    if update in ("exact", "delayed") or tensor_parallel <= 1:
+        return None
+    return (
+        f"`offload_update={update!r}` with `tensor_parallel={tensor_parallel}`: the importance split chooses rows over"
+        " each whole matrix and has been tested with data parallelism alone (a tensor-parallel cut of the rows, fused"
+        " q|k|v's strided one included, is not handled). Use `tensor_parallel=1`, or `offload_update='exact'` or"
+        " 'delayed'."
+    )
 
 
 def _check_zero_reshard(zero: ZeroArguments, pipeline: PipelineConfig | None) -> None:

@@ -8,7 +8,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_parallel.config.validation import check_zero_optimizers
+from lightning_parallel.config.validation import check_zero_optimizers, importance_split_refusal
 from lightning_parallel.strategy.checkpointing import CheckpointingStrategy
 from lightning_parallel.zero.arguments import describe_compute
 from lightning_parallel.zero.deepspeed_ops import announce_compilation
@@ -65,6 +65,12 @@ def initialize_zero(strategy: CheckpointingStrategy, trainer: Trainer, pipelined
 def initialize_fsdp_offload(strategy: CheckpointingStrategy, trainer: Trainer) -> OverlappedHostStep | None:
     """FSDP2's shards on the host: Adam/AdamW become DeepSpeed's CPU Adam on them, and where exact each shard's
     step starts during backward (the returned overlap; None where it cannot)."""
+    if (
+        strategy.dims is not None
+    ):  # before DeepSpeed's CPU Adam is built: a refusal must not meet a rank loading it
+        refusal = importance_split_refusal(strategy.config.zero.update, strategy.dims.tensor_parallel)
+        if refusal is not None:
+            raise ValueError(refusal)
     strategy.optimizers = offload_sharded_optimizers(
         strategy.optimizers,
         strategy.lr_scheduler_configs,
@@ -87,13 +93,6 @@ def attach_deferred_update(strategy: CheckpointingStrategy) -> None:
     from lightning_parallel.zero.sharded_cpu_adam import torch_adam_refusal
 
     update = strategy.config.zero.update
-    if update != "delayed" and strategy.dims is not None and strategy.dims.tensor_parallel > 1:
-        raise ValueError(
-            f"`offload_update={update!r}` with `tensor_parallel={strategy.dims.tensor_parallel}`: the importance split"
-            " chooses rows over each whole matrix and has been tested with data parallelism alone (a tensor-parallel"
-            " cut of the rows, fused q|k|v's strided one included, is not handled). Use `tensor_parallel=1`, or"
-            " `offload_update='exact'` or 'delayed'."
-        )
     for optimizer in [getattr(o, "_optimizer", o) for o in strategy.optimizers]:
         if (refusal := torch_adam_refusal(optimizer)) is not None:
             raise ValueError(
