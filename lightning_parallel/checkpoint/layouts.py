@@ -174,3 +174,21 @@ def hyper_parameters_to_read(state: dict[str, Any], saved: dict[str, Any]) -> di
     ``bias_correction``): those options keep this optimizer's values; per-parameter states are all read.
     """
     return {k: v for k, v in state.items() if k in saved or not k.startswith("param_groups.")}
+
+
+def rename_parameters(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """A flat optimizer entry (``state.<fqn>.<state>``, ``param_groups.<fqn>.<option>``) with each parameter
+    of ``names`` under its new name.
+
+    A module several blocks share is known to a pipeline stage by its own blocks' name for it, and to one
+    process by the first block's (the optimizer's keys name each weight once): files hold the one-process
+    name (``StageLayout.aliases_on_rank``), so any layout reads them.
+    """
+    if not names:
+        return state
+    out = {}
+    for key, value in state.items():
+        kind, _, rest = key.partition(".")
+        fqn, _, leaf = rest.rpartition(".")
+        out[f"{kind}.{names.get(fqn, fqn)}.{leaf}" if fqn in names else key] = value
+    return out

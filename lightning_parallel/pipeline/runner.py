@@ -84,7 +84,7 @@ class PipelineRunner:
         self.pp_rank = dist.get_rank(pp_group)
         self.device = device
         self.runtime = runtime
-        self.tied_groups = tied_groups  # canonical name -> group of the ranks holding that tied weight
+        self.tied_groups = tied_groups  # this rank's name -> group of the ranks holding that tied weight
         self.last_stage = layout.num_stages - 1
         self.last_owner = layout.owners[self.last_stage]
         self.logs = LogRecorder()
@@ -100,9 +100,8 @@ class PipelineRunner:
         self._held: list[torch.Tensor | None] = []
         self._ctx: _StepContext | None = None
         self._loss_factor: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
-        params = {
-            user_name(n): p for n, p in module.named_parameters()
-        }  # a local-shard weight under its name
+        # a local-shard weight under its name; a weight several blocks share under each of its names
+        params = {user_name(n): p for n, p in module.named_parameters(remove_duplicate=False)}
         self.parameters = [params[n] for n in sorted(owned_names) if n in params]
         names = {s: self._stage_parameter_names(s, params) for s in my_stages}
         self.last_backward = LastBackward(
@@ -126,8 +125,15 @@ class PipelineRunner:
             ) from None
 
     def _stage_parameter_names(self, stage: int, params: dict[str, nn.Parameter]) -> list[str]:
-        names = {n for n, stages in self.layout.parameter_stages.items() if stage in stages}
+        names = {
+            self.layout.name_in_stage(n, stage) for n, s in self.layout.parameter_stages.items() if stage in s
+        }
         return [n for n in sorted(names) if n in params]
+
+    @property
+    def weights_named_apart(self) -> dict[str, str]:
+        """This rank's name -> the one-process name of each weight this rank's blocks know by another name."""
+        return self.layout.aliases_on_rank(self.layout.owners[self.my_stages[0]])
 
     @property
     def holds_last_stage(self) -> bool:

@@ -128,7 +128,8 @@ def cut_for_rank(
 
 
 def tied_weight_groups(layout: StageLayout, mesh: DeviceMesh) -> dict[str, dist.ProcessGroup]:
-    """A process group per weight held on several pipeline ranks (GPT's embedding and head).
+    """A process group per weight held on several pipeline ranks (GPT's embedding and head), under this rank's
+    name for it.
 
     Every rank creates every group in the same order (``new_group`` is collective over the
     world); each keeps the one its own (dp, tp) position belongs to.
@@ -154,7 +155,7 @@ def tied_weight_groups(layout: StageLayout, mesh: DeviceMesh) -> dict[str, dist.
         by_ranks[ranks] = mine
     pp_rank = mesh[Axis.PP].get_local_rank()
     return {
-        name: by_ranks[ranks]
+        layout.name_on_rank(name, pp_rank): by_ranks[ranks]
         for name, ranks in tied.items()
         if pp_rank in ranks and by_ranks[ranks] is not None
     }
@@ -165,7 +166,7 @@ def norm_duplicates(layout: StageLayout, pp_rank: int, module: nn.Module) -> set
     out = set()
     for name, ranks in layout.tied_across_ranks().items():
         if pp_rank in ranks and pp_rank != ranks[0]:  # middle stages of 3+ do not hold it at all
-            out.add(id(registered_parameter(module, name)))
+            out.add(id(registered_parameter(module, layout.name_on_rank(name, pp_rank))))
     return out
 
 

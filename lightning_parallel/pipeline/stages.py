@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_parallel.pipeline.discover import Discovery, OutputTemplate, PipelineSetupError
+from lightning_parallel.pipeline.discover import Discovery, OutputTemplate
 from lightning_parallel.tensor_parallel.regions import find_hidden, replace_hidden
 from lightning_parallel.zero.tensor_parallel import registered_parameter
 
@@ -95,6 +95,8 @@ class StageLayout:
     owners: list[int]  # pipeline rank of each stage
     discovery: Discovery
     parameter_stages: dict[str, set[int]] = field(default_factory=dict)  # see :meth:`build`
+    # canonical name of a weight several blocks share -> stage -> its name in that stage's first block using it
+    aliases: dict[str, dict[int, str]] = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -107,24 +109,33 @@ class StageLayout:
     def build(
         cls, module: nn.Module, ranges: list[range], owners: list[int], discovery: Discovery
     ) -> StageLayout:
-        """Also record, before any surgery, which stages hold each parameter (canonical names)."""
+        """Also record, before any surgery, which stages hold each parameter (canonical names).
+
+        A module several blocks share (Zamba's shared transformer) lives on every stage whose blocks call
+        it, as a tied embedding lives on both end stages: each stage's blocks add their part of its
+        gradient, the parts are summed over those stages (``tied_across_ranks``), and every copy takes the
+        same update. On a stage whose blocks reach it under another name than the whole model's first one,
+        :meth:`name_in_stage` gives that name.
+        """
         layout = cls(ranges, owners, discovery)
         d = discovery
         last = layout.num_stages - 1
         out = layout.parameter_stages
-        holders: dict[int, tuple[str, int]] = {}  # id(weight) -> the first block holding it, its stage
+        canonical = {id(p): n for n, p in module.named_parameters()}
+        seen: dict[
+            str, dict[int, str]
+        ] = {}  # canonical -> stage -> name there (the canonical one where it can)
         for index, name in enumerate(d.block_names):
             stage = layout.stage_of_block(index)
-            for pname, param in module.get_submodule(name).named_parameters(prefix=name):
-                first, first_stage = holders.setdefault(id(param), (name, stage))
-                if first_stage != stage:
-                    raise PipelineSetupError(
-                        f"`{pname}` is one weight of blocks {first} and {name} (a module shared between"
-                        f" layers, as Zamba's shared transformer), which pipeline stages {first_stage} and {stage}"
-                        ' would hold apart. Use pipeline_parallel=1 for this model, or `plan={"pipeline_boundaries": [...]}`'
-                        " that keep the blocks sharing it on one stage."
-                    )
-                out.setdefault(pname, set()).add(stage)
+            for pname, param in module.get_submodule(name).named_parameters(
+                prefix=name, remove_duplicate=False
+            ):
+                key = canonical[id(param)]
+                out.setdefault(key, set()).add(stage)
+                names = seen.setdefault(key, {})
+                if pname == key or stage not in names:
+                    names[stage] = pname
+        layout.aliases = {k: v for k, v in seen.items() if any(n != k for n in v.values())}
         for pname in d.pre_parameters | d.other_parameters:
             out.setdefault(pname, set()).add(0)
         for pname in d.post_parameters:
@@ -133,6 +144,19 @@ class StageLayout:
             for pname in pnames:
                 out.setdefault(pname, set()).add(layout.stage_of_block(index))
         return layout
+
+    def name_in_stage(self, name: str, stage: int) -> str:
+        """The name ``stage``'s rank knows the weight ``name`` (canonical) by, after its blocks are cut."""
+        return self.aliases.get(name, {}).get(stage, name)
+
+    def name_on_rank(self, name: str, pp_rank: int) -> str:
+        """The name pipeline rank ``pp_rank`` knows ``name`` by: its first stage holding the weight decides."""
+        held = sorted(s for s in self.parameter_stages.get(name, ()) if self.owners[s] == pp_rank)
+        return self.name_in_stage(name, held[0]) if held else name
+
+    def aliases_on_rank(self, pp_rank: int) -> dict[str, str]:
+        """This rank's name -> the whole model's (canonical) one, for the weights it knows by another name."""
+        return {local: n for n in self.aliases if (local := self.name_on_rank(n, pp_rank)) != n}
 
     def tied_across_ranks(self) -> dict[str, tuple[int, ...]]:
         """Parameters held by stages on different pipeline ranks -> those ranks (sorted)."""
@@ -158,7 +182,11 @@ def cut_into_stages(
 ) -> set[str]:
     """Apply the surgery for the stages in ``my_stages``; returns the canonical names of the kept parameters."""
     d = layout.discovery
-    owned_names = {n for n, stages in layout.parameter_stages.items() if stages & set(my_stages)}
+    owned_names = {
+        layout.name_in_stage(n, min(stages & set(my_stages)))
+        for n, stages in layout.parameter_stages.items()
+        if stages & set(my_stages)
+    }
     # Parameters outside the blocks that this rank does not own become zero placeholders.
     block_ids = {id(p) for name in d.block_names for p in module.get_submodule(name).parameters()}
     canonical = {id(p): n for n, p in module.named_parameters()}

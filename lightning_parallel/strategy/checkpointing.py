@@ -44,6 +44,7 @@ from lightning_parallel.checkpoint.layouts import (
     experts_as_dtensors,
     experts_as_local,
     hyper_parameters_to_read,
+    rename_parameters,
     restore_strided,
     saved_keys,
 )
@@ -252,11 +253,16 @@ class CheckpointingStrategy(MeshParallelStrategy):
             get_optimizer_state_dict(self.model, optimizer, options=FLAT), registry(self.model), True
         )
         layouts = expert_layouts(self.model)
-        return contiguous_shards(
-            experts_as_dtensors(
-                state, layouts, self._ep_mesh(), optimizer=True, replicas_mesh=self._expert_replicas_mesh()
-            )
+        state = experts_as_dtensors(
+            state, layouts, self._ep_mesh(), optimizer=True, replicas_mesh=self._expert_replicas_mesh()
         )
+        return contiguous_shards(rename_parameters(state, self._weights_named_apart()))
+
+    def _weights_named_apart(self) -> dict[str, str]:
+        """A pipeline stage's names for the weights it knows by another name than one process (a module its
+        blocks share with another stage's) -> the one-process names, which the files hold."""
+        runner = getattr(self, "pipeline_runner", None)
+        return runner.weights_named_apart if runner is not None else {}
 
     def _consolidated_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Lightning's consolidated optimizer state (keyed by parameter index on rank 0), with the tensors of
@@ -350,8 +356,12 @@ class CheckpointingStrategy(MeshParallelStrategy):
                 original, layouts, ep_mesh, optimizer=True, replicas_mesh=replicas
             )
             shards = contiguous_shards(optimizer_state)
-            readable = hyper_parameters_to_read(shards, saved_keys(path, f"optimizer_{idx}"))
+            apart = self._weights_named_apart()
+            readable = hyper_parameters_to_read(
+                rename_parameters(shards, apart), saved_keys(path, f"optimizer_{idx}")
+            )
             compat.distributed_checkpoint_load({f"optimizer_{idx}": readable}, path)
+            readable = rename_parameters(readable, {v: k for k, v in apart.items()})
             restored = experts_as_local(
                 restore_strided({**shards, **readable}, optimizer_state),
                 layouts,

@@ -54,6 +54,7 @@ class PerLayerInputs(nn.Module):
         side: int = 4,
         share_state: bool | str = False,
         strided_hidden: bool = False,
+        shared_side: bool = False,
     ) -> None:
         super().__init__()
         self.embed, self.per_layer = nn.Embedding(vocab, width), nn.Embedding(vocab, layers * side)
@@ -62,6 +63,8 @@ class PerLayerInputs(nn.Module):
             SideInputBlock(width, side, strided_hidden, reads=not pair or i == 2, stores=not pair or i == 1)
             for i in range(layers)
         )
+        if shared_side:  # the first and last blocks call one module (Zamba's shared transformer)
+            self.blocks[-1].side = self.blocks[0].side
         self.head, self.side, self.share_state = nn.Linear(width, vocab), side, share_state
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -79,13 +82,14 @@ class PerLayerInputsModule(L.LightningModule):
     def __init__(
         self, vocab_size: int = 128, block_size: int = 32, n_layer: int = 4, n_embd: int = 16,
         share_state: bool | str = False, strided_hidden: bool = False, learning_rate: float | None = None,
-        optimizer: str = "sgd",
+        optimizer: str = "sgd", shared_side: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
         self.save_hyperparameters()
         self.model = PerLayerInputs(
-            vocab_size, n_layer, n_embd, share_state=share_state, strided_hidden=strided_hidden
-        )
+            vocab_size, n_layer, n_embd, share_state=share_state, strided_hidden=strided_hidden,
+            shared_side=shared_side,
+        )  # fmt: skip
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -52,7 +52,7 @@ def _layout(model: Any, batch: Any, schedule: str, pp: int, virtual: int) -> Sta
 
 
 def _chain(
-    model: Any, batch: Any, schedule: str, pp: int, virtual: int
+    model: Any, batch: Any, schedule: str, pp: int, virtual: int, sum_aliases: bool = True
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss and gradients (by canonical name, summed over the ranks holding a weight) of the cut model."""
     layout = _layout(model, batch, schedule, pp, virtual)
@@ -82,9 +82,13 @@ def _chain(
     loss.backward()
     for out, inp in reversed(list(zip(boundary_outputs, boundary_inputs, strict=True))):
         out.backward(inp.grad)
+    canonical = {alias: name for name, by_stage in layout.aliases.items() for alias in by_stage.values()}
+    if not sum_aliases:
+        canonical = {}
     grads: dict[str, torch.Tensor] = {}
     for copy_, _ in ranks:
-        for name, param in copy_.named_parameters():
+        for local, param in copy_.named_parameters():
+            name = canonical.get(local, local)  # a module shared by blocks: this rank's blocks' name for it
             if param.grad is not None:
                 grads[name] = grads[name] + param.grad if name in grads else param.grad.clone()
     return loss.detach(), grads
@@ -275,12 +279,35 @@ def test_negative_control_a_skipped_block_without_its_copy_cannot_answer() -> No
         _ = SkippedBlock("model.blocks.3", layout.discovery.template).kind
 
 
-def test_a_module_shared_by_blocks_on_two_stages_is_refused() -> None:
+def test_a_module_shared_by_blocks_on_two_stages_lives_on_both_and_sums_its_gradient() -> None:
+    """Zamba's shared transformer: each stage holding a block that calls it keeps a copy, under its own block's
+    name, and the copies' gradients add up to the whole model's (the runtime sums them as a tied weight's)."""
+    torch.manual_seed(0)
     model = _quiet(FAMILIES["per_layer_inputs"]())
     blocks = model.model.blocks
-    blocks[3].side = blocks[0].side  # one module in two layers (Zamba's shared transformer)
-    with pytest.raises(PipelineSetupError, match=r"`model\.blocks\.3\.side\.weight` is one weight of blocks"):
-        _layout(model, _batch(), "1f1b", 2, 1)
-    blocks[1].side = blocks[0].side  # negative control: shared within one stage, nothing to refuse
-    blocks[3].side = torch.nn.Linear(4, 16)
-    _layout(model, _batch(), "1f1b", 2, 1)
+    blocks[3].side = blocks[0].side  # one module in two layers, blocks 0 and 3: stages 0 and 1
+    batch = _batch()
+    layout = _layout(model, batch, "1f1b", 2, 1)
+    shared = "model.blocks.0.side.weight"
+    assert layout.tied_across_ranks()[shared] == (0, 1)
+    assert [layout.name_on_rank(shared, r) for r in (0, 1)] == [shared, "model.blocks.3.side.weight"]
+    later = copy.deepcopy(model)
+    cut_into_stages(later, layout, [1], StageRuntime())
+    assert isinstance(later.model.blocks[0], SkippedBlock)
+    assert later.get_parameter("model.blocks.3.side.weight") is not None  # the copy block 3 calls
+    _assert_cut_matches_whole(model, batch)
+    # negative control: each stage's part alone (not summed under one name) is not the gradient
+    _, parts = _chain(model, batch, "1f1b", 2, 1, sum_aliases=False)
+    model.zero_grad()
+    model.training_step(batch, 0).backward()
+    whole = model.get_parameter(shared).grad
+    for part in (parts[shared], parts["model.blocks.3.side.weight"]):
+        assert not torch.allclose(part, whole, rtol=1e-3)
+    torch.testing.assert_close(parts[shared] + parts["model.blocks.3.side.weight"], whole)
+
+
+def test_a_module_shared_by_blocks_of_one_stage_needs_no_alias() -> None:
+    model = _quiet(FAMILIES["per_layer_inputs"]())
+    model.model.blocks[1].side = model.model.blocks[0].side
+    layout = _layout(model, _batch(), "1f1b", 2, 1)
+    assert layout.aliases == {} and "model.blocks.0.side.weight" not in layout.tied_across_ranks()

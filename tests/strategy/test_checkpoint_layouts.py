@@ -3,7 +3,7 @@
 Three launches of ``scripts/checkpoint_layouts.py`` (2, 4, then 2 ranks; see its docstring) run
 every layout from the same weights ``W`` (a single safetensors / ``torch.save`` file loaded with
 ``init_weights``), save mid-epoch, and resume each other's checkpoints: tp 2 <-> 1, pp 2 <-> 4,
-ep 2 <-> 1, dp 4 <-> 2, cp 2 <-> dp 2, cp 2 <-> 4. The last launch ends with the one-process runs from ``W``, which every
+ep 2 <-> 1, dp 4 <-> 2, cp 2 <-> dp 2, cp 2 <-> 4, and pp 2 <-> dp 2 of a model whose first and last blocks share a module. The last launch ends with the one-process runs from ``W``, which every
 run must follow within the parity tolerance (RTOL per step): the runs that imported ``W`` from
 the start, and the readers after resharding. The checkpoints taken before the first step export
 (without processes) to exactly ``W``.
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.strategy import launch
-from tests.strategy.scripts.checkpoint_layouts import LAYOUTS, PAIRS, SAVE_AT, STEPS
+from tests.strategy.scripts.checkpoint_layouts import EXPORTED, LAYOUTS, PAIRS, SAVE_AT, STEPS
 
 pytestmark = [pytest.mark.distributed]
 
@@ -80,10 +80,11 @@ def test_a_checkpoint_resumes_in_another_layout(runs: Path, writer: str, reader:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "ep2", "zero3_ep2"])
+@pytest.mark.parametrize("layout", EXPORTED)
 def test_export_gives_the_unparallelised_state_dict(runs: Path, layout: str, tmp_path: Path) -> None:
     """The checkpoint taken before the first step, exported to one file: exactly ``W``, every name of the
-    unparallelised module, bit for bit (fused q|k|v of tp=2, both pipeline stages, all experts)."""
+    unparallelised module, bit for bit (fused q|k|v of tp=2, both pipeline stages, all experts, a module two
+    stages share under each block's name)."""
     from safetensors.torch import load_file
 
     from lightning_parallel import export_checkpoint

@@ -1,10 +1,12 @@
 """Checkpoints across layouts: resharding on load, weights in from one file, weights out to one file.
 
-    python tests/strategy/scripts/checkpoint_layouts.py write2 OUT_DIR  # 2 ranks: tp2, dp2, pp2, ep2, ep1, zero3_ep2, cp2
+    python tests/strategy/scripts/checkpoint_layouts.py write2 OUT_DIR  # 2 ranks: tp2, dp2, pp2, ep2, ep1, zero3_ep2, cp2,
+                                                                        # pp2_shared, dp2_shared
     python tests/strategy/scripts/checkpoint_layouts.py world4 OUT_DIR  # 4 ranks: pp4, dp4, cp4; read pp2, dp2, cp2
     python tests/strategy/scripts/checkpoint_layouts.py read2  OUT_DIR  # 2 ranks: read the others; references
 
-Every run trains a test family (``recipe_gpt`` with 4 blocks, or ``recipe_moe``; SGD) for 6 steps
+Every run trains a test family (``recipe_gpt`` with 4 blocks, ``recipe_moe``, or ``per_layer_inputs`` whose first
+and last blocks share a module; SGD) for 6 steps
 on the same global batches (8 samples: 8 / dp per rank, Lightning's ``DistributedSampler``, 4
 steps per epoch) and starts from the same weights ``W``: a single-file state dict of the
 unparallelised module (``OUT_DIR/<family>.safetensors``, and as ``torch.save``'d ``.pt`` of the
@@ -39,6 +41,7 @@ STEPS, SAVE_AT, GLOBAL_BATCH, NUM_SAMPLES, W_SEED = 6, 3, 8, 32, 99
 FAMILY_KWARGS: dict[str, dict[str, Any]] = {
     "recipe_gpt": {"n_layer": 4},
     "recipe_moe": {"capacity_factor": None, "aux_loss_coef": 0.0},
+    "per_layer_inputs": {"shared_side": True},  # a module the first and last blocks share: on both stages
 }
 
 # name: (family, world size, strategy arguments, the weights file it starts from)
@@ -55,13 +58,23 @@ LAYOUTS: dict[str, tuple[str, int, dict[str, Any], str]] = {
     # Context parallelism: the parameters replicated over cp, so any cp degree reads any other's checkpoint.
     "cp2": ("recipe_gpt", 2, dict(context_parallel=2), "recipe_gpt.safetensors"),
     "cp4": ("recipe_gpt", 4, dict(context_parallel=4), "recipe_gpt.safetensors"),
+    # Zamba's shared transformer: each stage saves the copy its own blocks call, under their names.
+    "pp2_shared": (
+        "per_layer_inputs",
+        2,
+        dict(pipeline_parallel=2, micro_batches=2),
+        "per_layer_inputs.safetensors",
+    ),
+    "dp2_shared": ("per_layer_inputs", 2, {}, "per_layer_inputs.safetensors"),
 }
+EXPORTED = ("tp2", "pp2", "ep2", "zero3_ep2", "pp2_shared")  # save step0.ckpt, which the tests export
 # (writer, reader): each resharding pair of issue 6, both directions.
 PAIRS = [
     ("tp2", "dp2"), ("dp2", "tp2"), ("pp2", "pp4"), ("pp4", "pp2"),
     ("ep2", "ep1"), ("ep1", "ep2"), ("dp4", "dp2"), ("dp2", "dp4"),
     ("tp2", "pp2"), ("pp2", "tp2"),  # fused q|k|v row shards read by stages, and back
     ("cp2", "dp2"), ("dp2", "cp2"), ("cp2", "cp4"), ("cp4", "cp2"),
+    ("pp2_shared", "dp2_shared"), ("dp2_shared", "pp2_shared"),
 ]  # fmt: skip
 
 
@@ -113,9 +126,7 @@ def fit(out: Path, run: str, layout: str, resume_from: str | None = None) -> Non
         // strategy_kwargs.get("context_parallel", 1)
     )
     writer = resume_from is None
-    record = Record(
-        out / layout / "step0.ckpt" if writer and layout in ("tp2", "pp2", "ep2", "zero3_ep2") else None
-    )
+    record = Record(out / layout / "step0.ckpt" if writer and layout in EXPORTED else None)
     callbacks: list[L.Callback] = [record]
     if writer:
         callbacks.append(
@@ -160,7 +171,7 @@ def main(mode: str, out: Path) -> None:
     world_size = int(os.environ["WORLD_SIZE"])
     if mode == "write2":
         write_weights(out)
-        for layout in ("tp2", "dp2", "pp2", "ep2", "ep1", "zero3_ep2", "cp2"):
+        for layout in ("tp2", "dp2", "pp2", "ep2", "ep1", "zero3_ep2", "cp2", "pp2_shared", "dp2_shared"):
             fit(out, layout, layout)
     elif mode == "world4":
         for layout in ("pp4", "dp4", "cp4"):
