@@ -41,3 +41,25 @@ def worker_environment() -> dict[str, str]:
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # fmt: skip
     return env
+
+
+def release_build_locks() -> list[Path]:
+    """Remove the lock files of torch's JIT extension builds (DeepSpeed's ops) that killed ranks left behind.
+
+    Every rank that loads an op takes its build folder's ``lock`` for the moment torch checks the build, and
+    a rank killed in that moment (a timeout, or a test's fault injection killing the others) never removes
+    it: every later rank loading the op then waits on it for ever (the fresh-clone CI hung in
+    ``test_zero_collectives`` so). Called by the launchers right after they kill a launch's ranks: the tests
+    run one launch at a time, so no rank of theirs is loading at that moment. Returns what it removed.
+    """
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", ""))
+    if not root.name or not root.is_dir():
+        return []
+    removed = []
+    for lock in root.glob("*/lock"):
+        try:
+            lock.unlink()
+            removed.append(lock)
+        except FileNotFoundError:
+            pass
+    return removed

@@ -33,7 +33,7 @@ import torch
 
 from tests.distributed.cases import ATOL, CASES, RTOL, Case
 from tests.distributed.compute_dtype import compute_dtype_problems
-from tests.environment import worker_environment
+from tests.environment import release_build_locks, worker_environment
 from tests.warm_workers import WarmProcess, spawn
 
 __all__ = [
@@ -284,14 +284,18 @@ class _Launch:
         return Result(**torch.load(path, weights_only=True))
 
     def _kill(self) -> None:
+        killed = False
         for p in self.procs:
             if p.poll() is None:
                 try:
                     os.killpg(p.pid, signal.SIGKILL)
+                    killed = True
                 except ProcessLookupError:
                     pass
         for p in self.procs:
             p.wait()
+        if killed:
+            release_build_locks()
 
     def _report(self, reason: str) -> str:
         names = [c.name for c in self.cases] + [f"{c.name} (reference)" for c in self.refs]

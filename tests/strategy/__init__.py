@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.environment import worker_environment
+from tests.environment import release_build_locks, worker_environment
 from tests.warm_workers import WarmProcess, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,8 +71,10 @@ def _kill(process: WarmProcess | subprocess.Popen) -> None:
     try:
         os.killpg(process.pid, signal.SIGKILL)  # the rank and anything it started (its own session)
     except ProcessLookupError:
-        pass
+        process.wait()
+        return
     process.wait()
+    release_build_locks()
 
 
 def launch(
@@ -124,6 +126,7 @@ def launch(
         leftover = _session_alive(process)
         if leftover:
             os.killpg(process.pid, signal.SIGKILL)
+            release_build_locks()
         log.seek(0)
         returncode = None if killed[rank] else process.returncode
         results.append(RankResult(rank, returncode, log.read(), killed[rank], leftover))
