@@ -184,6 +184,7 @@ def filter_plan_to_kept_modules(plan: Any, module: nn.Module) -> Any:
 
     plan.styles = {name: style for name, style in plan.styles.items() if kept(name)}
     plan.containers = [c for c in plan.containers if kept(c.name)]
+    plan.whole_sequence = [n for n in plan.whole_sequence if kept(n)]
     if plan.head is not None and not kept(plan.head):
         plan.head = None
     return plan

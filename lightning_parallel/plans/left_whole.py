@@ -117,10 +117,28 @@ def check_left_whole(
     if not replicated:
         return
     if plan.sequence_parallel:
-        raise ValueError(
-            f"`sequence_parallel=True`: `{first}` ({why}) is neither attention nor an MLP, so tensor parallelism"
-            " keeps it whole, and under sequence parallelism it would see only this rank's slice of the sequence."
-            " Use sequence_parallel=False (tensor parallelism still splits the attention and MLPs)."
-        )
+        _run_on_the_whole_sequence(plan, replicated)
     for name, reason in replicated:
         plan.notes.append(f"{name}: left replicated ({reason})")
+
+
+def _run_on_the_whole_sequence(plan: ParallelPlan, replicated: list[tuple[str, str]]) -> None:
+    """Under sequence parallelism each rank holds a slice of the sequence between the blocks' containers. A
+    module left whole inside a split container reads the container's input, which is gathered already; one
+    called by the block itself (a state-space mixer, a sparse-attention indexer beside the attention) runs on
+    the whole sequence: gathered entering it, this rank's slice of its output leaving it (the same on every
+    rank, as a replicated module is under tensor parallelism without sequence parallelism). A block that is
+    itself what stays whole (its own projections) cannot: it is the sequence-parallel region."""
+    split = [c.name for c in plan.containers]
+    for name, why in replicated:
+        if any(name.startswith(c + ".") for c in split):
+            continue
+        if name in plan.block_names:
+            raise ValueError(
+                f"`sequence_parallel=True`: `{name}` ({why}) is neither attention nor an MLP, so tensor"
+                " parallelism keeps it whole, and under sequence parallelism it would see only this rank's slice"
+                " of the sequence. Use sequence_parallel=False (tensor parallelism still splits the attention"
+                " and MLPs)."
+            )
+        plan.whole_sequence.append(name)
+        plan.notes.append(f"{name}: runs on the whole sequence (gathered entering it, sliced leaving it)")

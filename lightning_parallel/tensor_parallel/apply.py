@@ -15,7 +15,11 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
-from lightning_parallel.tensor_parallel.regions import install_container_hooks, install_sequence_region
+from lightning_parallel.tensor_parallel.regions import (
+    install_container_hooks,
+    install_sequence_region,
+    install_whole_sequence,
+)
 from lightning_parallel.tensor_parallel.row_layout import record_row_layouts
 
 log = logging.getLogger(__name__)
@@ -135,6 +139,8 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceM
     if plan.sequence_parallel and plan.block_names:
         first, last = model.get_submodule(plan.block_names[0]), model.get_submodule(plan.block_names[-1])
         handles += install_sequence_region(first, last, tp_mesh)
+    for name in plan.whole_sequence if plan.sequence_parallel else []:
+        handles += install_whole_sequence(model.get_submodule(name), tp_mesh)
     log.info(
         "applied tensor parallelism (tp=%d, sp=%s) to %d modules",
         plan.tensor_parallel,

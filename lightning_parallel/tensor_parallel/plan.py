@@ -92,6 +92,9 @@ class ParallelPlan:
     block_names: list[str] = field(default_factory=list)
     norms: list[str] = field(default_factory=list)
     head: str | None = None  # the output projection to the vocabulary, if sharded
+    # Modules of the blocks left whole that, under sequence parallelism, run on the whole sequence (gathered
+    # entering them, this rank's slice of their output leaving): a state-space or convolution mixer
+    whole_sequence: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     # Filled by the report once the model is known: name -> (global numel, local numel, bytes/elem)
     parameter_shards: dict[str, tuple[int, int, int]] = field(default_factory=dict)

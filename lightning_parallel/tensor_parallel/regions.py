@@ -268,3 +268,23 @@ def install_sequence_region(first: nn.Module, last: nn.Module, mesh: DeviceMesh)
         first.register_forward_pre_hook(enter, with_kwargs=True),
         last.register_forward_hook(leave),
     ]
+
+
+def install_whole_sequence(module: nn.Module, mesh: DeviceMesh) -> list[RemovableHandle]:
+    """Run ``module`` (left whole) on the whole sequence inside the sequence-parallel region: its hidden-state
+    argument gathered entering it, this rank's slice of its hidden output leaving it. Every rank computes the
+    same whole output; the slice's backward all-gathers the output's gradient, so each rank computes the whole
+    gradient of the module's weights (the same everywhere, as for a module replicated without sequence
+    parallelism) and takes its slice of the input's gradient."""
+
+    def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        where, hidden = find_hidden(args, kwargs)
+        return replace_hidden(args, kwargs, where, gather_sequence(hidden, mesh))
+
+    def leave(module: nn.Module, args: Any, output: Any) -> Any:
+        return map_first_tensor(output, lambda t: scatter_sequence(t, mesh))
+
+    return [
+        module.register_forward_pre_hook(enter, with_kwargs=True),
+        module.register_forward_hook(leave),
+    ]

@@ -30,6 +30,7 @@ from lightning_parallel.tensor_parallel.plan import ParallelPlan
 from lightning_parallel.tensor_parallel.regions import (
     find_hidden,
     install_sequence_region,
+    install_whole_sequence,
     replace_hidden,
     sequence_length_problem,
 )
@@ -188,6 +189,8 @@ def _compare_once(block: nn.Module, inputs: Captured, plan: ParallelPlan, mesh: 
         install_container(sharded.get_submodule(container.name), container, plan, mesh)
     if plan.sequence_parallel:
         install_sequence_region(sharded, sharded, mesh)
+        for name in plan.whole_sequence:
+            install_whole_sequence(sharded.get_submodule(name), mesh)
     ref_out, ref_grad = _run(reference, inputs)
     out, grad = _run(sharded, inputs)
     problems = []

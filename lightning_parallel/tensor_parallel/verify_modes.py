@@ -83,7 +83,10 @@ def relative_plan(plan: ParallelPlan, prefix: str, mode: Mode) -> ParallelPlan:
         dataclasses.replace(c, name=c.name[cut:], entries=[e[cut:] for e in c.entries], exit=c.exit[cut:])
         for c in chosen
     ]
-    return dataclasses.replace(plan, styles=styles, containers=containers, block_names=[], norms=[])
+    whole = [n[cut:] for n in plan.whole_sequence if n.startswith(prefix + ".")]
+    return dataclasses.replace(
+        plan, styles=styles, containers=containers, block_names=[], norms=[], whole_sequence=whole
+    )
 
 
 def keep_mode(plan: ParallelPlan, model: nn.Module, block: nn.Module, mode: Mode) -> None:

@@ -101,6 +101,9 @@ def tensor_parallel_modes(strategy: Any) -> dict[str, Any]:
             modes.add(container.variant_label)
         if container.slice_heads:
             modes.add("per-head inputs cut to the local heads")
+    modes |= (
+        {"modules left whole run on the whole sequence"} if getattr(plan, "whole_sequence", None) else set()
+    )
     return {"tp_modes": sorted(modes)}
 
 

@@ -4,7 +4,8 @@ attention taken away before setup, so that a family it serves is refused by the 
 - ``grouped_qkv``: no ``G groups of q|k|v`` layout of a fused projection (CodeGen's);
 - ``paired_heads``: no heads paired across halves (differential attention);
 - ``heads_first_bias``: model-level ``(heads, ...)`` tensors never cut to the rank's heads (MPT's ALiBi);
-- ``returned_parameters``: a whole parameter the module returns keeps the summed gradient of the ones it uses.
+- ``returned_parameters``: a whole parameter the module returns keeps the summed gradient of the ones it uses;
+- ``whole_sequence``: under sequence parallelism, a module left whole runs on the rank's slice of the sequence.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 from unittest import mock
 
-SWITCHES = ("grouped_qkv", "paired_heads", "heads_first_bias", "returned_parameters")
+SWITCHES = ("grouped_qkv", "paired_heads", "heads_first_bias", "returned_parameters", "whole_sequence")
 
 
 def _without_grouped(original: Any) -> Any:
@@ -30,7 +31,7 @@ def plan_feature_switched_off(switch_off: str | None, reference: bool) -> Iterat
         yield
         return
     from lightning_parallel.plans import attention, auto
-    from lightning_parallel.tensor_parallel import param_styles, regions
+    from lightning_parallel.tensor_parallel import apply, param_styles, regions, verify
 
     with ExitStack() as stack:
         if switch_off == "grouped_qkv":
@@ -41,6 +42,9 @@ def plan_feature_switched_off(switch_off: str | None, reference: bool) -> Iterat
             stack.enter_context(mock.patch.object(auto, "paired_heads_styles", lambda *a, **k: None))
         elif switch_off == "heads_first_bias":
             stack.enter_context(mock.patch.object(regions, "is_heads_first", lambda *a, **k: False))
+        elif switch_off == "whole_sequence":
+            for module in (apply, verify):
+                stack.enter_context(mock.patch.object(module, "install_whole_sequence", lambda *a, **k: []))
         else:
             stack.enter_context(
                 mock.patch.object(param_styles, "_restore_handing_back_whole", param_styles._restore)

@@ -14,7 +14,10 @@ one per trait, unchanged from their tiny configs, at fp32 parity with one proces
   ``tests/tensor_parallel/test_gathered_norm.py``);
 - GPT-NeoX-Japanese: the last block's attention returns its ``dense_bias``, added after the exit's
   reduction: its gradient is the whole one on every rank, not a share; under sequence parallelism (also
-  here) the caller adds it on its sequence slice, and the gradient is a share again.
+  here) the caller adds it on its sequence slice, and the gradient is a share again;
+- Jamba under tp=2 with sequence parallelism: its Mamba mixers stay whole and run on the whole sequence
+  (gathered entering, sliced leaving: ``tensor_parallel/regions.py: install_whole_sequence``); the negative
+  control runs them on the rank's slice.
 
 Under ep=2 (over both data-parallel ranks): LongCat-Flash, whose router scores two zero experts beyond its
 four (the block maps them onto real experts with weight 0), and Zaya, whose router is a small network of
@@ -77,6 +80,7 @@ SHARED_KV_PP = register(
 )[0]  # fmt: skip
 SIZE_COINCIDENCES = {family: _case(family) for family in ("recurrent_gemma", "ergo", "moshi", "doge")}
 RETURNED_UNDER_SP = _case("gpt_neox_japanese", sequence_parallel=True)
+WHOLE_UNDER_SP = _case("jamba", sequence_parallel=True)
 EXPERTS = {
     family: _case(family, experts=True)
     for family in ("longcat_flash", "zaya", "dbrx", "llama4_text", "jetmoe")
@@ -85,7 +89,9 @@ EXPERTS = {
 
 @pytest.fixture(scope="module")
 def two_process() -> dict[str, Result]:
-    everything = [*CASES, RETURNED_UNDER_SP, *EXPERTS.values(), *SIZE_COINCIDENCES.values(), SHARED_KV_PP]
+    everything = [
+        *CASES, RETURNED_UNDER_SP, WHOLE_UNDER_SP, *EXPERTS.values(), *SIZE_COINCIDENCES.values(), SHARED_KV_PP
+    ]  # fmt: skip
     return run_cases(everything, 2, timeout_s=600, references_for=everything)
 
 
@@ -116,6 +122,22 @@ def test_a_returned_parameter_under_sequence_parallelism_keeps_a_share(
     two_process: dict[str, Result],
 ) -> None:
     assert_parity(two_process[RETURNED_UNDER_SP.name], reference(RETURNED_UNDER_SP))
+
+
+@pytest.mark.timeout(900)
+def test_a_mixer_left_whole_runs_on_the_whole_sequence_under_sequence_parallelism(
+    two_process: dict[str, Result],
+) -> None:
+    result = two_process[WHOLE_UNDER_SP.name]
+    assert_parity(result, reference(WHOLE_UNDER_SP))
+    assert "modules left whole run on the whole sequence" in result.engagement["tp_modes"]
+    assert not result.engagement_problems, result.engagement_problems
+
+
+@pytest.mark.timeout(300)
+def test_negative_control_a_mixer_left_whole_on_the_sequence_slice_is_refused() -> None:
+    with pytest.raises(HarnessError, match="does not reproduce the unsharded block"):
+        run_cases([_case("jamba", "whole_sequence", sequence_parallel=True)], 2, timeout_s=180)
 
 
 @pytest.mark.timeout(900)

@@ -534,3 +534,25 @@ def test_hybrids_tensor_parallelism_would_mostly_copy_are_refused_naming_the_mod
         auto_plan(AutoModelForCausalLM.from_config(tiny_config(family)), 2, False)
     plan = auto_plan(AutoModelForCausalLM.from_config(tiny_config("jamba")), 2, False)
     assert plan.containers and any("mamba: left replicated (JambaMambaMixer" in note for note in plan.notes)
+
+
+def test_modules_left_whole_run_on_the_whole_sequence_under_sequence_parallelism() -> None:
+    """Jamba under sequence parallelism: its Mamba mixers, called by the blocks themselves, are planned to run
+    on the whole sequence; a module left whole inside a split attention (DeepSeek-V3.2's indexer) reads the
+    attention's gathered input and needs nothing. Negative control: a block whose own projections stay whole
+    (Gemma 3n's per-layer input gate) is the sequence-parallel region itself, and is still refused."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.tiny_configs import tiny_config
+
+    torch.manual_seed(0)
+    jamba = auto_plan(AutoModelForCausalLM.from_config(tiny_config("jamba")), 2, True)
+    mixers = [n for n in jamba.block_names if n + ".mamba" in jamba.whole_sequence]
+    assert mixers and jamba.whole_sequence == [n + ".mamba" for n in mixers]
+    assert auto_plan(AutoModelForCausalLM.from_config(tiny_config("jamba")), 2, False).whole_sequence == []
+    indexed = auto_plan(AutoModelForCausalLM.from_config(tiny_config("deepseek_v32")), 2, True)
+    assert indexed.whole_sequence == [] and any("indexer: left replicated" in n for n in indexed.notes)
+    with pytest.raises(
+        ValueError, match=r"`sequence_parallel=True`: `model\.layers\.0` \(Gemma3nTextDecoderLayer"
+    ):
+        auto_plan(AutoModelForCausalLM.from_config(tiny_config("gemma3n_text")), 2, True)
