@@ -25,11 +25,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining.schedules import get_schedule_class
-from torch.distributed.tensor import DTensor
 
-from lightning_parallel.compat import tree_map_only
 from lightning_parallel.data_parallel.gradient_sync import GradientGroup
 from lightning_parallel.pipeline.discover import PipelineSetupError, extract_loss
+from lightning_parallel.pipeline.eval_transfers import (
+    merge_outputs,
+    receive_activation,
+    send_activation,
+    to_cpu,
+    to_device,
+)
 from lightning_parallel.pipeline.last_backward import LastBackward, ReducingStage
 from lightning_parallel.pipeline.microbatch import (
     LogRecorder,
@@ -296,22 +301,22 @@ class PipelineRunner:
                         if owner != self.pp_rank:
                             continue
                         if stage > 0 and self.layout.owners[stage - 1] != self.pp_rank:
-                            carried = _recv(
+                            carried = receive_activation(
                                 self.layout.owners[stage - 1], self.pp_group, self.device, received.get(stage)
                             )
                             received[stage] = (list(carried.shape), carried.dtype)
                         out = self.run_stage(stage, carried, mb)
                         carried = out if stage < self.last_stage else None
                         if stage < self.last_stage and self.layout.owners[stage + 1] != self.pp_rank:
-                            pending += _send(
+                            pending += send_activation(
                                 out, self.layout.owners[stage + 1], self.pp_group, header=mb == 0
                             )
             for work in pending:
                 work.wait()
             payload, outputs = None, None
             if self.holds_last_stage:
-                merged = _merge_outputs([self._ctx.outputs[i] for i in range(m)])
-                outputs = None if merged is None else _to_cpu(merged)  # as an object: what the step returned
+                merged = merge_outputs([self._ctx.outputs[i] for i in range(m)])
+                outputs = None if merged is None else to_cpu(merged)  # as an object: what the step returned
                 payload = (torch.zeros((), device=self.device), self.logs.averaged(self.module, self.device))
             # the logs as one device tensor; the step's outputs only when it returned some (often None)
             _, records, merged = self.eval_logs.share(
@@ -321,62 +326,4 @@ class PipelineRunner:
         finally:
             self._ctx = None
             self.logs.clear()
-        return _to_device(merged, self.device)
-
-
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
-
-
-def _send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup, header: bool = True) -> list[Any]:
-    """``tensor`` to ``dst``; ``header``: preceded by its shape and dtype (the receiver knows them otherwise)."""
-    tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    tensor = tensor.detach().contiguous()
-    works = []
-    if header:
-        described = torch.zeros(10, dtype=torch.int64, device=tensor.device)
-        described[0], described[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
-        described[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        works.append(dist.isend(described, group=group, group_dst=dst))
-    return [*works, dist.isend(tensor, group=group, group_dst=dst)]
-
-
-def _recv(
-    src: int,
-    group: dist.ProcessGroup,
-    device: torch.device,
-    known: tuple[list[int], torch.dtype] | None = None,
-) -> torch.Tensor:
-    """A tensor from ``src``: its shape and dtype ``known``, or read from the header sent before it."""
-    if known is None:
-        header = torch.zeros(10, dtype=torch.int64, device=device)
-        dist.recv(header, group=group, group_src=src)
-        values = header.tolist()  # one host read
-        known = (values[2 : 2 + values[0]], _DTYPES[values[1]])
-    shape, dtype = known
-    buffer = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(buffer, group=group, group_src=src)
-    return buffer
-
-
-def _merge_outputs(outputs: list[Any]) -> Any:
-    """One step output from the micro-batches': scalar losses averaged, batched tensors concatenated."""
-    first = outputs[0]
-    if len(outputs) == 1 or first is None:
-        return first
-    if isinstance(first, torch.Tensor):
-        if first.dim() == 0:
-            return torch.stack([o.float() for o in outputs]).mean()
-        return torch.cat(outputs, dim=0)
-    if isinstance(first, dict):
-        return {k: _merge_outputs([o[k] for o in outputs]) for k in first}
-    if isinstance(first, (list, tuple)):
-        return type(first)(_merge_outputs(list(items)) for items in zip(*outputs, strict=False))
-    return first
-
-
-def _to_cpu(value: Any) -> Any:
-    return tree_map_only(torch.Tensor, lambda tensor: tensor.detach().cpu(), value)
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    return tree_map_only(torch.Tensor, lambda tensor: tensor.to(device), value)
+        return to_device(merged, self.device)

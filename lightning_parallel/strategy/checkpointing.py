@@ -261,7 +261,7 @@ class CheckpointingStrategy(MeshParallelStrategy):
     def _weights_named_apart(self) -> dict[str, str]:
         """A pipeline stage's names for the weights it knows by another name than one process (a module its
         blocks share with another stage's) -> the one-process names, which the files hold."""
-        runner = getattr(self, "pipeline_runner", None)
+        runner = self.parallelized.pipeline if self.parallelized else None
         return runner.weights_named_apart if runner is not None else {}
 
     def _consolidated_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
