@@ -15,7 +15,6 @@ import inspect
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import SequenceParallel
 
 from lightning_parallel.experts import find_moe_blocks
 from lightning_parallel.plans.attention import (
@@ -46,7 +45,7 @@ from lightning_parallel.plans.detect import (
     sequence_mixer,
 )
 from lightning_parallel.plans.left_whole import check_left_whole
-from lightning_parallel.tensor_parallel.norm_styles import GatheredNorm
+from lightning_parallel.tensor_parallel.norm_styles import GatheredNorm, ResidualNorm
 from lightning_parallel.tensor_parallel.param_styles import LocalParameters
 from lightning_parallel.tensor_parallel.plan import EntryVariant, ParallelPlan, ShardedContainer
 from lightning_parallel.tensor_parallel.styles import (
@@ -293,7 +292,7 @@ def auto_plan(model: nn.Module, tensor_parallel: int, sequence_parallel: bool) -
         if sp:
             for norm in norms_in(block, {c.name for c in candidates}):
                 plan.norms.append(join(block_name, norm))
-                plan.styles[join(block_name, norm)] = SequenceParallel(use_local_output=True)
+                plan.styles[join(block_name, norm)] = ResidualNorm()
     if sp:  # the MoE blocks run whole on each rank's slice of the sequence: not left replicated
         moe = _experts_on_sequence_shards(plan, stack.blocks, plan.block_names)
         if moe and _adds_its_own_aux_loss(model):

@@ -13,10 +13,11 @@ import fnmatch
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from lightning_parallel.plans.auto import exit_style, scaled_attributes
 from lightning_parallel.plans.detect import find_block_stack, head_count, head_dim_of, join, kv_head_count
+from lightning_parallel.tensor_parallel.norm_styles import ResidualNorm
 from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
 from lightning_parallel.tensor_parallel.styles import (
     ColwiseProjection,
@@ -51,7 +52,7 @@ def style_from_name(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     if name == "head":
         return ColwiseProjection(output_layouts=Replicate(), use_local_output=True)
     if name == "sequence_parallel":
-        return SequenceParallel(use_local_output=True)
+        return ResidualNorm()
     if name == "replicate":
         return None
     raise ValueError(f"Unknown style {name!r} in `plan=`; use a ParallelStyle or one of {STYLE_NAMES}.")

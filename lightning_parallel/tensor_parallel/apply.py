@@ -79,7 +79,12 @@ def install_container(
     entries = [module.get_submodule(suffix) for suffix in container.entry_suffixes]
     narrow = container.hidden_size // plan.tensor_parallel if container.narrow_input else None
     heads = container.heads if container.slice_heads else None
-    handles = install_container_hooks(module, entries, tp_mesh, plan.sequence_parallel, narrow, heads)
+    is_block = (
+        container.name == "" or container.name in plan.block_names
+    )  # "": the block, in the verification
+    handles = install_container_hooks(
+        module, entries, tp_mesh, plan.sequence_parallel, narrow, heads, is_block=is_block
+    )
     if container.copy_output:  # torch's local output is a view its autograd forbids changing in place
         exit_module = module.get_submodule(
             container.exit[len(container.name) + 1 :] if container.name else container.exit

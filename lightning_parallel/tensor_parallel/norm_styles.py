@@ -15,6 +15,9 @@ are split over the tensor-parallel ranks:
   of the projection's output per norm.)
 
 Each is chosen by the weight's shape and checked, like every plan, by the block verification.
+
+The norms of the residual stream under sequence parallelism are torch's ``SequenceParallel``, as
+:class:`ResidualNorm`: some models call them on the tokens flattened to ``(tokens, width)``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 
 def _local(output: Any) -> Any:
@@ -101,3 +104,22 @@ class HeadShardedNorm(ParallelStyle):
 
     def __repr__(self) -> str:
         return "HeadShardedNorm(heads=Shard(0))"
+
+
+class ResidualNorm(SequenceParallel):
+    """torch's ``SequenceParallel`` for a norm of the residual stream: each rank normalises its slice of the
+    sequence, and the weight's partial gradients are summed. A model may call the norm on its tokens flattened
+    to ``(tokens, width)`` (OPT before its MLP): such an input is cut along its tokens, not its second
+    dimension (the features)."""
+
+    def __init__(self) -> None:
+        super().__init__(use_local_output=True)
+
+    @staticmethod
+    def _prepare_input_fn(
+        sequence_sharding: Any, mod: nn.Module, inputs: Any, device_mesh: DeviceMesh
+    ) -> Any:
+        tensor = inputs[0]
+        if isinstance(tensor, torch.Tensor) and not isinstance(tensor, DTensor) and tensor.dim() == 2:
+            sequence_sharding = (Shard(0),)
+        return SequenceParallel._prepare_input_fn(sequence_sharding, mod, inputs, device_mesh)

@@ -140,12 +140,18 @@ def install_container_hooks(
     sequence_parallel: bool,
     narrow_width: int | None,
     slice_heads: int | None = None,
+    is_block: bool = False,
 ) -> list[RemovableHandle]:
     """Share one DTensor input among ``entries``; optionally narrow what the body sees.
 
     ``slice_heads``: the model's attention heads, when the tensors besides the hidden state that carry
     one entry per head are to be cut to this rank's heads (:func:`local_heads`).
+    ``is_block``: the container is a block itself (OPT's ``fc1`` and ``fc2`` are the layer's): under sequence
+    parallelism the block's input is its slice of the sequence and stays so (the block's attention gathers its
+    own); what its entries read is gathered as they receive it, once for entries reading the same tensor.
     """
+    if is_block and sequence_parallel:
+        return _install_entry_gathers(container, entries, mesh)
     input_placement = Shard(SEQUENCE_DIM) if sequence_parallel else Replicate()
     rank = mesh.get_local_rank()
 
@@ -203,6 +209,35 @@ def install_container_hooks(
     for entry in entries:
         entry._lp_shared_input = None
         handles.append(entry.register_forward_pre_hook(entry_pre_hook, prepend=True))
+    return handles
+
+
+def _install_entry_gathers(
+    container: nn.Module, entries: list[nn.Module], mesh: DeviceMesh
+) -> list[RemovableHandle]:
+    gathered: dict[
+        int, tuple[torch.Tensor, DTensor]
+    ] = {}  # id(slice) -> (the slice, gathered), one block call
+
+    def entry_pre_hook(module: nn.Module, args: tuple[Any, ...]) -> Any:
+        if not args or not isinstance(args[0], torch.Tensor) or isinstance(args[0], DTensor):
+            return None
+        local = args[0]
+        known = gathered.get(id(local))
+        if known is None or known[0] is not local:
+            placement = Shard(0) if local.dim() == 2 else Shard(SEQUENCE_DIM)  # tokens flattened: along dim 0
+            shared = DTensor.from_local(local, mesh, [placement], run_check=False).redistribute(
+                mesh, [Replicate()]
+            )
+            known = gathered[id(local)] = (local, shared)
+        return (known[1], *args[1:])
+
+    def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
+        gathered.clear()
+        return output
+
+    handles = [container.register_forward_hook(post_hook)]
+    handles += [entry.register_forward_pre_hook(entry_pre_hook, prepend=True) for entry in entries]
     return handles
 
 

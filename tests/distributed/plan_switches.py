@@ -5,7 +5,11 @@ attention taken away before setup, so that a family it serves is refused by the 
 - ``paired_heads``: no heads paired across halves (differential attention);
 - ``heads_first_bias``: model-level ``(heads, ...)`` tensors never cut to the rank's heads (MPT's ALiBi);
 - ``returned_parameters``: a whole parameter the module returns keeps the summed gradient of the ones it uses;
-- ``whole_sequence``: under sequence parallelism, a module left whole runs on the rank's slice of the sequence.
+- ``whole_sequence``: under sequence parallelism, a module left whole runs on the rank's slice of the sequence;
+- ``block_entry_gathers``: under sequence parallelism, a container that is the block itself (OPT's MLP) gathers
+  the block's input, as an attention or MLP module does;
+- ``flattened_norm``: under sequence parallelism, a residual norm given ``(tokens, width)`` is cut along its
+  features, as torch's ``SequenceParallel`` does.
 """
 
 from __future__ import annotations
@@ -15,7 +19,15 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 from unittest import mock
 
-SWITCHES = ("grouped_qkv", "paired_heads", "heads_first_bias", "returned_parameters", "whole_sequence")
+SWITCHES = (
+    "grouped_qkv",
+    "paired_heads",
+    "heads_first_bias",
+    "returned_parameters",
+    "whole_sequence",
+    "block_entry_gathers",
+    "flattened_norm",
+)
 
 
 def _without_grouped(original: Any) -> Any:
@@ -42,6 +54,20 @@ def plan_feature_switched_off(switch_off: str | None, reference: bool) -> Iterat
             stack.enter_context(mock.patch.object(auto, "paired_heads_styles", lambda *a, **k: None))
         elif switch_off == "heads_first_bias":
             stack.enter_context(mock.patch.object(regions, "is_heads_first", lambda *a, **k: False))
+        elif switch_off == "block_entry_gathers":
+            hooks = apply.install_container_hooks
+            stack.enter_context(
+                mock.patch.object(
+                    apply, "install_container_hooks", lambda *a, is_block=False, **k: hooks(*a, **k)
+                )
+            )
+        elif switch_off == "flattened_norm":
+            from torch.distributed.tensor.parallel import SequenceParallel
+
+            from lightning_parallel.tensor_parallel import norm_styles
+
+            plain = staticmethod(SequenceParallel._prepare_input_fn)
+            stack.enter_context(mock.patch.object(norm_styles.ResidualNorm, "_prepare_input_fn", plain))
         elif switch_off == "whole_sequence":
             for module in (apply, verify):
                 stack.enter_context(mock.patch.object(module, "install_whole_sequence", lambda *a, **k: []))

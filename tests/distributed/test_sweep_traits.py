@@ -17,7 +17,11 @@ one per trait, unchanged from their tiny configs, at fp32 parity with one proces
   here) the caller adds it on its sequence slice, and the gradient is a share again;
 - Jamba under tp=2 with sequence parallelism: its Mamba mixers stay whole and run on the whole sequence
   (gathered entering, sliced leaving: ``tensor_parallel/regions.py: install_whole_sequence``); the negative
-  control runs them on the rank's slice.
+  control runs them on the rank's slice;
+- OPT under tp=2 with sequence parallelism: its MLP's ``fc1`` and ``fc2`` are the layer's own, so the layer is
+  the MLP container; the layer's input stays the rank's slice of the sequence and ``fc1`` gathers what it
+  reads, which OPT flattens to ``(tokens, width)`` before the norm (cut along the tokens,
+  ``tensor_parallel/norm_styles.py: ResidualNorm``); a negative control for each.
 
 Under ep=2 (over both data-parallel ranks): LongCat-Flash, whose router scores two zero experts beyond its
 four (the block maps them onto real experts with weight 0), and Zaya, whose router is a small network of
@@ -81,6 +85,7 @@ SHARED_KV_PP = register(
 SIZE_COINCIDENCES = {family: _case(family) for family in ("recurrent_gemma", "ergo", "moshi", "doge")}
 RETURNED_UNDER_SP = _case("gpt_neox_japanese", sequence_parallel=True)
 WHOLE_UNDER_SP = _case("jamba", sequence_parallel=True)
+BLOCK_MLP_UNDER_SP = _case("opt", sequence_parallel=True)
 EXPERTS = {
     family: _case(family, experts=True)
     for family in ("longcat_flash", "zaya", "dbrx", "llama4_text", "jetmoe")
@@ -90,7 +95,8 @@ EXPERTS = {
 @pytest.fixture(scope="module")
 def two_process() -> dict[str, Result]:
     everything = [
-        *CASES, RETURNED_UNDER_SP, WHOLE_UNDER_SP, *EXPERTS.values(), *SIZE_COINCIDENCES.values(), SHARED_KV_PP
+        *CASES, RETURNED_UNDER_SP, WHOLE_UNDER_SP, BLOCK_MLP_UNDER_SP, *EXPERTS.values(),
+        *SIZE_COINCIDENCES.values(), SHARED_KV_PP,
     ]  # fmt: skip
     return run_cases(everything, 2, timeout_s=600, references_for=everything)
 
@@ -138,6 +144,21 @@ def test_a_mixer_left_whole_runs_on_the_whole_sequence_under_sequence_parallelis
 def test_negative_control_a_mixer_left_whole_on_the_sequence_slice_is_refused() -> None:
     with pytest.raises(HarnessError, match="does not reproduce the unsharded block"):
         run_cases([_case("jamba", "whole_sequence", sequence_parallel=True)], 2, timeout_s=180)
+
+
+@pytest.mark.timeout(900)
+def test_a_block_that_is_its_own_mlp_trains_like_one_process_under_sequence_parallelism(
+    two_process: dict[str, Result],
+) -> None:
+    assert_parity(two_process[BLOCK_MLP_UNDER_SP.name], reference(BLOCK_MLP_UNDER_SP))
+    assert not two_process[BLOCK_MLP_UNDER_SP.name].engagement_problems
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("switch", ["block_entry_gathers", "flattened_norm"])
+def test_negative_control_opt_under_sequence_parallelism_without_its_way_is_refused(switch: str) -> None:
+    with pytest.raises(HarnessError, match="does not reproduce the unsharded block"):
+        run_cases([_case("opt", switch, sequence_parallel=True)], 2, timeout_s=180)
 
 
 @pytest.mark.timeout(900)
