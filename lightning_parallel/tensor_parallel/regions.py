@@ -85,6 +85,16 @@ def replace_hidden(
     return args, {**kwargs, where: value}
 
 
+def replace_repeated_hidden(
+    args: tuple[Any, ...], kwargs: dict[str, Any], hidden: torch.Tensor, value: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments with every one that *is* the hidden state replaced by ``value``: a module may take the
+    hidden state more than once (CTRL's attention as its values, keys and queries)."""
+    return tuple(value if a is hidden else a for a in args), {
+        k: value if v is hidden else v for k, v in kwargs.items()
+    }
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     wait = getattr(local, "wait", None)  # AsyncCollectiveTensor: materialise before plain code uses it
@@ -189,6 +199,7 @@ def install_container_hooks(
             body_input = body_input.narrow(-1, rank * narrow_width, narrow_width)
         for entry in entries:
             entry._lp_shared_input = (body_input, shared)
+        args, kwargs = replace_repeated_hidden(args, kwargs, hidden, body_input)
         return replace_hidden(args, kwargs, where, body_input)
 
     def post_hook(module: nn.Module, args: Any, output: Any) -> Any:

@@ -9,7 +9,8 @@ attention taken away before setup, so that a family it serves is refused by the 
 - ``block_entry_gathers``: under sequence parallelism, a container that is the block itself (OPT's MLP) gathers
   the block's input, as an attention or MLP module does;
 - ``flattened_norm``: under sequence parallelism, a residual norm given ``(tokens, width)`` is cut along its
-  features, as torch's ``SequenceParallel`` does.
+  features, as torch's ``SequenceParallel`` does;
+- ``repeated_hidden``: a container given the hidden state more than once has only the first replaced.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ SWITCHES = (
     "whole_sequence",
     "block_entry_gathers",
     "flattened_norm",
+    "repeated_hidden",
 )
 
 
@@ -68,6 +70,10 @@ def plan_feature_switched_off(switch_off: str | None, reference: bool) -> Iterat
 
             plain = staticmethod(SequenceParallel._prepare_input_fn)
             stack.enter_context(mock.patch.object(norm_styles.ResidualNorm, "_prepare_input_fn", plain))
+        elif switch_off == "repeated_hidden":
+            stack.enter_context(
+                mock.patch.object(regions, "replace_repeated_hidden", lambda args, kwargs, *_: (args, kwargs))
+            )
         elif switch_off == "whole_sequence":
             for module in (apply, verify):
                 stack.enter_context(mock.patch.object(module, "install_whole_sequence", lambda *a, **k: []))

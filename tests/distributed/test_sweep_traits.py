@@ -21,7 +21,9 @@ one per trait, unchanged from their tiny configs, at fp32 parity with one proces
 - OPT under tp=2 with sequence parallelism: its MLP's ``fc1`` and ``fc2`` are the layer's own, so the layer is
   the MLP container; the layer's input stays the rank's slice of the sequence and ``fc1`` gathers what it
   reads, which OPT flattens to ``(tokens, width)`` before the norm (cut along the tokens,
-  ``tensor_parallel/norm_styles.py: ResidualNorm``); a negative control for each.
+  ``tensor_parallel/norm_styles.py: ResidualNorm``); a negative control for each;
+- CTRL under tp=2 with sequence parallelism: its attention takes the hidden state as its values, keys and
+  queries, each gathered (``regions.replace_repeated_hidden``); the negative control gathers the first only.
 
 Under ep=2 (over both data-parallel ranks): LongCat-Flash, whose router scores two zero experts beyond its
 four (the block maps them onto real experts with weight 0), and Zaya, whose router is a small network of
@@ -86,6 +88,7 @@ SIZE_COINCIDENCES = {family: _case(family) for family in ("recurrent_gemma", "er
 RETURNED_UNDER_SP = _case("gpt_neox_japanese", sequence_parallel=True)
 WHOLE_UNDER_SP = _case("jamba", sequence_parallel=True)
 BLOCK_MLP_UNDER_SP = _case("opt", sequence_parallel=True)
+REPEATED_HIDDEN_UNDER_SP = _case("ctrl", sequence_parallel=True)
 EXPERTS = {
     family: _case(family, experts=True)
     for family in ("longcat_flash", "zaya", "dbrx", "llama4_text", "jetmoe")
@@ -95,7 +98,7 @@ EXPERTS = {
 @pytest.fixture(scope="module")
 def two_process() -> dict[str, Result]:
     everything = [
-        *CASES, RETURNED_UNDER_SP, WHOLE_UNDER_SP, BLOCK_MLP_UNDER_SP, *EXPERTS.values(),
+        *CASES, RETURNED_UNDER_SP, WHOLE_UNDER_SP, BLOCK_MLP_UNDER_SP, REPEATED_HIDDEN_UNDER_SP, *EXPERTS.values(),
         *SIZE_COINCIDENCES.values(), SHARED_KV_PP,
     ]  # fmt: skip
     return run_cases(everything, 2, timeout_s=600, references_for=everything)
@@ -152,6 +155,19 @@ def test_a_block_that_is_its_own_mlp_trains_like_one_process_under_sequence_para
 ) -> None:
     assert_parity(two_process[BLOCK_MLP_UNDER_SP.name], reference(BLOCK_MLP_UNDER_SP))
     assert not two_process[BLOCK_MLP_UNDER_SP.name].engagement_problems
+
+
+@pytest.mark.timeout(900)
+def test_an_attention_given_the_hidden_state_three_times_trains_like_one_process_under_sequence_parallelism(
+    two_process: dict[str, Result],
+) -> None:
+    assert_parity(two_process[REPEATED_HIDDEN_UNDER_SP.name], reference(REPEATED_HIDDEN_UNDER_SP))
+
+
+@pytest.mark.timeout(300)
+def test_negative_control_ctrl_with_only_the_first_hidden_argument_gathered_is_refused() -> None:
+    with pytest.raises(HarnessError, match="does not reproduce the unsharded block"):
+        run_cases([_case("ctrl", "repeated_hidden", sequence_parallel=True)], 2, timeout_s=180)
 
 
 @pytest.mark.timeout(300)
