@@ -44,7 +44,7 @@ from lightning_parallel.plans.detect import (
     norms_in,
     sequence_mixer,
 )
-from lightning_parallel.plans.left_whole import check_left_whole
+from lightning_parallel.plans.left_whole import check_left_whole, sum_shares_over_tp
 from lightning_parallel.tensor_parallel.norm_styles import GatheredNorm, ResidualNorm
 from lightning_parallel.tensor_parallel.param_styles import LocalParameters
 from lightning_parallel.tensor_parallel.plan import EntryVariant, ParallelPlan, ShardedContainer
@@ -307,6 +307,7 @@ def auto_plan(model: nn.Module, tensor_parallel: int, sequence_parallel: bool) -
             (n, why) for n, why in replicated if not any(n == m or n.startswith(m + ".") for m in moe)
         ]
     check_left_whole(model, plan, replicated, whole_mixers)
+    sum_shares_over_tp(model, plan)
     embedding = find_token_embedding(model, stack.name)
     if embedding is not None:
         name, emb = embedding

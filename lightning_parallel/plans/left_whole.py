@@ -14,9 +14,10 @@ from torch.distributed.tensor.parallel import SequenceParallel
 
 from lightning_parallel.experts import find_moe_blocks
 from lightning_parallel.plans.detect import containers_in, join
+from lightning_parallel.tensor_parallel.param_styles import LocalParameters
 from lightning_parallel.tensor_parallel.plan import ParallelPlan
 
-__all__ = ["check_left_whole"]
+__all__ = ["check_left_whole", "sum_shares_over_tp"]
 
 
 def _matrix_numel(model: nn.Module, module_name: str) -> int:
@@ -128,17 +129,33 @@ def _run_on_the_whole_sequence(plan: ParallelPlan, replicated: list[tuple[str, s
     called by the block itself (a state-space mixer, a sparse-attention indexer beside the attention) runs on
     the whole sequence: gathered entering it, this rank's slice of its output leaving it (the same on every
     rank, as a replicated module is under tensor parallelism without sequence parallelism). A block that is
-    itself what stays whole (its own projections) cannot: it is the sequence-parallel region."""
+    itself what stays whole (its own projections: Gemma 3n's per-layer input gate) computes per token on its
+    slice, like the rest of the region (:func:`sum_shares_over_tp`)."""
     split = [c.name for c in plan.containers]
-    for name, why in replicated:
-        if any(name.startswith(c + ".") for c in split):
-            continue
-        if name in plan.block_names:
-            raise ValueError(
-                f"`sequence_parallel=True`: `{name}` ({why}) is neither attention nor an MLP, so tensor"
-                " parallelism keeps it whole, and under sequence parallelism it would see only this rank's slice"
-                " of the sequence. Use sequence_parallel=False (tensor parallelism still splits the attention"
-                " and MLPs)."
-            )
+    for name, _ in replicated:
+        if any(name.startswith(c + ".") for c in split) or name in plan.block_names:
+            continue  # a block's own projections (a per-layer gate): per token, see `sum_shares_over_tp`
         plan.whole_sequence.append(name)
         plan.notes.append(f"{name}: runs on the whole sequence (gathered entering it, sliced leaving it)")
+
+
+def sum_shares_over_tp(model: nn.Module, plan: ParallelPlan) -> None:
+    """Under sequence parallelism, the blocks' parameters no style covers (a block's own scalars, as Doge's
+    ``input_residual``; a per-layer input gate's projections) are used by each rank on its slice of the
+    sequence, per token: each rank's gradient is its tokens' share. They are kept whole with a ``Partial``
+    gradient (``LocalParameters``), summed over ``tp`` once per step, as the norms' and the experts' are. A
+    module run on the whole sequence, or inside a split container (which gathers its input), has whole
+    gradients already."""
+    if not plan.sequence_parallel:
+        return
+    covered = [c.name for c in plan.containers] + list(plan.styles) + plan.whole_sequence
+    for block_name in plan.block_names:
+        for sub_name, sub in model.get_submodule(block_name).named_modules():
+            full = join(block_name, sub_name)
+            if any(full == c or full.startswith(c + ".") for c in covered):
+                continue
+            dims: dict[str, int | None] = {
+                n: None for n, p in sub.named_parameters(recurse=False) if p.requires_grad
+            }
+            if dims:
+                plan.styles[full] = LocalParameters(dims)

@@ -184,7 +184,10 @@ def _compare_once(block: nn.Module, inputs: Captured, plan: ParallelPlan, mesh: 
     sharded = copy.deepcopy(block).float().eval()
     for container in plan.containers:
         scale_attributes(sharded.get_submodule(container.name), container, local=True)
-    parallelize_module(sharded, mesh, plan.styles, src_data_rank=None)
+    own = plan.styles.get("")  # the block's own (relative_plan): torch's plan dict names its children only
+    parallelize_module(sharded, mesh, {k: v for k, v in plan.styles.items() if k}, src_data_rank=None)
+    if own is not None:
+        parallelize_module(sharded, mesh, own, src_data_rank=None)
     for container in plan.containers:
         install_container(sharded.get_submodule(container.name), container, plan, mesh)
     if plan.sequence_parallel:

@@ -78,7 +78,10 @@ def relative_plan(plan: ParallelPlan, prefix: str, mode: Mode) -> ParallelPlan:
     styles = dict(plan.styles)
     for container in chosen:
         styles.update(_variant_styles(container))
-    styles = {name[cut:]: style for name, style in styles.items() if name.startswith(prefix + ".")}
+    # the block's own style (its parameters' gradients summed over tp under sequence parallelism) under ""
+    styles = {
+        name[cut:]: style for name, style in styles.items() if name == prefix or name.startswith(prefix + ".")
+    }
     containers = [
         dataclasses.replace(c, name=c.name[cut:], entries=[e[cut:] for e in c.entries], exit=c.exit[cut:])
         for c in chosen

@@ -10,7 +10,8 @@ attention taken away before setup, so that a family it serves is refused by the 
   the block's input, as an attention or MLP module does;
 - ``flattened_norm``: under sequence parallelism, a residual norm given ``(tokens, width)`` is cut along its
   features, as torch's ``SequenceParallel`` does;
-- ``repeated_hidden``: a container given the hidden state more than once has only the first replaced.
+- ``repeated_hidden``: a container given the hidden state more than once has only the first replaced;
+- ``block_shares``: under sequence parallelism, the blocks' parameters no style covers keep each rank's share.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ SWITCHES = (
     "block_entry_gathers",
     "flattened_norm",
     "repeated_hidden",
+    "block_shares",
 )
 
 
@@ -74,6 +76,8 @@ def plan_feature_switched_off(switch_off: str | None, reference: bool) -> Iterat
             stack.enter_context(
                 mock.patch.object(regions, "replace_repeated_hidden", lambda args, kwargs, *_: (args, kwargs))
             )
+        elif switch_off == "block_shares":
+            stack.enter_context(mock.patch.object(auto, "sum_shares_over_tp", lambda *a, **k: None))
         elif switch_off == "whole_sequence":
             for module in (apply, verify):
                 stack.enter_context(mock.patch.object(module, "install_whole_sequence", lambda *a, **k: []))

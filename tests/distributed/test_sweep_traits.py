@@ -23,7 +23,10 @@ one per trait, unchanged from their tiny configs, at fp32 parity with one proces
   reads, which OPT flattens to ``(tokens, width)`` before the norm (cut along the tokens,
   ``tensor_parallel/norm_styles.py: ResidualNorm``); a negative control for each;
 - CTRL under tp=2 with sequence parallelism: its attention takes the hidden state as its values, keys and
-  queries, each gathered (``regions.replace_repeated_hidden``); the negative control gathers the first only.
+  queries, each gathered (``regions.replace_repeated_hidden``); the negative control gathers the first only;
+- Doge under tp=2 with sequence parallelism: its layers' own ``input_residual`` and ``post_attention_residual``
+  scale the residual on each rank's slice: their gradients, each rank's share, are summed over tp
+  (``plans/left_whole.py: sum_shares_over_tp``); the negative control keeps the shares.
 
 Under ep=2 (over both data-parallel ranks): LongCat-Flash, whose router scores two zero experts beyond its
 four (the block maps them onto real experts with weight 0), and Zaya, whose router is a small network of
@@ -89,6 +92,7 @@ RETURNED_UNDER_SP = _case("gpt_neox_japanese", sequence_parallel=True)
 WHOLE_UNDER_SP = _case("jamba", sequence_parallel=True)
 BLOCK_MLP_UNDER_SP = _case("opt", sequence_parallel=True)
 REPEATED_HIDDEN_UNDER_SP = _case("ctrl", sequence_parallel=True)
+BLOCK_SCALARS_UNDER_SP = _case("doge", sequence_parallel=True)
 EXPERTS = {
     family: _case(family, experts=True)
     for family in ("longcat_flash", "zaya", "dbrx", "llama4_text", "jetmoe")
@@ -98,7 +102,8 @@ EXPERTS = {
 @pytest.fixture(scope="module")
 def two_process() -> dict[str, Result]:
     everything = [
-        *CASES, RETURNED_UNDER_SP, WHOLE_UNDER_SP, BLOCK_MLP_UNDER_SP, REPEATED_HIDDEN_UNDER_SP, *EXPERTS.values(),
+        *CASES, RETURNED_UNDER_SP, WHOLE_UNDER_SP, BLOCK_MLP_UNDER_SP, REPEATED_HIDDEN_UNDER_SP,
+        BLOCK_SCALARS_UNDER_SP, *EXPERTS.values(),
         *SIZE_COINCIDENCES.values(), SHARED_KV_PP,
     ]  # fmt: skip
     return run_cases(everything, 2, timeout_s=600, references_for=everything)
@@ -162,6 +167,19 @@ def test_an_attention_given_the_hidden_state_three_times_trains_like_one_process
     two_process: dict[str, Result],
 ) -> None:
     assert_parity(two_process[REPEATED_HIDDEN_UNDER_SP.name], reference(REPEATED_HIDDEN_UNDER_SP))
+
+
+@pytest.mark.timeout(900)
+def test_a_block_s_own_scalars_sum_their_shares_under_sequence_parallelism(
+    two_process: dict[str, Result],
+) -> None:
+    assert_parity(two_process[BLOCK_SCALARS_UNDER_SP.name], reference(BLOCK_SCALARS_UNDER_SP))
+
+
+@pytest.mark.timeout(300)
+def test_negative_control_doge_with_each_rank_s_share_alone_is_refused() -> None:
+    with pytest.raises(HarnessError, match="does not reproduce the unsharded block"):
+        run_cases([_case("doge", "block_shares", sequence_parallel=True)], 2, timeout_s=180)
 
 
 @pytest.mark.timeout(300)

@@ -9,6 +9,8 @@ layouts that cannot be split evenly.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -539,20 +541,38 @@ def test_hybrids_tensor_parallelism_would_mostly_copy_are_refused_naming_the_mod
 def test_modules_left_whole_run_on_the_whole_sequence_under_sequence_parallelism() -> None:
     """Jamba under sequence parallelism: its Mamba mixers, called by the blocks themselves, are planned to run
     on the whole sequence; a module left whole inside a split attention (DeepSeek-V3.2's indexer) reads the
-    attention's gathered input and needs nothing. Negative control: a block whose own projections stay whole
-    (Gemma 3n's per-layer input gate) is the sequence-parallel region itself, and is still refused."""
+    attention's gathered input and needs nothing; the blocks' per-token weights no style covers (Gemma 3n's
+    per-layer input gate, Doge's residual scalars) sum their ranks' shares. Negative control: without
+    sequence parallelism none of it."""
     from transformers import AutoModelForCausalLM
 
+    from lightning_parallel.tensor_parallel.param_styles import LocalParameters
     from tests.models.tiny_configs import tiny_config
 
-    torch.manual_seed(0)
-    jamba = auto_plan(AutoModelForCausalLM.from_config(tiny_config("jamba")), 2, True)
+    def build(family: str, sp: bool) -> Any:
+        torch.manual_seed(0)
+        return auto_plan(AutoModelForCausalLM.from_config(tiny_config(family)), 2, sp)
+
+    jamba = build("jamba", True)
     mixers = [n for n in jamba.block_names if n + ".mamba" in jamba.whole_sequence]
     assert mixers and jamba.whole_sequence == [n + ".mamba" for n in mixers]
-    assert auto_plan(AutoModelForCausalLM.from_config(tiny_config("jamba")), 2, False).whole_sequence == []
-    indexed = auto_plan(AutoModelForCausalLM.from_config(tiny_config("deepseek_v32")), 2, True)
+    assert build("jamba", False).whole_sequence == []
+    indexed = build("deepseek_v32", True)
     assert indexed.whole_sequence == [] and any("indexer: left replicated" in n for n in indexed.notes)
-    with pytest.raises(
-        ValueError, match=r"`sequence_parallel=True`: `model\.layers\.0` \(Gemma3nTextDecoderLayer"
-    ):
-        auto_plan(AutoModelForCausalLM.from_config(tiny_config("gemma3n_text")), 2, True)
+
+    def shares(plan: Any) -> dict[str, str]:
+        return {
+            k: repr(v)
+            for k, v in plan.styles.items()
+            if isinstance(v, LocalParameters) and "Partial" in repr(v)
+        }
+
+    assert shares(build("gemma3n_text", True)) == {
+        f"model.layers.{i}.{name}": "LocalParameters(weight=Partial grad)"
+        for i in range(len(build("gemma3n_text", True).block_names))
+        for name in ("per_layer_input_gate", "per_layer_projection")
+    }
+    assert shares(build("doge", True))["model.layers.0"] == (
+        "LocalParameters(input_residual=Partial grad, post_attention_residual=Partial grad)"
+    )
+    assert shares(build("doge", False)) == {} and shares(build("gemma3n_text", False)) == {}
