@@ -220,16 +220,23 @@ def _experts_on_sequence_shards(plan: ParallelPlan, blocks: nn.ModuleList, names
                 )
             found.append(moe)
             planned = [c.name for c in plan.containers] + list(plan.styles)
+            dims: dict[
+                str, int | None
+            ] = {}  # one style on the block: its code may read its children's weights
             for sub_name, sub in info.block.named_modules():
                 full = join(moe, sub_name)
                 if any(full == p or full.startswith(p + ".") for p in planned):
                     continue
                 # frozen ones (ERNIE 4.5's routing statistics) stay plain: the same on every rank, never trained
-                dims: dict[str, int | None] = {
-                    n: None for n, p in sub.named_parameters(recurse=False) if p.requires_grad
-                }
-                if dims:
-                    plan.styles[full] = LocalParameters(dims)
+                dims.update(
+                    {
+                        join(sub_name, n): None
+                        for n, p in sub.named_parameters(recurse=False)
+                        if p.requires_grad
+                    }
+                )
+            if dims:
+                plan.styles[moe] = LocalParameters(dims)
             plan.notes.append(
                 f"{moe}: experts and router whole on every tp rank, each routing its sequence slice"
             )

@@ -150,12 +150,15 @@ def sum_shares_over_tp(model: nn.Module, plan: ParallelPlan) -> None:
         return
     covered = [c.name for c in plan.containers] + list(plan.styles) + plan.whole_sequence
     for block_name in plan.block_names:
+        if block_name in covered:
+            continue
+        dims: dict[str, int | None] = {}  # one style on the block: its code may read its children's weights
         for sub_name, sub in model.get_submodule(block_name).named_modules():
             full = join(block_name, sub_name)
             if any(full == c or full.startswith(c + ".") for c in covered):
                 continue
-            dims: dict[str, int | None] = {
-                n: None for n, p in sub.named_parameters(recurse=False) if p.requires_grad
-            }
-            if dims:
-                plan.styles[full] = LocalParameters(dims)
+            dims.update(
+                {join(sub_name, n): None for n, p in sub.named_parameters(recurse=False) if p.requires_grad}
+            )
+        if dims:
+            plan.styles[block_name] = LocalParameters(dims)

@@ -37,8 +37,9 @@ SHOWN_LOCAL = "_lp_shown_local"
 
 
 class LocalParameters(ParallelStyle):
-    """Direct parameters and buffers of one module: ``{name: dim}`` cut along ``dim``, ``{name: None}`` whole
-    with a ``Partial`` gradient; the module's code sees the local tensors while it runs."""
+    """Parameters and buffers of one module (its children's under dotted names): ``{name: dim}`` cut along
+    ``dim``, ``{name: None}`` whole with a ``Partial`` gradient; the module's code sees the local tensors while
+    it runs."""
 
     def __init__(self, dims: dict[str, int | None], *, returned_whole: bool = False) -> None:
         super().__init__()
@@ -51,19 +52,20 @@ class LocalParameters(ParallelStyle):
         rank, size = device_mesh.get_local_rank(), device_mesh.size()
         parameters = []
         for name, dim in self.dims.items():
-            if name in module._buffers and module._buffers[name] is not None:
-                buffer = module._buffers[name]
+            owner, attr = _owner(module, name)
+            if attr in owner._buffers and owner._buffers[attr] is not None:
+                buffer = owner._buffers[attr]
                 if dim is not None:  # no gradient: cut once, the module keeps a plain tensor
                     piece = buffer.shape[dim] // size
-                    module._buffers[name] = buffer.narrow(dim, rank * piece, piece).clone()
+                    owner._buffers[attr] = buffer.narrow(dim, rank * piece, piece).clone()
                 continue
-            param = module._parameters.get(name)
+            param = owner._parameters.get(attr)
             if param is None or isinstance(param, DTensor):
                 continue
             placement = Replicate() if dim is None else Shard(dim % param.dim())
             dist = distribute_tensor(param.detach(), device_mesh, [placement], src_data_rank=None)
-            module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
-            setattr(module._parameters[name], SHOWN_LOCAL, True)  # zero/tensor_parallel.py keeps it local
+            owner.register_parameter(attr, nn.Parameter(dist, requires_grad=param.requires_grad))
+            setattr(owner._parameters[attr], SHOWN_LOCAL, True)  # zero/tensor_parallel.py keeps it local
             parameters.append(name)
         if parameters:
             module.register_forward_pre_hook(_show_local(parameters, self.dims))
@@ -76,16 +78,24 @@ class LocalParameters(ParallelStyle):
         return f"LocalParameters({', '.join(parts)})"
 
 
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module holding ``name`` (a child's, dotted: a module whose code reads its child's weights directly,
+    as DBRX's experts read ``self.mlp.w1``, is given them before its code runs) and the attribute there."""
+    path, _, attr = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), attr
+
+
 def _show_local(names: list[str], dims: dict[str, int | None]) -> Any:
     def hook(module: nn.Module, args: Any) -> None:
         saved = {}
         for name in names:
-            param = module._parameters.get(name)  # absent: a parametrization shows the local tensor (ZeRO)
+            owner, attr = _owner(module, name)
+            param = owner._parameters.get(attr)  # absent: a parametrization shows the local tensor (ZeRO)
             if not isinstance(param, DTensor):  # or a re-entrant call (recomputation inside forward)
                 continue
             saved[name] = param
             grad = [Partial()] if dims[name] is None else None
-            module._parameters[name] = param.to_local(grad_placements=grad)  # type: ignore[assignment]
+            owner._parameters[attr] = param.to_local(grad_placements=grad)  # type: ignore[assignment]
         module.__dict__.setdefault(_SAVED, []).append(saved)
 
     return hook
@@ -95,7 +105,8 @@ def _restore(module: nn.Module, args: Any, output: Any) -> None:
     stack = module.__dict__.get(_SAVED) or []
     if stack:
         for name, param in stack.pop().items():
-            module._parameters[name] = param
+            owner, attr = _owner(module, name)
+            owner._parameters[attr] = param
 
 
 def _restore_handing_back_whole(module: nn.Module, args: Any, output: Any) -> Any:
@@ -103,7 +114,7 @@ def _restore_handing_back_whole(module: nn.Module, args: Any, output: Any) -> An
     whose gradient is the whole one on every rank (the caller uses it on replicated activations)."""
     saved = (module.__dict__.get(_SAVED) or [{}])[-1]
     returned = {
-        id(module._parameters[name]): param
+        id(_owner(module, name)[0]._parameters[_owner(module, name)[1]]): param
         for name, param in saved.items()
         if isinstance(param, DTensor) and param.placements == (Replicate(),)
     }
