@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -195,7 +195,7 @@ def _compare_once(block: nn.Module, inputs: Captured, plan: ParallelPlan, mesh: 
         for name in plan.whole_sequence:
             install_whole_sequence(sharded.get_submodule(name), mesh)
     ref_out, ref_grad = _run(reference, inputs)
-    out, grad = _run(sharded, inputs)
+    out, grad = _run(sharded, stored_by_sharded_blocks(inputs, mesh))
     problems = []
     if (err := relative_error(out, ref_out)) > TOLERANCE:
         problems.append(
@@ -214,6 +214,32 @@ def _compare_once(block: nn.Module, inputs: Captured, plan: ParallelPlan, mesh: 
         if problem:
             problems.append(problem)
     return "; ".join(problems) or None
+
+
+def stored_by_sharded_blocks(inputs: Captured, mesh: DeviceMesh) -> Captured:
+    """A block's captured arguments with what earlier blocks stored for it in a container as the sharded
+    earlier blocks store it: keys and values shared across layers (Gemma 3n's and Kolibri's
+    ``shared_kv_states``, ``(batch, heads, positions, head_dim)`` in a dict every block receives) hold this
+    rank's heads only. The captures come from the unsharded model, so the later block would otherwise be
+    checked on every head's keys and values, which it never receives when it trains."""
+    rank, size = mesh.get_local_rank(), mesh.size()
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[1] % size == 0:
+            heads = value.shape[1] // size
+            return value.narrow(1, rank * heads, heads)
+        return value
+
+    def entries_cut(value: Any) -> Any:
+        if not isinstance(value, Mapping):
+            return value
+        held = copy.copy(value)  # of its own type (Hugging Face's KVSharingDict is a UserDict)
+        for key in list(held):
+            held[key] = tree_map(cut, held[key])
+        return held
+
+    args, kwargs = inputs
+    return tuple(entries_cut(a) for a in args), {k: entries_cut(v) for k, v in kwargs.items()}
 
 
 def user_gradient(param: torch.Tensor) -> torch.Tensor | None:

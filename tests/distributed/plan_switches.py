@@ -11,7 +11,9 @@ attention taken away before setup, so that a family it serves is refused by the 
 - ``flattened_norm``: under sequence parallelism, a residual norm given ``(tokens, width)`` is cut along its
   features, as torch's ``SequenceParallel`` does;
 - ``repeated_hidden``: a container given the hidden state more than once has only the first replaced;
-- ``block_shares``: under sequence parallelism, the blocks' parameters no style covers keep each rank's share.
+- ``block_shares``: under sequence parallelism, the blocks' parameters no style covers keep each rank's share;
+- ``stored_heads``: the verification checks a layer that reuses an earlier layer's keys and values on every
+  head's, as captured from the unsharded model.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ SWITCHES = (
     "flattened_norm",
     "repeated_hidden",
     "block_shares",
+    "stored_heads",
 )
 
 
@@ -78,6 +81,10 @@ def plan_feature_switched_off(switch_off: str | None, reference: bool) -> Iterat
             )
         elif switch_off == "block_shares":
             stack.enter_context(mock.patch.object(auto, "sum_shares_over_tp", lambda *a, **k: None))
+        elif switch_off == "stored_heads":
+            stack.enter_context(
+                mock.patch.object(verify, "stored_by_sharded_blocks", lambda inputs, mesh: inputs)
+            )
         elif switch_off == "whole_sequence":
             for module in (apply, verify):
                 stack.enter_context(mock.patch.object(module, "install_whole_sequence", lambda *a, **k: []))
