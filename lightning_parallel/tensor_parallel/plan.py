@@ -67,6 +67,7 @@ class ShardedContainer:
     copy_entry_outputs: bool = (
         False  # the entries' outputs copied: the model changes them in place (OLMo's clamp)
     )
+    inner_gathered: bool = False  # an MLP's hidden units gathered: its code reduces over them (Gemma 3n)
 
     @property
     def variant_label(self) -> str | None:
@@ -150,6 +151,7 @@ def format_plan(plan: ParallelPlan) -> str:
             mode += ", per-head inputs cut to the local heads" if container.slice_heads else ""
             mode += ", output copied" if container.copy_output else ""
             mode += ", entry outputs copied" if container.copy_entry_outputs else ""
+            mode += ", hidden units gathered" if container.inner_gathered else ""
             lines.append(f"    {container.name}: {container.kind}, {mode}" + (f"; {attrs}" if attrs else ""))
     for note in plan.notes:
         lines.append(f"  note: {note}")

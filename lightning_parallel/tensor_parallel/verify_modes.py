@@ -9,10 +9,12 @@ copied first (the exit's; the entries' too).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
 from torch import nn
+from torch.distributed.tensor import Replicate
 
 from lightning_parallel.tensor_parallel.block_kinds import same_kind
 from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
@@ -29,6 +31,9 @@ class Mode:
     slice_heads: bool = False  # per-head tensors handed to attention cut to the local heads
     copy_output: bool = False  # the exits' outputs copied (for models that add to them in place)
     copy_entry_outputs: bool = False  # the entries' outputs copied too (for models that change them in place)
+    # the MLPs' hidden units gathered after the entries, cut again at the exit: code reducing over them (a
+    # statistic over the hidden units) sees every rank's
+    inner_gathered: bool = False
 
     def describe(self, containers: list[ShardedContainer]) -> str:
         words = ["width-sliced" if self.narrow else "full-width"]
@@ -38,7 +43,8 @@ class Mode:
         words += sorted(label for label in labels if label)
         words += ["per-head inputs cut to its heads"] if self.slice_heads else []
         words += ["outputs copied"] if self.copy_output else []
-        return ", ".join(words + (["entry outputs copied"] if self.copy_entry_outputs else []))
+        words += ["entry outputs copied"] if self.copy_entry_outputs else []
+        return ", ".join(words + (["MLP hidden units gathered"] if self.inner_gathered else []))
 
 
 def modes_to_try(containers: list[ShardedContainer]) -> list[Mode]:
@@ -47,7 +53,16 @@ def modes_to_try(containers: list[ShardedContainer]) -> list[Mode]:
     variants = max((len(c.variants) for c in containers), default=0) or 1
     both = (False, True) if attention else (False,)
     copies = [(False, False), (True, False), (True, True)]
-    return [Mode(n, v, h, c, e) for c, e in copies for h in both for v in range(variants) for n in both]
+    # last: an MLP whose own code reduces over its hidden units (Gemma 3n's activation sparsity)
+    inner = (False, True) if any(c.kind == "mlp" for c in containers) else (False,)
+    return [
+        Mode(n, v, h, c, e, i)
+        for i in inner
+        for c, e in copies
+        for h in both
+        for v in range(variants)
+        for n in both
+    ]
 
 
 def _apply_mode(container: ShardedContainer, mode: Mode) -> ShardedContainer:
@@ -62,11 +77,22 @@ def _apply_mode(container: ShardedContainer, mode: Mode) -> ShardedContainer:
         slice_heads=mode.slice_heads and attention,
         copy_output=mode.copy_output,
         copy_entry_outputs=mode.copy_entry_outputs,
+        inner_gathered=mode.inner_gathered and container.kind == "mlp",
     )
 
 
-def _variant_styles(container: ShardedContainer) -> dict[str, Any]:
-    return container.variants[container.variant].styles if container.variants else {}
+def _variant_styles(container: ShardedContainer, styles: dict[str, Any]) -> dict[str, Any]:
+    """The container's entry styles as its variant and mode make them (``styles``: the plan's so far)."""
+    chosen = dict(container.variants[container.variant].styles) if container.variants else {}
+    if container.inner_gathered:  # the entries' outputs all-gathered, the exit's input cut to this rank's
+        for entry in container.entries:
+            style = copy.copy(chosen.get(entry, styles.get(entry)))
+            style.output_layouts = (Replicate(),)
+            chosen[entry] = style
+        exit_style = copy.copy(chosen.get(container.exit, styles.get(container.exit)))
+        exit_style.input_layouts = (Replicate(),)
+        chosen[container.exit] = exit_style
+    return chosen
 
 
 def relative_plan(plan: ParallelPlan, prefix: str, mode: Mode) -> ParallelPlan:
@@ -77,7 +103,7 @@ def relative_plan(plan: ParallelPlan, prefix: str, mode: Mode) -> ParallelPlan:
     ]
     styles = dict(plan.styles)
     for container in chosen:
-        styles.update(_variant_styles(container))
+        styles.update(_variant_styles(container, styles))
     # the block's own style (its parameters' gradients summed over tp under sequence parallelism) under ""
     styles = {
         name[cut:]: style for name, style in styles.items() if name == prefix or name.startswith(prefix + ".")
@@ -101,4 +127,4 @@ def keep_mode(plan: ParallelPlan, model: nn.Module, block: nn.Module, mode: Mode
         if owner is not None and same_kind(model.get_submodule(owner), block):
             chosen = _apply_mode(container, mode)
             plan.containers[index] = chosen
-            plan.styles.update(_variant_styles(chosen))
+            plan.styles.update(_variant_styles(chosen, plan.styles))

@@ -268,7 +268,11 @@ def rank_record(
         **(probe.counts if probe is not None else {}),
         "collectives": collectives.by_axis(mesh_axes(strategy)) if collectives is not None else {},
         "optimizer_steps": optimizer_steps,
-        **tensor_parallel_record(module, set(getattr(experts, "parameter_ids", ()) or ())),
+        **tensor_parallel_record(
+            module,
+            set(getattr(experts, "parameter_ids", ()) or ()),
+            getattr(getattr(parallelized, "plan", None), "block_names", None),
+        ),
         **tensor_parallel_modes(strategy),
         **offload_record(strategy),
         **state_sharding_record(strategy),

@@ -62,17 +62,29 @@ def _expert_weight(name: str) -> bool:
     return ".experts." in name
 
 
-def tensor_parallel_record(module: nn.Module, expert_ids: set[int]) -> dict[str, Any]:
-    """Blocks of the stack (by name) and those with a matrix weight sharded over ``tp``; the stack's
-    2-D weights' elements (global) and those sharded. Expert weights are expert parallelism's, not counted."""
+def _block_of(name: str, stack: list[str] | None) -> str | None:
+    """The block of the stack holding parameter ``name``: the plan's blocks where there is a plan (a model's
+    other lists of modules, as Gemma 3n's ``altup_projections``, are not blocks), else the first list index."""
+    if stack:
+        return next((b for b in stack if name.startswith(b + ".")), None)
+    match = _BLOCK.match(name)
+    return match.group(1) if match else None
+
+
+def tensor_parallel_record(
+    module: nn.Module, expert_ids: set[int], stack: list[str] | None = None
+) -> dict[str, Any]:
+    """Blocks of the stack (by name; ``stack``: the plan's) and those with a matrix weight sharded over ``tp``;
+    the stack's 2-D weights' elements (global) and those sharded. Expert weights are expert parallelism's, not
+    counted."""
     from lightning_parallel.zero.tensor_parallel import user_named_parameters
 
     blocks: dict[str, bool] = {}
     numel = sharded = 0
     for name, param in user_named_parameters(module):
-        match = _BLOCK.match(name)
+        block = _block_of(name, stack)
         if (
-            match is None
+            block is None
             or param.is_meta
             or param.dim() != 2
             or id(param) in expert_ids
@@ -80,7 +92,7 @@ def tensor_parallel_record(module: nn.Module, expert_ids: set[int]) -> dict[str,
         ):
             continue
         is_sharded = "tp" in _dtensor_shard_axes(param)
-        blocks[match.group(1)] = blocks.get(match.group(1), False) or is_sharded
+        blocks[block] = blocks.get(block, False) or is_sharded
         numel += param.numel()
         sharded += param.numel() if is_sharded else 0
     return {
@@ -101,6 +113,8 @@ def tensor_parallel_modes(strategy: Any) -> dict[str, Any]:
             modes.add(container.variant_label)
         if container.slice_heads:
             modes.add("per-head inputs cut to the local heads")
+        if container.inner_gathered:
+            modes.add("MLP hidden units gathered")
     modes |= (
         {"modules left whole run on the whole sequence"} if getattr(plan, "whole_sequence", None) else set()
     )

@@ -13,7 +13,8 @@ attention taken away before setup, so that a family it serves is refused by the 
 - ``repeated_hidden``: a container given the hidden state more than once has only the first replaced;
 - ``block_shares``: under sequence parallelism, the blocks' parameters no style covers keep each rank's share;
 - ``stored_heads``: the verification checks a layer that reuses an earlier layer's keys and values on every
-  head's, as captured from the unsharded model.
+  head's, as captured from the unsharded model;
+- ``gathered_hidden_units``: no mode gathers an MLP's hidden units for code that reduces over them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ SWITCHES = (
     "repeated_hidden",
     "block_shares",
     "stored_heads",
+    "gathered_hidden_units",
 )
 
 
@@ -84,6 +86,15 @@ def plan_feature_switched_off(switch_off: str | None, reference: bool) -> Iterat
         elif switch_off == "stored_heads":
             stack.enter_context(
                 mock.patch.object(verify, "stored_by_sharded_blocks", lambda inputs, mesh: inputs)
+            )
+        elif switch_off == "gathered_hidden_units":
+            from lightning_parallel.tensor_parallel import verify_modes
+
+            every = verify_modes.modes_to_try
+            stack.enter_context(
+                mock.patch.object(
+                    verify, "modes_to_try", lambda c: [m for m in every(c) if not m.inner_gathered]
+                )
             )
         elif switch_off == "whole_sequence":
             for module in (apply, verify):

@@ -8,6 +8,9 @@ one per trait, unchanged from their tiny configs, at fp32 parity with one proces
 - MPT: ALiBi made at model level as a ``(heads, 1, positions)`` tensor, cut to the rank's heads;
 - Kolibri: layer 3 reuses the keys and values layer 1 stored in a dict every layer receives; the sharded layer 1
   stores its own heads only, so the verification checks layer 3 on those (``verify.stored_by_sharded_blocks``);
+- Gemma 3n: its MLP keeps the hidden units above a cutoff made from their mean and standard deviation
+  (activation sparsity), statistics over every rank's units: they are gathered after the entries and cut again
+  at the exit (``MLP hidden units gathered``);
 - RecurrentGemma: a rotary child of the attention holds as many frequencies as there are heads (they stay
   whole); ERGO: its shared expert normalises its exit's output with a norm as wide as its hidden units
   (normalised whole); Moshi: each projection wrapped in a module of its own (found through it); Doge: a
@@ -62,6 +65,7 @@ pytestmark = [pytest.mark.distributed]
 TRAITS = {
     "codegen": ("fused entry 4 groups of q|k|v", "grouped_qkv"),
     "kolibri1_1": (None, "stored_heads"),
+    "gemma3n_text": ("MLP hidden units gathered", "gathered_hidden_units"),
     "diffllama": ("heads paired across halves", "paired_heads"),
     "mpt": ("per-head inputs cut to the local heads", "heads_first_bias"),
     "gpt_neox_japanese": (None, "returned_parameters"),
