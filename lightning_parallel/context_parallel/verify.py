@@ -21,11 +21,10 @@ from lightning_parallel.context_parallel.attention import ContextState, route_at
 from lightning_parallel.context_parallel.hooks import split_block_inputs
 from lightning_parallel.context_parallel.split import gather
 from lightning_parallel.context_parallel.ulysses import heads_check
+from lightning_parallel.tensor_parallel.captured_inputs import Captured, block_inputs
 from lightning_parallel.tensor_parallel.regions import find_hidden
 from lightning_parallel.tensor_parallel.verify import (
     TOLERANCE,
-    Captured,
-    block_inputs,
     cotangent_like,
     exact_fp32,
     first_tensor,

@@ -57,8 +57,8 @@ from lightning_parallel.pipeline.stages import SkippedBlock, StageLayout
 from lightning_parallel.plans.detect import block_names
 from lightning_parallel.tensor_parallel import BlockInputCapture, ParallelPlan, capture_block_inputs
 from lightning_parallel.tensor_parallel.block_kinds import first_block_of_each_kind
+from lightning_parallel.tensor_parallel.captured_inputs import Captured
 from lightning_parallel.tensor_parallel.loss_parallel import LossParallelState
-from lightning_parallel.tensor_parallel.verify import Captured
 from lightning_parallel.zero.engine_choice import config_engine
 from lightning_parallel.zero.fsdp_schedule import before_schedule
 

@@ -16,13 +16,13 @@ from lightning_parallel.config import TensorParallelConfig
 from lightning_parallel.pipeline.setup import filter_plan_to_kept_modules
 from lightning_parallel.plans import ParallelPlan, auto_plan, plan_from_dict
 from lightning_parallel.tensor_parallel import apply_tensor_parallel, verify_and_choose_modes
+from lightning_parallel.tensor_parallel.captured_inputs import Captured
 from lightning_parallel.tensor_parallel.loss_parallel import (
     LossParallelState,
     install_head_hook,
     sharded_head_style,
 )
 from lightning_parallel.tensor_parallel.plan import record_parameter_shards
-from lightning_parallel.tensor_parallel.verify import Captured
 from lightning_parallel.tensor_parallel.vocab_loss import ShardedLogitsMode
 
 

@@ -1,13 +1,10 @@
 """Apply the tensor- and sequence-parallel part of a plan (Megatron-style, on DTensor styles)."""
 
 from lightning_parallel.tensor_parallel.apply import apply_tensor_parallel
+from lightning_parallel.tensor_parallel.captured_inputs import BlockInputCapture, capture_block_inputs
 from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
 from lightning_parallel.tensor_parallel.styles import ColwiseProjection, RowwiseProjection
-from lightning_parallel.tensor_parallel.verify import (
-    BlockInputCapture,
-    capture_block_inputs,
-    verify_and_choose_modes,
-)
+from lightning_parallel.tensor_parallel.verify import verify_and_choose_modes
 
 __all__ = [
     "BlockInputCapture",

@@ -16,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.tensor_parallel.plan import ParallelPlan, ShardedContainer
 from lightning_parallel.tensor_parallel.regions import (
+    install_block_argument_slices,
     install_container_hooks,
     install_sequence_region,
     install_whole_sequence,
@@ -144,6 +145,8 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceM
     if plan.sequence_parallel and plan.block_names:
         first, last = model.get_submodule(plan.block_names[0]), model.get_submodule(plan.block_names[-1])
         handles += install_sequence_region(first, last, tp_mesh)
+        for name in plan.block_names:  # after the region's entry: the hidden state is cut already
+            handles += install_block_argument_slices(model.get_submodule(name), tp_mesh)
     for name in plan.whole_sequence if plan.sequence_parallel else []:
         handles += install_whole_sequence(model.get_submodule(name), tp_mesh)
     log.info(

@@ -28,6 +28,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.hooks import RemovableHandle
 
+from lightning_parallel.tensor_parallel.block_arguments import (
+    forget_slices,
+    map_items,
+    remember_slice,
+    whole_arguments,
+)
+
 HIDDEN_KWARGS = ("hidden_states", "x", "hidden", "inputs", "input", "h")
 SEQUENCE_DIM = 1
 
@@ -183,6 +190,7 @@ def install_container_hooks(
         return args, {k: v if k == where else cut(k, v) for k, v in kwargs.items()}
 
     def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        args, kwargs = whole_arguments(args, kwargs)  # the block's per-token arguments, cut with it under sp
         where, hidden = find_hidden(args, kwargs)
         if slice_heads is not None:
             args, kwargs = cut_heads(args, kwargs, where, hidden.shape[0])
@@ -324,6 +332,7 @@ def install_whole_sequence(module: nn.Module, mesh: DeviceMesh) -> list[Removabl
     parallelism) and takes its slice of the input's gradient."""
 
     def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        args, kwargs = whole_arguments(args, kwargs)
         where, hidden = find_hidden(args, kwargs)
         return replace_hidden(args, kwargs, where, gather_sequence(hidden, mesh))
 
@@ -333,4 +342,40 @@ def install_whole_sequence(module: nn.Module, mesh: DeviceMesh) -> list[Removabl
     return [
         module.register_forward_pre_hook(enter, with_kwargs=True),
         module.register_forward_hook(leave),
+    ]
+
+
+def install_block_argument_slices(block: nn.Module, mesh: DeviceMesh) -> list[RemovableHandle]:
+    """Entering ``block`` (after the sequence-parallel region cut its hidden state), cut its other per-token
+    arguments to this rank's slice; leaving it, forget them."""
+    size = mesh.size()
+
+    def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        where, hidden = find_hidden(args, kwargs)
+        if hidden.dim() < 3:
+            return None
+        batch, whole_length = hidden.shape[0], hidden.shape[1] * size
+
+        def cut(value: Any) -> Any:
+            if (
+                not isinstance(value, torch.Tensor)
+                or value is hidden
+                or value.dim() < 2
+                or value.shape[0] != batch
+                or value.shape[1] != whole_length
+            ):
+                return value
+            piece = scatter_sequence(value, mesh)
+            remember_slice(piece, value)
+            return piece
+
+        new_args = tuple(a if i == where else map_items(cut, a) for i, a in enumerate(args))
+        return new_args, {k: v if k == where else map_items(cut, v) for k, v in kwargs.items()}
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        forget_slices()
+
+    return [
+        block.register_forward_pre_hook(enter, with_kwargs=True),
+        block.register_forward_hook(leave, always_call=True),
     ]

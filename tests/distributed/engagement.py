@@ -68,6 +68,7 @@ class ForwardProbe:
         self.counts["weightless_norms"] = int(
             bool(norms) and not any(True for n in norms for _ in n.parameters())
         )
+        self.counts["norms"] = len(norms)
         for sub in module.modules():
             if "norm" in type(sub).__name__.lower():
                 self.handles.append(sub.register_forward_pre_hook(self._norm))
@@ -323,10 +324,12 @@ def _schedule_check(cls: str) -> Callable[[dict[str, Any], dict[str, Any]], str 
 
 
 def _sequence_parallel_problem(record: dict[str, Any]) -> str | None:
-    """A norm with weights saw a sequence-sharded DTensor; a model whose norms have none (OLMo's) runs them on
-    plain local slices, so there the row-parallel exits' reduce-scatters over tp are the evidence."""
+    """A norm with weights saw a sequence-sharded DTensor; a model whose norms have none (OLMo's) or that has
+    no norm at all runs on plain local slices, so there the row-parallel exits' reduce-scatters over tp are
+    the evidence."""
     scatters = sum(n for k, n in record.get("collectives", {}).items() if k.startswith("tp.reduce_scatter"))
-    if record.get("sequence_sharded_norm_inputs", 0) > 0 or (record.get("weightless_norms") and scatters > 0):
+    normless = record.get("weightless_norms") or record.get("norms", 1) == 0
+    if record.get("sequence_sharded_norm_inputs", 0) > 0 or (normless and scatters > 0):
         return None
     return "no norm saw a sequence-sharded input"
 

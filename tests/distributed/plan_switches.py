@@ -14,7 +14,8 @@ attention taken away before setup, so that a family it serves is refused by the 
 - ``block_shares``: under sequence parallelism, the blocks' parameters no style covers keep each rank's share;
 - ``stored_heads``: the verification checks a layer that reuses an earlier layer's keys and values on every
   head's, as captured from the unsharded model;
-- ``gathered_hidden_units``: no mode gathers an MLP's hidden units for code that reduces over them.
+- ``gathered_hidden_units``: no mode gathers an MLP's hidden units for code that reduces over them;
+- ``block_argument_slices``: under sequence parallelism, a block's per-token arguments stay whole.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ SWITCHES = (
     "block_shares",
     "stored_heads",
     "gathered_hidden_units",
+    "block_argument_slices",
 )
 
 
@@ -96,6 +98,11 @@ def plan_feature_switched_off(switch_off: str | None, reference: bool) -> Iterat
                     verify, "modes_to_try", lambda c: [m for m in every(c) if not m.inner_gathered]
                 )
             )
+        elif switch_off == "block_argument_slices":
+            for module in (apply, verify):
+                stack.enter_context(
+                    mock.patch.object(module, "install_block_argument_slices", lambda *a, **k: [])
+                )
         elif switch_off == "whole_sequence":
             for module in (apply, verify):
                 stack.enter_context(mock.patch.object(module, "install_whole_sequence", lambda *a, **k: []))

@@ -162,6 +162,9 @@ def test_zero2_on_fsdp2_is_proven_by_reduce_scatters_and_sharded_states(change: 
         ({"weightless_norms": 1, "collectives": {"tp.reduce_scatter_tensor": 8}}, True),
         ({"weightless_norms": 1, "collectives": {"tp.allreduce_": 8}}, False),  # tensor parallelism alone
         ({"weightless_norms": 0, "collectives": {"tp.reduce_scatter_tensor": 8}}, False),  # norms left whole
+        # a model without norms: the exits' reduce-scatters again
+        ({"norms": 0, "collectives": {"tp.reduce_scatter_tensor": 8}}, True),
+        ({"norms": 0, "collectives": {"tp.allreduce_": 8}}, False),
     ],
 )
 def test_sequence_parallelism_is_proven_by_sharded_norm_inputs_or_weightless_norms_scatters(

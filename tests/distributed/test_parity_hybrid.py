@@ -11,10 +11,12 @@ process on the global batch. One launch per world size runs all of its cases.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from tests.distributed.cases import CASES, Case, hybrid
-from tests.distributed.harness import Result, assert_parity, reference, run_cases
+from tests.distributed.cases import CASES, Case, hybrid, register
+from tests.distributed.harness import HarnessError, Result, assert_parity, reference, run_cases
 from tests.distributed.tolerance import check_low_precision, with_split_references
 
 FAMILIES = ["recipe_gpt", "nanogpt", "hf_gpt2", "hf_llama"]
@@ -57,10 +59,16 @@ EXTRA_TWO = [
         case_fields={"trainer_kwargs": ACCUM_CLIP},
     ),
 ]
-# OPT: a key-projection bias whose gradient is zero in exact arithmetic (once a false refusal). Not
-# under sequence parallelism: its layer flattens (batch, sequence) before the MLP's norm, which the
-# verification refuses.
+# OPT: a key-projection bias whose gradient is zero in exact arithmetic (once a false refusal). Under
+# sequence parallelism (its layer is its own MLP, flattened before its norm): tests/distributed/test_sweep_traits.py.
 EXTRA_TWO.append(hybrid("hybrid_tp2_hf_opt", "hf_opt", world_size=2, timeout=60, tensor_parallel=2))
+# Blocks adding a per-layer input made at model level, per token, beside a split MLP (Gemma 3n's and 4's kind):
+# under sequence parallelism each block meets the slice of it that matches its slice of the sequence.
+PER_LAYER_SP = hybrid(
+    "hybrid_tp2_sp_per_layer_inputs", "per_layer_inputs", world_size=2, timeout=60, tensor_parallel=2,
+    sequence_parallel=True, case_fields={"model_kwargs": {"mlp": True}},
+)  # fmt: skip
+EXTRA_TWO.append(PER_LAYER_SP)
 # Qwen3: per-head q/k RMSNorms inside the attention, a shared weight whose gradient sums over the ranks.
 EXTRA_TWO += [
     hybrid(f"hybrid_{layout}_hf_qwen3", "hf_qwen3", world_size=2, timeout=60, tensor_parallel=2, **kwargs)
@@ -213,3 +221,21 @@ def test_dp2_tp2_matches_single_process(four_process_results: dict[str, Result],
     result = four_process_results[name]
     assert result.world_size == 4 and result.data_parallel == 2
     assert_parity(result, reference(name))
+
+
+@pytest.mark.timeout(300)
+def test_negative_control_per_layer_inputs_left_whole_under_sequence_parallelism_are_refused() -> None:
+    """The block's per-layer input left whole while the block holds its slice of the sequence: the block
+    verification refuses the plan (shapes that do not match)."""
+    case = (
+        CASES.get("hybrid_tp2_sp_per_layer_inputs_without_slices")
+        or register(
+            replace(
+                PER_LAYER_SP,
+                name="hybrid_tp2_sp_per_layer_inputs_without_slices",
+                switch_off="block_argument_slices",
+            )
+        )[0]
+    )
+    with pytest.raises(HarnessError, match="does not reproduce the unsharded block"):
+        run_cases([case], 2, timeout_s=180)

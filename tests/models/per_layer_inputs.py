@@ -6,7 +6,8 @@ pipeline parallelism those weights live on every stage that reads them, and thei
 values shared across layers): pipeline stages pass on only the hidden state, and no stage boundary can avoid
 every such pair of blocks, so that model is refused. ``share_state="pair"``: only block 1 stores and block 2
 reads (as Gemma 3n's last layers reuse what one layer stored): the split keeps the two on one stage.
-``strided_hidden=True``: each block returns its hidden state as a transposed view (the values unchanged, the
+``mlp=True``: each block also has an MLP tensor parallelism splits, while it adds its per-layer input itself,
+per token, on what sequence parallelism makes its slice of the sequence. ``strided_hidden=True``: each block returns its hidden state as a transposed view (the values unchanged, the
 strides not), which a point-to-point send and receive cannot take as it is. The model's loop reads each
 block's ``kind`` attribute, as Nemotron-H's reads ``block_type``: a stage must answer it for blocks it skips.
 """
@@ -23,20 +24,38 @@ from torch import nn
 from tests.models.optim import parity_optimizer
 
 
+class _MLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up_proj, self.down_proj = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.up_proj(hidden)))
+
+
 class SideInputBlock(nn.Module):
     kind = "side input"
 
     def __init__(
-        self, width: int, side: int, strided_hidden: bool = False, reads: bool = True, stores: bool = True
+        self,
+        width: int,
+        side: int,
+        strided_hidden: bool = False,
+        reads: bool = True,
+        stores: bool = True,
+        mlp: bool = False,
     ) -> None:
         super().__init__()
         self.mix, self.side = nn.Linear(width, width), nn.Linear(side, width)
+        self.mlp = _MLP(width) if mlp else None
         self.strided_hidden, self.reads, self.stores = strided_hidden, reads, stores
 
     def forward(
         self, hidden: torch.Tensor, per_layer: torch.Tensor, shared: dict | None = None
     ) -> torch.Tensor:
         out = hidden + torch.tanh(self.mix(hidden)) + self.side(per_layer)
+        if self.mlp is not None:
+            out = out + self.mlp(out)
         if shared is not None:
             if self.reads and "kv" in shared:
                 out = out + shared["kv"]
@@ -55,12 +74,15 @@ class PerLayerInputs(nn.Module):
         share_state: bool | str = False,
         strided_hidden: bool = False,
         shared_side: bool = False,
+        mlp: bool = False,
     ) -> None:
         super().__init__()
         self.embed, self.per_layer = nn.Embedding(vocab, width), nn.Embedding(vocab, layers * side)
         pair = share_state == "pair"
         self.blocks = nn.ModuleList(
-            SideInputBlock(width, side, strided_hidden, reads=not pair or i == 2, stores=not pair or i == 1)
+            SideInputBlock(
+                width, side, strided_hidden, reads=not pair or i == 2, stores=not pair or i == 1, mlp=mlp
+            )
             for i in range(layers)
         )
         if shared_side:  # the first and last blocks call one module (Zamba's shared transformer)
@@ -82,13 +104,13 @@ class PerLayerInputsModule(L.LightningModule):
     def __init__(
         self, vocab_size: int = 128, block_size: int = 32, n_layer: int = 4, n_embd: int = 16,
         share_state: bool | str = False, strided_hidden: bool = False, learning_rate: float | None = None,
-        optimizer: str = "sgd", shared_side: bool = False,
+        optimizer: str = "sgd", shared_side: bool = False, mlp: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
         self.save_hyperparameters()
         self.model = PerLayerInputs(
             vocab_size, n_layer, n_embd, share_state=share_state, strided_hidden=strided_hidden,
-            shared_side=shared_side,
+            shared_side=shared_side, mlp=mlp,
         )  # fmt: skip
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
