@@ -318,12 +318,18 @@ def auto_plan(model: nn.Module, tensor_parallel: int, sequence_parallel: bool) -
     embedding = find_token_embedding(model, stack.name)
     if embedding is not None:
         name, emb = embedding
-        if emb.num_embeddings % tp == 0:
+        # an embedding running modules of its own on the lookup (Inkling 2's norm) would hand them the vocabulary
+        # shard's partial rows: left whole, with a head tied to it
+        nested = [child for child, _ in emb.named_children()]
+        if nested:
+            plan.notes.append(f"{name}: left replicated (it runs {', '.join(nested)} on the lookup itself)")
+        elif emb.num_embeddings % tp == 0:
             plan.styles[name] = TokenEmbedding(input_layouts=Replicate(), output_layouts=Replicate())
         else:
             plan.notes.append(f"{name}: vocabulary {emb.num_embeddings} not divisible by {tp}; replicated")
         head = find_output_head(model, emb.num_embeddings, stack.name)
-        if head is not None and emb.num_embeddings % tp == 0:
+        tied = head is not None and getattr(head[1], "weight", None) is emb.weight
+        if head is not None and emb.num_embeddings % tp == 0 and not (nested and tied):
             plan.styles[head[0]] = ColwiseProjection(output_layouts=Replicate(), use_local_output=True)
             plan.head = head[0]
     return plan
