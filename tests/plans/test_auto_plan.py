@@ -519,6 +519,8 @@ def test_blocks_without_projections_tensor_parallelism_can_find_are_refused_not_
         ("qwen4_exp_text", r"cannot split `model\.layers\.0\.linear_attn` .* left whole number \d+ elements"),
         # a second stack of blocks the plan would leave whole (HRM's high- and low-level modules)
         ("hrm_text", r"cannot split `model\.H_module\.layers` \(a second stack of blocks beside"),
+        # projections the plan never took for candidates holding most of the blocks (Inkling 2's wrapped ones)
+        ("inkling2_text", r"cannot split `model\.layers\.0` \(of its modules the plan found"),
     ],
 )
 def test_hybrids_tensor_parallelism_would_mostly_copy_are_refused_naming_the_module(
@@ -576,3 +578,29 @@ def test_modules_left_whole_run_on_the_whole_sequence_under_sequence_parallelism
         "LocalParameters(input_residual=Partial grad, post_attention_residual=Partial grad)"
     )
     assert shares(build("doge", False)) == {} and shares(build("gemma3n_text", False)) == {}
+
+
+def test_an_embedding_running_modules_of_its_own_stays_whole() -> None:
+    """Inkling 2 normalises inside its embedding module: a vocabulary-sharded lookup would hand the norm partial
+    rows, so that embedding stays whole (noted in the plan); negative control: the plain embedding is sharded."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.tiny_configs import tiny_config
+
+    class NormedEmbedding(nn.Embedding):
+        def __init__(self, vocab: int, width: int) -> None:
+            super().__init__(vocab, width)
+            self.embed_norm = nn.LayerNorm(width)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.embed_norm(super().forward(ids))
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    assert "model.embed_tokens" in auto_plan(model, 2, False).styles
+    plain = model.model.embed_tokens
+    model.model.embed_tokens = NormedEmbedding(plain.num_embeddings, plain.embedding_dim)
+    plan = auto_plan(model, 2, False)
+    assert "model.embed_tokens" not in plan.styles
+    assert "model.embed_tokens: left replicated (it runs embed_norm on the lookup itself)" in plan.notes
+    assert plan.head == "lm_head"  # not tied to it: still split
