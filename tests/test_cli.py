@@ -66,7 +66,7 @@ def test_sequence_parallel_and_dtype(capsys: pytest.CaptureFixture[str]) -> None
                           "--dtype", "bfloat16")  # fmt: skip
     assert code == 0, err
     assert "ParallelPlan(tensor_parallel=4, sequence_parallel=True)" in out
-    assert "model.transformer.h.3.ln_2" in out and "SequenceParallel(sequence_dim=1" in out
+    assert "model.transformer.h.3.ln_2" in out and "ResidualNorm(sequence_dim=1" in out
     assert "Rowwise(in=S(-1), out=S(1))" in out
     assert "n_head 8->2, n_embd 128->32" in out
     total, local = _expected_local_elements(n_layer=4, n_embd=128, vocab=320, block=128, tp=4)

@@ -101,10 +101,10 @@ def user_name(name: str) -> str:
     return f"{owner}.{attribute}" if owner else attribute
 
 
-def user_named_parameters(module: nn.Module, remove_duplicate: bool = True) -> list[tuple[str, torch.Tensor]]:
+def user_named_parameters(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``named_parameters()`` under the user's names: a parametrized weight as the module sees it."""
     out = []
-    for name, param in module.named_parameters(remove_duplicate=remove_duplicate):
+    for name, param in module.named_parameters():
         split = parametrized(name)
         if split is None:
             out.append((name, param))

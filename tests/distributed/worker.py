@@ -68,8 +68,8 @@ class ParityRecorder(Callback):
     such ranks (its tensor-parallel ranks, or those of its last pipeline stage), so this is the
     mean over replicas, which is the global-batch loss one process computes.
 
-    Parameters: ``pl_module.named_parameters()`` under every name (the user's, not a wrapper's; a module several
-    blocks share once per block: a pipeline stage knows it by its own blocks' names), DTensors
+    Parameters: ``pl_module.named_parameters()`` (the user's names, not a wrapper's; a module several blocks
+    share under the one-process name, where a pipeline stage knows it by its own blocks'), DTensors
     gathered with ``full_tensor()``, meta tensors (parameters another stage owns) skipped. Rank 0
     keeps the lowest rank's copy of each name and records any other copy that differs from it
     beyond the parity tolerance (replicas out of sync).
@@ -88,9 +88,7 @@ class ParityRecorder(Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.case is None:  # one process: the parameters are whole, and tell what trained
-            self.initial = {
-                n: p.detach().float().clone() for n, p in pl_module.named_parameters(remove_duplicate=False)
-            }
+            self.initial = {n: p.detach().float().clone() for n, p in pl_module.named_parameters()}
         if self.case is not None:
             self.probe = ForwardProbe(pl_module)  # after setup: behind the strategy's own hooks
             if self.case.switch_off == "activation_checkpointing":  # test-only negative control
@@ -153,11 +151,13 @@ class ParityRecorder(Callback):
         slices: dict[str, tuple[int, torch.Tensor]] = {}  # expert shards: name -> (first expert, slice)
         with gathered_zero_parameters(trainer.strategy, pl_module):
             named = [
-                (name, param, param.detach().clone())
-                for name, param in user_named_parameters(pl_module, remove_duplicate=False)
+                (name, param, param.detach().clone()) for name, param in user_named_parameters(pl_module)
             ]
         copies_apart: dict[str, str] = {}
+        runner = getattr(getattr(trainer.strategy, "parallelized", None), "pipeline", None)
+        one_process_name = runner.weights_named_apart if runner is not None else {}
         for name, param, tensor in named:
+            name = one_process_name.get(name, name)  # a module shared by blocks: this stage's name for it
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
             if tensor.is_meta:
