@@ -308,20 +308,32 @@ def map_first_tensor(output: Any, fn: Any) -> Any:
     )
 
 
-def install_sequence_region(first: nn.Module, last: nn.Module, mesh: DeviceMesh) -> list[RemovableHandle]:
-    """Split the residual stream along the sequence entering ``first``, gather it leaving ``last``."""
+def _install_region(
+    first: nn.Module, last: nn.Module, entering: Any, leaving: Any, whole_arguments_in: bool = False
+) -> list[RemovableHandle]:
+    """``entering`` applied to the hidden state ``first`` receives, ``leaving`` to the one ``last`` returns;
+    ``whole_arguments_in``: the block's per-token arguments given whole again too."""
 
     def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if whole_arguments_in:
+            args, kwargs = whole_arguments(args, kwargs)
         where, hidden = find_hidden(args, kwargs)
-        return replace_hidden(args, kwargs, where, scatter_sequence(hidden, mesh))
+        return replace_hidden(args, kwargs, where, entering(hidden))
 
     def leave(module: nn.Module, args: Any, output: Any) -> Any:
-        return map_first_tensor(output, lambda t: gather_sequence(t, mesh))
+        return map_first_tensor(output, leaving)
 
     return [
         first.register_forward_pre_hook(enter, with_kwargs=True),
         last.register_forward_hook(leave),
     ]
+
+
+def install_sequence_region(first: nn.Module, last: nn.Module, mesh: DeviceMesh) -> list[RemovableHandle]:
+    """Split the residual stream along the sequence entering ``first``, gather it leaving ``last``."""
+    return _install_region(
+        first, last, lambda t: scatter_sequence(t, mesh), lambda t: gather_sequence(t, mesh)
+    )
 
 
 def install_whole_sequence(module: nn.Module, mesh: DeviceMesh) -> list[RemovableHandle]:
@@ -330,19 +342,8 @@ def install_whole_sequence(module: nn.Module, mesh: DeviceMesh) -> list[Removabl
     same whole output; the slice's backward all-gathers the output's gradient, so each rank computes the whole
     gradient of the module's weights (the same everywhere, as for a module replicated without sequence
     parallelism) and takes its slice of the input's gradient."""
-
-    def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        args, kwargs = whole_arguments(args, kwargs)
-        where, hidden = find_hidden(args, kwargs)
-        return replace_hidden(args, kwargs, where, gather_sequence(hidden, mesh))
-
-    def leave(module: nn.Module, args: Any, output: Any) -> Any:
-        return map_first_tensor(output, lambda t: scatter_sequence(t, mesh))
-
-    return [
-        module.register_forward_pre_hook(enter, with_kwargs=True),
-        module.register_forward_hook(leave),
-    ]
+    gather, scatter = (lambda t: gather_sequence(t, mesh)), (lambda t: scatter_sequence(t, mesh))
+    return _install_region(module, module, gather, scatter, whole_arguments_in=True)
 
 
 def install_block_argument_slices(block: nn.Module, mesh: DeviceMesh) -> list[RemovableHandle]:
