@@ -77,9 +77,8 @@ def _mostly_whole(
             name,
             f"{reason}; the blocks' matrix weights left whole number {whole} elements, those split {split}",
         )
-    if (
-        whole > split
-    ):  # what stays whole was never a candidate (an attention of wrapped projections, Inkling 2's)
+    # what stays whole was never a candidate (an attention of wrapped projections, Inkling 2's)
+    if whole > split:
         block = plan.block_names[0]
         found = (
             ", ".join(f"`{c.name}`" for c in plan.containers if c.name.startswith(block + ".")) or "nothing"
