@@ -220,9 +220,8 @@ def _experts_on_sequence_shards(plan: ParallelPlan, blocks: nn.ModuleList, names
                 )
             found.append(moe)
             planned = [c.name for c in plan.containers] + list(plan.styles)
-            dims: dict[
-                str, int | None
-            ] = {}  # one style on the block: its code may read its children's weights
+            # one style on the block: its code may read its children's weights
+            dims: dict[str, int | None] = {}
             for sub_name, sub in info.block.named_modules():
                 full = join(moe, sub_name)
                 if any(full == p or full.startswith(p + ".") for p in planned):
