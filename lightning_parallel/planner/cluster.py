@@ -135,8 +135,8 @@ def _hopper(name: str, memory_mib: int, bandwidth: float, matmul: float, why: st
     )
 
 
-_H100_MATMUL = 0.57
-_H200_MATMUL = 0.73
+_H100_MATMUL = 0.58
+_H200_MATMUL = 0.75
 CLUSTERS: dict[str, Cluster] = {
     c.name: c
     for c in (

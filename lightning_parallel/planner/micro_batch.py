@@ -13,7 +13,11 @@
 - tensor-parallel collectives, expert all-to-alls and pipeline sends.
 
 Backward moves about twice the forward's bytes (it reads the gradient and the saved input and
-writes the input's gradient). ``"full"`` checkpointing reruns the forward (its tensor-parallel
+writes the input's gradient) and does twice its matmul FLOPs, fused attention's core two and a half times:
+it keeps no probabilities, so its backward computes the scores again (five matmuls to the forward's two, as
+FlashAttention's and cuDNN's kernels do). Causal attention is counted over the whole score matrix: the
+kernels skip the masked half but run below the GEMMs' rate (counting half was worse out of sample:
+docs/planner.md). ``"full"`` checkpointing reruns the forward (its tensor-parallel
 collectives too); ``"selective"`` reruns the cheap ops only (norms, activations, softmax: the
 matmul and attention outputs are kept, ``memory/checkpointing.py``), memory-bound and FLOP-free.
 """
@@ -34,6 +38,7 @@ __all__ = [
     "MicroBatch",
     "Stage",
     "all_reduce",
+    "all_to_all",
     "group_bandwidth",
     "half_ring",
     "matmul_peak",
@@ -133,6 +138,21 @@ def all_reduce(nbytes: float, size: int, bandwidth: float) -> float:
 def half_ring(nbytes: float, size: int, bandwidth: float) -> float:
     """Reduce-scatter, all-gather or all-to-all of a ``nbytes`` buffer: ``(d-1)/d`` of it crosses a link."""
     return (size - 1) / size * nbytes / bandwidth if size > 1 else 0.0
+
+
+def all_to_all(nbytes: float, size: int, stride: int, cluster: Cluster) -> float:
+    """All-to-all of a ``nbytes`` buffer over ``size`` ranks ``stride`` apart: each rank keeps ``1/size`` of it and
+    sends each peer its share, NVLink to the peers in its node and its own NIC to the others, both at once.
+
+    Unlike a ring (:func:`group_bandwidth`: one ring per NIC, so a node's NICs all carry it), every byte bound
+    for another node crosses this GPU's own NIC: an expert dispatch over two H100 nodes sends half its bytes
+    at 50 GB/s, not at the node's 400."""
+    if size <= 1:
+        return 0.0
+    local = max(1, min(size, cluster.gpus_per_node // stride))  # the group's members in this rank's node
+    nvlink = cluster.intra_node_bandwidth * cluster.intra_node_efficiency
+    network = cluster.inter_node_bandwidth * cluster.inter_node_efficiency
+    return max((local - 1) / size * nbytes / nvlink, (size - local) / size * nbytes / network)
 
 
 @dataclass
@@ -292,9 +312,13 @@ def micro_batch(
         head_moved = tokens * (act * (shape.hidden + vocab) + _LOSS_BYTES_PER_LOGIT / 2 * vocab)
         head_moved += act * shape.head_weights / tp
 
+    # fused attention keeps no probabilities: its backward computes the scores again (5 matmuls to the forward's 2)
+    rescored = 0.0
+    if layout.attention == "flash":
+        rescored = 0.5 * tokens * sum(_attention_flops_per_token(b, seq) for b in stage.blocks) / tp
     out = MicroBatch()
     out.forward = (flops + head) / flop_rate + (moved + head_moved) / byte_rate
-    out.backward = 2 * (flops + head) / flop_rate + (2 * moved + head_moved) / byte_rate
+    out.backward = (2 * (flops + head) + rescored) / flop_rate + (2 * moved + head_moved) / byte_rate
     if checkpointing == "full":
         out.recompute_flops = flops
         out.recompute = flops / flop_rate + moved / byte_rate
@@ -303,7 +327,7 @@ def micro_batch(
         if layout.activation_checkpointing_policy == "ops_alternate_matmuls":
             out.recompute_flops = tokens * sum(_alternate_recompute_flops(b) for b in stage.blocks) / tp
             out.recompute += out.recompute_flops / flop_rate
-    matmul = (3 * (flops + head) + out.recompute_flops) / flop_rate
+    matmul = (3 * (flops + head) + rescored + out.recompute_flops) / flop_rate
 
     # collectives per block: forward 2, backward 2; a recomputed forward 2 more; otherwise, under sequence
     # parallelism, the two entry inputs kept as slices gathered again in backward (one all-reduce's worth)
@@ -315,7 +339,7 @@ def micro_batch(
     ep = layout.expert_parallel
     if ep > 1:
         routed = sum(tokens * b.top_k * b.hidden * act for b in stage.blocks if b.num_experts)
-        out.expert = passes * half_ring(routed, ep, group_bandwidth(cluster, ep, tp))
+        out.expert = passes * all_to_all(routed, ep, tp, cluster)
     if layout.context_parallel > 1:
         attention = tokens * sum(_attention_flops_per_token(b, seq) for b in stage.blocks) / tp / flop_rate
         out.context = _context_exchange(stage, layout, cluster, tokens * act, attention)
@@ -351,7 +375,7 @@ def _context_exchange(
     passes = 3 + (1 if layout.activation_checkpointing == "full" else 0)  # forward 1, backward 2, recompute 1
     if layout.context_parallel_mode == "ulysses":  # backward: one reverse all-to-all of the same bytes
         moved = sum(2 * (b.q_width + b.kv_width) for b in stage.blocks) / tp * token_bytes
-        return (passes - 1) * half_ring(moved, cp, bandwidth)
+        return (passes - 1) * all_to_all(moved, cp, tp, cluster)
     kv = sum(2 * b.kv_width for b in stage.blocks) / tp * token_bytes
     hops = (cp - 1) * kv / bandwidth  # one pass's exchange
     # forward: attention compute hides the hops; backward moves twice the bytes behind twice the compute

@@ -223,6 +223,7 @@ def _express(raw: dict[str, Any]) -> tuple[tuple[ModelShape, Layout, Execution] 
         float8_linears=_fp8(raw),
         compiled=_compiled(raw),
         float8_cast_passes=_FLOAT8_CAST_PASSES[str(raw["source"]).startswith("torchtitan")],
+        parameter_bytes=1 if raw.get("fsdp_float8_all_gather") else 2,
     )
     return (shape, layout, execution), None
 

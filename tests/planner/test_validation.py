@@ -89,7 +89,9 @@ def test_fp8_projections_run_at_the_fp8_peak_and_pay_their_casts() -> None:
     # fused kernels (Transformer Engine's runs): eager PyTorch's extra passes would dilute what fp8 changes
     plain = step_time(shape, layout, CLUSTERS["h100"], Execution(compiled=True))
     fp8 = step_time(shape, layout, CLUSTERS["h100"], Execution(float8_linears=True, compiled=True))
-    assert 0.5 < fp8.total / plain.total < 0.8  # not the whole 2x: attention, the head, the casts
+    # not the whole 2x: attention (its backward scores again), the head and the casts stay; torchtitan measured
+    # 0.78 on Llama 3.1 8B (compiled bf16 against compiled Float8, benchmarks/llama3_h100_202412_torchtitan.md)
+    assert 0.5 < fp8.total / plain.total < 0.85
     # the negative control: a chip without fp8 tensor cores runs the same step
     a100 = CLUSTERS["a100-80gb"]
     assert (
