@@ -232,7 +232,11 @@ def run_plan(args: argparse.Namespace) -> str:
         planner_lines, planner_json = run_planner(args, model, layout)
         return dumps(planner_json) if args.json else "\n".join(planner_lines)
     patterns = _json_object(args.plan_dict, "--plan") if args.plan_dict else strategy.get("plan")
-    plan = plan_from_dict(model, patterns, tp, sp) if isinstance(patterns, dict) else auto_plan(model, tp, sp)
+    plan = (
+        plan_from_dict(model, patterns, tp, sp)
+        if isinstance(patterns, dict)
+        else auto_plan(model, tp, sequence_parallel=sp)
+    )
     plan.parameter_shards = parameter_shards(plan, model, DTYPES.get(args.dtype) if args.dtype else None)
 
     num_params = sum(g for g, _, _ in plan.parameter_shards.values())

@@ -81,7 +81,7 @@ def test_parameter_shards_conv1d_and_fused(capsys: pytest.CaptureFixture[str]) -
     config = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=1, n_head=4,
                                      bos_token_id=0, eos_token_id=0)  # fmt: skip
     model = transformers.GPT2LMHeadModel(config)
-    shards = parameter_shards(auto_plan(model, 2, False), model)
+    shards = parameter_shards(auto_plan(model, 2, sequence_parallel=False), model)
     assert shards["transformer.h.0.attn.c_attn.weight"] == (64 * 192, 64 * 96, 4)
     assert shards["transformer.h.0.attn.c_attn.bias"] == (192, 96, 4)
     assert shards["transformer.h.0.attn.c_proj.weight"] == (64 * 64, 32 * 64, 4)
@@ -93,7 +93,7 @@ def test_parameter_shards_conv1d_and_fused(capsys: pytest.CaptureFixture[str]) -
     )  # vocabulary-parallel, tied with lm_head
     assert "lm_head.weight" not in shards  # a tied parameter is counted once
     assert shards["transformer.wpe.weight"] == (32 * 64, 32 * 64, 4)
-    half = parameter_shards(auto_plan(model, 2, False), model, dtype=torch.bfloat16)
+    half = parameter_shards(auto_plan(model, 2, sequence_parallel=False), model, dtype=torch.bfloat16)
     assert half["transformer.h.0.ln_1.weight"] == (64, 64, 2)
 
 

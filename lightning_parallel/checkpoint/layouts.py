@@ -85,7 +85,7 @@ def expert_layouts(model: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
-def owner_name(key: str, optimizer: bool) -> str:
+def owner_name(key: str, *, optimizer: bool) -> str:
     """The parameter name of a state-dict key (flattened optimizer keys are ``state.<fqn>.<state>``)."""
     if not optimizer:
         return key
@@ -93,7 +93,7 @@ def owner_name(key: str, optimizer: bool) -> str:
 
 
 def experts_as_dtensors(
-    state: dict[str, Any], layouts: dict[str, Any], mesh: Any, optimizer: bool, replicas_mesh: Any = None
+    state: dict[str, Any], layouts: dict[str, Any], mesh: Any, *, optimizer: bool, replicas_mesh: Any = None
 ) -> dict[str, Any]:
     """Expert slices are the same name on every ep rank with different rows: as plain tensors,
     ``torch.distributed.checkpoint`` would keep one rank's rows. As ``Shard(0)`` DTensors over the
@@ -107,7 +107,7 @@ def experts_as_dtensors(
         return state
     out = dict(state)
     for key, value in state.items():
-        shard = layouts.get(owner_name(key, optimizer))
+        shard = layouts.get(owner_name(key, optimizer=optimizer))
         if shard is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
             continue
         if value.shape[0] != shard.local_rows:
@@ -133,14 +133,14 @@ def experts_as_dtensors(
 
 
 def experts_as_local(
-    state: dict[str, Any], layouts: dict[str, Any], optimizer: bool, like: dict[str, Any] | None = None
+    state: dict[str, Any], layouts: dict[str, Any], *, optimizer: bool, like: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """Inverse of :func:`experts_as_dtensors`; ``like``: the state before it, whose FSDP2 shards come back."""
     if not layouts:
         return state
 
     def local(key: str, value: Any) -> Any:
-        if not isinstance(value, DTensor) or owner_name(key, optimizer) not in layouts:
+        if not isinstance(value, DTensor) or owner_name(key, optimizer=optimizer) not in layouts:
             return value
         original = like.get(key) if like is not None else None
         if isinstance(original, DTensor):

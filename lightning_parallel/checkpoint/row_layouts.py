@@ -62,26 +62,26 @@ def to_stored(value: DTensor, layout: RowLayout, like: DTensor) -> DTensor:
     )
 
 
-def _layout_of(key: str, value: Any, layouts: dict[str, RowLayout], optimizer: bool) -> RowLayout | None:
-    layout = layouts.get(owner_name(key, optimizer))
+def _layout_of(key: str, value: Any, layouts: dict[str, RowLayout], *, optimizer: bool) -> RowLayout | None:
+    layout = layouts.get(owner_name(key, optimizer=optimizer))
     if layout is None or not isinstance(value, DTensor) or value.dim() <= layout.dim:
         return None
     return layout if value.shape[layout.dim] == len(layout.index) else None
 
 
-def rows_as_user(state: dict[str, Any], layouts: dict[str, RowLayout], optimizer: bool) -> dict[str, Any]:
+def rows_as_user(state: dict[str, Any], layouts: dict[str, RowLayout], *, optimizer: bool) -> dict[str, Any]:
     """Every stored-layout entry of a (flat) state dict as the user's tensor."""
     if not layouts:
         return state
     out = dict(state)
     for key, value in state.items():
-        if (layout := _layout_of(key, value, layouts, optimizer)) is not None:
+        if (layout := _layout_of(key, value, layouts, optimizer=optimizer)) is not None:
             out[key] = to_user(value, layout)
     return out
 
 
 def rows_as_stored(
-    loaded: dict[str, Any], like: dict[str, Any], layouts: dict[str, RowLayout], optimizer: bool
+    loaded: dict[str, Any], like: dict[str, Any], layouts: dict[str, RowLayout], *, optimizer: bool
 ) -> dict[str, Any]:
     """Inverse of :func:`rows_as_user`; ``like``: the state before it (the stored tensors' placements)."""
     if not layouts:
@@ -89,7 +89,7 @@ def rows_as_stored(
     out = dict(loaded)
     for key, value in loaded.items():
         original = like.get(key)
-        if (layout := _layout_of(key, original, layouts, optimizer)) is not None and isinstance(
+        if (layout := _layout_of(key, original, layouts, optimizer=optimizer)) is not None and isinstance(
             value, DTensor
         ):
             out[key] = to_stored(value, layout, original)

@@ -2,8 +2,8 @@
 configuration (``config/validation.py: strategy_config``), by name and type, so that a renamed or retyped
 argument fails where it is written (and in a type checker), not when a string key is read at run time.
 
-The planner builds the same record for the layouts it proposes (``planner/rules.py``), so that a layout it
-plans is one the strategy accepts: one rulebook. The defaults are the constructor's
+The planner builds the same record for the layouts it proposes (``planner/layout.py: strategy_arguments``), so
+that a layout it plans is one the strategy accepts: one rulebook. The defaults are the constructor's
 (``tests/config/test_strategy_arguments.py`` holds them equal).
 """
 

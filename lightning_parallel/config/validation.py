@@ -229,12 +229,14 @@ def check_launch(config: ParallelConfig, dims: ParallelDims, precision_plugin: A
             f" `expert_parallel={ep}`, or `sequence_parallel=True` with `expert_parallel=1`."
         )
     compression = config.memory.gradient_compression
-    if compression is not None and not dims.dp_enabled:
-        rank_zero_warn(f"`gradient_compression={compression!r}` has no effect without data parallelism.")
-    elif compression is not None:
+    if (
+        compression is not None
+    ):  # tensor_parallel="auto", resolved now: the constructor's refusal, whatever dp is
         problem = compression_with_tensor_parallel_problem(compression, tp, config.pipeline)
-        if problem:  # tensor_parallel="auto", resolved now: the constructor's refusal
+        if problem:
             raise ValueError(problem)
+        if not dims.dp_enabled:
+            rank_zero_warn(f"`gradient_compression={compression!r}` has no effect without data parallelism.")
     if config.zero.enabled:  # also under FSDP2 (ZeRO-3 with tp): Lightning's plain plugins only, as tested
         check_zero_precision(config.zero, precision_plugin)
         check_zero_shards_something(config, dims)

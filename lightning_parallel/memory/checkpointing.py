@@ -210,7 +210,7 @@ class _AlternateMatmuls:
 
 
 def _context_fn(
-    ops: bool, capture: StateCapture | None, alternate: bool = False
+    *, ops: bool, capture: StateCapture | None, alternate: bool = False
 ) -> Callable[[], tuple[Any, Any]]:
     if not ops and capture is None:
         # torch's own no-op, by identity: under torch.compile any other context_fn must return
@@ -293,9 +293,9 @@ class _Both:
 
 
 def _recomputed(
-    forward: Callable[..., Any], ops: bool, capture: StateCapture | None, alternate: bool = False
+    forward: Callable[..., Any], *, ops: bool, capture: StateCapture | None, alternate: bool = False
 ) -> Callable[..., Any]:
-    context_fn = _context_fn(ops, capture, alternate)
+    context_fn = _context_fn(ops=ops, capture=capture, alternate=alternate)
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:

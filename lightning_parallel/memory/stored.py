@@ -56,14 +56,14 @@ class HostBuffers:
         self._free: dict[tuple[torch.dtype, int, bool], list[torch.Tensor]] = {}
         self.allocated = 0  # buffers made (the rest of the requests were served from the pool)
 
-    def take(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    def take(self, numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
         free = self._free.get((dtype, numel, pin))
         if free:
             return free.pop()
         self.allocated += 1
         return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin)
 
-    def give(self, buffer: torch.Tensor, pin: bool) -> None:
+    def give(self, buffer: torch.Tensor, *, pin: bool) -> None:
         self._free.setdefault((buffer.dtype, buffer.numel(), pin), []).append(buffer)
 
 
@@ -103,8 +103,8 @@ class _StoredStorage:
         data, self.scale = packed if packed is not None else (flat, None)
         if offload:
             pin = stream is not None
-            host = buffers.take(data.numel(), data.dtype, pin)
-            weakref.finalize(self, buffers.give, host, pin)
+            host = buffers.take(data.numel(), data.dtype, pin=pin)
+            weakref.finalize(self, buffers.give, host, pin=pin)
             if stream is None:
                 host.copy_(data.reshape(-1))
             else:  # after the kernels that made it, beside the ones that follow

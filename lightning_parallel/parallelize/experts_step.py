@@ -25,7 +25,8 @@ class ExpertState:
 
     parameter_ids: set[int] = field(default_factory=set)
     """Ids of the parameters that hold this rank's experts (reduced over their replicas only; their norms
-    summed over ``ep`` too). Under ZeRO on FSDP2 those of its sharded parameters."""
+    summed over ``ep`` too), read once every step that replaces parameters has run (ZeRO on FSDP2 shards
+    them): :func:`expert_parameter_ids`."""
     aux_losses: AuxLossCollector | None = None
     """The MoE auxiliary losses injected into backward (``moe_aux_loss_coef``, or pipelined MoE layers)."""
 
@@ -37,9 +38,9 @@ def apply_experts(
     mesh: DeviceMesh,
     *,
     sequence_parallel: bool = False,
-) -> ExpertState:
-    """Shard the experts of every MoE block this rank holds; set up the auxiliary-loss collector."""
-    state = ExpertState()
+) -> AuxLossCollector | None:
+    """Shard the experts of every MoE block this rank holds; return the auxiliary-loss collector (if any)."""
+    aux_losses = None
     if dims.ep_enabled:
         blocks = ExpertParallel.apply(
             module, mesh[Axis.EP].get_group(), token_group=mesh[Axis.DP].get_group()
@@ -49,7 +50,6 @@ def apply_experts(
                 f"`expert_parallel={dims.expert_parallel}`: {type(module).__name__} has no Mixture-of-Experts"
                 " block (a router and a set of identical experts) to shard. Leave `expert_parallel=1`."
             )
-        state.parameter_ids = {id(p) for p in expert_parameters(module).values()}
         rank_zero_info(
             f"Expert parallel: {len(blocks)} MoE blocks on this rank, experts sharded over ep={dims.expert_parallel}"
         )
@@ -62,7 +62,7 @@ def apply_experts(
         group = mesh[Axis.DP].get_group() if mesh[Axis.DP].size() > 1 else None
         # under sequence parallelism each tp rank routes its own slice of the sequence (plans/auto.py)
         sequence = mesh[Axis.TP].get_group() if sequence_parallel and dims.tp_enabled else None
-        state.aux_losses = AuxLossCollector(
+        aux_losses = AuxLossCollector(
             module,
             coef=config.aux_loss_coef or 0.0,
             z_loss_coef=config.z_loss_coef,
@@ -70,4 +70,9 @@ def apply_experts(
             mode="backward",
             sequence_group=sequence,
         )
-    return state
+    return aux_losses
+
+
+def expert_parameter_ids(module: nn.Module, dims: ParallelDims) -> set[int]:
+    """Ids of the parameters holding this rank's experts as the module holds them now (none without ``ep``)."""
+    return {id(p) for p in expert_parameters(module).values()} if dims.ep_enabled else set()

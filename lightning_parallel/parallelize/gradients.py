@@ -33,10 +33,11 @@ from lightning_parallel.parallelize.reductions import (
     How,
     Moment,
     Reduction,
-    decide_gradient_reductions,
+    reductions_for,
 )
 from lightning_parallel.pipeline.runner import PipelineRunner
 from lightning_parallel.tensor_parallel.row_layout import RowCopies, stamp_row_layouts
+from lightning_parallel.zero.engine_choice import Engine
 from lightning_parallel.zero.fsdp import Sharded, regather
 from lightning_parallel.zero.tensor_parallel import mark_model_parallel, registered_parameter
 
@@ -103,6 +104,7 @@ def plan_gradient_reductions(
     dims: ParallelDims,
     mesh: DeviceMesh,
     *,
+    engine: Engine | None,
     runner: PipelineRunner | None,
     expert_ids: set[int],
     blocks: list[str],
@@ -113,7 +115,7 @@ def plan_gradient_reductions(
     ``fsdp``: under ZeRO on FSDP2, what :func:`shard_for_zero` made (before the pipeline's stages were
     built on the sharded parameters).
     """
-    decided = decide_gradient_reductions(config, dims)
+    decided = reductions_for(config, dims, engine)
     result = GradientReductions(decided)
     if fsdp is not None:
         dp_mesh = mesh[Axis.DP]
@@ -136,9 +138,7 @@ def plan_gradient_reductions(
         dp_mesh = mesh[Axis.DP]
         result.in_backward = apply_data_parallel(module, dp_mesh, blocks, sharded_parameters=dims.tp_enabled)
         result.hooks = average_direct_parameters(module, dp_mesh)
-        if (
-            decided[0].compression is not None
-        ):  # tp without stages or experts was refused (config/validation.py)
+        if decided[0].compression is not None:  # tp > 1 without stages was refused (config/validation.py)
             register_ddp_compression(result.in_backward, decided[0].compression, dp_mesh.get_group())
     explicit = [r for r in decided if r.when in (Moment.IN_LAST_BACKWARD, Moment.AFTER_BACKWARD)]
     groups = _explicit_groups(explicit, module, mesh, runner, expert_ids) if explicit else []
@@ -163,7 +163,7 @@ def _sync(groups: list[Any], runner: PipelineRunner | None) -> GradientSync | No
         return None
     sync = GradientSync(groups, runner.last_backward.final_calls() if runner is not None else {})
     if runner is not None:
-        runner.last_backward.sync = sync
+        runner.last_backward.attach_sync(sync)
     return sync
 
 

@@ -31,7 +31,6 @@ under ZeRO, hands both to DeepSpeed's engine.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,10 +41,9 @@ from torch.distributed.tensor import DTensor
 
 from lightning_parallel.compat import sync_module_states
 from lightning_parallel.config import ParallelConfig
-from lightning_parallel.experts import expert_parameters
 from lightning_parallel.mesh import Axis, ParallelDims
 from lightning_parallel.parallelize import context_parallel_step, pipeline_step, tensor_parallel_step
-from lightning_parallel.parallelize.experts_step import apply_experts
+from lightning_parallel.parallelize.experts_step import ExpertState, apply_experts, expert_parameter_ids
 from lightning_parallel.parallelize.gradients import plan_gradient_reductions
 from lightning_parallel.parallelize.memory_step import apply_memory_savers
 from lightning_parallel.parallelize.result import Parallelized
@@ -106,12 +104,15 @@ def parallelize(
     )
     if plan is not None and captured is not None and config.tensor.verify_plan:
         tensor_parallel_step.verify_plan(module, plan, mesh[Axis.TP], captured)
+    engine = config_engine(
+        config, dims
+    )  # which engine runs ZeRO (or None): decided once, read by three steps
     if plan is not None:  # every rank alike, before anything is sharded
-        tensor_parallel_step.check_row_layouts(plan, config_engine(config, dims))
+        tensor_parallel_step.check_row_layouts(plan, engine)
     if context is not None:
         context_parallel_step.verify(module, context, blocks, captured, dims.tensor_parallel)
     cut = pipeline_step.cut_pipeline(module, layout, config.pipeline, mesh) if layout is not None else None
-    experts = apply_experts(
+    aux_losses = apply_experts(
         module, config.experts, dims, mesh, sequence_parallel=plan is not None and plan.sequence_parallel
     )
     hooks: list[Any] = []
@@ -129,9 +130,9 @@ def parallelize(
     if context is not None:  # after the sequence-parallel region's own gather
         cp_hooks, context_tokens = context_parallel_step.leave(module, blocks, context)
         hooks += cp_hooks
-    fsdp = shard_for_zero(module, config, dims, mesh, blocks)  # ZeRO on FSDP2, before the stages exist
-    if fsdp is not None and dims.ep_enabled:  # FSDP2 replaced the experts' parameters (zero/fsdp.py)
-        experts = replace(experts, parameter_ids={id(p) for p in expert_parameters(module).values()})
+    fsdp = shard_for_zero(module, config, dims, mesh, blocks, engine=engine)  # FSDP2: before the stages exist
+    # the experts' parameters as the rest holds them: read once, after FSDP2 replaced them (zero/fsdp.py)
+    experts = ExpertState(expert_parameter_ids(module, dims), aux_losses)
     runner, norm_exclude = None, set()
     if cut is not None:
         assert config.pipeline is not None
@@ -160,7 +161,15 @@ def parallelize(
     if config.compile:
         compile_blocks(module, blocks)
     gradients = plan_gradient_reductions(
-        module, config, dims, mesh, runner=runner, expert_ids=experts.parameter_ids, blocks=blocks, fsdp=fsdp
+        module,
+        config,
+        dims,
+        mesh,
+        engine=engine,
+        runner=runner,
+        expert_ids=experts.parameter_ids,
+        blocks=blocks,
+        fsdp=fsdp,
     )
     hooks += gradients.hooks
     rank_zero_info("Gradient reductions: " + "; ".join(gradients.describe()))

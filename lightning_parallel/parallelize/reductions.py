@@ -30,7 +30,7 @@ from enum import StrEnum
 from lightning_parallel.comm.compression import GradientCompression, PowerSGD
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.mesh import Axis, ParallelDims
-from lightning_parallel.zero.engine_choice import config_engine
+from lightning_parallel.zero.engine_choice import Engine, config_engine
 
 __all__ = ["Gradients", "How", "Moment", "Reduction", "decide_gradient_reductions"]
 
@@ -94,11 +94,15 @@ MOMENTS = tuple(Moment)
 
 def decide_gradient_reductions(config: ParallelConfig, dims: ParallelDims) -> list[Reduction]:
     """The reductions of a layout, in the order they run (identical on every rank; stable within a moment)."""
-    return sorted(_decide(config, dims), key=lambda r: MOMENTS.index(r.when))
+    return reductions_for(config, dims, config_engine(config, dims))
 
 
-def _decide(config: ParallelConfig, dims: ParallelDims) -> list[Reduction]:
-    engine = config_engine(config, dims)
+def reductions_for(config: ParallelConfig, dims: ParallelDims, engine: Engine | None) -> list[Reduction]:
+    """:func:`decide_gradient_reductions` with ZeRO's engine as the recipe resolved it (``zero/engine_choice.py``)."""
+    return sorted(_decide(config, dims, engine), key=lambda r: MOMENTS.index(r.when))
+
+
+def _decide(config: ParallelConfig, dims: ParallelDims, engine: Engine | None) -> list[Reduction]:
     if engine == "fsdp2":
         return _fsdp_reductions(config, dims)
     out = [Reduction(Gradients.TIED, How.SUM, Axis.PP, Moment.AFTER_BACKWARD)] if dims.pp_enabled else []

@@ -33,7 +33,7 @@ def build_plan(module: nn.Module, config: TensorParallelConfig, tensor_parallel:
         return config.plan
     if isinstance(config.plan, dict):
         return plan_from_dict(module, config.plan, tensor_parallel, sequence_parallel)
-    return auto_plan(module, tensor_parallel, sequence_parallel)
+    return auto_plan(module, tensor_parallel, sequence_parallel=sequence_parallel)
 
 
 def first_block_of_each_class(module: nn.Module, block_names: list[str]) -> dict[str, nn.Module]:

@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_parallel.config import ParallelConfig
 from lightning_parallel.mesh import Axis, ParallelDims
 from lightning_parallel.pipeline.stages import SkippedBlock
-from lightning_parallel.zero.engine_choice import config_engine
+from lightning_parallel.zero.engine_choice import Engine
 from lightning_parallel.zero.fsdp import ExpertSharding, Sharded, fully_shard_modules
 from lightning_parallel.zero.tensor_parallel import local_shard_parameters
 
@@ -16,7 +16,13 @@ __all__ = ["shard_for_zero"]
 
 
 def shard_for_zero(
-    module: nn.Module, config: ParallelConfig, dims: ParallelDims, mesh: DeviceMesh, blocks: list[str]
+    module: nn.Module,
+    config: ParallelConfig,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    blocks: list[str],
+    *,
+    engine: Engine | None,
 ) -> Sharded | None:
     """The parameters ZeRO's engine takes, before the pipeline's stages exist (they capture the parameters).
 
@@ -24,7 +30,6 @@ def shard_for_zero(
     DeepSpeed with tensor parallelism: each DTensor weight re-registered as its plain local shard
     (returns None, as without ZeRO).
     """
-    engine = config_engine(config, dims)
     if (
         engine == "deepspeed" and dims.tp_enabled
     ):  # DeepSpeed flattens plain tensors (zero/tensor_parallel.py)

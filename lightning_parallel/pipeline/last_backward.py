@@ -130,7 +130,7 @@ class LastBackward:
     ) -> None:
         self.stage_parameters = stage_parameters
         self.fsdp_units = fsdp_units
-        self.sync: GradientSync | None = None  # the explicit reductions (parallelize/gradients.py sets it)
+        self.sync: GradientSync | None = None  # the explicit reductions, once attached (attach_sync)
         self.unit_stages = self._stages_of_units(module)
         self._ends_step = False
         self._units_left: dict[int, int] = {}  # per unit, this batch's last stage backwards still to come
@@ -146,6 +146,13 @@ class LastBackward:
             held = {user_name(prefix + n) for n, _ in unit.named_parameters()}
             out.append({s for s, names in stage_names.items() if held & names})
         return out
+
+    def attach_sync(self, sync: GradientSync) -> None:
+        """Open each stage's last backward of a batch to the explicit reductions (``parallelize/gradients.py``
+        builds them from :meth:`final_calls` and hands them back here, once, at setup)."""
+        if self.sync is not None:
+            raise RuntimeError("LastBackward: the explicit reductions were attached already.")
+        self.sync = sync
 
     def final_calls(self) -> dict[int, int]:
         """Per parameter (by id): how many of this rank's stages use it, each ending with one last backward."""

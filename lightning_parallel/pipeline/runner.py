@@ -59,6 +59,7 @@ class _StepContext:
     current: int = 0
     aux: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (stage, mb) -> injected MoE aux
     training: bool = False  # torch's schedule takes the last stage's output: the loss tensor alone
+    loss_factor: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss  # what backward starts from
 
 
 class PipelineRunner:
@@ -103,8 +104,7 @@ class PipelineRunner:
         self.fsdp_before_schedule = fsdp_before_schedule
         self.batch_size: int | None = None  # of the training batches the stages were built for
         self._held: list[torch.Tensor | None] = []
-        self._ctx: _StepContext | None = None
-        self._loss_factor: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
+        self._ctx: _StepContext | None = None  # the step torch's schedule is running (train_step, eval_step)
         # a local-shard weight under its name; a weight several blocks share under each of its names
         params = {user_name(n): p for n, p in module.named_parameters(remove_duplicate=False)}
         self.parameters = [params[n] for n in sorted(owned_names) if n in params]
@@ -112,7 +112,7 @@ class PipelineRunner:
         self.last_backward = LastBackward(
             module, {s: [params[n] for n in names[s]] for s in names}, self.fsdp_units
         )
-        self.stage_modules = [StageModule(s, module, names[s], self) for s in my_stages]
+        self.stage_modules = [StageModule(s, module, names[s], self.run_stage) for s in my_stages]
         self.stages = [
             ReducingStage(sm, s, layout.num_stages, device, group=pp_group, last_backward=self.last_backward)
             for sm, s in zip(self.stage_modules, my_stages, strict=False)
@@ -182,7 +182,7 @@ class PipelineRunner:
         assert ctx is not None
         loss = extract_loss(output)
         ctx.losses[ctx.current] = loss.detach()
-        return self._loss_factor(loss)
+        return ctx.loss_factor(loss)
 
     # ---- training ------------------------------------------------------------------------
 
@@ -192,6 +192,7 @@ class PipelineRunner:
         batch: Any,
         step_args: Sequence[Any],
         loss_factor: Callable[[torch.Tensor], torch.Tensor],
+        *,
         final: bool = True,
         first_of_window: bool = True,
     ) -> torch.Tensor:
@@ -208,8 +209,13 @@ class PipelineRunner:
         """
         m = self.micro_batches
         earlier = self.detach_gradients() if first_of_window else []
-        self._ctx = _StepContext(step_fn, split_batch(batch, m), tuple(step_args), training=True)
-        self._loss_factor = lambda loss: loss_factor(loss) / m
+        self._ctx = _StepContext(
+            step_fn,
+            split_batch(batch, m),
+            tuple(step_args),
+            training=True,
+            loss_factor=lambda x: loss_factor(x) / m,
+        )
         self.last_backward.start_batch(ends_step=final)
         self.logs.clear()
         index = torch.arange(m)  # on the host: each stage reads its micro-batch's index without a device sync
@@ -258,7 +264,7 @@ class PipelineRunner:
             p.grad = None
         return grads
 
-    def attach_gradients(self, grads: list[torch.Tensor | None], add: bool) -> None:
+    def attach_gradients(self, grads: list[torch.Tensor | None], *, add: bool) -> None:
         """Put gradients back, or add them to what the parameters hold now."""
         for p, grad in zip(self.parameters, grads, strict=True):
             if grad is None:

@@ -16,7 +16,7 @@ The user's forward runs unchanged on every stage, from its first line, once per 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -247,27 +247,30 @@ def _exiter(stage: int, runtime: StageRuntime) -> Any:
     return hook
 
 
+RunStage = Callable[[int, torch.Tensor | None, int], Any]
+"""One stage's part of the user's step for one micro-batch: (stage, what it received, micro-batch index)."""
+
+
 class StageModule(nn.Module):
     """The ``submodule`` torch's ``PipelineStage`` runs: the user's step, cut to one stage.
 
     Its parameters are exactly the stage's (the zero-bubble schedules compute weight gradients for
     ``submod.parameters()``), looked up by name on the user's module at every call: under ZeRO on
     FSDP2 a module holds its sharded or its gathered weights depending on the moment, and the
-    weight gradients belong to the gathered ones. The step itself is the runner's.
+    weight gradients belong to the gathered ones. The step itself is the runner's: ``run(stage, received,
+    micro-batch)`` (``PipelineRunner.run_stage``).
     """
 
-    def __init__(self, stage_index: int, root: nn.Module, names: Iterable[str], runner: Any) -> None:
+    def __init__(self, stage_index: int, root: nn.Module, names: Iterable[str], run: RunStage) -> None:
         super().__init__()
         self.stage_index = stage_index
         self.parameter_names = sorted(names)
         object.__setattr__(self, "_root", root)  # not submodules: no second copy of their parameters
-        object.__setattr__(self, "_runner", runner)
+        object.__setattr__(self, "_run", run)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         for name in self.parameter_names:
             yield registered_parameter(self._root, name)
 
     def forward(self, *received: torch.Tensor, mb_index: torch.Tensor) -> torch.Tensor:
-        return self._runner.run_stage(
-            self.stage_index, received[0] if received else None, int(mb_index.item())
-        )
+        return self._run(self.stage_index, received[0] if received else None, int(mb_index.item()))

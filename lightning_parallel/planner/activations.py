@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_parallel.config.arguments import resolve_schedule
 from lightning_parallel.planner.layout import PRECISIONS, Layout
 from lightning_parallel.planner.shapes import BlockShape, ModelShape
 
@@ -154,8 +155,6 @@ def in_flight_micro_batches(layout: Layout, pp_rank: int) -> int:
     p, m, v = layout.pipeline_parallel, layout.micro_batches, layout.pipeline_virtual_stages
     if p == 1:
         return 1
-    from lightning_parallel.config.arguments import resolve_schedule
-
     if resolve_schedule(layout.pipeline_schedule).name in ("gpipe", "looped_bfs"):
         return m
     if v > 1:

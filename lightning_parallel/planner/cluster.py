@@ -92,7 +92,7 @@ _EFFICIENCIES = (
     " Efficiencies: memory 0.8 (elementwise kernels reach 80-90% of HBM bandwidth), NVLink 0.8 and network"
     " 0.85 (nccl-tests bus bandwidth against the line rate), PCIe 0.8 (pinned copies), host Adam 3.5e9"
     " parameters/s (measured on the lent H200 machine: DeepSpeed ZeRO-2 with DeepSpeedCPUAdam adds 576 ms"
-    " to a GPT-1.3B step, /work/shared/reference/ANCHORS.md; less 0.21 s of fp32 gradients down and"
+    " to a GPT-1.3B step (ANCHORS.md of the project's shared reference, not shipped); less 0.21 s of fp32 gradients down and"
     " parameters up over PCIe, 1.32e9 parameters in 0.37 s)."
 )
 

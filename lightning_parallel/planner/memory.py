@@ -20,39 +20,22 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
-from lightning_parallel.config.arguments import pipeline, resolve_schedule
+from lightning_parallel.config.arguments import resolve_schedule
 from lightning_parallel.data_parallel.buckets import BUCKET_BYTES
-from lightning_parallel.experts import find_moe_blocks
 from lightning_parallel.pipeline.receive_buffers import buffers_in_flight
-from lightning_parallel.pipeline.setup import split_stages
 from lightning_parallel.planner.activations import stage_activation_bytes
 from lightning_parallel.planner.host_updates import deferred_update_bytes
 from lightning_parallel.planner.layout import PRECISIONS, Layout, layout_problems, zero_engine
+from lightning_parallel.planner.placement import fsdp_local_elements, parameter_placements, stage_split
 from lightning_parallel.planner.shapes import ModelShape, describe
-from lightning_parallel.plans import auto_plan
-from lightning_parallel.plans.detect import block_names
-from lightning_parallel.tensor_parallel.styles import sharded_dims
 from lightning_parallel.zero.arguments import BUCKET_ELEMENTS
 
-__all__ = ["ParameterPlacement", "RankMemory", "parameter_placements", "rank_memory"]
+__all__ = ["RankMemory", "rank_memory"]
 
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "adafactor": 0}
 _DEEPSPEED_ALIGNMENT = (
     2  # DeepSpeed pads each flat group to a multiple of 2 x dp elements (nccl_start_alignment_factor)
 )
-
-
-@dataclass(frozen=True)
-class ParameterPlacement:
-    """One parameter: its elements on each tensor-parallel rank, the stages that hold it, expert or not."""
-
-    name: str
-    shape: tuple[int, ...]
-    tp_local: tuple[tuple[int, ...], ...]
-    """Local shape on tensor-parallel rank 0, 1, ... (the whole shape when it is not sharded)."""
-    tp_dim: int | None
-    stages: frozenset[int]
-    expert: bool
 
 
 @dataclass
@@ -101,92 +84,11 @@ class RankMemory:
         return out
 
 
-def _chunks(size: int, parts: int) -> list[int]:
-    """Sizes ``torch.chunk`` (and DTensor's ``Shard``) gives ``parts`` ranks: ceil-sized, the last ones short."""
-    step = math.ceil(size / parts) if size else 0
-    return [max(0, min(step, size - i * step)) for i in range(parts)]
-
-
-def _tp_shapes(
-    shape: tuple[int, ...], dim: int | None, tp: int, num_chunks: int
-) -> tuple[tuple[int, ...], ...]:
-    if dim is None or tp == 1:
-        return (shape,) * tp
-    size = shape[dim]
-    if num_chunks > 1 and size % num_chunks == 0:  # a fused weight (q|k|v, gate|up): each part split alike
-        locals_ = [num_chunks * c for c in _chunks(size // num_chunks, tp)]
-    else:
-        locals_ = _chunks(size, tp)
-    return tuple(shape[:dim] + (n,) + shape[dim + 1 :] for n in locals_)
-
-
-def parameter_placements(
-    model: nn.Module, layout: Layout, stage_of_block: list[int]
-) -> list[ParameterPlacement]:
-    """Every parameter once (tied ones under their first name), with the stages holding it."""
-    tp = layout.tensor_parallel
-    plan = auto_plan(model, tp, layout.sequence_parallel) if tp > 1 else None
-    modules = dict(model.named_modules())
-    names = block_names(model)
-    block_of = {id(p): i for i, b in enumerate(names) for p in model.get_submodule(b).parameters()}
-    experts = {n for info in find_moe_blocks(model) for n in info.expert_param_names}
-    last = max(stage_of_block) if stage_of_block else 0
-    canonical = {id(p): n for n, p in model.named_parameters()}
-    stages: dict[str, set[int]] = {}
-    seen_block = False
-    for _name, param in model.named_parameters(remove_duplicate=False):
-        first = canonical[id(param)]
-        if id(param) in block_of:
-            seen_block = True
-            stages.setdefault(first, set()).add(stage_of_block[block_of[id(param)]])
-        else:  # before the blocks: stage 0; after them: the last stage (a tied head: both)
-            stages.setdefault(first, set()).add(last if seen_block else 0)
-    out = []
-    for name, param in model.named_parameters():
-        owner, _, attr = name.rpartition(".")
-        style = plan.styles.get(owner) if plan is not None else None
-        dim = sharded_dims(modules[owner], style).get(attr) if style is not None else None
-        rows = getattr(style, "row_layout", None)
-        if (
-            rows is not None and dim is not None
-        ):  # rows in another order, some on several ranks (few k/v heads)
-            local = (tuple(param.shape[:dim]) + (rows.per_rank,) + tuple(param.shape[dim + 1 :]),) * tp
-        else:
-            local = _tp_shapes(tuple(param.shape), dim, tp, getattr(style, "num_chunks", 1))
-        out.append(
-            ParameterPlacement(
-                name,
-                tuple(param.shape),
-                local,
-                dim if tp > 1 else None,
-                frozenset(stages[name]),
-                name in experts,
-            )
-        )
-    return out
-
-
-def _stage_split(model: nn.Module, layout: Layout) -> tuple[list[int], list[range], list[int]]:
-    """(stage of each block, blocks of each stage, pipeline rank of each stage), as the strategy cuts."""
-    if layout.pipeline_parallel == 1:
-        n = len(block_names(model))
-        return [0] * n, [range(n)], [0]
-
-    config = pipeline(layout.pipeline_parallel, layout.micro_batches, layout.pipeline_schedule,
-                      layout.pipeline_virtual_stages if layout.pipeline_virtual_stages > 1 else None, None)  # fmt: skip
-    assert config is not None
-    split = split_stages(model, config)
-    stage_of = [0] * len(split.block_names)
-    for stage, blocks in enumerate(split.ranges):
-        for i in blocks:
-            stage_of[i] = stage
-    return stage_of, split.ranges, split.owners
-
-
 def rank_memory(
     model: nn.Module,
     layout: Layout,
     shape: ModelShape | None = None,
+    *,
     distinct: bool = True,
     cache: dict | None = None,
 ) -> list[RankMemory]:
@@ -206,7 +108,7 @@ def rank_memory(
     cache = {} if cache is None else cache
     split_key = (layout.pipeline_parallel, layout.pipeline_schedule, layout.pipeline_virtual_stages)
     if split_key not in cache:
-        cache[split_key] = _stage_split(model, layout)
+        cache[split_key] = stage_split(model, layout)
     stage_of, ranges, owners = cache[split_key]
     placement_key = (layout.tensor_parallel, layout.sequence_parallel, tuple(stage_of))
     if placement_key not in cache:
@@ -239,8 +141,16 @@ def rank_memory(
     return _distinct(out) if distinct else out
 
 
-def _one_rank(layout: Layout, engine: str | None, local: list, pp_rank: int, tp_rank: int, dp_rank: int,
-              param_bytes: int, grad_bytes: int) -> RankMemory:  # fmt: skip
+def _one_rank(
+    layout: Layout,
+    engine: str | None,
+    local: list,
+    pp_rank: int,
+    tp_rank: int,
+    dp_rank: int,
+    param_bytes: int,
+    grad_bytes: int,
+) -> RankMemory:
     dp, stage, ep = layout.data_parallel, layout.zero_stage, layout.expert_parallel
     states = _OPTIMIZER_STATES.get(layout.optimizer, 2)
     elements = sum(n for _, n, _ in local)
@@ -258,9 +168,11 @@ def _one_rank(layout: Layout, engine: str | None, local: list, pp_rank: int, tp_
         engine == "fsdp2"
     ):  # every tensor split on a dim tensor parallelism leaves alone; experts over replicas
         shard = sum(
-            _fsdp_local(n, s, p.tp_dim, dp // ep, dp_rank // ep) if p.expert else _fsdp_local(n, s, p.tp_dim, dp, dp_rank)
+            fsdp_local_elements(n, s, p.tp_dim, dp // ep, dp_rank // ep)
+            if p.expert
+            else fsdp_local_elements(n, s, p.tp_dim, dp, dp_rank)
             for p, n, s in local
-        )  # fmt: skip
+        )
         rank.parameters, rank.gradients = shard * param_bytes, shard * grad_bytes
         rank.optimizer = shard * states * 4 + (shard * 4 if param_bytes < 4 else 0)
         if (
@@ -274,7 +186,9 @@ def _one_rank(layout: Layout, engine: str | None, local: list, pp_rank: int, tp_
         else:  # a gathered unit and the next one prefetched
             rank.buffers = 2 * max((n for _, n, _ in local), default=0) * param_bytes
         if layout.offload == "cpu" and layout.offload_update != "exact":
-            matrices = [(n, s, _fsdp_local(n, s, p.tp_dim, dp, dp_rank)) for p, n, s in local if len(s) >= 2]
+            matrices = [
+                (n, s, fsdp_local_elements(n, s, p.tp_dim, dp, dp_rank)) for p, n, s in local if len(s) >= 2
+            ]
             rows = sum(
                 kept // (n // s[0]) for n, s, kept in matrices
             )  # the split refuses tp: dim 0 is sharded
@@ -303,7 +217,7 @@ def _one_rank(layout: Layout, engine: str | None, local: list, pp_rank: int, tp_
     return rank
 
 
-def _offload(rank: RankMemory, where: str, moves_weights: bool, fsdp2: bool) -> None:
+def _offload(rank: RankMemory, where: str, *, moves_weights: bool, fsdp2: bool) -> None:
     """Optimizer states to the host (or NVMe); the sharded weights and gradients too where the engine moves them:
     DeepSpeed at stage 3, FSDP2's offload policy always (``zero/fsdp.py``)."""
     if where == "nvme":
@@ -316,20 +230,9 @@ def _offload(rank: RankMemory, where: str, moves_weights: bool, fsdp2: bool) -> 
         rank.gradients_host, rank.gradients = rank.gradients, 0
 
 
-def _fsdp_local(numel: int, shape: tuple[int, ...], tp_dim: int | None, dp: int, dp_rank: int) -> int:
-    """Elements FSDP2 leaves on ``dp_rank`` of a tensor with ``numel`` local elements of (tp-local) ``shape``:
-    split on the first dim tensor parallelism does not cut; a vector it cuts stays whole
-    (``zero/fsdp.py: shard_placement, unsharded_parameters``)."""
-    if not shape:
-        return numel
-    if len(shape) == 1 and tp_dim is not None:
-        return numel
-    dim = next((d for d in range(len(shape)) if d != tp_dim), 0)
-    return _chunks(shape[dim], dp)[dp_rank] * (numel // shape[dim])
-
-
-def _add_activations(rank: RankMemory, shape: ModelShape, layout: Layout, ranges: list[range], owners: list[int],
-                     pp_rank: int) -> None:  # fmt: skip
+def _add_activations(
+    rank: RankMemory, shape: ModelShape, layout: Layout, ranges: list[range], owners: list[int], pp_rank: int
+) -> None:
     mine = [s for s, o in enumerate(owners) if o == pp_rank]
     last = len(ranges) - 1
     total = per_micro_batch = 0.0
@@ -353,8 +256,12 @@ def _receive_buffers(shape: ModelShape, layout: Layout, stages: list[int], last:
     residual = 4 if layout.precision.endswith("-mixed") else act  # autocast leaves the residual stream fp32
     sp = layout.tensor_parallel if layout.sequence_parallel else 1
     one = layout.local_tokens * shape.hidden * residual / sp
-    held = buffers_in_flight(resolve_schedule(layout.pipeline_schedule), layout.pipeline_parallel,
-                             layout.pipeline_virtual_stages, layout.micro_batches)  # fmt: skip
+    held = buffers_in_flight(
+        resolve_schedule(layout.pipeline_schedule),
+        layout.pipeline_parallel,
+        layout.pipeline_virtual_stages,
+        layout.micro_batches,
+    )
     return sum(held[s] * one for s in stages)
 
 
@@ -373,10 +280,34 @@ def _distinct(ranks: list[RankMemory]) -> list[RankMemory]:
     """Ranks whose numbers differ; equal ones folded into the first (its label says which it stands for)."""
     kept: list[RankMemory] = []
     for rank in ranks:
-        key = (rank.pp_rank, rank.parameters, rank.gradients, rank.optimizer, rank.activations, rank.buffers,
-               rank.host_total, rank.nvme)  # fmt: skip
-        twin = next((k for k in kept if (k.pp_rank, k.parameters, k.gradients, k.optimizer, k.activations,
-                     k.buffers, k.host_total, k.nvme) == key), None)  # fmt: skip
+        key = (
+            rank.pp_rank,
+            rank.parameters,
+            rank.gradients,
+            rank.optimizer,
+            rank.activations,
+            rank.buffers,
+            rank.host_total,
+            rank.nvme,
+        )
+        twin = next(
+            (
+                k
+                for k in kept
+                if (
+                    k.pp_rank,
+                    k.parameters,
+                    k.gradients,
+                    k.optimizer,
+                    k.activations,
+                    k.buffers,
+                    k.host_total,
+                    k.nvme,
+                )
+                == key
+            ),
+            None,
+        )
         if twin is None:
             kept.append(rank)
         else:

@@ -1,7 +1,8 @@
 """The time model against published runs: two tables of TFLOP/s per GPU, predicted with one efficiency per chip.
 
-The tables are those of ``/work/shared/reference/ANCHORS.md``; what the tables leave out (micro-batch
-size, schedule, recomputation, what overlaps) is taken from what each source says its runs did:
+The tables are those of ANCHORS.md in the project's shared reference (not shipped; each row's source is below);
+what the tables leave out (micro-batch size, schedule, recomputation, what overlaps) is taken from what each
+source says its runs did:
 
 **PTD-P** (Narayanan et al., SC21, Table 1; Selene, DGX A100 80 GB, 8 GPUs and 8 HDR NICs a node).
 The paper's own launch script, ``examples/academic_paper_scripts/sc21/run_table_1.sh`` in

@@ -56,7 +56,7 @@ from lightning_parallel.tensor_parallel.styles import (
 )
 
 
-def exit_style(sequence_parallel: bool) -> RowwiseProjection:
+def exit_style(*, sequence_parallel: bool) -> RowwiseProjection:
     return RowwiseProjection(
         input_layouts=Shard(-1),
         output_layouts=Shard(1) if sequence_parallel else Replicate(),
@@ -105,7 +105,7 @@ def _forward_source(module: nn.Module) -> str:
 
 
 def plan_attention(
-    full_name: str, cand: ContainerCandidate, tp: int, sp: bool, model_width: int | None = None
+    full_name: str, cand: ContainerCandidate, tp: int, *, sp: bool, model_width: int | None = None
 ) -> tuple[ShardedContainer, dict]:
     """Entries column parallel, exit row parallel, head counts divided (``plans/attention.py``)."""
     module = cand.module
@@ -115,7 +115,7 @@ def plan_attention(
     styles, variants, kv_heads, makers = plan_attention_entries(
         full_name, cand, exit_name, tp, hidden, heads, head_dim
     )
-    styles[join(full_name, exit_name)] = exit_style(sp)
+    styles[join(full_name, exit_name)] = exit_style(sequence_parallel=sp)
     kv_width = kv_heads * head_dim
     latents = {projection_dims(m)[0] for _, m in cand.projections} - {hidden, exit_in}
     norms = attention_norm_styles(module, full_name, head_dim, {exit_in, kv_width})
@@ -157,7 +157,7 @@ def plan_attention(
     return container, styles
 
 
-def plan_mlp(full_name: str, cand: ContainerCandidate, tp: int, sp: bool) -> tuple[ShardedContainer, dict]:
+def plan_mlp(full_name: str, cand: ContainerCandidate, tp: int, *, sp: bool) -> tuple[ShardedContainer, dict]:
     """Entries (up, gate, or a fused gate|up) column parallel, the exit row parallel; a norm over the hidden
     units before the exit (BitNet's ``ffn_sub_norm``) gathered, a learnable activation's weights summed."""
     ffn, hidden = projection_dims(cand.exit[1])
@@ -181,7 +181,7 @@ def plan_mlp(full_name: str, cand: ContainerCandidate, tp: int, sp: bool) -> tup
         chunks = 2 if entry_out == 2 * ffn else 1  # fused gate|up
         styles[join(full_name, name)] = ColwiseProjection(num_chunks=chunks, use_local_output=True)
     require_divisible(ffn, tp, "hidden units", full_name)
-    styles[join(full_name, cand.exit[0])] = exit_style(sp)
+    styles[join(full_name, cand.exit[0])] = exit_style(sequence_parallel=sp)
     norms = norms_in(cand.module, set())
     for name in norms:
         weight = getattr(cand.module.get_submodule(name), "weight", None)
@@ -255,7 +255,7 @@ def _model_width(model: nn.Module, stack: str) -> int | None:
     return embedding[1].embedding_dim if embedding is not None else None
 
 
-def auto_plan(model: nn.Module, tensor_parallel: int, sequence_parallel: bool) -> ParallelPlan:
+def auto_plan(model: nn.Module, tensor_parallel: int, *, sequence_parallel: bool) -> ParallelPlan:
     """Discover the Megatron-style plan of ``model`` for ``tensor_parallel`` ranks."""
     tp, sp = tensor_parallel, sequence_parallel
     plan = ParallelPlan(tensor_parallel=tp, sequence_parallel=sp)
@@ -285,9 +285,9 @@ def auto_plan(model: nn.Module, tensor_parallel: int, sequence_parallel: bool) -
                 if why is not None:
                     raise UnsupportedLayout(why)
                 if cand.looks_like_attention():
-                    container, styles = plan_attention(full, cand, tp, sp, width)
+                    container, styles = plan_attention(full, cand, tp, sp=sp, model_width=width)
                 else:
-                    container, styles = plan_mlp(full, cand, tp, sp)
+                    container, styles = plan_mlp(full, cand, tp, sp=sp)
             except UnsupportedLayout as error:
                 replicated.append((full, f"{type(cand.module).__name__}: {error}"))
                 if why is not None:

@@ -46,7 +46,7 @@ def style_from_name(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     if name == "fused_gate_up":
         return ColwiseProjection(num_chunks=2, use_local_output=True)
     if name == "rowwise":
-        return exit_style(sequence_parallel)
+        return exit_style(sequence_parallel=sequence_parallel)
     if name == "embedding":
         return TokenEmbedding(input_layouts=Replicate(), output_layouts=Replicate())
     if name == "head":

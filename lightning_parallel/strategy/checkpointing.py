@@ -250,7 +250,9 @@ class CheckpointingStrategy(MeshParallelStrategy):
             return zero_optimizer_state(self.lightning_module, optimizer, self.zero_engine, self._ep_mesh())
         assert self.model is not None
         state = rows_as_user(
-            get_optimizer_state_dict(self.model, optimizer, options=FLAT), registry(self.model), True
+            get_optimizer_state_dict(self.model, optimizer, options=FLAT),
+            registry(self.model),
+            optimizer=True,
         )
         layouts = expert_layouts(self.model)
         state = experts_as_dtensors(

@@ -39,6 +39,7 @@ from lightning_parallel.memory.counting import SavedTensorCounter
 from lightning_parallel.memory.regather import GatheredInputSaver
 from lightning_parallel.mesh import Axis
 from lightning_parallel.parallelize import Parallelized, parallelize, recall
+from lightning_parallel.parallelize.recipe import check_module_as_given
 from lightning_parallel.precision import HybridPrecision
 from lightning_parallel.strategy import pipelined
 from lightning_parallel.strategy import training as steps
@@ -46,15 +47,15 @@ from lightning_parallel.strategy.asked import AskedArguments
 from lightning_parallel.strategy.auto_layout import auto_strategy
 from lightning_parallel.strategy.checkpointing import CheckpointingStrategy
 from lightning_parallel.strategy.data_checks import check_training_data
+from lightning_parallel.strategy.made import SetupResults
 from lightning_parallel.strategy.predicted_memory import predicting_sample
 from lightning_parallel.strategy.presets import PRESETS
 from lightning_parallel.strategy.zero_setup import initialize_fsdp_offload, initialize_zero
-from lightning_parallel.tensor_parallel import ParallelPlan
 from lightning_parallel.zero.arguments import OffloadUpdate
 from lightning_parallel.zero.overlapped_step import OverlappedHostStep
 
 
-class HybridParallelStrategy(AskedArguments, CheckpointingStrategy):
+class HybridParallelStrategy(AskedArguments, SetupResults, CheckpointingStrategy):
     """Train an unchanged LightningModule with data, tensor, sequence, pipeline and expert parallelism.
 
     Args:
@@ -223,45 +224,16 @@ class HybridParallelStrategy(AskedArguments, CheckpointingStrategy):
         """The layout the planner predicts fastest for ``model`` (``strategy/auto_layout.py: choose_layout``)."""
         return auto_strategy(cls, model, **search)
 
-    # ---- what setup made of the arguments (the arguments themselves: strategy/asked.py) -------
-
-    @property
-    def loss_parallel(self) -> bool | None:
-        """Whether the loss is vocabulary-parallel: as asked (None: where a head is sharded) until setup
-        decides, by the sharded head it found (or not)."""
-        p = self.parallelized
-        return (p.loss_parallel or p.loss_state.mode is not None) if p else self.config.tensor.loss_parallel
-
-    @property
-    def plan(self) -> ParallelPlan | None:
-        """The tensor-parallel plan applied at setup (``print(trainer.strategy.plan)``)."""
-        return self.parallelized.plan if self.parallelized else None
-
-    @property
-    def pipeline_runner(self) -> Any:
-        return self.parallelized.pipeline if self.parallelized else None
-
-    @property
-    def pipeline_stages(self) -> list[Any]:
-        """This rank's ``torch.distributed.pipelining.PipelineStage`` objects (empty without pipelining)."""
-        runner = self.pipeline_runner
-        return list(runner.stages) if runner is not None else []
-
-    @property
-    def pipeline_group(self) -> torch.distributed.ProcessGroup | None:
-        runner = self.pipeline_runner
-        return runner.pp_group if runner is not None else None
-
-    @property
-    def activation_bytes(self) -> Any:
-        """The last counted step's :class:`~lightning_parallel.memory.counting.ActivationBytes` (or None)."""
-        return self.activation_counter.bytes if self.activation_counter is not None else None
-
     # ---- setup ---------------------------------------------------------------------------
 
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.model is not None and self.accelerator is not None and self.dims is not None
+        given = self.lightning_module
+        assert given is not None
+        parallelized = recall(given, self.dims.layout)  # a module parallelized by an earlier fit/validate/...
+        if parallelized is None:  # a meta or hand-sharded model is refused before the device move fails on it
+            check_module_as_given(given)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -269,15 +241,12 @@ class HybridParallelStrategy(AskedArguments, CheckpointingStrategy):
         assert module is not None
         if trainer.state.fn == TrainerFn.FITTING:
             check_manual_optimization(self.dims.pipeline_parallel, module.automatic_optimization)
-        parallelized = recall(
-            module, self.dims.layout
-        )  # a module parallelized by an earlier fit/validate/...
         if parallelized is None:
             training = trainer.state.fn == TrainerFn.FITTING
+            sample = predicting_sample(trainer, self, module, training=training)
             parallelized = parallelize(
-                module, self.config, self.dims, predicting_sample(trainer, self, module, training=training), device=self.root_device,
-                training=training,
-            )  # fmt: skip
+                module, self.config, self.dims, sample, device=self.root_device, training=training
+            )
             if self.config.init_weights is not None:
                 self._load_init_weights(module, self.config.init_weights)
             parallelized.remember(module)

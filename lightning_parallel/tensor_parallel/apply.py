@@ -84,7 +84,13 @@ def install_container(
         container.name == "" or container.name in plan.block_names
     )  # "": the block, in the verification
     handles = install_container_hooks(
-        module, entries, tp_mesh, plan.sequence_parallel, narrow, heads, is_block=is_block
+        module,
+        entries,
+        tp_mesh,
+        sequence_parallel=plan.sequence_parallel,
+        narrow_width=narrow,
+        slice_heads=heads,
+        is_block=is_block,
     )
     if container.copy_output:  # torch's local output is a view its autograd forbids changing in place
         exit_module = module.get_submodule(

@@ -154,6 +154,7 @@ def install_container_hooks(
     container: nn.Module,
     entries: list[nn.Module],
     mesh: DeviceMesh,
+    *,
     sequence_parallel: bool,
     narrow_width: int | None,
     slice_heads: int | None = None,
@@ -309,7 +310,7 @@ def map_first_tensor(output: Any, fn: Any) -> Any:
 
 
 def _install_region(
-    first: nn.Module, last: nn.Module, entering: Any, leaving: Any, whole_arguments_in: bool = False
+    first: nn.Module, last: nn.Module, entering: Any, leaving: Any, *, whole_arguments_in: bool = False
 ) -> list[RemovableHandle]:
     """``entering`` applied to the hidden state ``first`` receives, ``leaving`` to the one ``last`` returns;
     ``whole_arguments_in``: the block's per-token arguments given whole again too."""

@@ -154,3 +154,33 @@ def test_gradient_compression_with_tensor_parallel_is_one_rule() -> None:
         HybridParallelStrategy(gradient_compression="bf16", tensor_parallel=2, expert_parallel=2)
     assert str(info.value) == compression_with_tensor_parallel_problem("bf16", 2, None)
     assert compression_with_tensor_parallel_problem("bf16", 1, None) is None
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_tensor_parallel_auto_with_compression_is_refused_at_launch_as_an_integer_degree(
+    devices: int,
+) -> None:
+    """``tensor_parallel="auto"`` takes every device of the node: with 2 devices no rank is left for data
+    parallelism, where the launch had only warned that compression does nothing; an integer degree is refused
+    there at construction, so ``"auto"`` is refused too, on 2 devices as on 4."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_parallel.config.validation import (
+        check_launch,
+        compression_with_tensor_parallel_problem,
+        resolve_dims,
+    )
+
+    strategy = HybridParallelStrategy(gradient_compression="bf16", tensor_parallel="auto")
+    dims = resolve_dims(strategy.config, "HybridParallelStrategy", devices, 1)
+    assert dims.tensor_parallel == devices
+    with pytest.raises(ValueError) as info:
+        check_launch(strategy.config, dims, MixedPrecision("bf16-mixed", "cpu"))
+    assert str(info.value) == compression_with_tensor_parallel_problem("bf16", devices, None)
+    # the control: compression over data parallelism alone launches
+    plain = HybridParallelStrategy(gradient_compression="bf16")
+    check_launch(
+        plain.config,
+        resolve_dims(plain.config, "HybridParallelStrategy", devices, 1),
+        MixedPrecision("bf16-mixed", "cpu"),
+    )

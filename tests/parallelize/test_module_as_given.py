@@ -45,3 +45,45 @@ def test_init_module_creates_real_parameters_even_with_empty_init() -> None:
     with trainer.init_module(empty_init=True):
         model = nn.Linear(4, 4)
     assert not model.weight.is_meta  # Lightning's ModelParallelStrategy puts it on the meta device
+
+
+class _BuiltInConfigureModel(L.LightningModule):
+    def __init__(self, meta: bool) -> None:
+        super().__init__()
+        self.meta = meta
+        self.layer: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.layer is None:
+            with torch.device("meta") if self.meta else torch.device("cpu"):
+                self.layer = nn.Linear(4, 1)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        assert self.layer is not None
+        return self.layer(batch).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("meta", [True, False])
+def test_a_meta_model_from_configure_model_is_refused_through_the_trainer(meta: bool) -> None:
+    """The refusal comes at setup, before the model moves to the device (whose own error on a meta tensor says
+    nothing of the fix); the control, the same model with real tensors, trains."""
+    from lightning_parallel import HybridParallelStrategy
+
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=HybridParallelStrategy(), max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    model = _BuiltInConfigureModel(meta)
+    data = torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4)
+    if meta:
+        with pytest.raises(
+            ValueError, match=r"2 parameters are on the meta device \(first: `layer.weight`\)"
+        ):
+            trainer.fit(model, data)
+    else:
+        trainer.fit(model, data)
+        assert trainer.global_step == 1

@@ -131,7 +131,7 @@ GPT_LIKE = [
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize(("build", "qkv", "attn_out", "fc", "mlp_out"), GPT_LIKE)
 def test_gpt_like(build, qkv: str, attn_out: str, fc: str, mlp_out: str, sequence_parallel: bool) -> None:
-    plan = auto_plan(build(), 2, sequence_parallel)
+    plan = auto_plan(build(), 2, sequence_parallel=sequence_parallel)
     assert plan.block_list == "transformer.h"
     assert plan.block_names == ["transformer.h.0", "transformer.h.1"]
     for block in plan.block_names:
@@ -157,7 +157,7 @@ def test_gpt_like(build, qkv: str, attn_out: str, fc: str, mlp_out: str, sequenc
 
 
 def test_scaling_follows_the_degree() -> None:
-    plan = auto_plan(recipe_gpt(n_head=8, n_embd=128), 4, False)
+    plan = auto_plan(recipe_gpt(n_head=8, n_embd=128), 4, sequence_parallel=False)
     assert _container(plan, "transformer.h.0.attn").scaled_attributes == {
         "n_head": (8, 2),
         "n_embd": (128, 32),
@@ -165,7 +165,7 @@ def test_scaling_follows_the_degree() -> None:
 
 
 def test_vocabulary_not_divisible_leaves_embedding_and_head_replicated() -> None:
-    plan = auto_plan(recipe_gpt(vocab_size=321), 2, False)
+    plan = auto_plan(recipe_gpt(vocab_size=321), 2, sequence_parallel=False)
     assert "transformer.wte" not in plan.styles and "lm_head" not in plan.styles
     assert any("vocabulary 321 not divisible by 2" in note for note in plan.notes)
     assert "vocabulary 321 not divisible by 2" in str(plan)
@@ -180,7 +180,7 @@ def test_hf_gpt2(sequence_parallel: bool) -> None:
     c_attn = model.transformer.h[0].attn.c_attn
     assert is_conv1d(c_attn) and tuple(c_attn.weight.shape) == (64, 192)  # (in, out): transposed
     assert projection_dims(c_attn) == (64, 192)
-    plan = auto_plan(model, 2, sequence_parallel)
+    plan = auto_plan(model, 2, sequence_parallel=sequence_parallel)
     assert plan.block_list == "transformer.h"
     for block in plan.block_names:
         styles = _styles_by_suffix(plan, block)
@@ -203,7 +203,7 @@ def test_hf_gpt2(sequence_parallel: bool) -> None:
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_hf_llama(sequence_parallel: bool) -> None:
-    plan = auto_plan(hf_llama(), 2, sequence_parallel)
+    plan = auto_plan(hf_llama(), 2, sequence_parallel=sequence_parallel)
     assert plan.block_list == "model.layers"
     for block in plan.block_names:
         styles = _styles_by_suffix(plan, block)
@@ -237,14 +237,14 @@ def test_per_head_query_and_key_norms_sum_their_weight_gradient_over_the_ranks(
     refused every Qwen3 layer: each rank's gradient held only its own heads'). Llama has none."""
     from tests.models.families import build
 
-    plan = auto_plan(build("hf_qwen3"), 2, sequence_parallel)
+    plan = auto_plan(build("hf_qwen3"), 2, sequence_parallel=sequence_parallel)
     for block in plan.block_names:
         styles = _styles_by_suffix(plan, block)
         for name in ("self_attn.q_norm", "self_attn.k_norm"):
             assert isinstance(styles[name], SequenceParallel) and styles[name].sequence_sharding == (
                 Shard(-2),
             )
-    llama = auto_plan(hf_llama(), 2, sequence_parallel)
+    llama = auto_plan(hf_llama(), 2, sequence_parallel=sequence_parallel)
     assert not any(
         ".self_attn." in name and isinstance(s, SequenceParallel) for name, s in llama.styles.items()
     )
@@ -280,14 +280,14 @@ def test_per_head_query_and_key_norms_sum_their_weight_gradient_over_the_ranks(
 )  # fmt: skip
 def test_degree_that_does_not_divide_is_a_value_error(build, tp: int, fragments: list[str]) -> None:
     with pytest.raises(ValueError) as info:
-        auto_plan(build(), tp, False)
+        auto_plan(build(), tp, sequence_parallel=False)
     for fragment in fragments:
         assert fragment in str(info.value), f"{fragment!r} missing from: {info.value}"
 
 
 def test_hf_llama_kv_heads_fewer_than_ranks_are_stored_on_several() -> None:
     """2 k/v heads over 4 ranks: each rank stores the k/v head its query head uses (each on two ranks)."""
-    plan = auto_plan(hf_llama(num_key_value_heads=2), 4, False)
+    plan = auto_plan(hf_llama(num_key_value_heads=2), 4, sequence_parallel=False)
     styles = _styles_by_suffix(plan, "model.layers.0")
     for name in ("self_attn.k_proj", "self_attn.v_proj"):
         layout = styles[name].row_layout
@@ -300,7 +300,7 @@ def test_hf_llama_kv_heads_fewer_than_ranks_are_stored_on_several() -> None:
 def test_model_without_block_list() -> None:
     model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
     with pytest.raises(ValueError, match=r"Sequential has no repeated block list .* Pass `plan=`"):
-        auto_plan(model, 2, False)
+        auto_plan(model, 2, sequence_parallel=False)
 
 
 # ---- plan=dict --------------------------------------------------------------------------------
@@ -370,7 +370,7 @@ def test_plan_from_dict_heads_not_divisible() -> None:
 
 @pytest.mark.parametrize("build", [recipe_gpt, nanogpt, hf_gpt2, hf_llama], ids=lambda b: b.__name__)
 def test_printing_the_plan(build) -> None:
-    plan = auto_plan(build(), 2, True)
+    plan = auto_plan(build(), 2, sequence_parallel=True)
     text = str(plan)
     assert text.startswith("ParallelPlan(tensor_parallel=2, sequence_parallel=True)")
     assert f"block stack: {plan.block_list} (2 blocks)" in text
@@ -383,7 +383,7 @@ def test_printing_the_plan(build) -> None:
 
 
 def test_printing_the_plan_with_parameter_sizes() -> None:
-    plan = auto_plan(recipe_gpt(), 2, False)
+    plan = auto_plan(recipe_gpt(), 2, sequence_parallel=False)
     plan.parameter_shards = {"a": (100, 50, 4), "b": (28, 28, 4)}
     assert "parameters per rank: 312 B of 512 B unsharded (60.9%)" in str(plan)
 
@@ -403,7 +403,7 @@ def _qwen2_moe(**overrides: object) -> nn.Module:
 def test_moe_blocks_route_each_rank_s_sequence_slice_with_summed_gradients() -> None:
     from lightning_parallel.tensor_parallel.param_styles import LocalParameters
 
-    plan = auto_plan(_qwen2_moe(), 2, True)
+    plan = auto_plan(_qwen2_moe(), 2, sequence_parallel=True)
     mlp = "model.layers.0.mlp"
     # router and experts whole on every tp rank, their gradients summed over tp (Partial); one style on the
     # MoE block, whose code may read its children's weights (DBRX's experts read ``self.mlp.w1``)
@@ -414,14 +414,14 @@ def test_moe_blocks_route_each_rank_s_sequence_slice_with_summed_gradients() -> 
     assert isinstance(plan.styles[f"{mlp}.shared_expert.gate_proj"], ColwiseProjection)
     assert isinstance(plan.styles[f"{mlp}.shared_expert.down_proj"], RowwiseProjection)
     # negative control: without sequence parallelism the experts see the whole sequence and stay plain
-    assert mlp not in auto_plan(_qwen2_moe(), 2, False).styles
+    assert mlp not in auto_plan(_qwen2_moe(), 2, sequence_parallel=False).styles
 
 
 def test_a_model_adding_its_own_router_loss_is_refused_under_sequence_parallelism() -> None:
     with pytest.raises(ValueError, match=r"output_router_logits=True.*moe_aux_loss_coef="):
-        auto_plan(_qwen2_moe(output_router_logits=True), 2, True)
+        auto_plan(_qwen2_moe(output_router_logits=True), 2, sequence_parallel=True)
     auto_plan(
-        _qwen2_moe(output_router_logits=True), 2, False
+        _qwen2_moe(output_router_logits=True), 2, sequence_parallel=False
     )  # whole sequence on every rank: its loss is right
 
 
@@ -433,8 +433,8 @@ def test_this_library_s_moe_layer_is_refused_under_sequence_parallelism() -> Non
     with pytest.raises(
         ValueError, match=r"this library's MoE counts expert capacity.*sequence_parallel=False"
     ):
-        auto_plan(model, 2, True)
-    auto_plan(model, 2, False)
+        auto_plan(model, 2, sequence_parallel=True)
+    auto_plan(model, 2, sequence_parallel=False)
 
 
 def test_a_hybrid_stack_of_several_layer_classes_is_the_block_list() -> None:
@@ -473,7 +473,7 @@ def test_frozen_routing_statistics_stay_plain_under_sequence_parallelism() -> No
     assert (
         not statistics.e_score_correction_bias.requires_grad
     )  # updated by the model, never by the optimizer
-    plan = auto_plan(model, 2, True)
+    plan = auto_plan(model, 2, sequence_parallel=True)
     dims = plan.styles["model.layers.1.mlp"].dims  # no gradient to sum: the statistics left a plain tensor
     assert "gate.weight" in dims and not any("moe_statics" in name for name in dims)
 
@@ -498,13 +498,13 @@ def test_blocks_without_projections_tensor_parallelism_can_find_are_refused_not_
 
     with pytest.raises(ValueError, match=r"no block of Model has an attention or MLP that tensor parallelism can"
                                          r" split: `layers\.0` \(no attention or MLP projections found\)"):  # fmt: skip
-        auto_plan(Model(linear=False), 2, False)
-    assert len(auto_plan(Model(linear=True), 2, False).containers) == 4
+        auto_plan(Model(linear=False), 2, sequence_parallel=False)
+    assert len(auto_plan(Model(linear=True), 2, sequence_parallel=False).containers) == 4
     # the message names the model whose blocks they are, not what wraps it (a LightningModule, a causal-LM head)
     wrapper = nn.Module()
     wrapper.inner = Model(linear=False)
     with pytest.raises(ValueError, match=r"no block of Model has .* `inner\.layers\.0`"):
-        auto_plan(wrapper, 2, False)
+        auto_plan(wrapper, 2, sequence_parallel=False)
 
 
 @pytest.mark.parametrize(
@@ -535,8 +535,8 @@ def test_hybrids_tensor_parallelism_would_mostly_copy_are_refused_naming_the_mod
 
     torch.manual_seed(0)
     with pytest.raises(ValueError, match=rf"`tensor_parallel=2`: tensor parallelism {refusal}"):
-        auto_plan(AutoModelForCausalLM.from_config(tiny_config(family)), 2, False)
-    plan = auto_plan(AutoModelForCausalLM.from_config(tiny_config("jamba")), 2, False)
+        auto_plan(AutoModelForCausalLM.from_config(tiny_config(family)), 2, sequence_parallel=False)
+    plan = auto_plan(AutoModelForCausalLM.from_config(tiny_config("jamba")), 2, sequence_parallel=False)
     assert plan.containers and any("mamba: left replicated (JambaMambaMixer" in note for note in plan.notes)
 
 
@@ -553,7 +553,7 @@ def test_modules_left_whole_run_on_the_whole_sequence_under_sequence_parallelism
 
     def build(family: str, sp: bool) -> Any:
         torch.manual_seed(0)
-        return auto_plan(AutoModelForCausalLM.from_config(tiny_config(family)), 2, sp)
+        return auto_plan(AutoModelForCausalLM.from_config(tiny_config(family)), 2, sequence_parallel=sp)
 
     jamba = build("jamba", True)
     mixers = [n for n in jamba.block_names if n + ".mamba" in jamba.whole_sequence]
@@ -597,10 +597,10 @@ def test_an_embedding_running_modules_of_its_own_stays_whole() -> None:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
-    assert "model.embed_tokens" in auto_plan(model, 2, False).styles
+    assert "model.embed_tokens" in auto_plan(model, 2, sequence_parallel=False).styles
     plain = model.model.embed_tokens
     model.model.embed_tokens = NormedEmbedding(plain.num_embeddings, plain.embedding_dim)
-    plan = auto_plan(model, 2, False)
+    plan = auto_plan(model, 2, sequence_parallel=False)
     assert "model.embed_tokens" not in plan.styles
     assert "model.embed_tokens: left replicated (it runs embed_norm on the lookup itself)" in plan.notes
     assert plan.head == "lm_head"  # not tied to it: still split

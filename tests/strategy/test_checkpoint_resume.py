@@ -171,7 +171,7 @@ def test_cli_arithmetic_matches_the_sharded_model(checkpoint_runs: Path) -> None
         for name, sizes in _read(checkpoint_runs, "straight")[0]["parameter_shards"].items()
     }
     model = GPTLightningModule(**MODEL)
-    computed = parameter_shards(auto_plan(model, 2, False), model)
+    computed = parameter_shards(auto_plan(model, 2, sequence_parallel=False), model)
     assert computed == recorded
 
 
