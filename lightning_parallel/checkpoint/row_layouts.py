@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_parallel.checkpoint.layouts import owner_name
+from lightning_parallel.mesh import Axis
 from lightning_parallel.tensor_parallel.row_layout import REGISTRY, RowLayout
 
 
@@ -28,7 +29,7 @@ def registry(model: torch.nn.Module) -> dict[str, RowLayout]:
 
 
 def _tp_dim(value: DTensor) -> int:
-    return list(value.device_mesh.mesh_dim_names or ()).index("tp")
+    return list(value.device_mesh.mesh_dim_names or ()).index(Axis.TP)
 
 
 def _shape(value: DTensor, dim: int, rows: int) -> tuple[torch.Size, tuple[int, ...]]:

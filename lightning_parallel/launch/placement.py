@@ -39,7 +39,7 @@ def check_tensor_parallel_placement(strategy: Any) -> list[list[int]]:
     strategy's ``setup_environment``. Returns the groups that span nodes (empty when all is well).
     """
     mesh = strategy.device_mesh
-    if not mesh.mesh_dim_names or mesh.mesh_dim_names[-1] != "tp":
+    if not mesh.mesh_dim_names or mesh.mesh_dim_names[-1] != Axis.TP:
         return []  # not our mesh (e.g. Lightning's ModelParallelStrategy): its axes mean other things
     tensor_parallel = mesh[Axis.TP].size()
     if tensor_parallel == 1 or not torch.distributed.is_initialized():

@@ -190,7 +190,7 @@ class ParallelDims:
                     self.tensor_parallel,
                 )
                 self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_AXIS_NAMES)
-                flatten_mesh(self._mesh, ("dp_replicate", "ep"), "dp")
+                flatten_mesh(self._mesh, _names(Axis.DP_REPLICATE, Axis.EP), str(Axis.DP))
             elif self.cp_enabled:
                 # dp = dp_batch x cp: batches differ over "dp_batch"; gradients are averaged over "dp".
                 shape = (
@@ -200,7 +200,7 @@ class ParallelDims:
                     self.tensor_parallel,
                 )
                 self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=CONTEXT_AXIS_NAMES)
-                flatten_mesh(self._mesh, ("dp_batch", "cp"), "dp")
+                flatten_mesh(self._mesh, _names(Axis.DP_BATCH, Axis.CP), str(Axis.DP))
             else:
                 shape = tuple(self.degrees[name] for name in AXIS_NAMES)
                 self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXIS_NAMES)
@@ -216,17 +216,23 @@ class ParallelDims:
 
         ep, cp = self.expert_parallel, self.context_parallel
         if ep >= cp:
-            names = ("pp", "dp_replicate", "ep_mid", "cp", "tp")
+            names = _names(Axis.PP, Axis.DP_REPLICATE, Axis.EP_MID, Axis.CP, Axis.TP)
             shape = (self.pipeline_parallel, self.data_parallel // ep, ep // cp, cp, self.tensor_parallel)
-            flattened = {"ep": ("ep_mid", "cp"), "dp_batch": ("dp_replicate", "ep_mid")}
+            flattened = {
+                Axis.EP: _names(Axis.EP_MID, Axis.CP),
+                Axis.DP_BATCH: _names(Axis.DP_REPLICATE, Axis.EP_MID),
+            }
         else:
-            names = ("pp", "dp_batch", "cp_mid", "ep", "tp")
+            names = _names(Axis.PP, Axis.DP_BATCH, Axis.CP_MID, Axis.EP, Axis.TP)
             shape = (self.pipeline_parallel, self.data_parallel // cp, cp // ep, ep, self.tensor_parallel)
-            flattened = {"cp": ("cp_mid", "ep"), "dp_replicate": ("dp_batch", "cp_mid")}
+            flattened = {
+                Axis.CP: _names(Axis.CP_MID, Axis.EP),
+                Axis.DP_REPLICATE: _names(Axis.DP_BATCH, Axis.CP_MID),
+            }
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         for name, axes in flattened.items():
-            flatten_mesh(mesh, axes, name)
-        flatten_mesh(mesh, names[1:4], "dp")
+            flatten_mesh(mesh, axes, str(name))
+        flatten_mesh(mesh, names[1:4], str(Axis.DP))
         return mesh
 
     @property

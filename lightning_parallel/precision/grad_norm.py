@@ -37,6 +37,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.compat import StridedShard
+from lightning_parallel.mesh import Axis
 from lightning_parallel.precision._partial import (
     GroupRanks,
     comm_device,
@@ -210,9 +211,9 @@ def _shard_groups(tensor: Tensor, groups: dict[GroupRanks, ProcessGroup]) -> fro
 
 def _tp_rank(tensor: Tensor) -> int:
     """This rank's coordinate on the tensor-parallel axis of a DTensor's mesh (0 without one)."""
-    if not isinstance(tensor, DTensor) or "tp" not in (tensor.device_mesh.mesh_dim_names or ()):
+    if not isinstance(tensor, DTensor) or Axis.TP not in (tensor.device_mesh.mesh_dim_names or ()):
         return 0
-    return tensor.device_mesh.get_local_rank("tp")
+    return tensor.device_mesh.get_local_rank(Axis.TP)
 
 
 def _local_power_sum(tensors: list[Tensor], p: float, device: torch.device) -> Tensor:

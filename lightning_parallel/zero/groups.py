@@ -31,14 +31,14 @@ class MeshParallelUnit:
         self._pp = mesh[Axis.PP]
         # Every rank takes part in creating the flattened groups (a collective), also when a
         # group has one member.
-        if _has_axis(mesh, "ep"):
+        if _has_axis(mesh, Axis.EP):
             self._dp = mesh[Axis.DP_REPLICATE]
-            self._tp = _flat(mesh, ("ep", "tp"))
-            self._mp = _flat(mesh, ("pp", "ep", "tp"))
+            self._tp = _flat(mesh, (Axis.EP, Axis.TP))
+            self._mp = _flat(mesh, (Axis.PP, Axis.EP, Axis.TP))
         else:
             self._dp = mesh[Axis.DP]
             self._tp = mesh[Axis.TP]
-            self._mp = _flat(mesh, ("pp", "tp"))  # same data-parallel index, any stage and shard
+            self._mp = _flat(mesh, (Axis.PP, Axis.TP))  # same data-parallel index, any stage and shard
 
     # data parallel (what ZeRO shards over)
     def get_data_parallel_group(self) -> Any:
@@ -91,7 +91,7 @@ class MeshParallelUnit:
     get_pipe_parallel_rank = get_pipeline_model_parallel_rank
 
 
-def _has_axis(mesh: DeviceMesh, name: str) -> bool:
+def _has_axis(mesh: DeviceMesh, name: Axis) -> bool:
     """Whether ``mesh`` names ``name``: an axis of its own, or one flattened from others (``ep`` beside ``cp``)."""
     try:
         mesh[name]
@@ -100,7 +100,7 @@ def _has_axis(mesh: DeviceMesh, name: str) -> bool:
     return True
 
 
-def _flat(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
+def _flat(mesh: DeviceMesh, axes: tuple[Axis, ...]) -> DeviceMesh:
     name = "_".join(axes)
     try:
         return mesh[name]
