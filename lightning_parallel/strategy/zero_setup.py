@@ -12,12 +12,9 @@ from lightning_parallel.config.validation import check_zero_optimizers, importan
 from lightning_parallel.strategy.checkpointing import CheckpointingStrategy
 from lightning_parallel.zero.arguments import describe_compute
 from lightning_parallel.zero.deepspeed_ops import announce_compilation
-from lightning_parallel.zero.engine import (
-    deepspeed_environment,
-    initialize_engine,
-    offload_sharded_optimizers,
-)
+from lightning_parallel.zero.engine import deepspeed_environment, initialize_engine
 from lightning_parallel.zero.fsdp import unit_parameters
+from lightning_parallel.zero.optimizer import offload_sharded_optimizers
 from lightning_parallel.zero.overlapped_step import OverlappedHostStep, overlap_refusal
 
 
@@ -71,12 +68,10 @@ def initialize_fsdp_offload(strategy: CheckpointingStrategy, trainer: Trainer) -
         refusal = importance_split_refusal(strategy.config.zero.update, strategy.dims.tensor_parallel)
         if refusal is not None:
             raise ValueError(refusal)
+    if (line := announce_compilation(strategy.config.zero, strategy.root_device.type)) is not None:
+        rank_zero_info(line)
     strategy.optimizers = offload_sharded_optimizers(
-        strategy.optimizers,
-        strategy.lr_scheduler_configs,
-        strategy.config.zero,
-        strategy.root_device.type,
-        strategy.global_rank,
+        strategy.optimizers, strategy.lr_scheduler_configs, strategy.config.zero, strategy.global_rank
     )
     if strategy.config.zero.update != "exact":
         attach_deferred_update(strategy)

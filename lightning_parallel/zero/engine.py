@@ -15,13 +15,10 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.zero.arguments import ZeroArguments
-from lightning_parallel.zero.deepspeed_ops import announce_compilation
-from lightning_parallel.zero.fsdp import KEPT_ON_DEVICE
 from lightning_parallel.zero.groups import MeshParallelUnit
 from lightning_parallel.zero.optimizer import offload_optimizer
 
@@ -74,31 +71,3 @@ def initialize_engine(
         dist_init_required=False,
     )
     return engine, zero_optimizer, mpu
-
-
-def offload_sharded_optimizers(
-    optimizers: list[Any], scheduler_configs: list[Any], zero: ZeroArguments, device_type: str, rank: int
-) -> list[Any]:
-    """FSDP2 with ``offload``: Adam/AdamW become DeepSpeed's CPU Adam on the CPU shards (the LR schedulers
-    of Lightning's ``scheduler_configs`` re-pointed), their states in files of ``offload_path`` with
-    ``"nvme"``; other optimizers stay (refused with ``"nvme"``)."""
-    schedulers = [config.scheduler for config in scheduler_configs]
-
-    if (line := announce_compilation(zero, device_type)) is not None:
-        rank_zero_info(line)
-    nvme = (zero.offload_path, rank) if zero.offload == "nvme" and zero.offload_path is not None else None
-    if zero.offload_ratio < 1:
-        rank_zero_info(partial_offload_line(optimizers, zero))
-    return [offload_optimizer(o, schedulers, sharded=True, nvme=nvme) for o in optimizers]
-
-
-def partial_offload_line(optimizers: list[Any], zero: ZeroArguments) -> str:
-    """What ``offload_ratio`` chose on this rank: the fraction of the optimizer's elements offloaded."""
-    params = [p for o in optimizers for group in o.param_groups for p in group["params"]]
-    kept = sum(p.numel() for p in params if getattr(p, KEPT_ON_DEVICE, False))
-    total = sum(p.numel() for p in params) or 1
-    return (
-        f"ZeRO partial offload (`offload_ratio={zero.offload_ratio}`): {1 - kept / total:.0%} of the parameters"
-        f" have their optimizer states and step offloaded to {zero.offload} (whole FSDP2 units, the nearest to the"
-        " ratio), the rest stay on the device with torch's Adam."
-    )

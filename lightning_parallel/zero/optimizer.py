@@ -17,6 +17,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_parallel.zero.arguments import ZeroArguments
+from lightning_parallel.zero.fsdp import KEPT_ON_DEVICE
 
 
 def _adam_mode(optimizer: torch.optim.Optimizer) -> bool | None:
@@ -115,3 +119,28 @@ def _count_steps(optimizer: torch.optim.Optimizer) -> None:
 
     vars(counted)["_wrapped_by_lr_sched"] = True  # the mark torch's schedulers look for
     optimizer.step = counted  # type: ignore[method-assign]
+
+
+def offload_sharded_optimizers(
+    optimizers: list[Any], scheduler_configs: list[Any], zero: ZeroArguments, rank: int
+) -> list[Any]:
+    """FSDP2 with ``offload``: Adam/AdamW become DeepSpeed's CPU Adam on the CPU shards (the LR schedulers
+    of Lightning's ``scheduler_configs`` re-pointed), their states in files of ``offload_path`` with
+    ``"nvme"``; other optimizers stay (refused with ``"nvme"``)."""
+    schedulers = [config.scheduler for config in scheduler_configs]
+    nvme = (zero.offload_path, rank) if zero.offload == "nvme" and zero.offload_path is not None else None
+    if zero.offload_ratio < 1:
+        rank_zero_info(partial_offload_line(optimizers, zero))
+    return [offload_optimizer(o, schedulers, sharded=True, nvme=nvme) for o in optimizers]
+
+
+def partial_offload_line(optimizers: list[Any], zero: ZeroArguments) -> str:
+    """What ``offload_ratio`` chose on this rank: the fraction of the optimizer's elements offloaded."""
+    params = [p for o in optimizers for group in o.param_groups for p in group["params"]]
+    kept = sum(p.numel() for p in params if getattr(p, KEPT_ON_DEVICE, False))
+    total = sum(p.numel() for p in params) or 1
+    return (
+        f"ZeRO partial offload (`offload_ratio={zero.offload_ratio}`): {1 - kept / total:.0%} of the parameters"
+        f" have their optimizer states and step offloaded to {zero.offload} (whole FSDP2 units, the nearest to the"
+        " ratio), the rest stay on the device with torch's Adam."
+    )
