@@ -229,9 +229,8 @@ def check_launch(config: ParallelConfig, dims: ParallelDims, precision_plugin: A
             f" `expert_parallel={ep}`, or `sequence_parallel=True` with `expert_parallel=1`."
         )
     compression = config.memory.gradient_compression
-    if (
-        compression is not None
-    ):  # tensor_parallel="auto", resolved now: the constructor's refusal, whatever dp is
+    # tensor_parallel="auto", resolved now: the constructor's refusal, whatever dp is
+    if compression is not None:
         problem = compression_with_tensor_parallel_problem(compression, tp, config.pipeline)
         if problem:
             raise ValueError(problem)

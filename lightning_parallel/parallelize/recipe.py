@@ -104,9 +104,8 @@ def parallelize(
     )
     if plan is not None and captured is not None and config.tensor.verify_plan:
         tensor_parallel_step.verify_plan(module, plan, mesh[Axis.TP], captured)
-    engine = config_engine(
-        config, dims
-    )  # which engine runs ZeRO (or None): decided once, read by three steps
+    # which engine runs ZeRO (or None): decided once, read by three steps
+    engine = config_engine(config, dims)
     if plan is not None:  # every rank alike, before anything is sharded
         tensor_parallel_step.check_row_layouts(plan, engine)
     if context is not None:

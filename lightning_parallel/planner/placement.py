@@ -85,9 +85,8 @@ def parameter_placements(
         style = plan.styles.get(owner) if plan is not None else None
         dim = sharded_dims(modules[owner], style).get(attr) if style is not None else None
         rows = getattr(style, "row_layout", None)
-        if (
-            rows is not None and dim is not None
-        ):  # rows in another order, some on several ranks (few k/v heads)
+        # rows in another order, some on several ranks (few k/v heads)
+        if rows is not None and dim is not None:
             local = (tuple(param.shape[:dim]) + (rows.per_rank,) + tuple(param.shape[dim + 1 :]),) * tp
         else:
             local = _tp_shapes(tuple(param.shape), dim, tp, getattr(style, "num_chunks", 1))
