@@ -76,7 +76,7 @@ def parallelize(
     needs it (None: no data; pipelines then refuse, the plan goes unverified with a warning).
     ``training``: ``Trainer.fit`` (the step returns a loss).
     """
-    check_module_as_given(module)
+    # the module as given was checked by the strategy (check_module_as_given), before its move to the device
     mesh = dims.mesh
     plan = (
         tensor_parallel_step.build_plan(module, config.tensor, dims.tensor_parallel)

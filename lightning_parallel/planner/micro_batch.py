@@ -38,7 +38,7 @@ __all__ = [
     "MicroBatch",
     "Stage",
     "all_reduce",
-    "all_to_all",
+    "all_to_all_time",
     "group_bandwidth",
     "half_ring",
     "matmul_peak",
@@ -140,7 +140,7 @@ def half_ring(nbytes: float, size: int, bandwidth: float) -> float:
     return (size - 1) / size * nbytes / bandwidth if size > 1 else 0.0
 
 
-def all_to_all(nbytes: float, size: int, stride: int, cluster: Cluster) -> float:
+def all_to_all_time(nbytes: float, size: int, stride: int, cluster: Cluster) -> float:
     """All-to-all of a ``nbytes`` buffer over ``size`` ranks ``stride`` apart: each rank keeps ``1/size`` of it and
     sends each peer its share, NVLink to the peers in its node and its own NIC to the others, both at once.
 
@@ -339,7 +339,7 @@ def micro_batch(
     ep = layout.expert_parallel
     if ep > 1:
         routed = sum(tokens * b.top_k * b.hidden * act for b in stage.blocks if b.num_experts)
-        out.expert = passes * all_to_all(routed, ep, tp, cluster)
+        out.expert = passes * all_to_all_time(routed, ep, tp, cluster)
     if layout.context_parallel > 1:
         attention = tokens * sum(_attention_flops_per_token(b, seq) for b in stage.blocks) / tp / flop_rate
         out.context = _context_exchange(stage, layout, cluster, tokens * act, attention)
@@ -375,7 +375,7 @@ def _context_exchange(
     passes = 3 + (1 if layout.activation_checkpointing == "full" else 0)  # forward 1, backward 2, recompute 1
     if layout.context_parallel_mode == "ulysses":  # backward: one reverse all-to-all of the same bytes
         moved = sum(2 * (b.q_width + b.kv_width) for b in stage.blocks) / tp * token_bytes
-        return (passes - 1) * all_to_all(moved, cp, tp, cluster)
+        return (passes - 1) * all_to_all_time(moved, cp, tp, cluster)
     kv = sum(2 * b.kv_width for b in stage.blocks) / tp * token_bytes
     hops = (cp - 1) * kv / bandwidth  # one pass's exchange
     # forward: attention compute hides the hops; backward moves twice the bytes behind twice the compute

@@ -14,7 +14,7 @@ from lightning_parallel.pipeline.schedules import SCHEDULES, ideal_efficiency
 from lightning_parallel.planner import published
 from lightning_parallel.planner.cluster import CLUSTERS, load_cluster
 from lightning_parallel.planner.layout import Layout
-from lightning_parallel.planner.micro_batch import all_to_all, group_bandwidth, half_ring
+from lightning_parallel.planner.micro_batch import all_to_all_time, group_bandwidth, half_ring
 from lightning_parallel.planner.shapes import ModelShape
 from lightning_parallel.planner.timing import STRATEGY, step_time
 
@@ -153,12 +153,12 @@ def test_tensor_parallel_beyond_a_node_uses_the_network() -> None:
 def test_an_all_to_all_across_nodes_waits_on_each_ranks_own_nic() -> None:
     h100 = CLUSTERS["h100"]
     gib = 2.0**30
-    assert all_to_all(gib, 8, 1, h100) == pytest.approx(
+    assert all_to_all_time(gib, 8, 1, h100) == pytest.approx(
         half_ring(gib, 8, group_bandwidth(h100, 8, 1))
     )  # in a node
     # two nodes: half of the buffer leaves the node, through this GPU's NIC alone (a ring would use all eight)
-    assert all_to_all(gib, 16, 1, h100) == pytest.approx(0.5 * gib / (50e9 * 0.85))
-    assert all_to_all(gib, 16, 1, h100) > 4 * half_ring(gib, 16, group_bandwidth(h100, 16, 1))
+    assert all_to_all_time(gib, 16, 1, h100) == pytest.approx(0.5 * gib / (50e9 * 0.85))
+    assert all_to_all_time(gib, 16, 1, h100) > 4 * half_ring(gib, 16, group_bandwidth(h100, 16, 1))
     moe = ModelShape.gpt(8, 1024, 16, 50304, num_experts=16, top_k=2)
     base = {"data_parallel": 16, "precision": "bf16-mixed", "micro_batch_size": 4, "sequence_length": 2048}
     inside, across = (step_time(moe, Layout(**base, expert_parallel=ep), h100) for ep in (8, 16))
