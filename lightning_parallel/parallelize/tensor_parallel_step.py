@@ -6,6 +6,7 @@ the whole model (one real step of the user's code), then applied to what this ra
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -24,6 +25,8 @@ from lightning_parallel.tensor_parallel.loss_parallel import (
 )
 from lightning_parallel.tensor_parallel.plan import record_parameter_shards
 from lightning_parallel.tensor_parallel.vocab_loss import ShardedLogitsMode
+
+log = logging.getLogger(__name__)
 
 
 def build_plan(module: nn.Module, config: TensorParallelConfig, tensor_parallel: int) -> ParallelPlan:
@@ -95,6 +98,12 @@ def shard(
         rank_zero_warn("`loss_parallel=True`: no sharded output head was found; logits stay gathered.")
         loss_parallel = False
     hooks = apply_tensor_parallel(module, plan, tp_mesh)
+    log.info(
+        "applied tensor parallelism (tp=%d, sp=%s) to %d modules",
+        plan.tensor_parallel,
+        plan.sequence_parallel,
+        len(plan.styles),
+    )
     state = LossParallelState(mode=ShardedLogitsMode() if automatic else None)
     if loss_parallel or automatic:
         assert plan.head is not None

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_parallel.compat import tree_map_only
 
-__all__ = ["merge_outputs", "receive_activation", "send_activation", "to_cpu", "to_device"]
+__all__ = ["StageChain", "merge_outputs", "receive_activation", "send_activation", "to_cpu", "to_device"]
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 
@@ -53,6 +53,47 @@ def receive_activation(
     buffer = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(buffer, group=group, group_src=src)
     return buffer
+
+
+class StageChain:
+    """One evaluation step's activations between this rank's stages and the other ranks' (stage ``s`` runs on
+    rank ``owners[s]``): received before a stage whose predecessor lives elsewhere, sent after a stage whose
+    successor does. Only the first micro-batch's transfer carries a header; the others reuse its shape."""
+
+    def __init__(self, owners: list[int], rank: int, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.owners, self.rank, self.group, self.device = owners, rank, group, device
+        self.stages = [stage for stage, owner in enumerate(owners) if owner == rank]
+        self._shapes: dict[
+            int, tuple[list[int], torch.dtype]
+        ] = {}  # by receiving stage, from its first header
+        self._sends: list[Any] = []
+        self._sent_header: set[int] = set()
+
+    def input_of(self, stage: int, carried: torch.Tensor | None) -> torch.Tensor | None:
+        """What ``stage`` starts from: the previous stage's output, received if another rank ran it."""
+        if stage == 0 or self.owners[stage - 1] == self.rank:
+            return carried
+        received = receive_activation(
+            self.owners[stage - 1], self.group, self.device, self._shapes.get(stage)
+        )
+        self._shapes[stage] = (list(received.shape), received.dtype)
+        return received
+
+    def pass_on(self, stage: int, output: Any) -> Any:
+        """Send ``output`` on if the next stage runs elsewhere; returns what this rank's next stage gets."""
+        if stage == len(self.owners) - 1:
+            return None
+        if self.owners[stage + 1] != self.rank:
+            self._sends += send_activation(
+                output, self.owners[stage + 1], self.group, header=stage not in self._sent_header
+            )
+            self._sent_header.add(stage)
+        return output
+
+    def wait(self) -> None:
+        for work in self._sends:
+            work.wait()
+        self._sends = []
 
 
 def merge_outputs(outputs: list[Any]) -> Any:

@@ -17,7 +17,8 @@ batches may differ in size from training ones).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,13 +29,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 
 from lightning_parallel.data_parallel.gradient_sync import GradientGroup
 from lightning_parallel.pipeline.discover import PipelineSetupError, extract_loss
-from lightning_parallel.pipeline.eval_transfers import (
-    merge_outputs,
-    receive_activation,
-    send_activation,
-    to_cpu,
-    to_device,
-)
+from lightning_parallel.pipeline.eval_transfers import StageChain, merge_outputs, to_cpu, to_device
 from lightning_parallel.pipeline.last_backward import LastBackward, ReducingStage
 from lightning_parallel.pipeline.microbatch import (
     LogRecorder,
@@ -104,7 +99,7 @@ class PipelineRunner:
         self.fsdp_before_schedule = fsdp_before_schedule
         self.batch_size: int | None = None  # of the training batches the stages were built for
         self._held: list[torch.Tensor | None] = []
-        self._ctx: _StepContext | None = None  # the step torch's schedule is running (train_step, eval_step)
+        self._ctx: _StepContext | None = None  # the step running now: see _running
         # a local-shard weight under its name; a weight several blocks share under each of its names
         params = {user_name(n): p for n, p in module.named_parameters(remove_duplicate=False)}
         self.parameters = [params[n] for n in sorted(owned_names) if n in params]
@@ -145,6 +140,17 @@ class PipelineRunner:
         return self.last_stage in self.my_stages
 
     # ---- inside the schedule -------------------------------------------------------------
+
+    @contextmanager
+    def _running(self, ctx: _StepContext) -> Iterator[None]:
+        """``ctx`` is the step that torch's schedule (training) or the stage chain (evaluation) runs: its stage
+        forwards and loss function, called by torch with tensors only, read the step's function, micro-batches and
+        losses from here, and only while the step runs."""
+        self._ctx = ctx
+        try:
+            yield
+        finally:
+            self._ctx = None
 
     def run_stage(self, stage: int, received: torch.Tensor | None, mb_index: int) -> Any:
         ctx = self._ctx
@@ -209,7 +215,7 @@ class PipelineRunner:
         """
         m = self.micro_batches
         earlier = self.detach_gradients() if first_of_window else []
-        self._ctx = _StepContext(
+        ctx = _StepContext(
             step_fn,
             split_batch(batch, m),
             tuple(step_args),
@@ -223,13 +229,12 @@ class PipelineRunner:
         try:
             if self.fsdp_units and self.fsdp_before_schedule is not None:
                 self.fsdp_before_schedule(self.fsdp_units)
-            with self.logs.recording(self.module, lambda: self._ctx.current if self._ctx else 0):
+            with self._running(ctx), self.logs.recording(self.module, lambda: ctx.current):
                 self.schedule.step(mb_index=index, target=target, return_outputs=False)
             self.last_backward.end_batch()
-            loss = self._finish(self._ctx.losses) + self._aux_mean(self._ctx)
+            loss = self._finish(ctx.losses) + self._aux_mean(ctx)
             self._held = self.detach_gradients()
         finally:
-            self._ctx = None
             if earlier:
                 self.attach_gradients(earlier, add=False)
         return loss
@@ -293,35 +298,21 @@ class PipelineRunner:
         size = batch_size_of(batch)
         m = math.gcd(self.micro_batches, size) if size else 1
         micro = split_batch(batch, m)
-        self._ctx = _StepContext(step_fn, micro, tuple(step_args))
+        ctx = _StepContext(step_fn, micro, tuple(step_args))
         self.logs.clear()
-        pending: list[Any] = []
+        chain = StageChain(self.layout.owners, self.pp_rank, self.pp_group, self.device)
         try:
-            with self.logs.recording(self.module, lambda: self._ctx.current if self._ctx else 0):
-                # the micro-batches of a step have one shape: a header (a host read) with the first only
-                received: dict[int, tuple[list[int], torch.dtype]] = {}
+            with self._running(ctx), self.logs.recording(self.module, lambda: ctx.current):
                 for mb in range(m):
-                    carried: torch.Tensor | None = None
-                    for stage in range(self.layout.num_stages):
-                        owner = self.layout.owners[stage]
-                        if owner != self.pp_rank:
-                            continue
-                        if stage > 0 and self.layout.owners[stage - 1] != self.pp_rank:
-                            carried = receive_activation(
-                                self.layout.owners[stage - 1], self.pp_group, self.device, received.get(stage)
-                            )
-                            received[stage] = (list(carried.shape), carried.dtype)
-                        out = self.run_stage(stage, carried, mb)
-                        carried = out if stage < self.last_stage else None
-                        if stage < self.last_stage and self.layout.owners[stage + 1] != self.pp_rank:
-                            pending += send_activation(
-                                out, self.layout.owners[stage + 1], self.pp_group, header=mb == 0
-                            )
-            for work in pending:
-                work.wait()
+                    carried: Any = None
+                    for stage in chain.stages:
+                        carried = chain.pass_on(
+                            stage, self.run_stage(stage, chain.input_of(stage, carried), mb)
+                        )
+            chain.wait()
             payload, outputs = None, None
             if self.holds_last_stage:
-                merged = merge_outputs([self._ctx.outputs[i] for i in range(m)])
+                merged = merge_outputs([ctx.outputs[i] for i in range(m)])
                 outputs = None if merged is None else to_cpu(merged)  # as an object: what the step returned
                 payload = (torch.zeros((), device=self.device), self.logs.averaged(self.module, self.device))
             # the logs as one device tensor; the step's outputs only when it returned some (often None)
@@ -330,6 +321,5 @@ class PipelineRunner:
             )
             replay_logs(self.module, records, self.device)
         finally:
-            self._ctx = None
             self.logs.clear()
         return to_device(merged, self.device)

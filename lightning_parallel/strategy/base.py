@@ -36,7 +36,7 @@ from lightning_parallel.launch.placement import check_tensor_parallel_placement
 from lightning_parallel.mesh import Axis, ParallelDims
 from lightning_parallel.precision import convert_precision_plugin
 from lightning_parallel.zero import ZeroPrecision
-from lightning_parallel.zero.engine_choice import config_engine
+from lightning_parallel.zero.engine_choice import Engine, config_engine
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -64,6 +64,8 @@ class MeshParallelStrategy(ParallelStrategy):
         """What the user asked for, validated (``config/``); never changed after construction."""
         self.dims: ParallelDims | None = None
         """The resolved degrees, from ``Trainer(...)`` on (``tensor_parallel="auto"`` needs the devices)."""
+        self.zero_runs_on: Engine | None = None
+        """Which engine runs ZeRO in this layout (``zero/engine_choice.py``), resolved with the degrees."""
 
     @contextmanager
     @override
@@ -126,9 +128,9 @@ class MeshParallelStrategy(ParallelStrategy):
 
     @property
     def deepspeed_zero(self) -> bool:
-        """Whether ZeRO runs on DeepSpeed's engine in this layout (``zero/engine_choice.py``: ZeRO-3 with tensor
-        parallelism runs on FSDP2 and keeps Lightning's precision plugins)."""
-        return self.dims is not None and config_engine(self.config, self.dims) == "deepspeed"
+        """Whether ZeRO runs on DeepSpeed's engine in this layout (ZeRO-3 with tensor parallelism runs on FSDP2
+        and keeps Lightning's precision plugins)."""
+        return self.zero_runs_on == "deepspeed"
 
     @property
     def tensor_parallel(self) -> int:
@@ -136,25 +138,27 @@ class MeshParallelStrategy(ParallelStrategy):
             raise RuntimeError("The tensor-parallel degree is resolved when the Trainer is created.")
         return self.dims.tensor_parallel
 
-    def _resolve_dims(self) -> ParallelDims:
-        return resolve_dims(self.config, type(self).__name__, self.num_processes, self.num_nodes)
+    def _resolve_layout(self) -> ParallelDims:
+        """The degrees and the engine they imply, checked: before the launch or, under torchrun and SLURM, at
+        the start of each process."""
+        dims = resolve_dims(self.config, type(self).__name__, self.num_processes, self.num_nodes)
+        check_launch(self.config, dims, self.precision_plugin)
+        self.dims, self.zero_runs_on = dims, config_engine(self.config, dims)
+        return dims
 
     @override
     def _configure_launcher(self) -> None:
         # Runs inside Trainer(...), before processes are launched: fail here, not in a collective.
-        self.dims = self._resolve_dims()
-        check_launch(self.config, self.dims, self.precision_plugin)
+        self._resolve_layout()
         if not self.deepspeed_zero:
             convert_precision_plugin(self.precision_plugin)  # an unsupported plugin fails here, before launch
         _Lightning._configure_launcher(self)
 
     @override
     def setup_environment(self) -> None:
-        if self.dims is None:  # launched by torchrun or SLURM: no _configure_launcher
-            self.dims = self._resolve_dims()
-            check_launch(self.config, self.dims, self.precision_plugin)
+        dims = self.dims or self._resolve_layout()  # launched by torchrun or SLURM: no _configure_launcher
         self._setup_distributed()
-        self._device_mesh = self.dims.build_mesh(self.root_device.type)
+        self._device_mesh = dims.build_mesh(self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         # Lightning's plugin, same precision, with clipping by the global norm over all shards and

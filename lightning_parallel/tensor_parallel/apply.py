@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import logging
 from collections import defaultdict
 from typing import Any
 
@@ -22,8 +21,6 @@ from lightning_parallel.tensor_parallel.regions import (
     install_whole_sequence,
 )
 from lightning_parallel.tensor_parallel.row_layout import record_row_layouts
-
-log = logging.getLogger(__name__)
 
 
 def _parameter_aliases(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -80,9 +77,7 @@ def install_container(
     entries = [module.get_submodule(suffix) for suffix in container.entry_suffixes]
     narrow = container.hidden_size // plan.tensor_parallel if container.narrow_input else None
     heads = container.heads if container.slice_heads else None
-    is_block = (
-        container.name == "" or container.name in plan.block_names
-    )  # "": the block, in the verification
+    is_block = container.name in plan.block_names
     handles = install_container_hooks(
         module,
         entries,
@@ -134,7 +129,11 @@ def keep_gradients_in_parameter_layout(model: nn.Module) -> list[RemovableHandle
 
 
 def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceMesh) -> list[RemovableHandle]:
-    """Shard ``model`` according to ``plan``; returns the hooks it installed."""
+    """Shard ``model`` according to ``plan``; returns the hooks it installed.
+
+    The one sharding order: the model's plan, and each block's relative plan in the verification
+    (``tensor_parallel/verify.py``: the block is then its own block stack, named ``""``), run through here.
+    """
     if plan.is_empty:
         return []
     aliases = _parameter_aliases(model)
@@ -142,7 +141,13 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceM
         scale_attributes(model.get_submodule(container.name), container, local=True)
     # Parameters were made identical on every rank before this call, so each rank can take its
     # shard locally (src_data_rank=None) instead of scattering from rank 0.
-    parallelize_module(model, tp_mesh, plan.styles, src_data_rank=None)
+    parallelize_module(
+        model, tp_mesh, {name: style for name, style in plan.styles.items() if name}, src_data_rank=None
+    )
+    if (
+        own := plan.styles.get("")
+    ) is not None:  # a verified block's own style: torch's dict names children only
+        parallelize_module(model, tp_mesh, own, src_data_rank=None)
     _retie(aliases)
     record_row_layouts(model)
     handles: list[RemovableHandle] = keep_gradients_in_parameter_layout(model)
@@ -155,10 +160,4 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceM
             handles += install_block_argument_slices(model.get_submodule(name), tp_mesh)
     for name in plan.whole_sequence if plan.sequence_parallel else []:
         handles += install_whole_sequence(model.get_submodule(name), tp_mesh)
-    log.info(
-        "applied tensor parallelism (tp=%d, sp=%s) to %d modules",
-        plan.tensor_parallel,
-        plan.sequence_parallel,
-        len(plan.styles),
-    )
     return handles

@@ -21,10 +21,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_parallel.comm.agreement import all_agree, communication_device
-from lightning_parallel.tensor_parallel.apply import install_container, scale_attributes
+from lightning_parallel.tensor_parallel.apply import apply_tensor_parallel
 from lightning_parallel.tensor_parallel.captured_inputs import (
     Captured,
     block_inputs,
@@ -33,9 +32,6 @@ from lightning_parallel.tensor_parallel.captured_inputs import (
 from lightning_parallel.tensor_parallel.plan import ParallelPlan
 from lightning_parallel.tensor_parallel.regions import (
     find_hidden,
-    install_block_argument_slices,
-    install_sequence_region,
-    install_whole_sequence,
     sequence_length_problem,
 )
 from lightning_parallel.tensor_parallel.row_layout import row_layout
@@ -87,19 +83,7 @@ def _run(
 def _compare_once(block: nn.Module, inputs: Captured, plan: ParallelPlan, mesh: DeviceMesh) -> str | None:
     reference = copy.deepcopy(block).float().eval()
     sharded = copy.deepcopy(block).float().eval()
-    for container in plan.containers:
-        scale_attributes(sharded.get_submodule(container.name), container, local=True)
-    own = plan.styles.get("")  # the block's own (relative_plan): torch's plan dict names its children only
-    parallelize_module(sharded, mesh, {k: v for k, v in plan.styles.items() if k}, src_data_rank=None)
-    if own is not None:
-        parallelize_module(sharded, mesh, own, src_data_rank=None)
-    for container in plan.containers:
-        install_container(sharded.get_submodule(container.name), container, plan, mesh)
-    if plan.sequence_parallel:
-        install_sequence_region(sharded, sharded, mesh)
-        install_block_argument_slices(sharded, mesh)
-        for name in plan.whole_sequence:
-            install_whole_sequence(sharded.get_submodule(name), mesh)
+    apply_tensor_parallel(sharded, plan, mesh)  # its relative plan names the block ""
     ref_out, ref_grad = _run(reference, inputs)
     out, grad = _run(sharded, stored_by_sharded_blocks(inputs, mesh))
     problems = []

@@ -96,6 +96,8 @@ def _variant_styles(container: ShardedContainer, styles: dict[str, Any]) -> dict
 
 
 def relative_plan(plan: ParallelPlan, prefix: str, mode: Mode) -> ParallelPlan:
+    """The part of ``plan`` inside block ``prefix``, named from the block, the block its own block stack
+    (``""``): ``apply_tensor_parallel`` shards a copy of the block with it as it shards the model."""
     cut = len(prefix) + 1
     # the block's own container too (OPT's fc1 and fc2 are the block's): what runs is what is verified
     chosen = [
@@ -114,7 +116,7 @@ def relative_plan(plan: ParallelPlan, prefix: str, mode: Mode) -> ParallelPlan:
     ]
     whole = [n[cut:] for n in plan.whole_sequence if n.startswith(prefix + ".")]
     return dataclasses.replace(
-        plan, styles=styles, containers=containers, block_names=[], norms=[], whole_sequence=whole
+        plan, styles=styles, containers=containers, block_names=[""], norms=[], whole_sequence=whole
     )
 
 
