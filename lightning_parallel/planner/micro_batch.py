@@ -186,13 +186,15 @@ def _gemm_elements(block: BlockShape, layout: Layout) -> float:
     """Elements one token's forward matmuls through ``block`` read and write in HBM, on one rank.
 
     Column-parallel matrices (q|k|v, MLP up) are cut along ``N``, row-parallel ones along ``K``;
-    an expert's matmul sees ``tokens x top_k / experts`` rows.
+    an expert's matmul sees ``tokens x top_k / experts`` rows of each of the ``ep`` ranks its dispatch gathers
+    from (a rank holds ``experts / ep`` of them and reads each one's weights once).
     """
     tp, tokens = layout.tensor_parallel, layout.local_tokens
     h, ffn = block.hidden, block.ffn_hidden
     up = ffn * (2 if block.gated else 1)
     routed = max(block.top_k, 1) if block.num_experts else 1
-    expert_tokens = tokens * routed / max(block.num_experts, 1)
+    gathered = min(layout.expert_parallel, block.num_experts) if block.num_experts else 1
+    expert_tokens = tokens * routed * gathered / max(block.num_experts, 1)
     dense = [(h, (block.q_width + 2 * block.kv_width) / tp, tokens), (block.q_width / tp, h, tokens)]
     mlp = [(h, up / tp, expert_tokens), (ffn / tp, h, expert_tokens)]
     total = sum(k + n + k * n / t for k, n, t in dense)

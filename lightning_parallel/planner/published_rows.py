@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +129,13 @@ def _recompute(text: str | None) -> str | None:
     return None
 
 
+def _selective_policy(raw: dict[str, Any]) -> str:
+    """torchtitan's per-op selective recomputation keeps every second ``mm`` output only and reruns the others
+    (its ``_save_list`` policy counts the block's matmuls: read at the benchmarked commits); Megatron's and NeMo's
+    keep every matmul output and rerun the attention core or the cheap ops."""
+    return "ops_alternate_matmuls" if str(raw["source"]).startswith("torchtitan") else "ops"
+
+
 def _published_step(raw: dict[str, Any]) -> float | None:
     value, metric = raw.get("value"), raw.get("metric")
     tokens = (raw.get("global_batch") or 0) * (raw.get("seq_len") or 0)
@@ -150,6 +157,14 @@ def _express(raw: dict[str, Any]) -> tuple[tuple[ModelShape, Layout, Execution] 
         return None, f"the source does not give {', '.join(missing)}"
     if "deepseek" in name.lower() or config.get("q_lora_rank") or config.get("kv_lora_rank"):
         return None, "multi-head latent attention (not in the planner's block shapes)"
+    recompute = str(raw.get("recompute") or "").lower()
+    if recompute.startswith("selective layer"):
+        return None, "layer-wise selective recomputation (every n-th block whole, n not stated)"
+    if "recompute_num_layers" in recompute:
+        return (
+            None,
+            "whole-block recomputation of some blocks per stage only (Megatron's recompute_num_layers)",
+        )
     vocab = config.get("vocab") or next((v for k, v in _VOCAB if k in name.lower()), None)
     if vocab is None:
         return None, "the source does not give the vocabulary"
@@ -210,6 +225,7 @@ def _express(raw: dict[str, Any]) -> tuple[tuple[ModelShape, Layout, Execution] 
         context_parallel=cp,
         zero_stage=0 if dp == 1 else 3 if fsdp else 1,
         activation_checkpointing=_recompute(raw.get("recompute")),
+        activation_checkpointing_policy=_selective_policy(raw),
         precision="16-mixed" if "16-bit" in str(raw.get("precision")) else "bf16-mixed",
         micro_batch_size=raw["micro_batch"],
         sequence_length=raw["seq_len"],
@@ -267,10 +283,35 @@ def _from_table(run: PublishedRun) -> Row:
     )
 
 
-def load_rows(path: Path = DATA) -> list[Row]:
+def load_rows(path: Path = DATA, *, latest_only: bool = True) -> list[Row]:
     """Every row, those the model cannot express included (``problem`` says why). The rows of the same tables
-    as ``published.py`` (the Megatron-LM READMEs) come from there, with the assumptions it documents."""
+    as ``published.py`` (the Megatron-LM READMEs) come from there, with the assumptions it documents.
+    ``latest_only``: a run its publisher measured again counts once, at its latest figure (:func:`_superseded`)."""
     raw_rows = json.loads(path.read_text())
     tables = {"megatron-lm-readme-a100-2021", "megatron-lm-readme-h100-2024"}
-    rows = [_from_source(r) for r in raw_rows if r["source"] not in tables]
+    kept = [r for r in raw_rows if r["source"] not in tables]
+    rows = [_from_source(r) for r in kept]
+    if latest_only:
+        rows = _superseded(rows, [str(r.get("source_date") or "") for r in kept])
     return rows + [_from_table(run) for run in (*PTD_P, *MEGATRON_H100)]
+
+
+def _superseded(rows: list[Row], dates: list[str]) -> list[Row]:
+    """Where a publisher measured the same run again in a later release (the same model, chip, layout and what its
+    code did: NeMo's performance pages re-measure their recipes each container release), the latest figure stands
+    for it and the earlier ones are left out: the model has no notion of a software release, and two figures of
+    one run would be two answers to the same question, counted twice."""
+    runs: dict[tuple[str, ...], list[tuple[str, int]]] = {}
+    for index, (row, date) in enumerate(zip(rows, dates, strict=True)):
+        if row.setup is not None:
+            shape, layout, execution = row.setup
+            key = (row.group, row.chip, str(row.cluster), repr(shape), repr(layout), repr(execution))
+            runs.setdefault(key, []).append((date, index))
+    out = list(rows)
+    for same in runs.values():
+        latest = rows[max(same)[1]]
+        for _, index in same:
+            if rows[index].source != latest.source:
+                why = f"measured again in a later release of its publisher ({latest.source})"
+                out[index] = replace(rows[index], setup=None, problem=why)
+    return out

@@ -199,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = load_rows()
     folds = leave_one_source_out(rows)
+    every_release = [e for f in leave_one_source_out(load_rows(latest_only=False)) for e in f.out_of_sample]
     table = markdown(rows, folds)
+    table += (
+        f"\n\nCounting every release's figure of a run its publisher measured again ({len(every_release)} rows):"
+        f" {100 * Fold.mean(every_release):.1f}% out of sample."
+    )
     print(table)
     if args.write:
         ERRORS.write_text(json.dumps(errors_by_kind(folds), indent=1) + "\n")

@@ -14,7 +14,7 @@ from lightning_parallel.pipeline.schedules import SCHEDULES, ideal_efficiency
 from lightning_parallel.planner import published
 from lightning_parallel.planner.cluster import CLUSTERS, load_cluster
 from lightning_parallel.planner.layout import Layout
-from lightning_parallel.planner.micro_batch import all_to_all_time, group_bandwidth, half_ring
+from lightning_parallel.planner.micro_batch import _gemm_elements, all_to_all_time, group_bandwidth, half_ring
 from lightning_parallel.planner.shapes import ModelShape
 from lightning_parallel.planner.timing import STRATEGY, step_time
 
@@ -280,3 +280,18 @@ def test_the_importance_split_waits_only_for_the_chosen_rows() -> None:
     slow = [split_host_time(ImportanceSplit(update_interval=n), adam, passes=0.2 * adam) for n in (1, 4)]
     assert slow[0] > slow[1] > 0.05 * adam
     assert slow[0] == pytest.approx(0.05 * adam + 0.95 * adam * (1 + 3 / 7) - 0.2 * adam)
+
+
+def test_a_rank_reads_the_weights_of_its_own_experts_once_per_pass() -> None:
+    """Under expert parallelism a rank holds ``experts / ep`` experts, each multiplying the tokens its dispatch
+    gathers from the ``ep`` ranks: the expert weights it reads per token fall ``ep``-fold (the other terms stay)."""
+    moe = ModelShape.gpt(8, 1024, 16, 50304, num_experts=16, top_k=2)
+    block = moe.blocks[0]
+    base = {"data_parallel": 8, "precision": "bf16-mixed", "micro_batch_size": 1, "sequence_length": 512}
+    alone, spread = (_gemm_elements(block, Layout(**base, expert_parallel=ep)) for ep in (1, 8))
+    up = block.ffn_hidden * (2 if block.gated else 1)
+    expert_weights = block.num_experts * (block.hidden * up + block.ffn_hidden * block.hidden)
+    tokens = Layout(**base).local_tokens
+    assert alone - spread == pytest.approx(expert_weights / tokens * (1 - 1 / 8))
+    dense = ModelShape.gpt(8, 1024, 16, 50304).blocks[0]  # control: no experts, ep changes nothing
+    assert _gemm_elements(dense, Layout(**base, expert_parallel=8)) == _gemm_elements(dense, Layout(**base))

@@ -11,6 +11,7 @@ from dataclasses import replace
 from lightning_parallel.planner.cluster import CLUSTERS
 from lightning_parallel.planner.layout import Layout
 from lightning_parallel.planner.micro_batch import Execution
+from lightning_parallel.planner.published_rows import _superseded
 from lightning_parallel.planner.shapes import ModelShape
 from lightning_parallel.planner.timing import step_time
 from lightning_parallel.planner.validation import (
@@ -197,3 +198,48 @@ def test_the_strategy_layouts_compile_argument_decides_eager_or_fused() -> None:
     default, compiled = (step_time(llama, replace(layout, compile=c), h100).total for c in (False, True))
     assert default > compiled
     assert compiled == step_time(llama, layout, h100, Execution(compiled=True)).total
+
+
+def test_selective_recomputation_rows_rerun_what_their_projects_policy_reruns() -> None:
+    """torchtitan's per-op policy keeps every second matmul output (the others rerun in backward); Megatron's and
+    NeMo's keep them all; a layer-wise row whose frequency its source does not state is left out, not guessed."""
+    rows = load_rows()
+    selective = [r for r in rows if r.problem is None and r.setup[1].activation_checkpointing == "selective"]
+    policies = {
+        (r.source.startswith("torchtitan"), r.setup[1].activation_checkpointing_policy) for r in selective
+    }
+    assert policies == {(True, "ops_alternate_matmuls"), (False, "ops")}
+    layer_wise = [r for r in rows if r.problem and "layer-wise" in r.problem]
+    assert len(layer_wise) == 2 and all(r.source.startswith("torchtitan-docs") for r in layer_wise)
+    some_blocks = [r for r in rows if r.problem and "recompute_num_layers" in r.problem]
+    assert [r.source for r in some_blocks] == ["mbridge-perf-25.11"]
+    shape, layout, execution = selective[0].setup  # the policy changes the predicted step (it reruns matmuls)
+    cluster = CLUSTERS["h100"]
+    alternate = step_time(
+        shape, replace(layout, activation_checkpointing_policy="ops_alternate_matmuls"), cluster
+    )
+    kept = step_time(shape, replace(layout, activation_checkpointing_policy="ops"), cluster)
+    assert alternate.recomputation > kept.recomputation
+
+
+def test_a_run_its_publisher_measured_again_counts_once_at_its_latest_figure() -> None:
+    """NeMo's pages re-measure a recipe each release: the latest figure stands for the run, the earlier one is left
+    out naming the later source. Another layout, or a second figure in the same source, is not a re-measurement."""
+    shape = ModelShape.gpt(4, 256, 4, 1000, name="tiny")
+    layout = Layout(data_parallel=8, precision="bf16-mixed", micro_batch_size=1, sequence_length=128)
+    setup = (shape, layout, Execution())
+    other = (shape, replace(layout, micro_batch_size=2), Execution())
+
+    def row(source: str, step: float, run: tuple = setup) -> Row:
+        return Row(source, "tiny", "url", "h100", "16-bit", step, run)
+
+    rows = [
+        row("mbridge-perf-25.11", 2.0),
+        row("mbridge-perf-26.04", 1.5),
+        row("mbridge-perf-25.09", 3.0, other),
+    ]
+    kept = _superseded(rows, ["2025-12-04", "2026-05-27", "2025-10-10"])
+    assert [r.problem is None for r in kept] == [False, True, True]
+    assert "mbridge-perf-26.04" in kept[0].problem and kept[0].setup is None
+    twice = _superseded([row("mbridge-perf-26.04", 1.5), row("mbridge-perf-26.04", 1.6)], ["2026-05-27"] * 2)
+    assert all(r.problem is None for r in twice)
