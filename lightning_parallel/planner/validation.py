@@ -8,7 +8,8 @@ layout. The protocol:
    configuration the source states; gathered from Megatron-LM, NVIDIA's NeMo / Megatron-Bridge
    performance pages, torchtitan, and papers; the lent H200's own measurements) and the two tables of
    ``published.py``, as the planner's inputs (``published_rows.py``). A row the model cannot express is
-   kept out, with the reason, never guessed.
+   kept out, with the reason, never guessed; a run its publisher measured again in a later release counts
+   once, at its latest figure (the table's last line gives the error counting every release).
 2. Sources are grouped by who measured them (``SOURCE_GROUPS``: NVIDIA's NeMo pages and Megatron-Bridge's
    are one publisher, torchtitan's repository, docs and paper another, ...).
 3. For each group, the efficiencies are fitted on every other group's rows only (per chip and precision,
