@@ -227,13 +227,13 @@ def run_plan(args: argparse.Namespace) -> str:
     sp = sp and tp > 1
 
     model = build_model(class_path, init_args)
-    layout = layout_from_arguments(args, strategy, tp, sp)
+    layout = layout_from_arguments(args, strategy, tp, sp=sp)
     if args.search:
         planner_lines, planner_json = run_planner(args, model, layout)
         return dumps(planner_json) if args.json else "\n".join(planner_lines)
     patterns = _json_object(args.plan_dict, "--plan") if args.plan_dict else strategy.get("plan")
     plan = (
-        plan_from_dict(model, patterns, tp, sp)
+        plan_from_dict(model, patterns, tp, sequence_parallel=sp)
         if isinstance(patterns, dict)
         else auto_plan(model, tp, sequence_parallel=sp)
     )

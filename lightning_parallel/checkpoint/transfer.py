@@ -100,7 +100,7 @@ def _fill_tied(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
 
 
 def load_weights(
-    model: nn.Module, source: PathLike | Mapping[str, torch.Tensor], strict: bool = True
+    model: nn.Module, source: PathLike | Mapping[str, torch.Tensor], *, strict: bool = True
 ) -> None:
     """Load a full (unsharded) state dict into a parallelized ``model``, every rank its own part.
 

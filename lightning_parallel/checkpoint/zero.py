@@ -211,14 +211,14 @@ def _read(path: Path, entry: str, template: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_zero_checkpoint(
-    module: nn.Module, optimizer: Any, engine: Any, path: Path, ep_mesh: Any, strict: bool = True
+    module: nn.Module, optimizer: Any, engine: Any, path: Path, ep_mesh: Any, *, strict: bool = True
 ) -> None:
     """Load a sharded checkpoint (saved under ZeRO or not, any layout) into a ZeRO run: masters, the
     module's copy, optimizer states, hyper-parameters and loss scaler. Collective: every rank.
     ``optimizer``/``engine`` ``None`` (evaluation: no engine): the weights only."""
     parameters = list(_parameters(module))
     layouts = expert_layouts(module)
-    _load_weights(module, optimizer, path, parameters, layouts, ep_mesh, strict)
+    _load_weights(module, optimizer, path, parameters, layouts, ep_mesh, strict=strict)
     if optimizer is not None:
         _load_optimizer(optimizer, engine, path, parameters, layouts, ep_mesh, registry(module))
 
@@ -228,7 +228,14 @@ def _local(value: Any) -> torch.Tensor:
 
 
 def _load_weights(
-    module: nn.Module, optimizer: Any, path: Path, parameters: list, layouts: dict, ep_mesh: Any, strict: bool
+    module: nn.Module,
+    optimizer: Any,
+    path: Path,
+    parameters: list,
+    layouts: dict,
+    ep_mesh: Any,
+    *,
+    strict: bool,
 ) -> None:
     """Masters (DeepSpeed's setter), then the module's copy from the same values, then the buffers."""
     like: dict[str, Any] = {name: _zeros_like_saved(p, to_saved) for name, p, to_saved in parameters}

@@ -126,7 +126,7 @@ def register_ddp_compression(units: Iterable[nn.Module], compression: GradientCo
 class _Bucket:
     """What torch's DDP communication hooks read from a ``dist.GradBucket``, for a flat buffer."""
 
-    def __init__(self, index: int, flat: torch.Tensor, shapes: list[torch.Size], last: bool) -> None:
+    def __init__(self, index: int, flat: torch.Tensor, shapes: list[torch.Size], *, last: bool) -> None:
         self._index, self._flat, self._last = index, flat, last
         self._views, offset = [], 0
         for shape in shapes:
@@ -158,10 +158,16 @@ class BucketCompressor:
     states: dict[Any, PowerSGDState] = field(default_factory=dict)
 
     def all_reduce_mean(
-        self, flat: torch.Tensor, shapes: list[torch.Size], group: dist.ProcessGroup, index: int, last: bool
+        self,
+        flat: torch.Tensor,
+        shapes: list[torch.Size],
+        group: dist.ProcessGroup,
+        index: int,
+        *,
+        last: bool,
     ) -> None:
         """Average ``flat`` (the concatenated gradients of ``shapes``) over ``group``, in place."""
-        bucket = _Bucket(index, flat, shapes, last)
+        bucket = _Bucket(index, flat, shapes, last=last)
         if isinstance(self.compression, PowerSGD):
             state = self.states.setdefault(group, self.compression.state(group))
             result = powerSGD_hook(state, bucket).wait()  # type: ignore[arg-type]

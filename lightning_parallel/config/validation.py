@@ -85,7 +85,7 @@ def strategy_config(a: StrategyArguments) -> ParallelConfig:
     )
     _check_memory_savers(memory, a.gradient_compression, tp, pipeline, zero)
     context = arguments.context_parallel(a.context_parallel, a.context_parallel_mode)
-    _check_context(context, a.compile)
+    _check_context(context, compile=a.compile)
     styles = (
         {k: v for k, v in plan.items() if k != PIPELINE_BOUNDARIES_KEY} if isinstance(plan, dict) else plan
     )
@@ -123,7 +123,7 @@ def _check_zero_reshard(zero: ZeroArguments, pipeline: PipelineConfig | None) ->
         )
 
 
-def _check_context(context: ContextParallelConfig, compile: bool) -> None:
+def _check_context(context: ContextParallelConfig, *, compile: bool) -> None:
     """What context parallelism does not compose with yet (docs/context_parallel.md, "Layouts")."""
     if not context.enabled:
         return
@@ -311,7 +311,7 @@ def check_zero_optimizers(
         )
 
 
-def check_manual_optimization(pipeline_parallel: int, automatic_optimization: bool) -> None:
+def check_manual_optimization(pipeline_parallel: int, *, automatic_optimization: bool) -> None:
     """Manual optimization under pipeline stages, refused at setup before any collective."""
     if pipeline_parallel > 1 and not automatic_optimization:
         raise ValueError(

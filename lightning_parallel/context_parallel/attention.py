@@ -90,7 +90,15 @@ def attend(
     length = query.shape[-2] * state.split.degree
     if state.mode == "ulysses":
         return ulysses_attention(
-            query, key, value, attn_mask, is_causal, scale, enable_gqa, state.split, state.group
+            query,
+            key,
+            value,
+            attn_mask,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            split=state.split,
+            group=state.group,
         )
     scale = scale if scale is not None else query.shape[-1] ** -0.5
     pairs = ChunkPairs(state.split, length, is_causal, attn_mask)

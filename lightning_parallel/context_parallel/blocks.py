@@ -77,14 +77,19 @@ class ChunkPairs:
                 rows = slice(q_chunk * size, (q_chunk + 1) * size)
                 columns = slice(k_chunk * size, (k_chunk + 1) * size)
                 block = self._masked(
-                    i, j, _cut(self.attn_mask, rows, columns, self.length), diagonal, dtype, device
+                    i,
+                    j,
+                    _cut(self.attn_mask, rows, columns, self.length),
+                    diagonal=diagonal,
+                    dtype=dtype,
+                    device=device,
                 )
                 if block is not None:
                     blocks.append(block)
         return blocks
 
     def _masked(
-        self, i: int, j: int, mask: torch.Tensor, diagonal: bool, dtype: torch.dtype, device: torch.device
+        self, i: int, j: int, mask: torch.Tensor, *, diagonal: bool, dtype: torch.dtype, device: torch.device
     ) -> Block | None:
         size = self.chunk_size
         if mask.dtype == torch.bool:

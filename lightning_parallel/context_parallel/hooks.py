@@ -32,7 +32,7 @@ from lightning_parallel.tensor_parallel.regions import find_hidden, map_first_te
 
 
 def split_block_inputs(
-    args: tuple[Any, ...], kwargs: dict[str, Any], state: ContextState, first: bool
+    args: tuple[Any, ...], kwargs: dict[str, Any], state: ContextState, *, first: bool
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A block's arguments cut to this rank's tokens (the hidden state too when ``first``)."""
     where, hidden = find_hidden(args, kwargs)
@@ -50,9 +50,9 @@ def split_block_inputs(
     return args, kwargs
 
 
-def _enter(state: ContextState, first: bool) -> Callable[..., Any]:
+def _enter(state: ContextState, *, first: bool) -> Callable[..., Any]:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return split_block_inputs(args, kwargs, state, first)
+        return split_block_inputs(args, kwargs, state, first=first)
 
     return hook
 

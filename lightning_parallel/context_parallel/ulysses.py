@@ -75,6 +75,7 @@ def ulysses_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     attn_mask: torch.Tensor | None,
+    *,
     is_causal: bool,
     scale: float | None,
     enable_gqa: bool,

@@ -172,7 +172,7 @@ def all_reduce_gradients(
         flat = bucket[0].view(-1) if alone else flatten_dense_tensors(bucket)
         if compressor is not None and mean:
             compressor.all_reduce_mean(
-                flat, [g.shape for g in bucket], group, index, index == len(ordered) - 1
+                flat, [g.shape for g in bucket], group, index, last=index == len(ordered) - 1
             )
         else:
             if dist.get_world_size(group) > 1:

@@ -53,6 +53,7 @@ def apply_data_parallel(
     dp_mesh: DeviceMesh,
     block_names: list[str],
     bucket_bytes: int = BUCKET_BYTES,
+    *,
     sharded_parameters: bool = True,
 ) -> list[nn.Module]:
     """Replicate groups of blocks, then each parameter-holding child of ``root``; returns the units.

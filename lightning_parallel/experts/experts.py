@@ -99,7 +99,13 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(
-        self, dim: int, hidden_dim: int, num_experts: int, activation: Activation = "gelu", bias: bool = False
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        activation: Activation = "gelu",
+        *,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         if activation not in ("gelu", "swiglu", "relu", "silu"):

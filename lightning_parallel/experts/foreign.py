@@ -102,7 +102,7 @@ def adapt_fused_experts(info: MoEBlockInfo, ep_group: ProcessGroup) -> None:
 
 
 def _module_list_forward(
-    info: MoEBlockInfo, ep_group: ProcessGroup | None, normalize: bool, returns_logits: bool
+    info: MoEBlockInfo, ep_group: ProcessGroup | None, *, normalize: bool, returns_logits: bool
 ):
     block, num_experts = info.block, info.num_experts
     top_k = info.top_k
@@ -111,7 +111,7 @@ def _module_list_forward(
         x_NH = hidden.reshape(-1, hidden.shape[-1])
         num_tokens = x_NH.shape[0]
         logits_NE = getattr(self, info.router_name)(x_NH)
-        routing = route_topk(logits_NE, top_k, normalize)
+        routing = route_topk(logits_NE, top_k, normalize=normalize)
         local = list(getattr(self, info.experts_name).children())
 
         def compute(x_MH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
@@ -162,7 +162,7 @@ def check_module_list(info: MoEBlockInfo) -> None:
         returns_logits = isinstance(want, (tuple, list))
         declared = getattr(block, "norm_topk_prob", None)
         for normalize in [bool(declared)] if declared is not None else [True, False]:
-            got = _module_list_forward(info, None, normalize, returns_logits)(x)
+            got = _module_list_forward(info, None, normalize=normalize, returns_logits=returns_logits)(x)
             if torch.allclose(_first_tensor(got), _first_tensor(want), rtol=1e-4, atol=1e-5):
                 info.normalize_top_k, info.returns_logits = normalize, returns_logits
                 return
@@ -186,4 +186,6 @@ def adapt_module_list(info: MoEBlockInfo, ep_group: ProcessGroup) -> None:
     for key in list(experts._modules):
         if key not in keep:
             del experts._modules[key]
-    info.block.forward = _module_list_forward(info, ep_group, info.normalize_top_k, info.returns_logits)
+    info.block.forward = _module_list_forward(
+        info, ep_group, normalize=info.normalize_top_k, returns_logits=info.returns_logits
+    )

@@ -99,7 +99,7 @@ def plan_queues(
 class SharedExpert(nn.Module):
     """A dense MLP every token goes through (DeepSeek/Qwen-MoE's shared expert), ``nn.Linear``s."""
 
-    def __init__(self, dim: int, hidden_dim: int, activation: Activation, bias: bool) -> None:
+    def __init__(self, dim: int, hidden_dim: int, activation: Activation, *, bias: bool) -> None:
         super().__init__()
         self.activation = activation
         self.fc = nn.Linear(dim, hidden_dim, bias=bias)
@@ -167,9 +167,9 @@ class MoE(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.token_order: TokenOrder = token_order
         self.router = Router(dim, num_experts)
-        self.experts = GroupedExperts(dim, hidden_dim, num_experts, activation, bias)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts, activation, bias=bias)
         self.shared_expert = (
-            SharedExpert(dim, shared_expert_hidden_dim, activation, bias)
+            SharedExpert(dim, shared_expert_hidden_dim, activation, bias=bias)
             if shared_expert_hidden_dim
             else None
         )
@@ -189,7 +189,7 @@ class MoE(nn.Module):
         num_samples = x.shape[0] if x.dim() > 2 else num_tokens
         # 1. route: probabilities, the top-k experts and their combine weights
         logits_NE = self.router(x_NH)
-        routing = route_topk(logits_NE, self.top_k, self.normalize_top_k)
+        routing = route_topk(logits_NE, self.top_k, normalize=self.normalize_top_k)
         # 2. capacity: which assignments fit, counted over the token group's global batch
         queues = plan_queues(
             routing.experts_NK,

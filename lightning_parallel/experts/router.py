@@ -45,7 +45,7 @@ class Routing:
     experts_NK: torch.Tensor
 
 
-def route_topk(logits_NE: torch.Tensor, top_k: int, normalize: bool = False) -> Routing:
+def route_topk(logits_NE: torch.Tensor, top_k: int, *, normalize: bool = False) -> Routing:
     """Softmax over experts, then the ``top_k`` most probable ones per token.
 
     Ties are broken towards the lower expert id (a stable descending sort, rather than

@@ -184,7 +184,7 @@ class SavedTensorCounter:
         self._alive(tensor, _storage_bytes(tensor))
         return True
 
-    def stored(self, num_bytes: int, offloaded: bool) -> None:
+    def stored(self, num_bytes: int, *, offloaded: bool) -> None:
         self.bytes.stored += num_bytes
         if offloaded:
             self.bytes.offloaded += num_bytes

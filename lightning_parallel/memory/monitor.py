@@ -28,7 +28,7 @@ __all__ = ["ActivationMemoryMonitor"]
 class ActivationMemoryMonitor(Callback):
     """Counts, for every training step, the activation bytes held for backward (see module docstring)."""
 
-    def __init__(self, log: bool = False) -> None:
+    def __init__(self, *, log: bool = False) -> None:
         self.log = log
         self.steps: list[ActivationBytes] = []
 

@@ -91,6 +91,7 @@ class ActivationSaver:
     def __init__(
         self,
         compression: Compression | None = None,
+        *,
         offload: bool = False,
         parameters: Sequence[torch.Tensor] = (),
         blocks: Sequence[nn.Module] = (),
@@ -183,10 +184,10 @@ class ActivationSaver:
                 stored = _StoredStorage(
                     flat,
                     self.compression,
-                    offload,
-                    self._block_entries,
-                    self.buffers,
-                    self._side_stream(local.device) if offload else None,
+                    offload=offload,
+                    group=self._block_entries,
+                    buffers=self.buffers,
+                    stream=self._side_stream(local.device) if offload else None,
                 )
             self._stored[key] = (weakref.ref(storage), stored)
             if stored.offloaded:

@@ -92,6 +92,7 @@ class _StoredStorage:
         self,
         flat: torch.Tensor,
         compression: Compression | None,
+        *,
         offload: bool,
         group: int,
         buffers: HostBuffers,

@@ -34,6 +34,7 @@ def apply_memory_savers(
     plan: ParallelPlan | None,
     aux_losses: AuxLossCollector | None,
     runtime: StageRuntime | None,
+    *,
     compiled: bool = False,
 ) -> ActivationSaver | None:
     """Patch the recomputed modules and build the saver; returns the saver (None without one).

@@ -54,7 +54,7 @@ def discovery_probe(
     if training:
         check_divisible(batch, config.micro_batches)
     split = split_stages(module, config)
-    return split, DiscoveryProbe(module, split.block_names, training)
+    return split, DiscoveryProbe(module, split.block_names, training=training)
 
 
 def cut_pipeline(

@@ -35,7 +35,7 @@ def build_plan(module: nn.Module, config: TensorParallelConfig, tensor_parallel:
     if isinstance(config.plan, ParallelPlan):
         return config.plan
     if isinstance(config.plan, dict):
-        return plan_from_dict(module, config.plan, tensor_parallel, sequence_parallel)
+        return plan_from_dict(module, config.plan, tensor_parallel, sequence_parallel=sequence_parallel)
     return auto_plan(module, tensor_parallel, sequence_parallel=sequence_parallel)
 
 
@@ -79,7 +79,12 @@ def check_row_layouts(plan: ParallelPlan, zero_engine: str | None) -> None:
 
 
 def shard(
-    module: nn.Module, plan: ParallelPlan, config: TensorParallelConfig, tp_mesh: DeviceMesh, pipelined: bool
+    module: nn.Module,
+    plan: ParallelPlan,
+    config: TensorParallelConfig,
+    tp_mesh: DeviceMesh,
+    *,
+    pipelined: bool,
 ) -> tuple[list[Any], bool, LossParallelState]:
     """Shard what this rank holds (after a pipeline cut, other stages' modules are dropped from the plan).
 

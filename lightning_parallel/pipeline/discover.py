@@ -120,7 +120,7 @@ class DiscoveryProbe:
 
     needs_grad = True
 
-    def __init__(self, module: nn.Module, block_names: list[str], training: bool = True) -> None:
+    def __init__(self, module: nn.Module, block_names: list[str], *, training: bool = True) -> None:
         self.module, self.block_names, self.training = module, list(block_names), training
         self.blocks = [module.get_submodule(name) for name in block_names]
         block_param_ids = {id(p) for block in self.blocks for p in block.parameters()}
@@ -238,10 +238,10 @@ class DiscoveryProbe:
 
 
 def discover(
-    module: nn.Module, block_names: list[str], step: Callable[[], Any], training: bool = True
+    module: nn.Module, block_names: list[str], step: Callable[[], Any], *, training: bool = True
 ) -> Discovery:
     """Run ``step`` once on the full model and classify every parameter outside the blocks."""
-    probe = DiscoveryProbe(module, block_names, training)
+    probe = DiscoveryProbe(module, block_names, training=training)
     probe.attach()
     try:
         with torch.enable_grad():

@@ -23,7 +23,7 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 
 
 def send_activation(
-    tensor: torch.Tensor, dst: int, group: dist.ProcessGroup, header: bool = True
+    tensor: torch.Tensor, dst: int, group: dist.ProcessGroup, *, header: bool = True
 ) -> list[Any]:
     """``tensor`` to ``dst``; ``header``: preceded by its shape and dtype (the receiver knows them otherwise)."""
     tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -162,7 +162,7 @@ class LastBackward:
                 counts[id(param)] = counts.get(id(param), 0) + 1
         return counts
 
-    def start_batch(self, ends_step: bool) -> None:
+    def start_batch(self, *, ends_step: bool) -> None:
         """A schedule starts; ``ends_step``: its batch is the last of an optimizer step."""
         self._ends_step = ends_step
         self._units_left = {i: len(stages) for i, stages in enumerate(self.unit_stages)}

@@ -164,7 +164,7 @@ def in_flight_micro_batches(layout: Layout, pp_rank: int) -> int:
 
 
 def stage_activation_bytes(
-    shape: ModelShape, layout: Layout, blocks: range, first: bool, last: bool, pp_rank: int = 0
+    shape: ModelShape, layout: Layout, blocks: range, *, first: bool, last: bool, pp_rank: int = 0
 ) -> ActivationEstimate:
     """Activation bytes of the stage holding ``blocks`` (with the embeddings when ``first``, head when ``last``)."""
     tokens = layout.local_tokens

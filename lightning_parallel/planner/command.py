@@ -74,7 +74,7 @@ def add_planner_arguments(plan: argparse.ArgumentParser) -> None:
     )
 
 
-def layout_from_arguments(args: argparse.Namespace, strategy: dict[str, Any], tp: int, sp: bool) -> Layout:
+def layout_from_arguments(args: argparse.Namespace, strategy: dict[str, Any], tp: int, *, sp: bool) -> Layout:
     """The layout of the command line, completed by the config's ``trainer.strategy`` where it is silent."""
 
     def pick(flag: Any, key: str, default: Any) -> Any:

@@ -237,7 +237,9 @@ def _add_activations(
     last = len(ranges) - 1
     total = per_micro_batch = 0.0
     for s in mine:
-        estimate = stage_activation_bytes(shape, layout, ranges[s], s == 0, s == last, pp_rank)
+        estimate = stage_activation_bytes(
+            shape, layout, ranges[s], first=s == 0, last=s == last, pp_rank=pp_rank
+        )
         working = estimate.recompute_working_set if s == mine[0] else 0
         total += estimate.per_micro_batch * estimate.in_flight + working
         per_micro_batch += estimate.per_micro_batch

@@ -38,7 +38,7 @@ STYLE_NAMES = (
 )
 
 
-def style_from_name(name: str, sequence_parallel: bool) -> ParallelStyle | None:
+def style_from_name(name: str, *, sequence_parallel: bool) -> ParallelStyle | None:
     if name == "colwise":
         return ColwiseProjection(use_local_output=True)
     if name == "fused_qkv":
@@ -67,7 +67,11 @@ def _is_rowwise(style: ParallelStyle) -> bool:
 
 
 def plan_from_dict(
-    model: nn.Module, patterns: dict[str, ParallelStyle | str], tensor_parallel: int, sequence_parallel: bool
+    model: nn.Module,
+    patterns: dict[str, ParallelStyle | str],
+    tensor_parallel: int,
+    *,
+    sequence_parallel: bool,
 ) -> ParallelPlan:
     """Resolve patterns to module names; every pattern must match at least one module."""
     names = [name for name, _ in model.named_modules() if name]
@@ -78,7 +82,9 @@ def plan_from_dict(
             close = difflib.get_close_matches(pattern, names, n=3)
             hint = f" Did you mean {close}?" if close else ""
             raise ValueError(f"`plan` pattern {pattern!r} matches no module of {type(model).__name__}.{hint}")
-        style = style_from_name(value, sequence_parallel) if isinstance(value, str) else value
+        style = (
+            style_from_name(value, sequence_parallel=sequence_parallel) if isinstance(value, str) else value
+        )
         for name in matches:
             if style is None:
                 plan.styles.pop(name, None)

@@ -79,6 +79,7 @@ class Float8Precision(HybridMixedPrecision):
         recipe: str = "tensorwise",
         module_filter: Callable[[nn.Module, str], bool] | None = None,
         device: torch.device | str | None = None,
+        *,
         emulate: bool = False,
     ) -> None:
         supported, reason = fp8_supported(device)

@@ -50,6 +50,7 @@ class MeshParallelStrategy(ParallelStrategy):
     def __init__(
         self,
         config: ParallelConfig,
+        *,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,

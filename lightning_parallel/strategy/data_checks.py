@@ -20,7 +20,7 @@ import torch.distributed as dist
 from lightning_parallel.comm.agreement import communication_device
 
 
-def check_training_data(trainer: Any, pipelined: bool) -> None:
+def check_training_data(trainer: Any, *, pipelined: bool) -> None:
     """Both checks below, when training starts."""
     check_equal_batches(trainer)
     if pipelined:

@@ -133,6 +133,7 @@ class HybridParallelStrategy(AskedArguments, SetupResults, CheckpointingStrategy
 
     def __init__(
         self,
+        *,
         tensor_parallel: int | Literal["auto"] = 1,
         pipeline_parallel: int = 1,
         expert_parallel: int = 1,
@@ -240,7 +241,9 @@ class HybridParallelStrategy(AskedArguments, SetupResults, CheckpointingStrategy
         module = self.lightning_module
         assert module is not None
         if trainer.state.fn == TrainerFn.FITTING:
-            check_manual_optimization(self.dims.pipeline_parallel, module.automatic_optimization)
+            check_manual_optimization(
+                self.dims.pipeline_parallel, automatic_optimization=module.automatic_optimization
+            )
         if parallelized is None:
             training = trainer.state.fn == TrainerFn.FITTING
             sample = predicting_sample(trainer, self, module, training=training)

@@ -42,6 +42,7 @@ def training_step(
     context: Callable[[], AbstractContextManager[Any]],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    *,
     final: bool = True,
     batch_idx: int = 0,
 ) -> torch.Tensor:

@@ -18,7 +18,7 @@ from lightning_parallel.zero.optimizer import offload_sharded_optimizers
 from lightning_parallel.zero.overlapped_step import OverlappedHostStep, overlap_refusal
 
 
-def initialize_zero(strategy: CheckpointingStrategy, trainer: Trainer, pipelined: bool) -> None:
+def initialize_zero(strategy: CheckpointingStrategy, trainer: Trainer, *, pipelined: bool) -> None:
     """``deepspeed.initialize`` on the module the recipe parallelized; the engine's optimizer replaces the user's.
 
     Without pipeline stages the steps run through ``engine.forward`` (the engine becomes the strategy's

@@ -55,7 +55,7 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
             module.register_parameter(name, keep)
 
 
-def scale_attributes(module: nn.Module, container: ShardedContainer, local: bool) -> None:
+def scale_attributes(module: nn.Module, container: ShardedContainer, *, local: bool) -> None:
     """Set the container's head counts and widths to the local shard's (``local``) or back to the model's.
 
     ``config.<name>`` is a head count the module reads from its config while it runs: the module gets a

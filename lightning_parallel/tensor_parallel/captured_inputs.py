@@ -46,7 +46,7 @@ class BlockInputCapture:
 
     needs_grad = False
 
-    def __init__(self, blocks: dict[str, nn.Module], stop_when_done: bool = False) -> None:
+    def __init__(self, blocks: dict[str, nn.Module], *, stop_when_done: bool = False) -> None:
         self.blocks = blocks
         self.stop_when_done = stop_when_done
         self.captured: dict[str, Captured] = {}

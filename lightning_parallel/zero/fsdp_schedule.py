@@ -64,7 +64,7 @@ def before_schedule(reshard: str, stage: int) -> Callable[[list[FSDPModule]], No
     return accumulate_without_reducing
 
 
-def reduce_every_micro_batch(units: list[FSDPModule], reshard_parameters: bool) -> None:
+def reduce_every_micro_batch(units: list[FSDPModule], *, reshard_parameters: bool) -> None:
     """Before a pipeline schedule's micro-batches, ``zero_reshard="micro_batch"``: every micro-batch's backward
     reduce-scatters into the sharded gradients; ``reshard_parameters`` (ZeRO-3) also frees the gathered
     parameters after it (the forward already does, ``reshard_after_forward``). ZeRO-2 keeps them whole through

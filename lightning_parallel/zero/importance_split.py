@@ -86,7 +86,7 @@ class _Work(NamedTuple):
     step: float
 
 
-def _row_placements(param: DTensor, partial_elsewhere: bool) -> list[Placement]:
+def _row_placements(param: DTensor, *, partial_elsewhere: bool) -> list[Placement]:
     """How a vector over ``param``'s rows (dim 0) lies on its mesh: sharded where dim 0 is; where another dim is
     sharded, a partial sum (``partial_elsewhere``: row norms) or replicated (row indices)."""
     return [

@@ -36,6 +36,7 @@ def _adam_mode(optimizer: torch.optim.Optimizer) -> bool | None:
 def offload_optimizer(
     optimizer: torch.optim.Optimizer,
     schedulers: Iterable[Any] = (),
+    *,
     sharded: bool = False,
     nvme: tuple[str, int] | None = None,
 ) -> torch.optim.Optimizer:

@@ -37,6 +37,7 @@ class ZeroPrecision(DeepSpeedPrecision):
         self,
         precision: Any,
         device_type: str = "cpu",
+        *,
         own_loss_scale: bool = True,
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:

@@ -316,7 +316,7 @@ def test_plan_from_dict_with_style_names() -> None:
         "transformer.wte": "embedding",
         "lm_head": "head",
     }
-    plan = plan_from_dict(nanogpt(), patterns, 2, True)
+    plan = plan_from_dict(nanogpt(), patterns, 2, sequence_parallel=True)
     _assert_colwise(plan.styles["transformer.h.1.attn.c_attn"], num_chunks=3)
     _assert_rowwise(plan.styles["transformer.h.1.attn.c_proj"], sequence_parallel=True)
     assert isinstance(plan.styles["transformer.h.0.ln_2"], SequenceParallel)
@@ -333,25 +333,25 @@ def test_plan_from_dict_with_style_names() -> None:
 
 def test_plan_from_dict_replicate_removes_an_earlier_match() -> None:
     patterns = {"transformer.h.*.mlp.c_*": "colwise", "transformer.h.*.mlp.c_proj": "replicate"}
-    plan = plan_from_dict(nanogpt(), patterns, 2, False)
+    plan = plan_from_dict(nanogpt(), patterns, 2, sequence_parallel=False)
     assert sorted(plan.styles) == ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"]
 
 
 def test_plan_from_dict_pattern_matching_nothing_names_the_pattern() -> None:
     with pytest.raises(ValueError) as info:
-        plan_from_dict(nanogpt(), {"transformer.h.*.attn.c_atn": "fused_qkv"}, 2, False)
+        plan_from_dict(nanogpt(), {"transformer.h.*.attn.c_atn": "fused_qkv"}, 2, sequence_parallel=False)
     message = str(info.value)
     assert "'transformer.h.*.attn.c_atn'" in message and "matches no module of GPT" in message
 
 
 def test_plan_from_dict_missing_module_suggests_close_names() -> None:
     with pytest.raises(ValueError, match=r"'lm_haed' matches no module .* Did you mean \['lm_head'\]"):
-        plan_from_dict(nanogpt(), {"lm_haed": "head"}, 2, False)
+        plan_from_dict(nanogpt(), {"lm_haed": "head"}, 2, sequence_parallel=False)
 
 
 def test_plan_from_dict_unknown_style_lists_the_names() -> None:
     with pytest.raises(ValueError) as info:
-        plan_from_dict(nanogpt(), {"lm_head": "column"}, 2, False)
+        plan_from_dict(nanogpt(), {"lm_head": "column"}, 2, sequence_parallel=False)
     assert "'column'" in str(info.value)
     for name in STYLE_NAMES:
         assert name in str(info.value)
@@ -362,7 +362,7 @@ def test_plan_from_dict_heads_not_divisible() -> None:
     with pytest.raises(
         ValueError, match=r"`tensor_parallel=3` does not divide the 4 heads of `transformer.h.0.attn`"
     ):
-        plan_from_dict(nanogpt(), patterns, 3, False)
+        plan_from_dict(nanogpt(), patterns, 3, sequence_parallel=False)
 
 
 # ---- the printed plan -------------------------------------------------------------------------
