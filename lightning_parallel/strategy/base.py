@@ -17,15 +17,18 @@ member: Lightning stays the single source of that code, and the class is not an 
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
@@ -85,24 +88,71 @@ class MeshParallelStrategy(ParallelStrategy):
         """Lightning asks custom strategies this (distributed sampler, logging sync)."""
         return True
 
-    # Members taken as they are from Lightning's ModelParallelStrategy (see module docstring).
+    # Lightning's ModelParallelStrategy members, taken as they are (see module docstring): each delegates to
+    # Lightning's code, which stays the one source; @override marks those that replace a ParallelStrategy member.
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return _Lightning.root_device.fget(self)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return _Lightning.restore_checkpoint_after_setup.fget(self)
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return _Lightning.lightning_restore_optimizer.fget(self)
+
+    @override
+    def model_to_device(self) -> None:
+        _Lightning.model_to_device(self)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        _Lightning.barrier(self, name)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return _Lightning.broadcast(self, obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> torch.Tensor:
+        return _Lightning.reduce(self, tensor, group, reduce_op)
+
+    @override
+    def teardown(self) -> None:
+        _Lightning.teardown(self)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return _Lightning.lightning_module_state_dict(self)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        _Lightning.load_model_state_dict(self, checkpoint, strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return _Lightning.optimizer_state(self, optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        _Lightning.load_optimizer_state_dict(self, checkpoint)
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: str | Path, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        return _Lightning.load_checkpoint(self, checkpoint_path, weights_only)
+
+    # Lightning's helpers its code above calls on ``self``; they override nothing.
     device_mesh = _Lightning.device_mesh
-    root_device = _Lightning.root_device
     num_processes = _Lightning.num_processes
     process_group_backend = _Lightning.process_group_backend
-    restore_checkpoint_after_setup = _Lightning.restore_checkpoint_after_setup
-    lightning_restore_optimizer = _Lightning.lightning_restore_optimizer
-    model_to_device = _Lightning.model_to_device
-    barrier = _Lightning.barrier
-    broadcast = _Lightning.broadcast
-    reduce = _Lightning.reduce
     _determine_device_ids = _Lightning._determine_device_ids
-    teardown = _Lightning.teardown
-    lightning_module_state_dict = _Lightning.lightning_module_state_dict
-    load_model_state_dict = _Lightning.load_model_state_dict
-    optimizer_state = _Lightning.optimizer_state
-    load_optimizer_state_dict = _Lightning.load_optimizer_state_dict
-    load_checkpoint = _Lightning.load_checkpoint
     _get_process_group_backend = _Lightning._get_process_group_backend
     set_world_ranks = _Lightning.set_world_ranks
 
