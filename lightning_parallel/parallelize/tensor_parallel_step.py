@@ -12,6 +12,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.config import TensorParallelConfig
 from lightning_parallel.pipeline.setup import filter_plan_to_kept_modules
@@ -102,13 +103,15 @@ def shard(
     elif loss_parallel:
         rank_zero_warn("`loss_parallel=True`: no sharded output head was found; logits stay gathered.")
         loss_parallel = False
-    hooks = apply_tensor_parallel(module, plan, tp_mesh)
-    log.info(
-        "applied tensor parallelism (tp=%d, sp=%s) to %d modules",
-        plan.tensor_parallel,
-        plan.sequence_parallel,
-        len(plan.styles),
-    )
+    hooks: list[RemovableHandle] = []
+    if not plan.is_empty:  # nothing to shard: no sequence-parallel region either
+        hooks = apply_tensor_parallel(module, plan, tp_mesh)
+        log.info(
+            "applied tensor parallelism (tp=%d, sp=%s) to %d modules",
+            plan.tensor_parallel,
+            plan.sequence_parallel,
+            len(plan.styles),
+        )
     state = LossParallelState(mode=ShardedLogitsMode() if automatic else None)
     if loss_parallel or automatic:
         assert plan.head is not None

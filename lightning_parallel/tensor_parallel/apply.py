@@ -134,8 +134,6 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceM
     The one sharding order: the model's plan, and each block's relative plan in the verification
     (``tensor_parallel/verify.py``: the block is then its own block stack, named ``""``), run through here.
     """
-    if plan.is_empty:
-        return []
     aliases = _parameter_aliases(model)
     for container in plan.containers:
         scale_attributes(model.get_submodule(container.name), container, local=True)
