@@ -119,16 +119,16 @@ def average_direct_parameters(root: nn.Module, dp_mesh: DeviceMesh) -> list[Remo
 def no_gradient_sync(units: list[nn.Module]) -> Iterator[None]:
     """Skip the gradient all-reduce while accumulating micro-batches (Lightning's ``accumulate_grad_batches``)."""
 
-    def set_sync(unit: nn.Module, enabled: bool) -> None:
+    def set_sync(unit: nn.Module, *, enabled: bool) -> None:
         if isinstance(unit, FSDPModule):
             unit.set_requires_gradient_sync(enabled, recurse=False)
         else:  # torch's composable DDP reducer
             unit.set_requires_gradient_sync(enabled)
 
     for unit in units:
-        set_sync(unit, False)
+        set_sync(unit, enabled=False)
     try:
         yield
     finally:
         for unit in units:
-            set_sync(unit, True)
+            set_sync(unit, enabled=True)

@@ -59,7 +59,7 @@ class ZeroLossScale:
         """The loss as backward must see it (pipeline stages run backward themselves)."""
         return loss * self._scale
 
-    def update(self, overflow: bool) -> None:
+    def update(self, *, overflow: bool) -> None:
         if overflow:
             self._scale *= self.backoff_factor
             self._growth_tracker = 0

@@ -85,7 +85,7 @@ class ZeroPrecision(DeepSpeedPrecision):
             self.scaler.hand_to(engine.optimizer)  # pipeline stages scaled their losses by the same scale
         result = engine.step(**kwargs)
         if self.scaler is not None:
-            self.scaler.update(bool(getattr(engine.optimizer, "overflow", False)))
+            self.scaler.update(overflow=bool(getattr(engine.optimizer, "overflow", False)))
         return result
 
     @override

@@ -39,7 +39,7 @@ def test_the_dynamic_rule_is_grad_scalers(growth_interval: int) -> None:
     ours = ZeroLossScale(init_scale=2.0**10, growth_interval=growth_interval)
     scales = []
     for overflow in overflows:
-        ours.update(overflow)
+        ours.update(overflow=overflow)
         scales.append(ours.get_scale())
     assert scales == _torch_rule(overflows, init_scale=2.0**10, growth_interval=growth_interval)
     assert ours.skipped_steps == sum(overflows)
