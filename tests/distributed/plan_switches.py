@@ -98,14 +98,10 @@ def plan_feature_switched_off(switch_off: str | None, reference: bool) -> Iterat
                     verify, "modes_to_try", lambda c: [m for m in every(c) if not m.inner_gathered]
                 )
             )
-        elif switch_off == "block_argument_slices":
-            for module in (apply, verify):
-                stack.enter_context(
-                    mock.patch.object(module, "install_block_argument_slices", lambda *a, **k: [])
-                )
+        elif switch_off == "block_argument_slices":  # apply.py: the model's sharding and the verification's
+            stack.enter_context(mock.patch.object(apply, "install_block_argument_slices", lambda *a, **k: []))
         elif switch_off == "whole_sequence":
-            for module in (apply, verify):
-                stack.enter_context(mock.patch.object(module, "install_whole_sequence", lambda *a, **k: []))
+            stack.enter_context(mock.patch.object(apply, "install_whole_sequence", lambda *a, **k: []))
         else:
             stack.enter_context(
                 mock.patch.object(param_styles, "_restore_handing_back_whole", param_styles._restore)
