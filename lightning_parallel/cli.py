@@ -97,9 +97,8 @@ def import_object(dotted: str) -> Any:
 def _strategy_settings(strategy: Any) -> dict[str, Any]:
     """Tensor/sequence-parallel settings of a LightningCLI ``trainer.strategy`` entry, if it names ours."""
     if isinstance(strategy, str):
-        entry = (
-            StrategyRegistry[strategy] if strategy in StrategyRegistry else None
-        )  # the entry, not .get()'s instance
+        # the entry, not .get()'s instance
+        entry = StrategyRegistry[strategy] if strategy in StrategyRegistry else None
         if entry is None or entry["strategy"] is not HybridParallelStrategy:
             return {}
         return dict(entry["init_params"])

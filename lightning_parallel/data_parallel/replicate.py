@@ -71,9 +71,8 @@ def apply_data_parallel(
     if not sharded_parameters:
         children = _parameter_holders(root)
         for child in children:
-            ddp_replicate()(
-                child, process_group=dp_mesh.get_group()
-            )  # DDP's own buckets (1 MB first, then 25 MB)
+            # DDP's own buckets (1 MB first, then 25 MB)
+            ddp_replicate()(child, process_group=dp_mesh.get_group())
         return children
 
     units: list[nn.Module] = []

@@ -115,9 +115,8 @@ def parallelize(
         module, config.experts, dims, mesh, sequence_parallel=plan is not None and plan.sequence_parallel
     )
     hooks: list[Any] = []
-    if (
-        context is not None
-    ):  # after the pipeline's injection of received activations, before sequence parallelism
+    # after the pipeline's injection of received activations, before sequence parallelism
+    if context is not None:
         hooks += context_parallel_step.enter(module, blocks, context)
     loss_parallel, loss_state = False, LossParallelState()
     if plan is not None:

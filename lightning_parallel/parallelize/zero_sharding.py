@@ -30,9 +30,8 @@ def shard_for_zero(
     DeepSpeed with tensor parallelism: each DTensor weight re-registered as its plain local shard
     (returns None, as without ZeRO).
     """
-    if (
-        engine == "deepspeed" and dims.tp_enabled
-    ):  # DeepSpeed flattens plain tensors (zero/tensor_parallel.py)
+    # DeepSpeed flattens plain tensors (zero/tensor_parallel.py)
+    if engine == "deepspeed" and dims.tp_enabled:
         local_shard_parameters(module)
     if engine != "fsdp2":
         return None

@@ -63,9 +63,8 @@ class StageChain:
     def __init__(self, owners: list[int], rank: int, group: dist.ProcessGroup, device: torch.device) -> None:
         self.owners, self.rank, self.group, self.device = owners, rank, group, device
         self.stages = [stage for stage, owner in enumerate(owners) if owner == rank]
-        self._shapes: dict[
-            int, tuple[list[int], torch.dtype]
-        ] = {}  # by receiving stage, from its first header
+        # by receiving stage, from its first header
+        self._shapes: dict[int, tuple[list[int], torch.dtype]] = {}
         self._sends: list[Any] = []
         self._sent_header: set[int] = set()
 

@@ -192,6 +192,5 @@ class LastBackward:
         if sync is not None:
             sync.end_final()
         if units:
-            fsdp_schedule.reduce_accumulated(
-                units
-            )  # what the hooks did not see (weight passes outside autograd's accumulation)
+            # what the hooks did not see (weight passes outside autograd's accumulation)
+            fsdp_schedule.reduce_accumulated(units)

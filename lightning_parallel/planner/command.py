@@ -91,9 +91,8 @@ def layout_from_arguments(args: argparse.Namespace, strategy: dict[str, Any], tp
     data_parallel = args.data_parallel or strategy.get("data_parallel")
     devices, nodes = strategy.get("_devices"), strategy.get("_num_nodes", 1)
     if data_parallel is None and isinstance(devices, int) and isinstance(nodes, int):
-        data_parallel = max(
-            devices * nodes // (tp * pp), 1
-        )  # the config's Trainer: what is left for replicas
+        # the config's Trainer: what is left for replicas
+        data_parallel = max(devices * nodes // (tp * pp), 1)
     return Layout(
         tensor_parallel=tp,
         sequence_parallel=sp,

@@ -31,7 +31,6 @@ def deferred_update_bytes(
     if update == "delayed":
         return shard * (param_bytes + grad_bytes)
     others = math.ceil((1.0 - update.top_rows) * matrices)
-    other_rows = math.ceil(
-        (1.0 - update.top_rows) * matrix_rows
-    )  # a flush that chooses again: both selections
+    # a flush that chooses again: both selections
+    other_rows = math.ceil((1.0 - update.top_rows) * matrix_rows)
     return matrices * grad_bytes + others * 4 + (matrix_rows + other_rows) * 8

@@ -215,9 +215,8 @@ def layout_problems(layout: Layout, shape: ModelShape, gpus: int | None = None) 
             )
     cp = layout.context_parallel
     if cp > 1:
-        chunks = (
-            2 * cp if layout.context_parallel_mode == "ring" else cp
-        )  # ring: a head and a tail chunk per rank
+        # ring: a head and a tail chunk per rank
+        chunks = 2 * cp if layout.context_parallel_mode == "ring" else cp
         if layout.sequence_length % chunks:
             problems.append(
                 f"sequence length ({layout.sequence_length}) is not divisible into {chunks} chunks"

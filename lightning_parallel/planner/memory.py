@@ -158,15 +158,13 @@ def _one_rank(
     rank = RankMemory(label, pp_rank, tp_rank, dp_rank, elements=elements)
     if engine is None:
         rank.parameters, rank.gradients = elements * param_bytes, elements * grad_bytes
-        rank.optimizer = (
-            elements * states * param_bytes
-        )  # torch's optimizers keep states in the weight's dtype
+        # torch's optimizers keep states in the weight's dtype
+        rank.optimizer = elements * states * param_bytes
         if dp > 1:
             rank.buffers = min(BUCKET_BYTES, rank.gradients)
         return rank
-    if (
-        engine == "fsdp2"
-    ):  # every tensor split on a dim tensor parallelism leaves alone; experts over replicas
+    # every tensor split on a dim tensor parallelism leaves alone; experts over replicas
+    if engine == "fsdp2":
         shard = sum(
             fsdp_local_elements(n, s, p.tp_dim, dp // ep, dp_rank // ep)
             if p.expert
@@ -175,13 +173,10 @@ def _one_rank(
         )
         rank.parameters, rank.gradients = shard * param_bytes, shard * grad_bytes
         rank.optimizer = shard * states * 4 + (shard * 4 if param_bytes < 4 else 0)
-        if (
-            layout.pipeline_parallel > 1
-        ):  # zero_reshard="step": the stage's whole weights and gradients, all step
+        # zero_reshard="step": the stage's whole weights and gradients, all step
+        if layout.pipeline_parallel > 1:
             rank.buffers = (elements - shard) * (param_bytes + grad_bytes)
-        elif (
-            stage == 2
-        ):  # not resharded after forward (parallelize/gradients.py): whole weights until backward
+        elif stage == 2:  # not resharded after forward (parallelize/gradients.py): whole weights to backward
             rank.buffers = (elements - shard) * param_bytes
         else:  # a gathered unit and the next one prefetched
             rank.buffers = 2 * max((n for _, n, _ in local), default=0) * param_bytes
@@ -189,9 +184,8 @@ def _one_rank(
             matrices = [
                 (n, s, fsdp_local_elements(n, s, p.tp_dim, dp, dp_rank)) for p, n, s in local if len(s) >= 2
             ]
-            rows = sum(
-                kept // (n // s[0]) for n, s, kept in matrices
-            )  # the split refuses tp: dim 0 is sharded
+            # the split refuses tp: dim 0 is sharded
+            rows = sum(kept // (n // s[0]) for n, s, kept in matrices)
             rank.update_host = deferred_update_bytes(
                 layout.offload_update,
                 shard,
@@ -201,9 +195,8 @@ def _one_rank(
                 grad_bytes,
             )
     else:  # DeepSpeed: one flat partition per rank, padded, over the experts' replicas under ep (zero/groups.py)
-        if (
-            layout.precision == "16-mixed"
-        ):  # DeepSpeed's fp16: half-precision weights and gradients, fp32 masters
+        # DeepSpeed's fp16: half-precision weights and gradients, fp32 masters
+        if layout.precision == "16-mixed":
             param_bytes = grad_bytes = 2
         replicas = dp // ep
         padded = math.ceil(elements / (_DEEPSPEED_ALIGNMENT * replicas)) * _DEEPSPEED_ALIGNMENT * replicas

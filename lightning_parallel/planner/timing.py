@@ -208,18 +208,15 @@ def step_time(
     if layout.offload in ("cpu", "nvme"):
         pcie = cluster.host_bandwidth * cluster.host_efficiency
         units = max(len(ranks[0].blocks), 1)  # what overlaps leaves exposed at least: one unit's share
-        down, adam = (
-            updated * grad_bytes / pcie,
-            updated / cluster.host_adam_throughput,
-        )  # gradients down, CPU Adam
+        down = updated * grad_bytes / pcie  # the gradients down
+        adam = updated / cluster.host_adam_throughput  # CPU Adam
         host = down + adam
         back = updated * param_bytes / pcie  # the updated parameters up
         passes = m * (mb.forward + mb.backward + mb.recompute)
         if layout.offload_update == "delayed":  # the whole host step behind the next step's passes
             host, back = max(0.0, host + back - passes), 0.0
-        elif isinstance(
-            layout.offload_update, ImportanceSplit
-        ):  # the gradients' way down as for the exact step
+        elif isinstance(layout.offload_update, ImportanceSplit):
+            # the gradients' way down as for the exact step
             host = max(down - window, down / units) + split_host_time(layout.offload_update, adam, passes)
             back = max(back - mb.forward, back / units)
         elif _overlaps_host_step(layout, execution):  # behind the last backward; back inside the next forward

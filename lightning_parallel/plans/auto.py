@@ -77,9 +77,8 @@ def scaled_attributes(module: nn.Module, tp: int, known: dict) -> dict[str, tupl
         elif KV_HEAD_COUNT_ATTRS.match(key) and value == kv_heads:
             scaled[key] = (value, kv_local)
         elif KV_GROUP_ATTRS.match(key) and heads and kv_heads and value == heads // kv_heads:
-            if (
-                heads // tp // kv_local != value
-            ):  # query heads per k/v head, locally: fewer k/v heads than ranks
+            # query heads per k/v head, locally: fewer k/v heads than ranks
+            if heads // tp // kv_local != value:
                 scaled[key] = (value, heads // tp // kv_local)
         elif WIDTH_ATTRS.match(key) and value in known.get("widths", ()):
             scaled[key] = (value, value // tp)

@@ -142,9 +142,8 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh: DeviceM
     parallelize_module(
         model, tp_mesh, {name: style for name, style in plan.styles.items() if name}, src_data_rank=None
     )
-    if (
-        own := plan.styles.get("")
-    ) is not None:  # a verified block's own style: torch's dict names children only
+    # a verified block's own style (named ""): torch's plan dict names children only
+    if (own := plan.styles.get("")) is not None:
         parallelize_module(model, tp_mesh, own, src_data_rank=None)
     _retie(aliases)
     record_row_layouts(model)

@@ -173,9 +173,8 @@ class ImportanceSplitUpdate(DeferredUpdate):
                 )
                 self.rows_at_once += rows.chosen.numel()
                 work.append(_Work(hyper, param, rows, grad, flush, float(state["step"])))
-                if (
-                    choose_again
-                ):  # from this step's gradients; the sum of the rows chosen until now is flushed
+                # from this step's gradients; the sum of the rows chosen until now is flushed
+                if choose_again:
                     self._rows[id(param)] = chosen_rows(param, param.grad, self.rule.top_rows)
                 else:
                     self._rows[id(param)] = rows

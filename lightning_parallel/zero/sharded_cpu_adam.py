@@ -118,9 +118,8 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zeroing in place waits for a deferred update's worker, which may still read this step's gradients (set to
         None, they stay alive for it)."""
-        deferred = vars(getattr(self, "_optimizer", self)).get(
-            "deferred_update"
-        )  # through Lightning's wrapper too
+        # through Lightning's wrapper too
+        deferred = vars(getattr(self, "_optimizer", self)).get("deferred_update")
         if deferred is not None and not set_to_none:
             deferred.wait()
         super().zero_grad(set_to_none)
@@ -134,9 +133,8 @@ class ShardedCPUAdam(DeepSpeedCPUAdam):
         if groups is None or id(param) not in groups:
             groups = {id(p): group for group in self.param_groups for p in group["params"]}
             vars(self)["_group_of"] = groups
-        grad = (
-            param.grad if grad is None else grad
-        )  # the gradient the hook saw final (read on the main thread)
+        # the gradient the hook saw final (read on the main thread)
+        grad = param.grad if grad is None else grad
         self.torch_adam(groups[id(param)], [param], [grad], fused=True)
         vars(self).setdefault("_stepped_in_backward", set()).add(id(param))
 
