@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "lightning_parallel"
 TOP = "(top)"  # the package's own modules: the public API (__init__), __main__, the command line
 COMPAT = "compat"  # lightning_parallel/compat.py, in the bottom layer: torch's and Lightning's privates
+COMPAT_MODULES = (COMPAT, "compat_record")  # compat's code, and its record of the private APIs it reaches
 LAYERS: list[set[str]] = [
     {
         COMPAT,
@@ -90,7 +91,7 @@ def read_imports(sources: Mapping[str, str]) -> Imports:
 
 def package_of(module: str, packages: Iterable[str]) -> str:
     parts = module.split(".")
-    if parts[1:] == [COMPAT]:
+    if len(parts) == 2 and parts[1] in COMPAT_MODULES:
         return COMPAT
     return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in packages) else TOP
 
