@@ -29,28 +29,38 @@ from torch.distributed.tensor import DTensor, Replicate
 from lightning_parallel.context_parallel.split import SequenceSplit, gather
 from lightning_parallel.tensor_parallel.regions import basic_index, flat_arguments
 
-__all__ = ["PASS_THROUGH", "PROPERTIES", "LayoutOf", "TokenLayout", "function_name", "in_place",
-           "per_token_call"]  # fmt: skip
+__all__ = [
+    "PASS_THROUGH",
+    "PROPERTIES",
+    "LayoutOf",
+    "TokenLayout",
+    "function_name",
+    "in_place",
+    "per_token_call",
+]
 
 _CASTS = {"float", "half", "bfloat16", "double", "to", "type", "type_as", "contiguous", "detach", "clone"}
-_ELEMENTWISE = {
-    "add", "sub", "mul", "div", "true_divide", "pow", "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid",
-    "abs", "clamp", "clip", "maximum", "minimum", "where", "masked_fill", "square", "reciprocal", "erf",
-    "relu", "gelu", "silu", "softplus", "elu", "leaky_relu", "mish", "hardtanh", "eq", "ne", "lt", "le", "gt",
-    "ge", "logical_not", "isnan", "isinf", "isfinite", "nan_to_num", "softcap",
-}  # fmt: skip
-_FEATURE_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "logsumexp", "norm",
-                       "var", "std", "prod", "softmax", "log_softmax", "cumsum", "all", "any"}  # fmt: skip
-PASS_THROUGH = {
-    "dim", "ndimension", "stride", "is_contiguous", "element_size", "is_floating_point", "is_complex",
-    "get_device", "data_ptr", "register_hook", "register_post_accumulate_grad_hook", "requires_grad_",
-    "retain_grad", "untyped_storage", "storage_offset",
-}  # fmt: skip
-PROPERTIES = {"dtype", "device", "requires_grad", "grad_fn", "is_leaf", "layout", "is_cuda", "is_cpu", "ndim",
-               "grad", "is_meta", "names", "output_nr", "_version", "_base", "is_sparse", "is_quantized"}  # fmt: skip
-_ELEMENTWISE_NAMES = {"__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
-                      "__rtruediv__", "__pow__", "__rpow__", "__neg__", "__iadd__", "__isub__", "__imul__",
-                      "__itruediv__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"}  # fmt: skip
+_ELEMENTWISE = set(
+    "add sub mul div true_divide pow neg exp log sqrt rsqrt tanh sigmoid abs clamp clip maximum minimum where"
+    " masked_fill square reciprocal erf relu gelu silu softplus elu leaky_relu mish hardtanh eq ne lt le gt ge"
+    " logical_not isnan isinf isfinite nan_to_num softcap".split()
+)
+_FEATURE_REDUCTIONS = set(
+    "sum mean amax amin max min argmax argmin logsumexp norm var std prod softmax log_softmax cumsum all any".split()
+)
+PASS_THROUGH = set(
+    "dim ndimension stride is_contiguous element_size is_floating_point is_complex get_device data_ptr"
+    " register_hook register_post_accumulate_grad_hook requires_grad_ retain_grad untyped_storage"
+    " storage_offset".split()
+)
+PROPERTIES = set(
+    "dtype device requires_grad grad_fn is_leaf layout is_cuda is_cpu ndim grad is_meta names output_nr"
+    " _version _base is_sparse is_quantized".split()
+)
+_ELEMENTWISE_NAMES = set(
+    "__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __pow__ __rpow__ __neg__"
+    " __iadd__ __isub__ __imul__ __itruediv__ __eq__ __ne__ __lt__ __le__ __gt__ __ge__".split()
+)
 
 
 @dataclass(frozen=True)
@@ -287,9 +297,10 @@ def _base(name: str) -> str:
     return {"truediv": "div"}.get(base, base)
 
 
-_IN_PLACE_OPERATORS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
-                       "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
-                       "__imatmul__"}  # fmt: skip
+_IN_PLACE_OPERATORS = set(
+    "__setitem__ __iadd__ __isub__ __imul__ __itruediv__ __ifloordiv__ __imod__ __ipow__ __iand__ __ior__"
+    " __ixor__ __ilshift__ __irshift__ __imatmul__".split()
+)
 
 
 def in_place(name: str) -> bool:
