@@ -300,7 +300,8 @@ def _superseded(rows: list[Row], dates: list[str]) -> list[Row]:
     """Where a publisher measured the same run again in a later release (the same model, chip, layout and what its
     code did: NeMo's performance pages re-measure their recipes each container release), the latest figure stands
     for it and the earlier ones are left out: the model has no notion of a software release, and two figures of
-    one run would be two answers to the same question, counted twice."""
+    one run would be two answers to the same question, counted twice. Dates are the sources' ``source_date`` (ISO
+    first): an undated source counts as the oldest (NeMo's 25.02 docs, before the dated Megatron-Bridge pages)."""
     runs: dict[tuple[str, ...], list[tuple[str, int]]] = {}
     for index, (row, date) in enumerate(zip(rows, dates, strict=True)):
         if row.setup is not None:
