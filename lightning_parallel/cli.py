@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
@@ -109,7 +110,6 @@ def _strategy_settings(strategy: Any) -> dict[str, Any]:
 
 def read_config(path: str) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
     """(model class path or None, model init args, strategy settings) from a LightningCLI YAML file."""
-    import yaml
 
     config = yaml.safe_load(Path(path).read_text()) or {}
     model = config.get("model") or {}

@@ -12,6 +12,7 @@ Heavy or rarely needed modules (DCP's loader, Lightning's strategies) are import
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -181,7 +183,6 @@ def fsdp_root_callback(unit: Any) -> None:
 
 def without_sends_to_self(ops: list[Any]) -> list[Any]:
     """The ``dist.P2POp`` objects of ``ops`` whose peer is another rank (gloo has no pair to itself)."""
-    import torch.distributed as dist
 
     return [op for op in ops if op.group_peer != dist.get_rank(op.group)]
 
@@ -271,7 +272,6 @@ def cluster_environment(trainer: Any) -> Any:
 
 
 def _lightning(module: str, name: str) -> Any:
-    import importlib
 
     return getattr(importlib.import_module(module), name)
 

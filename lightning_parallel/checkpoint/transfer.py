@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -50,8 +51,6 @@ def read_state_dict(path: PathLike) -> dict[str, torch.Tensor]:
             " `torch.save`d `.pt`/`.bin`); a sharded checkpoint folder is resumed with `Trainer.fit(ckpt_path=...)`."
         )
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
         return load_file(path)
     state = load_trusted_or_weights(path, f"`init_weights={str(path)!r}`", map_location="cpu", mmap=True)
     if isinstance(state, Mapping) and isinstance(state.get("state_dict"), Mapping):
@@ -210,7 +209,6 @@ def export_checkpoint(
         prefix: keep only names under it, without it (``"model."``: the inner model of a
             LightningModule, e.g. for ``transformers``' ``from_pretrained``).
     """
-    from safetensors.torch import save_file
 
     checkpoint, output = Path(checkpoint), Path(output)
     if output.suffix != ".safetensors":

@@ -14,6 +14,8 @@ from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 __all__ = ["CLUSTERS", "Cluster", "load_cluster"]
 
 GB = 1e9
@@ -243,7 +245,6 @@ def load_cluster(name_or_path: str | Path) -> Cluster:
         )
     if not path.exists():
         raise ValueError(f"Cluster file {text!r} does not exist (presets: {sorted(CLUSTERS)}).")
-    import yaml
 
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.trainer.states import TrainerFn
+from torchmetrics import Metric
 
 from lightning_parallel.parallelize.sample import SampledStep
 
@@ -37,10 +38,6 @@ def _first_batch(loader: Any) -> Any:
 def _metric_states(module: Any) -> list[tuple[Any, dict[str, Any]]]:
     """Snapshot the torchmetrics states a step may update (``self.val_ppl(logits, y)``): the sample
     step must leave no trace in what the first real epoch reports."""
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover - torchmetrics is a Lightning dependency
-        return []
     saved = []
     for metric in module.modules():
         if isinstance(metric, Metric):
