@@ -1,11 +1,11 @@
 """Every private torch and Lightning API this package leans on, in one place.
 
 torch's and Lightning's private modules and attributes change between releases without notice. Each
-one the package uses is imported or read here, and :data:`PRIVATE_APIS` (``compat_record.py``, the data beside
-this code) records where it is used, the versions it was checked on and how they differ; where they do, a
-version gate or a feature check below picks the right path. The next upgrade reads the record, then this file. ``tests/test_compat.py`` resolves
-the entries on the installed versions and fails when a private torch or Lightning import appears
-anywhere else in the package.
+one the package uses is imported or read here, and :data:`PRIVATE_APIS` (``compat_record.py``, the data
+beside this code) records where it is used, the versions it was checked on and how they differ; where
+they do, a version gate or a feature check below picks the right path. The next upgrade reads the
+record, then this file. ``tests/test_compat.py`` resolves the entries on the installed versions and
+fails when a private torch or Lightning import appears anywhere else in the package.
 
 Heavy or rarely needed modules (DCP's loader, Lightning's strategies) are imported where used.
 """

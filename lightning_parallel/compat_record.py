@@ -32,7 +32,7 @@ class PrivateApi:
 
     name: str
     used_by: str  # the project modules, through the helper named in ``via``
-    via: str  # the name in this module the package uses instead
+    via: str  # the name in compat.py the package uses instead
     checked: tuple[str, ...] = TORCH_CHECKED  # the versions it was read or run on
     note: str = ""  # how the versions differ, or why the private API is needed
     resolvable: bool = True  # False: an instance attribute, not resolvable from the module

@@ -193,9 +193,8 @@ class ResumableDataLoaderMixin:
         clone = object.__new__(self._lp_base)  # the user's class, minus this mixin
         clone.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_lp_")})
         clone.__dict__["_iterator"] = None
-        if isinstance(
-            loader.dataset, IterableDataset
-        ):  # no indices to skip: the batches are read and dropped
+        # no indices to skip: the batches are read and dropped
+        if isinstance(loader.dataset, IterableDataset):
             now = torch.get_rng_state()
             _set_random_state(loader, random_state)
             try:
@@ -297,9 +296,8 @@ def can_resume(dataloader: object) -> bool:
     iterable = isinstance(dataloader.dataset, IterableDataset)
     if callable(getattr(dataloader, "state_dict", None)) and (iterable or not _torchdata_loader(dataloader)):
         return False  # stateful already (a torchdata loader over a dataset that keeps its own state: its own)
-    if (
-        iterable
-    ):  # replayed from the epoch's start and the batches already trained dropped (read, not trained)
+    # replayed from the epoch's start and the batches already trained dropped (read, not trained)
+    if iterable:
         return True
     index_sampler = dataloader.batch_sampler if dataloader.batch_sampler is not None else dataloader.sampler
     try:

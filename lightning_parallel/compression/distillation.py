@@ -146,9 +146,8 @@ class KnowledgeDistillation(Callback):
 
     def _see_ids(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if self._stepping:  # not during validation: its logits would be kept until the next step
-            self._seen["ids"] = to_plain(
-                args[0]
-            )  # a tensor-parallel embedding's input is a replicated DTensor
+            # a tensor-parallel embedding's input is a replicated DTensor
+            self._seen["ids"] = to_plain(args[0])
 
     def _see_logits(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self._stepping:

@@ -200,9 +200,8 @@ class LocalTokensMode(TorchFunctionMode):
             return _MISSING
         out_layout, run = call
         out = run()
-        if in_place(
-            name
-        ):  # the followed tensor changed, and views of it: whole copies made before are out of date
+        # the followed tensor changed, and views of it: whole copies made before are out of date
+        if in_place(name):
             self._whole.clear()
         return self._follow(out, out_layout)
 

@@ -52,9 +52,8 @@ def to_sequence(x: torch.Tensor, split: SequenceSplit, group: dist.ProcessGroup)
     c = split.degree
     b, hc, length, d = x.shape
     ranked = x.index_select(2, split.gathered_order(length, x.device))
-    rows = ranked.view(b, hc, c, length // c, d).permute(
-        2, 0, 1, 3, 4
-    )  # (C, B, H/C, T/C, D): rank s's tokens
+    # (C, B, H/C, T/C, D): rank s's tokens
+    rows = ranked.view(b, hc, c, length // c, d).permute(2, 0, 1, 3, 4)
     received = _exchange(rows.contiguous(), group)  # (C, B, H/C, T/C, D): head group j, my tokens
     # Laid out (B, T/C, H, D) as flash kernels return it (see ``ring.py``), seen as (B, H, T/C, D).
     return received.permute(1, 3, 0, 2, 4).reshape(b, length // c, c * hc, d).transpose(1, 2)

@@ -62,11 +62,12 @@ class _InjectAuxGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (aux,) = ctx.saved_tensors
+        # a tensor scale stays on the device
         return (
             grad,
             (torch.ones_like(aux) * ctx.scale).to(aux.dtype),
             None,
-        )  # a tensor scale stays on the device
+        )
 
 
 class AuxLossCollector:

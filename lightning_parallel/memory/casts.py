@@ -163,9 +163,8 @@ class CastSaver:
             return tensor
         variable = getattr(source[0], "variable", None)
         if isinstance(variable, nn.Parameter):
-            if not self.weights or hasattr(
-                variable, "ds_id"
-            ):  # DeepSpeed's ZeRO-3 partitions its own weights
+            # DeepSpeed's ZeRO-3 partitions its own weights
+            if not self.weights or hasattr(variable, "ds_id"):
                 return tensor
             self._count_weight(tensor)
             return WeightCastReference(tensor, variable)

@@ -93,16 +93,13 @@ class Discovery:
     block_costs: list[int]
     template: OutputTemplate
     pre_parameters: set[str] = field(default_factory=set)  # canonical names feeding the first block
-    post_parameters: set[str] = field(
-        default_factory=set
-    )  # canonical names feeding the loss after the blocks
+    # canonical names feeding the loss after the blocks
+    post_parameters: set[str] = field(default_factory=set)
     other_parameters: set[str] = field(default_factory=set)  # outside the blocks, unused by the step
-    side_parameters: dict[int, set[str]] = field(
-        default_factory=dict
-    )  # block index -> canonical names reaching it through its arguments other than the hidden state
-    handed: dict[tuple[int, int], str] = field(
-        default_factory=dict
-    )  # (earlier block, later block) -> the later one's argument carrying state between them (handed_state.py)
+    # block index -> canonical names reaching it through its arguments other than the hidden state
+    side_parameters: dict[int, set[str]] = field(default_factory=dict)
+    # (earlier block, later block) -> the later one's argument carrying state between them (handed_state.py)
+    handed: dict[tuple[int, int], str] = field(default_factory=dict)
 
 
 class DiscoveryProbe:
@@ -129,9 +126,8 @@ class DiscoveryProbe:
         self.seen: dict[str, Any] = {}
         # block index -> its other differentiable arguments
         self.side_inputs: dict[int, list[torch.Tensor]] = {}
-        self.handed = (
-            HandedState()
-        )  # integers a block returns for the next one, containers a block writes into
+        # integers a block returns for the next one, containers a block writes into
+        self.handed = HandedState()
         self.result: Discovery | None = None
         self._handles: list[Any] = []
         self._frozen: list[nn.Parameter] = []

@@ -92,12 +92,10 @@ class ReceiveBuffers:
                 continue
             placeholder = home[1]
             _, factory, meta, device = self._templates[id(placeholder)]
-            buffer = factory(
-                meta, device
-            )  # the buffer torch would have made, but contiguous: a point-to-point
-            if (
-                not buffer.is_contiguous()
-            ):  # receive needs that (a hidden state made by a transpose keeps its strides)
+            # the buffer torch would have made, but contiguous: a point-to-point receive needs that (a hidden
+            # state made by a transpose keeps its strides)
+            buffer = factory(meta, device)
+            if not buffer.is_contiguous():
                 buffer = torch.empty(buffer.shape, dtype=buffer.dtype, device=buffer.device)
             buffer.requires_grad_(placeholder.requires_grad)  # torch 2.11 marks its buffers at creation
             self._live[id(buffer)] = buffer

@@ -179,9 +179,8 @@ class PipelineRunner:
             )
         if not ctx.training:  # evaluation merges the outputs; a training step's (logits in a dict) would
             ctx.outputs[mb_index] = output  # stay alive for every micro-batch until the step ends
-        return (
-            extract_loss(output) if ctx.training else output
-        )  # a dict with "loss" (and more) is Lightning's
+        # a dict with "loss" (and more) is Lightning's
+        return extract_loss(output) if ctx.training else output
 
     def _loss_fn(self, output: Any, target: Any) -> torch.Tensor:
         ctx = self._ctx

@@ -305,7 +305,7 @@ def micro_batch(
         flops -= projections * (1.0 - cluster.peak_bf16_flops / cluster.peak_fp8_flops)
         cast = execution.float8_cast_passes
         moved += cast * tokens * act * sum(_projection_inputs(b) for b in stage.blocks) / tp
-        moved += cast * act * sum(b.matmul_weights_per_token for b in stage.blocks) / tp
+        moved += cast * act * sum(b.matmul_weights_held(layout.expert_parallel) for b in stage.blocks) / tp
     head = head_moved = 0.0
     if stage.last:  # the output matmul (vocabulary cut over tensor ranks), the cross-entropy over its logits,
         # of this rank's tokens (under context parallelism too: context_parallel/local_tokens.py)

@@ -133,7 +133,10 @@ def _selective_policy(raw: dict[str, Any]) -> str:
     """torchtitan's per-op selective recomputation keeps every second ``mm`` output only and reruns the others
     (its ``_save_list`` policy counts the block's matmuls: read at the benchmarked commits); Megatron's and NeMo's
     keep every matmul output and rerun the attention core or the cheap ops."""
-    return "ops_alternate_matmuls" if str(raw["source"]).startswith("torchtitan") else "ops"
+    torchtitan = str(raw["source"]).startswith("torchtitan")
+    return (
+        "ops_alternate_matmuls" if torchtitan and _recompute(raw.get("recompute")) == "selective" else "ops"
+    )
 
 
 def _published_step(raw: dict[str, Any]) -> float | None:
@@ -292,16 +295,23 @@ def load_rows(path: Path = DATA, *, latest_only: bool = True) -> list[Row]:
     kept = [r for r in raw_rows if r["source"] not in tables]
     rows = [_from_source(r) for r in kept]
     if latest_only:
-        rows = _superseded(rows, [str(r.get("source_date") or "") for r in kept])
+        rows = _superseded(rows, [_iso_date(r.get("source_date")) for r in kept])
     return rows + [_from_table(run) for run in (*PTD_P, *MEGATRON_H100)]
+
+
+def _iso_date(text: Any) -> str:
+    """The ISO date a ``source_date`` starts with, or ``""`` (undated: the oldest)."""
+    found = re.match(r"\d{4}-\d{2}-\d{2}", str(text or ""))
+    return found.group(0) if found else ""
 
 
 def _superseded(rows: list[Row], dates: list[str]) -> list[Row]:
     """Where a publisher measured the same run again in a later release (the same model, chip, layout and what its
     code did: NeMo's performance pages re-measure their recipes each container release), the latest figure stands
     for it and the earlier ones are left out: the model has no notion of a software release, and two figures of
-    one run would be two answers to the same question, counted twice. Dates are the sources' ``source_date`` (ISO
-    first): an undated source counts as the oldest (NeMo's 25.02 docs, before the dated Megatron-Bridge pages)."""
+    one run would be two answers to the same question, counted twice. Dates are the ISO dates the sources'
+    ``source_date`` start with: an undated source counts as the oldest (NeMo's 25.02 docs, before the dated
+    Megatron-Bridge pages); sources that cannot be told apart by date all stay."""
     runs: dict[tuple[str, ...], list[tuple[str, int]]] = {}
     for index, (row, date) in enumerate(zip(rows, dates, strict=True)):
         if row.setup is not None:
@@ -310,9 +320,9 @@ def _superseded(rows: list[Row], dates: list[str]) -> list[Row]:
             runs.setdefault(key, []).append((date, index))
     out = list(rows)
     for same in runs.values():
-        latest = rows[max(same)[1]]
-        for _, index in same:
-            if rows[index].source != latest.source:
+        newest, latest = max(same)[0], rows[max(same)[1]]
+        for date, index in same:
+            if date < newest:  # strictly older: sources of one date (or both undated) all stay
                 why = f"measured again in a later release of its publisher ({latest.source})"
                 out[index] = replace(rows[index], setup=None, problem=why)
     return out

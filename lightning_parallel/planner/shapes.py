@@ -93,6 +93,16 @@ class BlockShape:
             return attention + mlp * self.top_k + self.hidden * self.num_experts  # + the router
         return attention + mlp
 
+    def matmul_weights_held(self, expert_parallel: int) -> float:
+        """Weight elements of the block's matrices one rank holds (before tensor parallelism): every routed expert
+        divided over the ``expert_parallel`` ranks, where :attr:`matmul_weights_per_token` counts a token's top-k."""
+        if not self.num_experts:
+            return self.matmul_weights_per_token
+        attention = self.hidden * (self.q_width + 2 * self.kv_width) + self.q_width * self.hidden
+        mlp = (3 if self.gated else 2) * self.hidden * self.ffn_hidden
+        local = self.num_experts / min(expert_parallel, self.num_experts)
+        return attention + mlp * local + self.hidden * self.num_experts
+
     def forward_flops_per_token(self, sequence_length: int) -> float:
         """2 FLOPs per multiply-add of every matrix, plus scores and weighted sum (causal counted in full)."""
         return 2.0 * self.matmul_weights_per_token + 4.0 * sequence_length * self.q_width

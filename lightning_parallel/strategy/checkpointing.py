@@ -163,9 +163,8 @@ class CheckpointingStrategy(MeshParallelStrategy):
             converted.update(
                 {f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))}
             )
-            compat.distributed_checkpoint_save(
-                converted, staging
-            )  # returns once every rank's shard is written
+            # returns once every rank's shard is written
+            compat.distributed_checkpoint_save(converted, staging)
             if self.global_rank == 0:
                 torch.save(checkpoint, staging / compat.METADATA_FILENAME)  # last: marks the folder complete
         elif self.global_rank == 0:

@@ -282,9 +282,8 @@ class HybridParallelStrategy(AskedArguments, SetupResults, CheckpointingStrategy
 
     @override
     def on_train_start(self) -> None:
-        if (
-            self.lightning_module is not None
-        ):  # data that would hang a rank, or break a stage: on every rank alike
+        # data that would hang a rank, or break a stage: on every rank alike
+        if self.lightning_module is not None:
             check_training_data(self.lightning_module.trainer, pipelined=self.pipeline_runner is not None)
         # Ctrl+C: every rank stops at one step boundary, where an exception checkpoint resumes exactly.
         self._interrupt = start_agreed_interrupt()

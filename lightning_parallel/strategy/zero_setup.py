@@ -62,9 +62,8 @@ def initialize_zero(strategy: CheckpointingStrategy, trainer: Trainer, *, pipeli
 def initialize_fsdp_offload(strategy: CheckpointingStrategy, trainer: Trainer) -> OverlappedHostStep | None:
     """FSDP2's shards on the host: Adam/AdamW become DeepSpeed's CPU Adam on them, and where exact each shard's
     step starts during backward (the returned overlap; None where it cannot)."""
-    if (
-        strategy.dims is not None
-    ):  # before DeepSpeed's CPU Adam is built: a refusal must not meet a rank loading it
+    # before DeepSpeed's CPU Adam is built: a refusal must not meet a rank loading it
+    if strategy.dims is not None:
         refusal = importance_split_refusal(strategy.config.zero.update, strategy.dims.tensor_parallel)
         if refusal is not None:
             raise ValueError(refusal)

@@ -72,9 +72,10 @@ class GatheredNorm(ParallelStyle):
         return output.redistribute(mesh, [Shard(dim % output.dim())]).to_local()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # no partition function: the weights are replicated
         return distribute_module(
             module, device_mesh, None, partial(self._gather, self.dim), partial(self._cut, self.dim)
-        )  # no partition function: the weights are replicated
+        )
 
     def __repr__(self) -> str:
         return f"GatheredNorm(dim={self.dim})"

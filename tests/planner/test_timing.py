@@ -295,3 +295,14 @@ def test_a_rank_reads_the_weights_of_its_own_experts_once_per_pass() -> None:
     assert alone - spread == pytest.approx(expert_weights / tokens * (1 - 1 / 8))
     dense = ModelShape.gpt(8, 1024, 16, 50304).blocks[0]  # control: no experts, ep changes nothing
     assert _gemm_elements(dense, Layout(**base, expert_parallel=8)) == _gemm_elements(dense, Layout(**base))
+
+
+def test_a_rank_casts_the_weights_it_holds_to_fp8_its_own_experts_only() -> None:
+    """fp8 casts each weight a rank holds once per micro-batch: every expert without expert parallelism, its
+    ``experts / ep`` with it (a token's top-k is what it multiplies with, not what the rank casts)."""
+    moe = ModelShape.gpt(8, 1024, 16, 50304, num_experts=16, top_k=2).blocks[0]
+    expert = 2 * moe.hidden * moe.ffn_hidden  # GELU MLP: up and down
+    assert moe.matmul_weights_held(1) - moe.matmul_weights_held(8) == pytest.approx(expert * (16 - 2))
+    assert moe.matmul_weights_held(16) == pytest.approx(moe.matmul_weights_per_token - expert)  # one vs top-2
+    dense = ModelShape.gpt(8, 1024, 16, 50304).blocks[0]  # control: no experts, ep changes nothing
+    assert dense.matmul_weights_held(8) == dense.matmul_weights_per_token

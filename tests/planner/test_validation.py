@@ -243,3 +243,5 @@ def test_a_run_its_publisher_measured_again_counts_once_at_its_latest_figure() -
     assert "mbridge-perf-26.04" in kept[0].problem and kept[0].setup is None
     twice = _superseded([row("mbridge-perf-26.04", 1.5), row("mbridge-perf-26.04", 1.6)], ["2026-05-27"] * 2)
     assert all(r.problem is None for r in twice)
+    undated = _superseded([row("nemo-docs-25.02", 2.0), row("nemo-docs-25.04", 1.8)], ["", ""])
+    assert all(r.problem is None for r in undated)  # no date tells them apart: both stay
