@@ -67,6 +67,8 @@ class Row:
     """Why the model cannot express it (then it is left out)."""
     cluster: str | None = None
     """The preset it is predicted on, where not ``chip``'s (a variant of the chip: its efficiency is the chip's fit)."""
+    date: str = ""
+    """The ISO date its source was published (``""``: undated), which orders a publisher's releases."""
 
     @property
     def group(self) -> str:
@@ -268,6 +270,7 @@ def _from_source(raw: dict[str, Any]) -> Row:
         setup if problem is None else None,
         problem,
         _preset(raw.get("hardware"), chip),
+        _iso_date(raw.get("source_date")),
     )
 
 
@@ -292,10 +295,9 @@ def load_rows(path: Path = DATA, *, latest_only: bool = True) -> list[Row]:
     ``latest_only``: a run its publisher measured again counts once, at its latest figure (:func:`_superseded`)."""
     raw_rows = json.loads(path.read_text())
     tables = {"megatron-lm-readme-a100-2021", "megatron-lm-readme-h100-2024"}
-    kept = [r for r in raw_rows if r["source"] not in tables]
-    rows = [_from_source(r) for r in kept]
+    rows = [_from_source(r) for r in raw_rows if r["source"] not in tables]
     if latest_only:
-        rows = _superseded(rows, [_iso_date(r.get("source_date")) for r in kept])
+        rows = _superseded(rows)
     return rows + [_from_table(run) for run in (*PTD_P, *MEGATRON_H100)]
 
 
@@ -305,19 +307,19 @@ def _iso_date(text: Any) -> str:
     return found.group(0) if found else ""
 
 
-def _superseded(rows: list[Row], dates: list[str]) -> list[Row]:
+def _superseded(rows: list[Row]) -> list[Row]:
     """Where a publisher measured the same run again in a later release (the same model, chip, layout and what its
     code did: NeMo's performance pages re-measure their recipes each container release), the latest figure stands
     for it and the earlier ones are left out: the model has no notion of a software release, and two figures of
-    one run would be two answers to the same question, counted twice. Dates are the ISO dates the sources'
-    ``source_date`` start with: an undated source counts as the oldest (NeMo's 25.02 docs, before the dated
+    one run would be two answers to the same question, counted twice. ``Row.date`` orders the releases: an
+    undated source counts as the oldest (NeMo's 25.02 docs, before the dated
     Megatron-Bridge pages); sources that cannot be told apart by date all stay."""
     runs: dict[tuple[str, ...], list[tuple[str, int]]] = {}
-    for index, (row, date) in enumerate(zip(rows, dates, strict=True)):
+    for index, row in enumerate(rows):
         if row.setup is not None:
             shape, layout, execution = row.setup
             key = (row.group, row.chip, str(row.cluster), repr(shape), repr(layout), repr(execution))
-            runs.setdefault(key, []).append((date, index))
+            runs.setdefault(key, []).append((row.date, index))
     out = list(rows)
     for same in runs.values():
         newest, latest = max(same)[0], rows[max(same)[1]]

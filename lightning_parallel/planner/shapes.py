@@ -84,24 +84,23 @@ class BlockShape:
     def kv_width(self) -> int:
         return self.kv_heads * self.head_dim
 
+    def _matmul_weights(self, routed_experts: float) -> float:
+        """Attention's and the MLP's weight elements with ``routed_experts`` experts' MLPs (and the router)."""
+        attention = self.hidden * (self.q_width + 2 * self.kv_width) + self.q_width * self.hidden
+        mlp = (3 if self.gated else 2) * self.hidden * self.ffn_hidden
+        if not self.num_experts:
+            return attention + mlp
+        return attention + mlp * routed_experts + self.hidden * self.num_experts  # + the router
+
     @property
     def matmul_weights_per_token(self) -> float:
         """Weight elements of the matrices one token multiplies with (routed experts: top-k of them)."""
-        attention = self.hidden * (self.q_width + 2 * self.kv_width) + self.q_width * self.hidden
-        mlp = (3 if self.gated else 2) * self.hidden * self.ffn_hidden
-        if self.num_experts:
-            return attention + mlp * self.top_k + self.hidden * self.num_experts  # + the router
-        return attention + mlp
+        return self._matmul_weights(self.top_k)
 
     def matmul_weights_held(self, expert_parallel: int) -> float:
         """Weight elements of the block's matrices one rank holds (before tensor parallelism): every routed expert
         divided over the ``expert_parallel`` ranks, where :attr:`matmul_weights_per_token` counts a token's top-k."""
-        if not self.num_experts:
-            return self.matmul_weights_per_token
-        attention = self.hidden * (self.q_width + 2 * self.kv_width) + self.q_width * self.hidden
-        mlp = (3 if self.gated else 2) * self.hidden * self.ffn_hidden
-        local = self.num_experts / min(expert_parallel, self.num_experts)
-        return attention + mlp * local + self.hidden * self.num_experts
+        return self._matmul_weights(self.num_experts / max(min(expert_parallel, self.num_experts), 1))
 
     def forward_flops_per_token(self, sequence_length: int) -> float:
         """2 FLOPs per multiply-add of every matrix, plus scores and weighted sum (causal counted in full)."""

@@ -230,18 +230,20 @@ def test_a_run_its_publisher_measured_again_counts_once_at_its_latest_figure() -
     setup = (shape, layout, Execution())
     other = (shape, replace(layout, micro_batch_size=2), Execution())
 
-    def row(source: str, step: float, run: tuple = setup) -> Row:
-        return Row(source, "tiny", "url", "h100", "16-bit", step, run)
+    def row(source: str, step: float, date: str, run: tuple = setup) -> Row:
+        return Row(source, "tiny", "url", "h100", "16-bit", step, run, date=date)
 
     rows = [
-        row("mbridge-perf-25.11", 2.0),
-        row("mbridge-perf-26.04", 1.5),
-        row("mbridge-perf-25.09", 3.0, other),
+        row("mbridge-perf-25.11", 2.0, "2025-12-04"),
+        row("mbridge-perf-26.04", 1.5, "2026-05-27"),
+        row("mbridge-perf-25.09", 3.0, "2025-10-10", other),
     ]
-    kept = _superseded(rows, ["2025-12-04", "2026-05-27", "2025-10-10"])
+    kept = _superseded(rows)
     assert [r.problem is None for r in kept] == [False, True, True]
     assert "mbridge-perf-26.04" in kept[0].problem and kept[0].setup is None
-    twice = _superseded([row("mbridge-perf-26.04", 1.5), row("mbridge-perf-26.04", 1.6)], ["2026-05-27"] * 2)
+    twice = _superseded(
+        [row("mbridge-perf-26.04", 1.5, "2026-05-27"), row("mbridge-perf-26.04", 1.6, "2026-05-27")]
+    )
     assert all(r.problem is None for r in twice)
-    undated = _superseded([row("nemo-docs-25.02", 2.0), row("nemo-docs-25.04", 1.8)], ["", ""])
+    undated = _superseded([row("nemo-docs-25.02", 2.0, ""), row("nemo-docs-25.04", 1.8, "")])
     assert all(r.problem is None for r in undated)  # no date tells them apart: both stay
