@@ -101,12 +101,19 @@ def usable_bytes(cluster: str = "a100-80gb") -> float:
 
 
 def alternate(row: PublishedLayout) -> PublishedLayout | None:
-    """The row with ``activation_checkpointing_policy="ops_alternate_matmuls"`` where it recomputes selectively:
-    torchtitan's own selective policy (every second matmul rerun); for Korthikanti et al.'s rows the memory
-    their recomputation of the attention core bought, paid for here with other matmuls."""
-    if row.layout.activation_checkpointing != "selective":
+    """The row with selective recomputation as ``activation_checkpointing_policy="ops_alternate_matmuls"``
+    (torchtitan's own selective policy: every second matmul rerun) where it does not recompute whole blocks:
+    for Korthikanti et al.'s rows the memory their recomputation of the attention core bought, paid for here
+    with other matmuls; for the row that recomputes nothing (Megatron-Bridge's, which ran fp8 with a 16-bit
+    residual stream), the memory this runtime's bf16 autocast needs on top (docs/planner.md)."""
+    if row.layout.activation_checkpointing == "full":
         return None
-    return replace(row, layout=replace(row.layout, activation_checkpointing_policy="ops_alternate_matmuls"))
+    layout = replace(
+        row.layout,
+        activation_checkpointing="selective",
+        activation_checkpointing_policy="ops_alternate_matmuls",
+    )
+    return replace(row, layout=layout)
 
 
 def rows() -> list[dict[str, Any]]:

@@ -24,15 +24,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 
 import torch
-from torch import nn
 from torch.distributed.pipelining import stage as torch_stage
-from torch.distributed.pipelining.schedules import get_schedule_class
 
-from lightning_parallel.pipeline.schedules import ScheduleSpec, stages_of_rank
+from lightning_parallel.pipeline.schedule_actions import rank_actions
+from lightning_parallel.pipeline.schedules import ScheduleSpec
 
 __all__ = ["ReceiveBuffers", "buffers_in_flight", "receive_buffer_bytes"]
 
@@ -183,38 +181,17 @@ def buffers_in_flight(
 
 @functools.lru_cache(maxsize=256)
 def _simulated(spec: ScheduleSpec, p: int, v: int, m: int) -> list[int]:
-
-    n = p * v
-    stages = [
-        SimpleNamespace(
-            stage_index=s,
-            num_stages=n,
-            group_size=p,
-            group_rank=0,
-            is_first=s == 0,
-            is_last=s == n - 1,
-            submod=nn.Identity(),
-            stage_index_to_group_rank={},
-            has_backward=True,
-            group=None,
-        )
-        for s in stages_of_rank(spec, 0, p, v)
-    ]
-    schedule = get_schedule_class(spec.torch_name)(stages, n_microbatches=m, loss_fn=lambda a, b: a)
-    order = getattr(schedule, "pipeline_order_with_comms", None) or schedule.pipeline_order
-    held, peak = [0] * n, [0] * n
+    held, peak = [0] * (p * v), [0] * (p * v)
     live: set[tuple[int, int, str]] = set()
-    for rank in range(p):  # torch orders every rank's actions, comms included
-        for outer in order[rank]:
-            for action in getattr(outer, "sub_actions", None) or [outer]:  # DualPipe-V's overlapped F and B
-                kind, s, mb = action.computation_type.name, action.stage_index, action.microbatch_index
-                if kind in ("RECV_F", "RECV_B"):
-                    live.add((s, mb, kind))
-                    held[s] += 1
-                    peak[s] = max(peak[s], held[s])
-                elif kind in ("FULL_BACKWARD", "BACKWARD_WEIGHT"):
-                    for recv in ("RECV_F", "RECV_B"):
-                        if (s, mb, recv) in live:
-                            live.discard((s, mb, recv))
-                            held[s] -= 1
+    for actions in rank_actions(spec, p, v, m):  # torch orders every rank's actions, comms included
+        for kind, s, mb in actions:
+            if kind in ("RECV_F", "RECV_B"):
+                live.add((s, mb, kind))
+                held[s] += 1
+                peak[s] = max(peak[s], held[s])
+            elif kind in ("FULL_BACKWARD", "BACKWARD_WEIGHT"):
+                for recv in ("RECV_F", "RECV_B"):
+                    if (s, mb, recv) in live:
+                        live.discard((s, mb, recv))
+                        held[s] -= 1
     return peak

@@ -38,13 +38,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_parallel.config.arguments import resolve_schedule
+from lightning_parallel.pipeline.schedule_actions import Action, rank_actions
 from lightning_parallel.planner.layout import PRECISIONS, Layout
 from lightning_parallel.planner.shapes import BlockShape, ModelShape
 
 __all__ = [
     "ActivationEstimate",
     "block_bytes_per_token",
-    "in_flight_micro_batches",
+    "held_at_peak",
     "loss_bytes_per_token",
     "projection_outputs",
     "stage_activation_bytes",
@@ -134,37 +135,59 @@ class ActivationEstimate:
 
     per_micro_batch: float
     """Held for backward by one micro-batch's forward."""
-    in_flight: int
-    """Micro-batches whose forward is done and backward not, at the schedule's peak."""
     recompute_working_set: float
     """Extra bytes during one block's recomputation (checkpointing): that block's full activations."""
 
-    @property
-    def peak(self) -> float:
-        return self.per_micro_batch * self.in_flight + self.recompute_working_set
 
+def held_at_peak(layout: Layout, pp_rank: int, per_micro_batch: dict[int, float]) -> dict[int, int]:
+    """Micro-batches each stage of pipeline rank ``pp_rank`` holds for backward when the rank holds the most
+    (``per_micro_batch``: bytes one micro-batch's forward leaves on each of its stages, by stage index).
 
-def in_flight_micro_batches(layout: Layout, pp_rank: int) -> int:
-    """Micro-batches a pipeline rank holds at its peak, per stage it owns (the schedule's warm-up depth).
-
-    GPipe runs every forward first (M). 1F1B keeps ``P - r`` (rank r). Interleaved 1F1B warms up
-    ``(V - 1) P + 2 (P - r - 1)`` chunk-forwards before its first backward (Narayanan et al. 2021),
-    spread over its V stages (the V-shaped zero-bubble schedules, with two, counted the same way; their
-    weight passes only delay freeing what the input pass needs, which this ignores).
+    GPipe and looped BFS run every forward first (M). 1F1B keeps ``P - r`` (rank r). Interleaved 1F1B is walked
+    on torch's own action list for the layout (``pipeline/schedule_actions.py``): a forward adds its
+    micro-batch on its stage, its backward lets it go. Its peak is its warm-up, ``(V - 1) P + 2 (P - r - 1) + 1``
+    chunk-forwards (Narayanan et al. 2021), most of them on its first stage (measured exactly:
+    ``tests/planner/test_memory_exact.py``). The zero-bubble schedules (and interleaved 1F1B should torch's list
+    not build) spread that warm-up evenly over the V stages: measured on ZB-V at two ranks x two stages it is
+    21% over on the first rank and 28% under on the second, whose runtime holds more than torch's list implies
+    (its weight passes free later than they are listed); not pinned.
     """
     p, m, v = layout.pipeline_parallel, layout.micro_batches, layout.pipeline_virtual_stages
+    spec = resolve_schedule(layout.pipeline_schedule)
     if p == 1:
-        return 1
-    if resolve_schedule(layout.pipeline_schedule).name in ("gpipe", "looped_bfs"):
-        return m
-    if v > 1:
-        warmup = min((v - 1) * p + 2 * (p - pp_rank - 1) + 1, m * v)
-        return -(-warmup // v)
-    return min(p - pp_rank, m)
+        return dict.fromkeys(per_micro_batch, 1)
+    if spec.name in ("gpipe", "looped_bfs"):
+        return dict.fromkeys(per_micro_batch, m)
+    if not spec.multi_stage:
+        return dict.fromkeys(per_micro_batch, min(p - pp_rank, m))
+    warmup = min((v - 1) * p + 2 * (p - pp_rank - 1) + 1, m * v)
+    if spec.bubble_free_backward:
+        return dict.fromkeys(per_micro_batch, -(-warmup // v))
+    try:
+        actions = rank_actions(spec, p, v, m)[pp_rank]
+    except Exception:  # noqa: BLE001 - an estimate is better than no plan
+        return dict.fromkeys(per_micro_batch, -(-warmup // v))
+    return _walk(actions, per_micro_batch)
+
+
+def _walk(actions: tuple[Action, ...], per_micro_batch: dict[int, float]) -> dict[int, int]:
+    last_backward = {(a.stage, a.micro_batch): i for i, a in enumerate(actions) if a.kind == "FULL_BACKWARD"}
+    held = dict.fromkeys(per_micro_batch, 0)
+    best, best_bytes, alive = dict(held), 0.0, 0.0
+    for i, action in enumerate(actions):
+        if action.kind == "FORWARD":
+            held[action.stage] += 1
+            alive += per_micro_batch[action.stage]
+            if alive > best_bytes:
+                best, best_bytes = dict(held), alive
+        elif last_backward.get((action.stage, action.micro_batch)) == i:
+            held[action.stage] -= 1
+            alive -= per_micro_batch[action.stage]
+    return best
 
 
 def stage_activation_bytes(
-    shape: ModelShape, layout: Layout, blocks: range, *, first: bool, last: bool, pp_rank: int = 0
+    shape: ModelShape, layout: Layout, blocks: range, *, first: bool, last: bool
 ) -> ActivationEstimate:
     """Activation bytes of the stage holding ``blocks`` (with the embeddings when ``first``, head when ``last``)."""
     tokens = layout.local_tokens
@@ -185,7 +208,7 @@ def stage_activation_bytes(
         working = (
             max(block_bytes_per_token(shape.blocks[i], layout, sliced_inputs=False) for i in blocks) * tokens
         )
-    return ActivationEstimate(per_token * tokens, in_flight_micro_batches(layout, pp_rank), working)
+    return ActivationEstimate(per_token * tokens, working)
 
 
 def loss_bytes_per_token(shape: ModelShape, layout: Layout) -> float:

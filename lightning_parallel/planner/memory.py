@@ -23,7 +23,7 @@ from torch import nn
 from lightning_parallel.config.arguments import resolve_schedule
 from lightning_parallel.data_parallel.buckets import BUCKET_BYTES
 from lightning_parallel.pipeline.receive_buffers import buffers_in_flight
-from lightning_parallel.planner.activations import stage_activation_bytes
+from lightning_parallel.planner.activations import held_at_peak, stage_activation_bytes
 from lightning_parallel.planner.host_updates import deferred_update_bytes
 from lightning_parallel.planner.layout import PRECISIONS, Layout, layout_problems, zero_engine
 from lightning_parallel.planner.placement import fsdp_local_elements, parameter_placements, stage_split
@@ -50,10 +50,12 @@ class RankMemory:
     gradients: int = 0
     optimizer: int = 0
     activations: int = 0
-    """Held for backward at the schedule's peak: ``activations_per_micro_batch x in_flight`` summed over this
-    rank's stages, plus one block's recomputation under checkpointing."""
+    """Held for backward at the schedule's peak: each of this rank's stages' micro-batch bytes times the
+    micro-batches it holds then (``planner/activations.py: held_at_peak``), plus one block's recomputation
+    under checkpointing."""
     activations_per_micro_batch: int = 0
     in_flight: int = 1
+    """The most micro-batches one of this rank's stages holds at the peak (all of them on one stage)."""
     buffers: int = 0
     parameters_host: int = 0
     gradients_host: int = 0
@@ -228,15 +230,14 @@ def _add_activations(
 ) -> None:
     mine = [s for s, o in enumerate(owners) if o == pp_rank]
     last = len(ranges) - 1
-    total = per_micro_batch = 0.0
-    for s in mine:
-        estimate = stage_activation_bytes(
-            shape, layout, ranges[s], first=s == 0, last=s == last, pp_rank=pp_rank
-        )
-        working = estimate.recompute_working_set if s == mine[0] else 0
-        total += estimate.per_micro_batch * estimate.in_flight + working
-        per_micro_batch += estimate.per_micro_batch
-        rank.in_flight = estimate.in_flight
+    estimates = {
+        s: stage_activation_bytes(shape, layout, ranges[s], first=s == 0, last=s == last) for s in mine
+    }
+    held = held_at_peak(layout, pp_rank, {s: e.per_micro_batch for s, e in estimates.items()})
+    total = sum(e.per_micro_batch * held[s] for s, e in estimates.items())
+    total += estimates[mine[0]].recompute_working_set if mine else 0
+    per_micro_batch = sum(e.per_micro_batch for e in estimates.values())
+    rank.in_flight = max(held.values(), default=1)
     rank.activations, rank.activations_per_micro_batch = int(total), int(per_micro_batch)
     if layout.pipeline_parallel > 1:
         rank.buffers += int(_receive_buffers(shape, layout, mine, last))

@@ -44,6 +44,12 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         {"optimizer": "adamw", "n_layer": 4},
         {"pipeline_parallel": 2, "micro_batches": 4, "pipeline_schedule": "gpipe"},
     ),
+    # two stages per rank: rank 0 holds more micro-batches of its first stage than of its second at the peak
+    "pp2_interleaved": (
+        "recipe_gpt",
+        {"optimizer": "adamw", "n_layer": 8},
+        {"pipeline_parallel": 2, "micro_batches": 4, "pipeline_schedule": "interleaved_1f1b"},
+    ),
     "ep2": ("recipe_moe", {}, {"expert_parallel": 2}),
     # each tensor rank routes its slice of the sequence through whole experts
     "tp2_sp_moe": ("hf_mixtral", {}, {"tensor_parallel": 2, "sequence_parallel": True}),
