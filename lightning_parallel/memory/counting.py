@@ -34,9 +34,23 @@ __all__ = [
     "StorageSet",
     "active_counter",
     "counting",
+    "kept_as_is",
     "local_tensor",
     "storage_key",
 ]
+
+
+def kept_as_is(tensor: torch.Tensor) -> torch.Tensor:
+    """What a pack hook stores when it keeps a saved tensor as it is: the tensor without its autograd history.
+
+    A tensor kept with its ``grad_fn`` makes the graph hold itself (a node that saves its own output, or one
+    above it, keeps a reference to that node), a cycle through C++ that Python's collector cannot see. Autograd
+    breaks it when the node runs with ``retain_graph=False``; torch's zero-bubble pipeline schedules run the
+    input pass with ``retain_graph=True`` and the weight pass only below the weights, so every micro-batch's
+    attention and activation-function tensors stayed alive, step after step (``tests/memory/test_saved_cycles.py``).
+    ``detach`` shares the storage and the version counter: autograd's checks on unpacking still hold.
+    """
+    return tensor.detach() if tensor.requires_grad and tensor.grad_fn is not None else tensor
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -219,9 +233,10 @@ class SavedTensorCounter:
             self.stored(_storage_bytes(tensor), offloaded=False)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if not self.is_parameter(tensor):
-            self.kept(tensor)
-        return tensor
+        if self.is_parameter(tensor):
+            return tensor
+        self.kept(tensor)
+        return kept_as_is(tensor)
 
 
 def _release(live: list[int], num_bytes: int) -> None:

@@ -45,6 +45,7 @@ from lightning_parallel.memory.counting import (
     activate,
     active_counter,
     counting,
+    kept_as_is,
     local_tensor,
     storage_key,
 )
@@ -168,7 +169,7 @@ class ActivationSaver:
         if is_parameter_cast(tensor):  # held for backward (counted as without a saver), but no activation
             if counter is not None:
                 counter.kept(tensor)
-            return tensor
+            return kept_as_is(tensor)
         sliced = self._regather.pack(tensor) if self._regather is not None else None
         if sliced is not None:
             return sliced
@@ -196,7 +197,7 @@ class ActivationSaver:
                 counter.stored(stored.nbytes, offloaded=stored.offloaded)
         if not stored.copies:
             # nothing to do (an fp16 tensor under bf16 compression, an integer index, the last block's)
-            return _Kept(tensor, stored.group) if self.offload else tensor
+            return _Kept(kept_as_is(tensor), stored.group) if self.offload else kept_as_is(tensor)
         return _SavedView(tensor, local, stored)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -272,9 +273,11 @@ def _packer(
             sliced = regather.pack(packed)
             if sliced is not None:
                 return sliced
-        if counter is not None and isinstance(packed, torch.Tensor):
+        if not isinstance(packed, torch.Tensor):
+            return packed
+        if counter is not None:
             counter.kept(packed)  # a shared copy's storage counts once
-        return packed
+        return kept_as_is(packed)
 
     return pack
 

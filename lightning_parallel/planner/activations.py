@@ -143,14 +143,14 @@ def held_at_peak(layout: Layout, pp_rank: int, per_micro_batch: dict[int, float]
     """Micro-batches each stage of pipeline rank ``pp_rank`` holds for backward when the rank holds the most
     (``per_micro_batch``: bytes one micro-batch's forward leaves on each of its stages, by stage index).
 
-    GPipe and looped BFS run every forward first (M). 1F1B keeps ``P - r`` (rank r). Interleaved 1F1B is walked
-    on torch's own action list for the layout (``pipeline/schedule_actions.py``): a forward adds its
-    micro-batch on its stage, its backward lets it go. Its peak is its warm-up, ``(V - 1) P + 2 (P - r - 1) + 1``
-    chunk-forwards (Narayanan et al. 2021), most of them on its first stage (measured exactly:
-    ``tests/planner/test_memory_exact.py``). The zero-bubble schedules (and interleaved 1F1B should torch's list
-    not build) spread that warm-up evenly over the V stages: measured on ZB-V at two ranks x two stages it is
-    21% over on the first rank and 28% under on the second, whose runtime holds more than torch's list implies
-    (its weight passes free later than they are listed); not pinned.
+    GPipe and looped BFS run every forward first (M). 1F1B keeps ``P - r`` (rank r). The multi-stage schedules
+    are walked on torch's own action list for the layout (``pipeline/schedule_actions.py``): a forward adds its
+    micro-batch on its stage, its last backward action lets it go (under the zero-bubble schedules its weight
+    pass: torch's input pass keeps the graph, whose saved inputs the weight pass reads). Interleaved 1F1B's
+    peak is its warm-up, ``(V - 1) P + 2 (P - r - 1) + 1`` chunk-forwards (Narayanan et al. 2021), most of them
+    on its first stage; should torch's list not build (another torch), that many spread evenly over the V
+    stages. Measured within 1% on two ranks x two stages for interleaved 1F1B, ZB-V, interleaved zero bubble
+    and DualPipe-V (``tests/planner/test_memory_exact.py``).
     """
     p, m, v = layout.pipeline_parallel, layout.micro_batches, layout.pipeline_virtual_stages
     spec = resolve_schedule(layout.pipeline_schedule)
@@ -160,18 +160,19 @@ def held_at_peak(layout: Layout, pp_rank: int, per_micro_batch: dict[int, float]
         return dict.fromkeys(per_micro_batch, m)
     if not spec.multi_stage:
         return dict.fromkeys(per_micro_batch, min(p - pp_rank, m))
-    warmup = min((v - 1) * p + 2 * (p - pp_rank - 1) + 1, m * v)
-    if spec.bubble_free_backward:
-        return dict.fromkeys(per_micro_batch, -(-warmup // v))
     try:
         actions = rank_actions(spec, p, v, m)[pp_rank]
     except Exception:  # noqa: BLE001 - an estimate is better than no plan
+        warmup = min((v - 1) * p + 2 * (p - pp_rank - 1) + 1, m * v)
         return dict.fromkeys(per_micro_batch, -(-warmup // v))
     return _walk(actions, per_micro_batch)
 
 
+_BACKWARDS = ("FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT")
+
+
 def _walk(actions: tuple[Action, ...], per_micro_batch: dict[int, float]) -> dict[int, int]:
-    last_backward = {(a.stage, a.micro_batch): i for i, a in enumerate(actions) if a.kind == "FULL_BACKWARD"}
+    last_backward = {(a.stage, a.micro_batch): i for i, a in enumerate(actions) if a.kind in _BACKWARDS}
     held = dict.fromkeys(per_micro_batch, 0)
     best, best_bytes, alive = dict(held), 0.0, 0.0
     for i, action in enumerate(actions):

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_parallel.memory.counting import kept_as_is
+
 __all__ = ["SavedPerToken", "saved_per_token"]
 
 _TOKENS = 8  # enough to tell per-token tensors from per-sequence ones; the count is divided by it
@@ -48,7 +50,7 @@ def saved_per_token(module: nn.Module, width: int) -> SavedPerToken | None:
         key = storage._cdata
         if key not in weights and key not in seen:
             seen[key] = (storage.nbytes(), tensor.is_floating_point())
-        return tensor
+        return kept_as_is(tensor)  # no backward runs: with its grad_fn the graph would keep itself
 
     was_training = module.training
     module.train()

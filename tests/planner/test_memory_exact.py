@@ -4,8 +4,9 @@ Parameters, gradients and optimizer states are predicted exactly, on every rank,
 (+ sequence), pipeline (each stage) and expert parallelism and ZeRO stages 1-3 (DeepSpeed's engine) and
 ZeRO-2 with experts (FSDP2's engine). Activations held for backward are within 5% of what the project's
 saved-tensor hooks count, without checkpointing and with full and selective checkpointing, and at the
-peak of a step under 1F1B, GPipe and interleaved 1F1B (two stages a rank), whose differences (micro-batches in
-flight, and on which stage) are the point.
+peak of a step under 1F1B, GPipe, and, with two stages a rank, interleaved 1F1B and the zero-bubble schedules
+(ZB-V, interleaved zero bubble, DualPipe-V: what a micro-batch saved stays until its weight pass), whose
+differences (micro-batches in flight, and on which stage) are the point.
 
 Negative controls: the planner's pipeline peak, given the other schedule, misses the measured peak; so does
 interleaved 1F1B's warm-up spread evenly over a rank's stages; a tensor-parallel prediction made for the wrong
@@ -47,7 +48,9 @@ def _layout(strategy: dict, optimizer: str) -> Layout:
         sequence_parallel=strategy.get("sequence_parallel", False),
         pipeline_parallel=pp,
         pipeline_schedule=strategy.get("pipeline_schedule", "1f1b"),
-        pipeline_virtual_stages=2 if strategy.get("pipeline_schedule") in ("interleaved_1f1b", "zbv") else 1,
+        pipeline_virtual_stages=2
+        if strategy.get("pipeline_schedule", "1f1b") not in ("1f1b", "gpipe")
+        else 1,
         micro_batches=micro_batches,
         data_parallel=2 // (tp * pp),
         expert_parallel=strategy.get("expert_parallel", 1),

@@ -50,6 +50,22 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         {"optimizer": "adamw", "n_layer": 8},
         {"pipeline_parallel": 2, "micro_batches": 4, "pipeline_schedule": "interleaved_1f1b"},
     ),
+    # the zero-bubble schedules: a micro-batch's saved tensors stay until its weight pass
+    "pp2_zbv": (
+        "recipe_gpt",
+        {"optimizer": "adamw", "n_layer": 8},
+        {"pipeline_parallel": 2, "micro_batches": 4, "pipeline_schedule": "zbv"},
+    ),
+    "pp2_interleaved_zero_bubble": (
+        "recipe_gpt",
+        {"optimizer": "adamw", "n_layer": 8},
+        {"pipeline_parallel": 2, "micro_batches": 4, "pipeline_schedule": "interleaved_zero_bubble"},
+    ),
+    "pp2_dualpipev": (
+        "recipe_gpt",
+        {"optimizer": "adamw", "n_layer": 8},
+        {"pipeline_parallel": 2, "micro_batches": 4, "pipeline_schedule": "dualpipev"},
+    ),
     "ep2": ("recipe_moe", {}, {"expert_parallel": 2}),
     # each tensor rank routes its slice of the sequence through whole experts
     "tp2_sp_moe": ("hf_mixtral", {}, {"tensor_parallel": 2, "sequence_parallel": True}),
