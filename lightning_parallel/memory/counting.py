@@ -109,6 +109,9 @@ class ActivationBytes:
         peak: the most of ``saved`` plus the recomputation's held tensors alive at one moment of
             the step: under pipeline stages, what the schedule's in-flight micro-batches hold
             together (a storage leaves the count when autograd frees it after its backward).
+        alive_after_step: what of ``peak``'s storages is still alive when the step has ended (after its
+            backward and optimizer step): 0 unless something keeps the step's graph alive (a leak;
+            ``ActivationMemoryMonitor`` reads it at the end of each batch).
     """
 
     saved: int = 0
@@ -118,6 +121,7 @@ class ActivationBytes:
     recompute_kept: int = 0
     tensors: int = 0
     peak: int = 0
+    alive_after_step: int = 0
 
     @property
     def on_device(self) -> int:
@@ -140,6 +144,7 @@ class ActivationBytes:
             "total": self.total,
             "tensors": self.tensors,
             "peak": self.peak,
+            "alive_after_step": self.alive_after_step,
         }
 
 
@@ -178,6 +183,10 @@ class SavedTensorCounter:
         self._seen.clear()
         self._held.clear()
         self._live = [0]
+
+    def alive_now(self) -> int:
+        """Bytes of this step's counted storages alive at this moment."""
+        return self._live[0]
 
     def _alive(self, tensor: torch.Tensor, num_bytes: int) -> None:
         """Count ``num_bytes`` as alive until the tensor's storage is freed; update the peak."""

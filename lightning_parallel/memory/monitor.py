@@ -47,6 +47,7 @@ class ActivationMemoryMonitor(Callback):
         counter = trainer.strategy.activation_counter
         if counter is None:
             return
+        counter.bytes.alive_after_step = counter.alive_now()
         self.steps.append(counter.bytes)
         if self.log:
             pl_module.log("activation_bytes/on_device", float(counter.bytes.on_device), on_step=True)

@@ -138,7 +138,9 @@ class GatheredInputSaver:
     mesh: DeviceMesh
     enabled: bool = True
     stats: RegatherStats = field(default_factory=RegatherStats)
-    _slices: dict[tuple[str, int], tuple[weakref.ref, _Slice]] = field(default_factory=dict)
+    # storage -> its slice, both weakly: the slice lives as long as a saved tensor in the graph needs it (held
+    # strongly, the slices of every micro-batch of a step stayed until the next step began)
+    _slices: dict[tuple[str, int], tuple[weakref.ref, weakref.ref[_Slice]]] = field(default_factory=dict)
 
     def reset(self) -> None:
         """A new step: fresh statistics (the slices of the last step are gone with its graph)."""
@@ -153,7 +155,7 @@ class GatheredInputSaver:
         storage = local.untyped_storage()
         key = (str(local.device), storage.data_ptr())
         hit = self._slices.get(key)
-        held = hit[1] if hit is not None and hit[0]() is storage else None
+        held = hit[1]() if hit is not None and hit[0]() is storage else None
         if held is None:
             # a view of a storage already sliced needs no gather of its own (q, k, v of one shared cast)
             size = self.mesh.size()
@@ -163,7 +165,7 @@ class GatheredInputSaver:
             with torch.no_grad():
                 flat = torch.empty(0, dtype=local.dtype, device=local.device).set_(storage)
                 held = _Slice(flat, self.mesh, self.stats)
-            self._slices[key] = (weakref.ref(storage), held)
+            self._slices[key] = (weakref.ref(storage), weakref.ref(held))
             self.stats.storages += 1
             self.stats.whole_bytes += storage.nbytes()
             self.stats.kept_bytes += held.nbytes

@@ -101,6 +101,10 @@ def test_predicted_memory_equals_what_each_rank_holds(tmp_path: Path) -> None:
             assert held["optimizer"] == predicted.optimizer, (where, held, predicted)
             if not deepspeed:  # DeepSpeed keeps reduced gradients in its own buckets, freed by its step
                 assert held["gradients"] == predicted.gradients, (where, held, predicted)
+            # Nothing of a step's saved tensors outlives it but the batch's token ids and targets (the loop holds
+            # the batch). Before: a tensor kept with its grad_fn outlived the zero-bubble schedules' weight pass,
+            # and sequence parallelism's slices (memory/regather.py) outlived their backward, until the next step.
+            assert max(held["alive_after_step"]) <= 2 * BATCH * SEQ_LEN * 8, (where, held["alive_after_step"])
             steps, in_flight = layout.micro_batches, predicted.in_flight
             total, peak = (
                 held["activations"][-1],

@@ -164,6 +164,7 @@ def main(out_dir: Path) -> None:
             "optimizer": holdings.optimizer,
             "activations": [step.total for step in monitor.steps],
             "activation_peaks": [step.peak for step in monitor.steps],
+            "alive_after_step": [step.alive_after_step for step in monitor.steps],
             "degrees": trainer.strategy.dims.degrees if trainer.strategy.dims else None,
         }
     (out_dir / f"planner_memory.rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
