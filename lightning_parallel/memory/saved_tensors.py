@@ -102,8 +102,10 @@ class ActivationSaver:
         self.compression = compression
         self.offload = offload
         self._param_keys = {storage_key(p) for p in parameters}
-        # Storages packed in this step, weakly keyed by the live storage (see StorageSet).
-        self._stored: dict[tuple[str, int], tuple[weakref.ref, _StoredStorage]] = {}
+        # Storages packed in this step and what is stored for them, both weakly: the graph's saved views keep a
+        # stored copy, and it goes with their backward (under pipeline stages the context spans the schedule:
+        # held here, every micro-batch's copies stayed until the step ended).
+        self._stored: dict[tuple[str, int], tuple[weakref.ref, weakref.ref[_StoredStorage]]] = {}
         self._groups: dict[int, list[weakref.ref[_StoredStorage]]] = {}
         self._prefetched: set[int] = set()
         self._block_entries = 0
@@ -177,7 +179,7 @@ class ActivationSaver:
         local = local_tensor(tensor)
         storage = local.untyped_storage()
         hit = self._stored.get(key)
-        stored = hit[1] if hit is not None and hit[0]() is not None else None
+        stored = hit[1]() if hit is not None and hit[0]() is not None else None
         if stored is None:
             offload = self.offload and not self._in_last_block()
             with torch.no_grad():
@@ -190,7 +192,7 @@ class ActivationSaver:
                     buffers=self.buffers,
                     stream=self._side_stream(local.device) if offload else None,
                 )
-            self._stored[key] = (weakref.ref(storage), stored)
+            self._stored[key] = (weakref.ref(storage), weakref.ref(stored))
             if stored.offloaded:
                 self._groups.setdefault(stored.group, []).append(weakref.ref(stored))
             if counter is not None and (stored.copies or new_storage):
