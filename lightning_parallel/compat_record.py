@@ -168,6 +168,13 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         " action lists (built with stand-in stages); an estimate where that fails",
         resolvable=False,
     ),
+    PrivateApi(
+        "torch.distributed.pipelining.schedules:_batch_p2p",
+        "pipeline/send_release.py",
+        "(wrapped while a step runs)",
+        ("2.13.0",),
+        note="feature-detected: absent, a step's sends stay until its end as torch keeps them",
+    ),
     # ---- collectives, checkpoints, build
     PrivateApi("torch.distributed.utils:_sync_module_states", "parallelize/recipe.py", "sync_module_states"),
     PrivateApi(

@@ -39,6 +39,7 @@ from lightning_parallel.pipeline.microbatch import (
     split_batch,
 )
 from lightning_parallel.pipeline.schedules import ScheduleSpec
+from lightning_parallel.pipeline.send_release import SendRelease
 from lightning_parallel.pipeline.stages import StageExit, StageLayout, StageModule, StageRuntime
 from lightning_parallel.zero.fsdp_schedule import finish_interrupted_forwards
 from lightning_parallel.zero.tensor_parallel import registered_parameter, user_name
@@ -100,6 +101,8 @@ class PipelineRunner:
         self.batch_size: int | None = None  # of the training batches the stages were built for
         self._held: list[torch.Tensor | None] = []
         self._ctx: _StepContext | None = None  # the step running now: see _running
+        # a step's sends let go as they complete, under torch's runtime (pipeline/send_release.py)
+        self.sends = SendRelease(enabled=spec.multi_stage)
         # a local-shard weight under its name; a weight several blocks share under each of its names
         params = {user_name(n): p for n, p in module.named_parameters(remove_duplicate=False)}
         self.parameters = [params[n] for n in sorted(owned_names) if n in params]
@@ -228,7 +231,11 @@ class PipelineRunner:
         try:
             if self.fsdp_units and self.fsdp_before_schedule is not None:
                 self.fsdp_before_schedule(self.fsdp_units)
-            with self._running(ctx), self.logs.recording(self.module, lambda: ctx.current):
+            with (
+                self._running(ctx),
+                self.logs.recording(self.module, lambda: ctx.current),
+                self.sends.during_step(self.stages),
+            ):
                 self.schedule.step(mb_index=index, target=target, return_outputs=False)
             self.last_backward.end_batch()
             loss = self._finish(ctx.losses) + self._aux_mean(ctx)

@@ -16,6 +16,8 @@ total of one step), the bytes the pipeline receive buffers hold, and the peak of
 
 - the gathered inputs (tp2 + sp, bf16-mixed, batches of 2 and 4): before each block's two entry inputs whole,
   after this rank's half of each, the planner within 5% of the after.
+- the sends of the multi-stage schedules (pp2 interleaved 1F1B, fp32, M = 4, 8): before every send kept to the
+  step's end (the peak grows three hidden states a micro-batch), after a stage's outputs gone with its backward.
 
 Counted, never timed.
 """
@@ -135,3 +137,24 @@ def test_gathered_inputs_are_held_as_the_rank_s_slice(held: list[dict], batch: i
         assert before["total"] - after["total"] == gathered - gathered // tp, (rank, before, after)
         assert after["total"] == pytest.approx(planned[rank].activations, rel=TOLERANCE), (rank, after)
         assert before["total"] != pytest.approx(planned[rank].activations, rel=TOLERANCE)  # negative control
+
+
+@pytest.mark.timeout(600)
+def test_a_stage_s_sent_outputs_go_with_its_backward(held: list[dict]) -> None:
+    """pp2 interleaved 1F1B (two stages a rank), fp32, M = 4 and 8: torch's runtime keeps every send until the
+    step ends, three hidden states a micro-batch on either rank (rank 0: the outputs of stages 0 and 2 and the
+    input gradient of stage 2; rank 1: stage 1's output and the input gradients of stages 1 and 3), so the peak
+    grows with M (the negative control). With the sends let go once known complete (``pipeline/send_release.py``),
+    the outputs go at their stage's backward: on gloo, whose sends report completion only once waited on, the
+    input gradients still stay to the step's end (on NCCL they go as they complete)."""
+    hidden = SEQ_LEN * 64 * 4
+    for rank, results in enumerate(held):
+        growth = {k: results[f"sends_M8_{k}"]["allocator_peak"] - results[f"sends_M4_{k}"]["allocator_peak"]
+                  for k in ("before", "after")}  # fmt: skip
+        assert growth["before"] >= 4 * 3 * hidden, (rank, growth)  # three sends a micro-batch kept
+        assert growth["after"] <= growth["before"] - 4 * hidden, (rank, growth)  # at least the outputs go
+        assert results["sends_M8_after"]["sends_released"] > 0 == results["sends_M8_before"]["sends_released"]
+        for m in (4, 8):
+            assert (
+                results[f"sends_M{m}_after"]["peak"] == results[f"sends_M{m}_before"]["peak"]
+            )  # same saved tensors

@@ -51,6 +51,12 @@ for _m in (2, 4):
                                        "bf16-mixed", _m, None if _on else "casts")  # fmt: skip
         RUNS[f"buffers_M{_m}_{_tag}"] = (PIPE, {"pipeline_parallel": 2, "micro_batches": _m}, "32-true", _m,
                                          None if _on else "buffers")  # fmt: skip
+for _m in (4, 8):  # two stages a rank: torch's runtime keeps every send until the step ends
+    for _on in (False, True):
+        _tag = "after" if _on else "before"
+        RUNS[f"sends_M{_m}_{_tag}"] = (PIPE, {"pipeline_parallel": 2, "micro_batches": _m,
+                                              "pipeline_schedule": "interleaved_1f1b"}, "32-true", _m,
+                                       None if _on else "sends")  # fmt: skip
 for _b in (2, 4):
     for _on in (False, True):
         _tag = "after" if _on else "before"
@@ -101,7 +107,7 @@ class Recorder(L.Callback):
     """Switches the term off (before), watches the last step with :class:`LiveBytes`, reads the buffers."""
 
     def __init__(self, switch_off: str | None) -> None:
-        self.switch_off, self.allocator_peak, self.buffers = switch_off, 0, 0
+        self.switch_off, self.allocator_peak, self.buffers, self.sends_released = switch_off, 0, 0, 0
         self.mode: LiveBytes | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -112,6 +118,8 @@ class Recorder(L.Callback):
                 stage.receive_buffers.enabled = False
         if self.switch_off == "regather":
             trainer.strategy.regather.enabled = False
+        if self.switch_off == "sends":
+            trainer.strategy.pipeline_runner.sends.enabled = False
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step == STEPS - 1:
@@ -122,6 +130,8 @@ class Recorder(L.Callback):
         if self.mode is not None:
             self.mode.__exit__(None, None, None)
             self.allocator_peak, self.mode = self.mode.peak, None
+            runner = trainer.strategy.pipeline_runner
+            self.sends_released = runner.sends.released if runner is not None else 0
             self.buffers = sum(s.receive_buffers.peak_bytes if s.receive_buffers.enabled else receive_buffer_bytes(s)
                                for s in trainer.strategy.pipeline_stages)  # fmt: skip
 
@@ -146,6 +156,7 @@ def main(out_dir: Path) -> None:
         results[name] = {
             "peak": monitor.steps[-1].peak, "total": monitor.steps[-1].total, "buffers": recorder.buffers,
             "allocator_peak": recorder.allocator_peak, "batch": batch, "sequence": SEQ_LEN,
+            "sends_released": recorder.sends_released,
         }  # fmt: skip
     (out_dir / f"memory_terms.rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
 
