@@ -144,11 +144,11 @@ def test_predicted_memory_equals_what_each_rank_holds(tmp_path: Path) -> None:
         > 1.5 * first.activations_per_micro_batch * first.in_flight
     )
     # ... and interleaved 1F1B's warm-up spread evenly over the rank's two stages (the planner before) misses rank 0
-    interleaved, ranks = _predicted("pp2_interleaved")
+    interleaved, ranks = _predicted("pp2_interleaved_1f1b")
     p, v = interleaved.pipeline_parallel, interleaved.pipeline_virtual_stages
     warmup = (v - 1) * p + 2 * (p - 1) + 1  # rank 0's chunk-forwards in flight
     even = -(-warmup // v) * _for_rank(interleaved, ranks, 0).activations_per_micro_batch
-    assert even > 1.15 * measured[0]["pp2_interleaved"]["activation_peaks"][-1]
+    assert even > 1.15 * measured[0]["pp2_interleaved_1f1b"]["activation_peaks"][-1]
     tp_layout, _ = _predicted("tp2_sp")
     _, wrong = _predicted(
         "tp2_sp", replace(tp_layout, tensor_parallel=1, sequence_parallel=False, data_parallel=2)

@@ -34,38 +34,16 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "dp2_selective": ("hf_llama", {}, {"activation_checkpointing": "selective"}),
     "tp2": ("hf_llama", {}, {"tensor_parallel": 2}),
     "tp2_sp": ("recipe_gpt", {"optimizer": "adamw"}, {"tensor_parallel": 2, "sequence_parallel": True}),
-    "pp2_1f1b": (
-        "recipe_gpt",
-        {"optimizer": "adamw", "n_layer": 4},
-        {"pipeline_parallel": 2, "micro_batches": 4},
-    ),
-    "pp2_gpipe": (
-        "recipe_gpt",
-        {"optimizer": "adamw", "n_layer": 4},
-        {"pipeline_parallel": 2, "micro_batches": 4, "pipeline_schedule": "gpipe"},
-    ),
-    # two stages per rank: rank 0 holds more micro-batches of its first stage than of its second at the peak
-    "pp2_interleaved": (
-        "recipe_gpt",
-        {"optimizer": "adamw", "n_layer": 8},
-        {"pipeline_parallel": 2, "micro_batches": 4, "pipeline_schedule": "interleaved_1f1b"},
-    ),
-    # the zero-bubble schedules: a micro-batch's saved tensors stay until its weight pass
-    "pp2_zbv": (
-        "recipe_gpt",
-        {"optimizer": "adamw", "n_layer": 8},
-        {"pipeline_parallel": 2, "micro_batches": 4, "pipeline_schedule": "zbv"},
-    ),
-    "pp2_interleaved_zero_bubble": (
-        "recipe_gpt",
-        {"optimizer": "adamw", "n_layer": 8},
-        {"pipeline_parallel": 2, "micro_batches": 4, "pipeline_schedule": "interleaved_zero_bubble"},
-    ),
-    "pp2_dualpipev": (
-        "recipe_gpt",
-        {"optimizer": "adamw", "n_layer": 8},
-        {"pipeline_parallel": 2, "micro_batches": 4, "pipeline_schedule": "dualpipev"},
-    ),
+    # one stage a rank; two (8 blocks): interleaved 1F1B's rank 0 holds more micro-batches of its first stage than
+    # of its second at the peak, and under the zero-bubble schedules a micro-batch stays until its weight pass
+    **{
+        f"pp2_{schedule}": (
+            "recipe_gpt",
+            {"optimizer": "adamw", "n_layer": 4 if schedule in ("1f1b", "gpipe") else 8},
+            {"pipeline_parallel": 2, "micro_batches": 4, "pipeline_schedule": schedule},
+        )
+        for schedule in ("1f1b", "gpipe", "interleaved_1f1b", "zbv", "interleaved_zero_bubble", "dualpipev")
+    },
     "ep2": ("recipe_moe", {}, {"expert_parallel": 2}),
     # each tensor rank routes its slice of the sequence through whole experts
     "tp2_sp_moe": ("hf_mixtral", {}, {"tensor_parallel": 2, "sequence_parallel": True}),
