@@ -173,7 +173,8 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "pipeline/send_release.py",
         "(wrapped while a step runs)",
         ("2.13.0",),
-        note="feature-detected: absent, a step's sends stay until its end as torch keeps them",
+        note="feature-detected: absent, a step's sends stay until its end as torch keeps them; the same call"
+        " (send_ops.append(_batch_p2p(...)), waited at the step's end) read in earlier releases, not run on 2.11",
     ),
     # ---- collectives, checkpoints, build
     PrivateApi("torch.distributed.utils:_sync_module_states", "parallelize/recipe.py", "sync_module_states"),
