@@ -62,12 +62,22 @@ def _bytes(layout: Layout) -> tuple[int, int]:
     return activation, residual
 
 
-def _norm_bytes(block: BlockShape, hidden: int, residual: int) -> float:
+def _stored(nbytes: float, layout: Layout) -> float:
+    """Bytes an element of a floating-point tensor saved for backward takes as the saver stores it
+    (``activation_compression``: bf16 halves fp32, fp8 keeps one byte; ``memory/stored.py``)."""
+    if layout.activation_compression == "bf16":
+        return min(nbytes, 2)
+    if layout.activation_compression == "fp8":
+        return min(nbytes, 1)
+    return nbytes
+
+
+def _norm_bytes(block: BlockShape, hidden: int, residual: float, statistic: float = 4) -> float:
     """Input, statistics and (a norm written in Python) the normalised copy, per token: probed where it could be."""
     if block.norm_saved is not None:
         elements, other = block.norm_saved
         return elements * residual + other
-    return hidden * residual * (1 if block.norm_fused else 2) + block.norm_statistics * 4
+    return hidden * residual * (1 if block.norm_fused else 2) + block.norm_statistics * statistic
 
 
 def projection_outputs(block: BlockShape, q: float, kv: float, ffn: float) -> list[float]:
@@ -91,6 +101,9 @@ def block_bytes_per_token(
     """
     tp = layout.tensor_parallel
     act, residual = _bytes(layout)
+    # what the saver stores (compression); a gathered input kept as a slice and selective recomputation's kept
+    # outputs are stored as they are
+    kept, kept_residual, statistic = _stored(act, layout), _stored(residual, layout), _stored(4, layout)
     sp = tp if layout.sequence_parallel else 1
     # k/v heads fewer than ranks: each rank keeps one whole head (plans/auto.py's row layouts)
     kv = max(block.kv_heads // tp, 1) * block.head_dim if block.kv_heads else block.kv_width / tp
@@ -99,34 +112,37 @@ def block_bytes_per_token(
     ffn = block.ffn_hidden / tp
     experts = block.top_k if block.num_experts else 1
     if mode == "full":
-        return h * residual / sp
-    if mode == "selective":  # block input; outputs of matmuls and attention kernels
+        return h * kept_residual / sp
+    if (
+        mode == "selective"
+    ):  # block input (saved); outputs of matmuls and attention kernels (kept as they are)
         router = block.num_experts * 4 if block.num_experts else 0
         kernel = q * act + heads * 4  # the attention kernel's output and log-sum-exp
         if layout.activation_checkpointing_policy == "ops_alternate_matmuls" and not block.num_experts:
-            return h * residual / sp + kernel + sum(projection_outputs(block, q, kv, ffn)[::2]) * act
+            return h * kept_residual / sp + kernel + sum(projection_outputs(block, q, kv, ffn)[::2]) * act
         attention = (q + 2 * kv) * act + kernel + h * act
         mlp = ((2 if block.gated else 1) * ffn + h) * act * experts
-        return h * residual / sp + attention + mlp + router
-    norms = block.norms * _norm_bytes(block, h, residual) / sp
+        return h * kept_residual / sp + attention + mlp + router
+    norms = block.norms * _norm_bytes(block, h, kept_residual, statistic) / sp
     # Each projection keeps its input; under autocast a 16-bit copy of it, one shared by all reading it;
-    # gathered over the sequence shards (sp), this rank's slice of it.
+    # gathered over the sequence shards (sp), this rank's slice of it (stored as it is: never compressed).
     entry = h / (sp if sliced_inputs else 1)
-    attention = entry * act + (q + 2 * kv) * act + q * act  # entry input(s), q|k|v, exit input
+    entry_bytes = entry * (act if sp > 1 else kept)
+    attention = entry_bytes + (q + 2 * kv) * kept + q * kept  # entry input(s), q|k|v, exit input
     if layout.attention == "flash" and block.attention == "flash":  # output laid out as the exit reads it
-        attention += heads * 4  # log-sum-exp
+        attention += heads * statistic  # log-sum-exp
     else:
-        attention += heads * layout.sequence_length * act + q * act  # softmax scores, the output
+        attention += heads * layout.sequence_length * kept + q * kept  # softmax scores, the output
     if block.mlp_saved is not None and not block.num_experts:  # probed: its input, the rest of inner width
         elements, other = block.mlp_saved
-        return norms + attention + (entry + (elements - h) / tp) * act + other / tp
-    mlp = ((4 if block.gated else 2) * ffn) * act
+        return norms + attention + entry_bytes + (elements - h) / tp * kept + other / tp
+    mlp = ((4 if block.gated else 2) * ffn) * kept
     if block.num_experts:  # experts are whole on every tensor rank (plans/auto.py): their width is not split
         # per routed copy: its input, the expert's terms, its output and the weighted output
-        mlp = (4 if block.gated else 2) * block.ffn_hidden * act
-        mlp = (mlp + 3 * h * act) * experts + h * act + block.num_experts * 16  # + router input, scores
+        mlp = (4 if block.gated else 2) * block.ffn_hidden * kept
+        mlp = (mlp + 3 * h * kept) * experts + h * kept + block.num_experts * 16  # + router input, scores
         mlp /= sp  # under sequence parallelism each rank routes its slice of the sequence (plans/auto.py)
-    return norms + attention + (h / sp if block.num_experts else entry) * act + mlp
+    return norms + attention + (h / sp * kept if block.num_experts else entry_bytes) + mlp
 
 
 @dataclass(frozen=True)
@@ -202,7 +218,11 @@ def stage_activation_bytes(
     if last:  # final norm, head input, what the loss keeps: of this rank's tokens (under context parallelism
         # too: context_parallel/local_tokens.py runs the head and the loss on each rank's tokens)
         norm = shape.blocks[-1]
-        exit_bytes = _norm_bytes(norm, shape.hidden, residual) / sp + shape.hidden * act
+        kept_residual, statistic = _stored(residual, layout), _stored(4, layout)
+        head_input = shape.hidden * (
+            act if sp > 1 else _stored(act, layout)
+        )  # gathered under sp: a slice, kept
+        exit_bytes = _norm_bytes(norm, shape.hidden, kept_residual, statistic) / sp + head_input
         per_token += exit_bytes + loss_bytes_per_token(shape, layout)
     working = 0.0
     if mode and blocks:
@@ -218,8 +238,9 @@ def loss_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
     as the head made them, one fp32 log-sum-exp and the target's place (``tensor_parallel/vocab_loss.py``);
     with ``loss_parallel=True``, torch's fp32 log-probabilities of the shard."""
     tp, vocab = layout.tensor_parallel, shape.vocab_size
+    fp32 = _stored(4, layout)
     if tp == 1 or vocab % tp or layout.loss_parallel is False:
-        return vocab * 4.0
+        return vocab * fp32
     if layout.loss_parallel:
-        return vocab / tp * 4.0
-    return vocab / tp * _bytes(layout)[0] + _SHARDED_LOSS_PER_TOKEN
+        return vocab / tp * fp32
+    return vocab / tp * _stored(_bytes(layout)[0], layout) + _SHARDED_LOSS_PER_TOKEN - 4 + fp32

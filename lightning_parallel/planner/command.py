@@ -52,6 +52,12 @@ def add_planner_arguments(plan: argparse.ArgumentParser) -> None:
         default=None,
         help="with selective: keep every matmul output (ops) or every second projection's (ops_alternate_matmuls)",
     )
+    group.add_argument(
+        "--activation-compression",
+        choices=("bf16", "fp8"),
+        default=None,
+        help="store the activations saved for backward in 2 or 1 bytes an element",
+    )
     group.add_argument("--precision", choices=sorted(PRECISIONS), default=None, help="default bf16-mixed")
     group.add_argument(
         "--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)"
@@ -110,6 +116,7 @@ def layout_from_arguments(args: argparse.Namespace, strategy: dict[str, Any], tp
         activation_checkpointing_policy=_policy(
             pick(args.activation_checkpointing_policy, "activation_checkpointing_policy", None)
         ),
+        activation_compression=pick(args.activation_compression, "activation_compression", None),
         precision=args.precision or str(strategy.get("_precision") or "bf16-mixed"),
         micro_batch_size=args.micro_batch_size,
         sequence_length=args.sequence_length or 2048,

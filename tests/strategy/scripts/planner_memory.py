@@ -44,6 +44,20 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         )
         for schedule in ("1f1b", "gpipe", "interleaved_1f1b", "zbv", "interleaved_zero_bubble", "dualpipev")
     },
+    # saved tensors compressed: fp32 to bf16 (the GPT), to fp8 (Llama, its Python norms probed); under sp the
+    # gathered inputs kept as slices are not compressed; across stages
+    "dp2_bf16_compression": ("recipe_gpt", {"optimizer": "adamw"}, {"activation_compression": "bf16"}),
+    "dp2_fp8_compression": ("hf_llama", {}, {"activation_compression": "fp8"}),
+    "tp2_sp_bf16_compression": (
+        "recipe_gpt",
+        {"optimizer": "adamw"},
+        {"tensor_parallel": 2, "sequence_parallel": True, "activation_compression": "bf16"},
+    ),
+    "pp2_1f1b_fp8_compression": (
+        "recipe_gpt",
+        {"optimizer": "adamw", "n_layer": 4},
+        {"pipeline_parallel": 2, "micro_batches": 4, "activation_compression": "fp8"},
+    ),
     "ep2": ("recipe_moe", {}, {"expert_parallel": 2}),
     # each tensor rank routes its slice of the sequence through whole experts
     "tp2_sp_moe": ("hf_mixtral", {}, {"tensor_parallel": 2, "sequence_parallel": True}),
