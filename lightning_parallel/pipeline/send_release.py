@@ -6,8 +6,8 @@ of the step, and a ``Work`` keeps the tensor it sends: each micro-batch's stage 
 on every stage of the rank, stay alive until the step ends. Measured on two CPU ranks with two stages each
 (``tests/strategy/test_memory_terms.py``): the peak grew by three hidden states per micro-batch under
 interleaved 1F1B, two under ZB-V; on Llama 3 70B's interleaved layout (M = 64, five stages a rank, a hidden
-state an fp32 sequence-parallel slice of 64 MiB) 576 of them, 36 GiB, by the step's end. Megatron waits on its sends at
-the next exchange.
+state an fp32 sequence-parallel slice of 64 MiB) 576 of them, 36 GiB, by the step's end. Megatron waits on its
+sends at the next exchange.
 
 :class:`SendRelease` wraps, while a step runs, the schedule module's batching of point-to-point operations and
 each stage's making of its forward sends, and lets a batch of sends go (waits on it, which raises a failed send's
@@ -19,9 +19,8 @@ as before) at the first exchange after it is known complete:
 - any batch whose every ``Work`` reports completion (NCCL's do as their kernels finish; gloo's only once
   waited on, so on a CPU the input gradients a stage sends stay until the step's end, as in torch).
 
-A batch already complete is not waited on again (gloo's sends hang on a second wait).
-
-Nothing is waited on before it has completed, so no rank blocks on a peer that has not posted its receive.
+A batch already reported complete is not waited on again (gloo's sends hang on a second wait), and nothing is
+waited on before it is known complete, so no rank blocks on a peer that has not posted its receive.
 """
 
 from __future__ import annotations
