@@ -150,7 +150,9 @@ class ActivationEstimate:
     """Activation bytes of one pipeline stage (the whole model without stages) on one rank."""
 
     per_micro_batch: float
-    """Held for backward by one micro-batch's forward."""
+    """Held for backward by one micro-batch's forward, on the device."""
+    host_per_micro_batch: float
+    """Held for backward in host memory by one micro-batch's forward (``activation_offload``)."""
     recompute_working_set: float
     """Extra bytes during one block's recomputation (checkpointing): that block's full activations."""
 
@@ -212,7 +214,15 @@ def stage_activation_bytes(
     act, residual = _bytes(layout)
     tp = layout.tensor_parallel
     sp = tp if layout.sequence_parallel else 1
-    per_token = sum(block_bytes_per_token(shape.blocks[i], layout, mode) for i in blocks)
+    per_block = [block_bytes_per_token(shape.blocks[i], layout, mode) for i in blocks]
+    per_token = sum(per_block)
+    host = 0.0
+    if layout.activation_offload and len(per_block) > 1:  # the last block (and what follows it) stays
+        stays = [
+            _stays_on_device(shape.blocks[i], layout, mode, whole)
+            for i, whole in zip(blocks, per_block, strict=True)
+        ]
+        host = sum(per_block[:-1]) - sum(stays[:-1])
     if first:
         per_token += _INDEX_BYTES
     if last:  # final norm, head input, what the loss keeps: of this rank's tokens (under context parallelism
@@ -229,7 +239,23 @@ def stage_activation_bytes(
         working = (
             max(block_bytes_per_token(shape.blocks[i], layout, sliced_inputs=False) for i in blocks) * tokens
         )
-    return ActivationEstimate(per_token * tokens, working)
+    return ActivationEstimate((per_token - host) * tokens, host * tokens, working)
+
+
+def _stays_on_device(block: BlockShape, layout: Layout, mode: str | None, whole: float) -> float:
+    """What of ``whole``, one token's bytes of ``block``, the offloading saver leaves on the device: the gathered
+    inputs kept as slices (no checkpointing, a dense block, sequence parallelism) and what selective
+    recomputation keeps outside saved tensors (all but the block input)."""
+    tp = layout.tensor_parallel
+    sp = tp if layout.sequence_parallel else 1
+    if mode == "full":
+        return 0.0
+    if mode == "selective":
+        _, residual = _bytes(layout)
+        return whole - block.hidden * _stored(residual, layout) / sp
+    if sp > 1 and not block.num_experts:  # the attention's and the MLP's entry inputs, a slice each
+        return 2 * block.hidden / sp * _bytes(layout)[0]
+    return 0.0
 
 
 def loss_bytes_per_token(shape: ModelShape, layout: Layout) -> float:

@@ -58,6 +58,12 @@ def add_planner_arguments(plan: argparse.ArgumentParser) -> None:
         default=None,
         help="store the activations saved for backward in 2 or 1 bytes an element",
     )
+    group.add_argument(
+        "--activation-offload",
+        action="store_true",
+        default=None,
+        help="keep the activations saved for backward in host memory (all but each micro-batch's last block)",
+    )
     group.add_argument("--precision", choices=sorted(PRECISIONS), default=None, help="default bf16-mixed")
     group.add_argument(
         "--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)"
@@ -116,6 +122,7 @@ def layout_from_arguments(args: argparse.Namespace, strategy: dict[str, Any], tp
         activation_checkpointing_policy=_policy(
             pick(args.activation_checkpointing_policy, "activation_checkpointing_policy", None)
         ),
+        activation_offload=bool(pick(args.activation_offload, "activation_offload", False)),
         activation_compression=pick(args.activation_compression, "activation_compression", None),
         precision=args.precision or str(strategy.get("_precision") or "bf16-mixed"),
         micro_batch_size=args.micro_batch_size,

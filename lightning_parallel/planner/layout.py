@@ -81,6 +81,10 @@ class Layout:
     loss_parallel: bool | None = None
     """The strategy's ``loss_parallel``: None (default) and True keep the loss on the vocabulary shards of a
     sharded head (``tensor_parallel/vocab_loss.py``); False gathers the logits for it."""
+    activation_offload: bool = False
+    """The strategy's ``activation_offload``: the tensors saved for backward wait in host memory, but for each
+    micro-batch the last block's (and the head's after it), the gathered inputs kept as slices and what
+    selective recomputation keeps (``memory/saved_tensors.py``)."""
     activation_compression: str | None = None
     """The strategy's ``activation_compression``: ``"bf16"`` or ``"fp8"`` stores the floating-point tensors
     saved for backward in 2 or 1 bytes an element (not the gathered inputs kept as slices, nor what selective
@@ -137,8 +141,9 @@ class Layout:
             parts.append(
                 f"ckpt:{self.activation_checkpointing}" + ("(alternate matmuls)" if alternate else "")
             )
-        if self.activation_compression:
-            parts.append(f"saved:{self.activation_compression}")
+        if self.activation_compression or self.activation_offload:
+            where = "host" if self.activation_offload else ""
+            parts.append("saved:" + "+".join(x for x in (self.activation_compression, where) if x))
         parts.append(f"mbs{self.micro_batch_size}")
         return " ".join(parts)
 
@@ -317,6 +322,7 @@ def strategy_arguments(layout: Layout) -> StrategyArguments:
         ),  # type: ignore[arg-type]
         loss_parallel=layout.loss_parallel,
         compile=layout.compile,
+        activation_offload=layout.activation_offload,
         activation_compression=layout.activation_compression,  # type: ignore[arg-type]
     )
 

@@ -60,6 +60,9 @@ class RankMemory:
     parameters_host: int = 0
     gradients_host: int = 0
     optimizer_host: int = 0
+    activations_host: int = 0
+    """Activations waiting in host memory at the schedule's peak (``activation_offload``)."""
+    activations_host_per_micro_batch: int = 0
     update_host: int = 0
     """What a deferred host update holds beside the offloaded states (``offload_update`` other than ``"exact"``:
     :func:`deferred_update_bytes`)."""
@@ -78,7 +81,13 @@ class RankMemory:
 
     @property
     def host_total(self) -> int:
-        return self.parameters_host + self.gradients_host + self.optimizer_host + self.update_host
+        return (
+            self.parameters_host
+            + self.gradients_host
+            + self.optimizer_host
+            + self.update_host
+            + self.activations_host
+        )
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -235,6 +244,8 @@ def _add_activations(
     }
     held = held_at_peak(layout, pp_rank, {s: e.per_micro_batch for s, e in estimates.items()})
     total = sum(e.per_micro_batch * held[s] for s, e in estimates.items())
+    rank.activations_host = int(sum(e.host_per_micro_batch * held[s] for s, e in estimates.items()))
+    rank.activations_host_per_micro_batch = int(sum(e.host_per_micro_batch for e in estimates.values()))
     total += estimates[mine[0]].recompute_working_set if mine else 0
     per_micro_batch = sum(e.per_micro_batch for e in estimates.values())
     rank.in_flight = max(held.values(), default=1)

@@ -58,6 +58,24 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         {"optimizer": "adamw", "n_layer": 4},
         {"pipeline_parallel": 2, "micro_batches": 4, "activation_compression": "fp8"},
     ),
+    # saved tensors in host memory but each micro-batch's last block: plain, under sp (slices stay), selective
+    # (its kept outputs stay), across stages
+    "dp2_offload": ("recipe_gpt", {"optimizer": "adamw", "n_layer": 4}, {"activation_offload": True}),
+    "tp2_sp_offload": (
+        "recipe_gpt",
+        {"optimizer": "adamw", "n_layer": 4},
+        {"tensor_parallel": 2, "sequence_parallel": True, "activation_offload": True},
+    ),
+    "dp2_selective_offload": (
+        "hf_llama",
+        {},
+        {"activation_checkpointing": "selective", "activation_offload": True},
+    ),
+    "pp2_1f1b_offload": (
+        "recipe_gpt",
+        {"optimizer": "adamw", "n_layer": 8},
+        {"pipeline_parallel": 2, "micro_batches": 4, "activation_offload": True},
+    ),
     "ep2": ("recipe_moe", {}, {"expert_parallel": 2}),
     # each tensor rank routes its slice of the sequence through whole experts
     "tp2_sp_moe": ("hf_mixtral", {}, {"tensor_parallel": 2, "sequence_parallel": True}),
@@ -157,6 +175,7 @@ def main(out_dir: Path) -> None:
             "activations": [step.total for step in monitor.steps],
             "activation_peaks": [step.peak for step in monitor.steps],
             "alive_after_step": [step.alive_after_step for step in monitor.steps],
+            "offloaded": [step.offloaded for step in monitor.steps],
             "degrees": trainer.strategy.dims.degrees if trainer.strategy.dims else None,
         }
     (out_dir / f"planner_memory.rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
