@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 _INDEX_BYTES = 8  # token ids kept by the embedding lookup
-_SHARDED_LOSS_PER_TOKEN = 4 + 8 + 1 + 1  # log-sum-exp, local target index, on-this-rank and valid flags
+_SHARDED_LOSS_INDICES = 8 + 1 + 1  # per token: the local target index, the on-this-rank and valid flags
 
 
 def _bytes(layout: Layout) -> tuple[int, int]:
@@ -112,17 +112,18 @@ def block_bytes_per_token(
     ffn = block.ffn_hidden / tp
     experts = block.top_k if block.num_experts else 1
     if mode == "full":
-        return h * kept_residual / sp
-    if (
-        mode == "selective"
-    ):  # block input (saved); outputs of matmuls and attention kernels (kept as they are)
+        return _block_input(block, layout)
+    if mode == "selective":
+        # block input (saved); outputs of matmuls and attention kernels (kept as they are)
         router = block.num_experts * 4 if block.num_experts else 0
         kernel = q * act + heads * 4  # the attention kernel's output and log-sum-exp
         if layout.activation_checkpointing_policy == "ops_alternate_matmuls" and not block.num_experts:
-            return h * kept_residual / sp + kernel + sum(projection_outputs(block, q, kv, ffn)[::2]) * act
+            return (
+                _block_input(block, layout) + kernel + sum(projection_outputs(block, q, kv, ffn)[::2]) * act
+            )
         attention = (q + 2 * kv) * act + kernel + h * act
         mlp = ((2 if block.gated else 1) * ffn + h) * act * experts
-        return h * kept_residual / sp + attention + mlp + router
+        return _block_input(block, layout) + attention + mlp + router
     norms = block.norms * _norm_bytes(block, h, kept_residual, statistic) / sp
     # Each projection keeps its input; under autocast a 16-bit copy of it, one shared by all reading it;
     # gathered over the sequence shards (sp), this rank's slice of it (stored as it is: never compressed).
@@ -229,9 +230,8 @@ def stage_activation_bytes(
         # too: context_parallel/local_tokens.py runs the head and the loss on each rank's tokens)
         norm = shape.blocks[-1]
         kept_residual, statistic = _stored(residual, layout), _stored(4, layout)
-        head_input = shape.hidden * (
-            act if sp > 1 else _stored(act, layout)
-        )  # gathered under sp: a slice, kept
+        # gathered under sp: a slice, kept as it is
+        head_input = shape.hidden * (act if sp > 1 else _stored(act, layout))
         exit_bytes = _norm_bytes(norm, shape.hidden, kept_residual, statistic) / sp + head_input
         per_token += exit_bytes + loss_bytes_per_token(shape, layout)
     working = 0.0
@@ -246,16 +246,24 @@ def _stays_on_device(block: BlockShape, layout: Layout, mode: str | None, whole:
     """What of ``whole``, one token's bytes of ``block``, the offloading saver leaves on the device: the gathered
     inputs kept as slices (no checkpointing, a dense block, sequence parallelism) and what selective
     recomputation keeps outside saved tensors (all but the block input)."""
-    tp = layout.tensor_parallel
-    sp = tp if layout.sequence_parallel else 1
     if mode == "full":
         return 0.0
     if mode == "selective":
-        _, residual = _bytes(layout)
-        return whole - block.hidden * _stored(residual, layout) / sp
-    if sp > 1 and not block.num_experts:  # the attention's and the MLP's entry inputs, a slice each
-        return 2 * block.hidden / sp * _bytes(layout)[0]
+        return whole - _block_input(block, layout)
+    if layout.sequence_parallel and layout.tensor_parallel > 1 and not block.num_experts:
+        return 2 * _entry_slice(block, layout)  # the attention's and the MLP's entry inputs
     return 0.0
+
+
+def _block_input(block: BlockShape, layout: Layout) -> float:
+    """One token's bytes of a block's input as saved: the residual stream (this rank's slice under sp)."""
+    sp = layout.tensor_parallel if layout.sequence_parallel else 1
+    return block.hidden * _stored(_bytes(layout)[1], layout) / sp
+
+
+def _entry_slice(block: BlockShape, layout: Layout) -> float:
+    """One token's bytes of an entry's gathered input kept as this rank's slice (sp): stored as it is."""
+    return block.hidden / layout.tensor_parallel * _bytes(layout)[0]
 
 
 def loss_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
@@ -269,4 +277,5 @@ def loss_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
         return vocab * fp32
     if layout.loss_parallel:
         return vocab / tp * fp32
-    return vocab / tp * _stored(_bytes(layout)[0], layout) + _SHARDED_LOSS_PER_TOKEN - 4 + fp32
+    # the shard's logits, a log-sum-exp, the target's place
+    return vocab / tp * _stored(_bytes(layout)[0], layout) + fp32 + _SHARDED_LOSS_INDICES

@@ -63,6 +63,7 @@ class RankMemory:
     activations_host: int = 0
     """Activations waiting in host memory at the schedule's peak (``activation_offload``)."""
     activations_host_per_micro_batch: int = 0
+    """Held in host memory by one micro-batch's forward, summed over this rank's stages."""
     update_host: int = 0
     """What a deferred host update holds beside the offloaded states (``offload_update`` other than ``"exact"``:
     :func:`deferred_update_bytes`)."""
