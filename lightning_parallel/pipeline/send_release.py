@@ -94,9 +94,8 @@ class SendRelease:
         for works, forward in self._pending:
             completed = all(work.is_completed() for work in works)
             if completed or (forward is not None and forward.answered()):
-                if (
-                    not completed
-                ):  # gloo: done, but reported so only once waited on (a second wait would hang)
+                # gloo's: done, but reported so only once waited on (a second wait would hang)
+                if not completed:
                     for work in works:
                         work.wait()
                 works.clear()  # the list torch keeps: its Works, and the tensors they hold, go now
