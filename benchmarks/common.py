@@ -11,10 +11,12 @@ one gloo process group the rank opened with :func:`init_process_group`.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import platform
+import shutil
 import signal
 import socket
 import statistics
@@ -306,6 +308,8 @@ def launch(module: str, args: Sequence[str], nprocs: int, timeout_s: float = 600
                     _report(out, f"rank {failed[0]} exited with status {codes[failed[0]]}", nprocs)
                 )
             if all(c == 0 for c in codes):
+                # read by the caller, then not needed: gone when its process ends (kept, and named, on failure)
+                atexit.register(shutil.rmtree, out, ignore_errors=True)
                 return out
             if time.monotonic() > deadline:
                 raise RuntimeError(_report(out, f"timed out after {timeout_s:.0f} s", nprocs))

@@ -16,7 +16,9 @@ innermost pair receives every saved tensor, so offload and compression must be o
   not allocated per storage per step. Copies back are prefetched one block ahead: the first activation
   the backward pass unpacks from block ``i`` starts the copies of block ``i - 1``'s. The last block's
   activations (and the head's after it) are not offloaded: backward needs them first, so they would
-  come back at once, with nothing to overlap. On a CPU-only machine host and device are the same
+  come back at once, with nothing to overlap. Under pipeline stages "block ``i``" is a block of one
+  stage's forward of one micro-batch (:data:`BlockGroup`): a rank holding two stages keeps each stage's
+  last block, and never prefetches another micro-batch's or stage's activations early. On a CPU-only machine host and device are the same
   memory: the copies still run (so the code path is the one a GPU runs), they just save nothing.
 
 Parameters (weights saved by matmuls) are never touched, and neither are their casts: under
@@ -31,7 +33,7 @@ same placements.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -63,13 +65,26 @@ from lightning_parallel.memory.stored import (
 __all__ = ["COMPRESSIONS", "ActivationSaver", "compress", "decompress", "saved_tensors_context"]
 
 
+# (stage, forward of that stage, block position in the stage; -1 before its first block): where a saved
+# activation was made. The forward is the micro-batch under pipeline stages, else a count of the stage's forwards.
+BlockGroup = tuple[int, int, int]
+# (stage, micro-batch) whose forward runs now, or None outside one (a recomputation in backward)
+RunningForward = Callable[[], "tuple[int, int] | None"]
+
+
 class _Kept:
     """A saved tensor left on the device whose unpacking still starts the prefetch of the block before."""
 
     __slots__ = ("tensor", "group")
 
-    def __init__(self, tensor: torch.Tensor, group: int) -> None:
+    def __init__(self, tensor: torch.Tensor, group: BlockGroup) -> None:
         self.tensor, self.group = tensor, group
+
+
+def _before(group: BlockGroup) -> BlockGroup | None:
+    """The group the backward pass needs next within the same stage and micro-batch (None at the stage's start)."""
+    stage, forward, position = group
+    return (stage, forward, position - 1) if position >= 0 else None
 
 
 def is_parameter_cast(tensor: torch.Tensor) -> bool:
@@ -87,6 +102,10 @@ class ActivationSaver:
         parameters: the model's parameters: saved weights are left alone.
         blocks: the repeated blocks, in forward order: offloaded activations are grouped by the
             block that produced them, so the backward pass can prefetch the previous block's.
+        block_stages: under pipeline stages, the stage of each of ``blocks`` (a rank holding several
+            stages runs the model's forward once per stage, passing through the other stages' blocks).
+        running: under pipeline stages, the (stage, micro-batch) whose forward runs now; entries of
+            blocks outside one (a recomputation in backward) or of another stage's blocks are not counted.
     """
 
     def __init__(
@@ -96,6 +115,8 @@ class ActivationSaver:
         offload: bool = False,
         parameters: Sequence[torch.Tensor] = (),
         blocks: Sequence[nn.Module] = (),
+        block_stages: Sequence[int] | None = None,
+        running: RunningForward | None = None,
     ) -> None:
         if compression is not None and compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS} or None, got {compression!r}")
@@ -106,13 +127,22 @@ class ActivationSaver:
         # stored copy, and it goes with their backward (under pipeline stages the context spans the schedule:
         # held here, every micro-batch's copies stayed until the step ended).
         self._stored: dict[tuple[str, int], tuple[weakref.ref, weakref.ref[_StoredStorage]]] = {}
-        self._groups: dict[int, list[weakref.ref[_StoredStorage]]] = {}
-        self._prefetched: set[int] = set()
-        self._block_entries = 0
-        self._blocks = len(blocks)
+        self._groups: dict[BlockGroup, list[weakref.ref[_StoredStorage]]] = {}
+        self._prefetched: set[BlockGroup] = set()
+        stages = list(block_stages) if block_stages is not None else [0] * len(blocks)
+        if len(stages) != len(blocks):
+            raise ValueError(f"block_stages names {len(stages)} stages for {len(blocks)} blocks")
+        positions = [stages[:i].count(s) for i, s in enumerate(stages)]
+        self._stage_blocks = {s: stages.count(s) for s in stages}
+        self._running = running
+        self._forwards: dict[int, int] = {}  # forwards of each stage counted (without ``running``)
+        self._at: BlockGroup = (0, 0, -1)
         self._stream: Any = None
         self.buffers = HostBuffers()
-        self.handles: list[RemovableHandle] = [b.register_forward_pre_hook(self._enter_block) for b in blocks]
+        self.handles: list[RemovableHandle] = [
+            b.register_forward_pre_hook(self._entry_hook(s, position))
+            for b, s, position in zip(blocks, stages, positions)
+        ]
         self._casts: CastSaver | None = None
         self._regather: GatheredInputSaver | None = None
 
@@ -120,8 +150,27 @@ class ActivationSaver:
     def enabled(self) -> bool:
         return self.offload or self.compression is not None
 
-    def _enter_block(self, module: nn.Module, args: Any) -> None:
-        self._block_entries += 1
+    def _entry_hook(self, stage: int, position: int) -> Callable[[nn.Module, Any], None]:
+        def enter(module: nn.Module, args: Any) -> None:
+            if self._running is None:
+                if position == 0:
+                    self._forwards[stage] = self._forwards.get(stage, -1) + 1
+                self._at = (stage, self._forwards.get(stage, 0), position)
+                return
+            running = self._running()
+            if running is not None and running[0] == stage:
+                self._at = (stage, running[1], position)
+
+        return enter
+
+    def _group(self) -> BlockGroup | None:
+        """Where the tensor packed now was made; None outside a stage's forward (kept on the device)."""
+        if self._running is None:
+            return self._at
+        running = self._running()
+        if running is None:
+            return None
+        return self._at if self._at[:2] == running else (*running, -1)
 
     @contextmanager
     def context(
@@ -135,7 +184,8 @@ class ActivationSaver:
         this rank's slice, ``memory/regather.py``, never offloaded or compressed)."""
         self._groups.clear()  # the previous step's backward has finished
         self._prefetched.clear()
-        self._block_entries = 0
+        self._forwards.clear()
+        self._at = (0, 0, -1)
         self._casts, self._regather = casts, regather
         try:
             with activate(counter), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -154,9 +204,12 @@ class ActivationSaver:
             self._stream = torch.cuda.Stream(device)
         return self._stream
 
-    def _in_last_block(self) -> bool:
-        """Packing the last block's activations (or the head's after it): backward needs them first."""
-        return self._blocks > 0 and self._block_entries > 0 and self._block_entries % self._blocks == 0
+    def _stays(self, group: BlockGroup | None) -> bool:
+        """Made in a stage's last block (or its head after it), or outside a forward: backward needs it first."""
+        if group is None:
+            return True
+        stage, _, position = group
+        return position >= 0 and position == self._stage_blocks.get(stage, 0) - 1
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         key = storage_key(tensor)
@@ -181,14 +234,15 @@ class ActivationSaver:
         hit = self._stored.get(key)
         stored = hit[1]() if hit is not None and hit[0]() is not None else None
         if stored is None:
-            offload = self.offload and not self._in_last_block()
+            group = self._group()
+            offload = self.offload and not self._stays(group)
             with torch.no_grad():
                 flat = torch.empty(0, dtype=local.dtype, device=local.device).set_(storage)
                 stored = _StoredStorage(
                     flat,
                     self.compression,
                     offload=offload,
-                    group=self._block_entries,
+                    group=group if group is not None else (-1, -1, -1),
                     buffers=self.buffers,
                     stream=self._side_stream(local.device) if offload else None,
                 )
@@ -208,15 +262,15 @@ class ActivationSaver:
         if isinstance(packed, (WeightCastReference, _SavedSlice)):
             return packed.restore()
         if isinstance(packed, _Kept):
-            self._prefetch(packed.group - 1, packed.tensor.device)
+            self._prefetch(_before(packed.group), packed.tensor.device)
             return packed.tensor
         if self.offload:
-            self._prefetch(packed.stored.group - 1, packed.stored.device)
+            self._prefetch(_before(packed.stored.group), packed.stored.device)
         return packed.restore(self._side_stream(packed.stored.device) if packed.stored.offloaded else None)
 
-    def _prefetch(self, group: int, device: torch.device) -> None:
-        """Start bringing back the activations of the block before ``group`` (once per step)."""
-        if group < 0 or group in self._prefetched:
+    def _prefetch(self, group: BlockGroup | None, device: torch.device) -> None:
+        """Start bringing back the activations of ``group``, the block before the one unpacked (once per step)."""
+        if group is None or group in self._prefetched:
             return
         self._prefetched.add(group)
         stream = self._side_stream(device)

@@ -94,7 +94,7 @@ class _StoredStorage:
         compression: Compression | None,
         *,
         offload: bool,
-        group: int,
+        group: tuple[int, int, int],
         buffers: HostBuffers,
         stream: Any = None,
     ) -> None:

@@ -22,8 +22,8 @@ from lightning_parallel.memory.checkpointing import (
     apply_activation_checkpointing,
     select_modules,
 )
-from lightning_parallel.memory.saved_tensors import ActivationSaver
-from lightning_parallel.pipeline.stages import SkippedBlock, StageRuntime
+from lightning_parallel.memory.saved_tensors import ActivationSaver, RunningForward
+from lightning_parallel.pipeline.stages import SkippedBlock, StageLayout, StageRuntime
 from lightning_parallel.tensor_parallel import ParallelPlan
 
 
@@ -35,17 +35,19 @@ def apply_memory_savers(
     aux_losses: AuxLossCollector | None,
     runtime: StageRuntime | None,
     *,
+    stages: StageLayout | None = None,
     compiled: bool = False,
 ) -> ActivationSaver | None:
     """Patch the recomputed modules and build the saver; returns the saver (None without one).
 
     ``blocks`` are all the model's blocks (those other stages hold too, so "every k-th block"
-    means the same blocks under every layout); ``runtime``: the pipeline's, when cut into stages.
+    means the same blocks under every layout); ``runtime``, ``stages``: the pipeline's, when cut into stages.
     ``compiled``: the blocks are compiled next. Their recomputation then replays the traced graph, which
     reads no stage flag, and dynamo accepts no recomputation context but dispatch modes; so the
     pipeline's stage restore (needed by the eager recomputation of a gated block) is left out.
     """
-    kept = [module.get_submodule(n) for n in blocks if not isinstance(module.get_submodule(n), SkippedBlock)]
+    kept_indices = [i for i, n in enumerate(blocks) if not isinstance(module.get_submodule(n), SkippedBlock)]
+    kept = [module.get_submodule(blocks[i]) for i in kept_indices]
     notes = []
     saver = None
     if config.checkpointing is not None:
@@ -65,6 +67,8 @@ def apply_memory_savers(
             offload=config.offload,
             parameters=list(module.parameters()),
             blocks=kept,
+            block_stages=[stages.stage_of_block(i) for i in kept_indices] if stages is not None else None,
+            running=_running_forward(runtime) if runtime is not None and stages is not None else None,
         )
         notes.append(
             f"saved activations: offload={'on' if config.offload else 'off'}, compression={config.compression}"
@@ -108,6 +112,14 @@ def _check_aux_losses(
                 " recompute other modules (`activation_checkpointing='selective',"
                 " activation_checkpointing_policy=[patterns]`), or `activation_checkpointing=None`."
             )
+
+
+def _running_forward(runtime: StageRuntime) -> RunningForward:
+    def running() -> tuple[int, int] | None:
+        stage, micro_batch = runtime.active_stage, runtime.active_micro_batch
+        return None if stage is None or micro_batch is None else (stage, micro_batch)
+
+    return running
 
 
 def _pipeline_state_capture(runtime: StageRuntime) -> StateCapture:

@@ -152,6 +152,7 @@ def parallelize(
         plan,
         experts.aux_losses,
         cut.runtime if cut is not None else None,
+        stages=cut.layout if cut is not None else None,
         compiled=config.compile,
     )
     if activation_saver is not None:

@@ -160,7 +160,7 @@ class PipelineRunner:
         if ctx is None:
             raise RuntimeError("A pipeline stage ran outside a pipelined step.")
         ctx.current = mb_index
-        self.runtime.active_stage = stage
+        self.runtime.active_stage, self.runtime.active_micro_batch = stage, mb_index
         self.runtime.injected = received
         collector = self.aux_collector
         first_aux = len(collector.injected) if collector is not None else 0
@@ -171,7 +171,7 @@ class PipelineRunner:
                 finish_interrupted_forwards(self.fsdp_units, exit_.hidden)
             return exit_.hidden
         finally:
-            self.runtime.active_stage = None
+            self.runtime.active_stage = self.runtime.active_micro_batch = None
             self.runtime.injected = None
             if collector is not None and len(collector.injected) > first_aux:
                 # keyed by (stage, micro-batch): torch's shape inference may run micro-batch 0 twice

@@ -25,10 +25,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.distributed.cases import ATOL, CASES, RTOL, Case
@@ -38,6 +40,7 @@ from tests.warm_workers import WarmProcess, spawn
 
 __all__ = [
     "HarnessError",
+    "launch_fails",
     "Result",
     "assert_parity",
     "check_parity",
@@ -338,6 +341,16 @@ def _launch(
         _REFERENCES.update(ran)
         return results
     raise AssertionError("unreachable")
+
+
+@contextmanager
+def launch_fails(match: str) -> Iterator[pytest.ExceptionInfo[HarnessError]]:
+    """``pytest.raises(HarnessError, match=...)`` for a launch a test expects to fail; the folder the harness
+    keeps for a failure (logs, tracebacks) is removed once the failure was the expected one."""
+    with pytest.raises(HarnessError, match=match) as info:
+        yield info
+    if info.value.directory is not None:
+        shutil.rmtree(info.value.directory, ignore_errors=True)
 
 
 def run_cases(

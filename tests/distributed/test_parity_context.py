@@ -21,8 +21,10 @@ refused at setup, because the split would change it).
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,13 @@ FAMILIES = {"recipe_gpt": {}, "hf_llama": {}, "hf_gpt2": SDPA_GPT2}
 LAYERS = 2
 STEPS = 4
 NVME_PATH = str(Path(tempfile.gettempdir()) / f"lp-cp-nvme-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_swap_files() -> Iterator[None]:
+    """DeepSpeed's swap folder outlives the launches that wrote it: gone once this file's tests ran."""
+    yield
+    shutil.rmtree(NVME_PATH, ignore_errors=True)
 
 
 def _case(name: str, family: str, world_size: int, fields: dict | None = None, **kwargs: object) -> Case:

@@ -18,8 +18,10 @@ the CPU (tests/distributed/gpu_checks.py); its engine config before issue 33 fai
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,8 +35,15 @@ from tests.distributed.tolerance import check_low_precision, with_split_referenc
 pytestmark = [pytest.mark.distributed]
 
 ADAM = {"optimizer": "adamw"}
-# DeepSpeed swaps parameters and optimizer states into files here (removed with the temp dir).
+# DeepSpeed swaps parameters and optimizer states into files here (removed after the module's tests).
 NVME_PATH = str(Path(tempfile.gettempdir()) / f"lp-zero-nvme-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_swap_files() -> Iterator[None]:
+    """DeepSpeed's swap folder outlives the launches that wrote it: gone once this file's tests ran."""
+    yield
+    shutil.rmtree(NVME_PATH, ignore_errors=True)
 
 
 def _case(name: str, family: str, world_size: int = 2, fields: dict | None = None, **kwargs: object) -> Case:

@@ -57,7 +57,7 @@ import pytest
 
 from tests.distributed.cases import CASES as REGISTERED
 from tests.distributed.cases import Case, StrategySpec, register
-from tests.distributed.harness import HarnessError, Result, assert_parity, reference, run_cases
+from tests.distributed.harness import Result, assert_parity, launch_fails, reference, run_cases
 
 pytestmark = [pytest.mark.distributed]
 
@@ -190,7 +190,7 @@ def test_the_family_trains_like_one_process_under_ep2(two_process: dict[str, Res
 @pytest.mark.parametrize("family", list(TRAITS))
 def test_negative_control_without_its_way_of_sharding_the_family_is_refused(family: str) -> None:
     _, switch = TRAITS[family]
-    with pytest.raises(HarnessError, match="does not reproduce the unsharded block"):
+    with launch_fails("does not reproduce the unsharded block"):
         run_cases([_case(family, switch)], 2, timeout_s=180)
 
 
@@ -218,5 +218,5 @@ SEQUENCE_PARALLEL_WAYS = [
 def test_negative_control_under_sequence_parallelism_without_its_way_the_family_is_refused(
     family: str, switch: str
 ) -> None:
-    with pytest.raises(HarnessError, match="does not reproduce the unsharded block"):
+    with launch_fails("does not reproduce the unsharded block"):
         run_cases([_case(family, switch, sequence_parallel=True)], 2, timeout_s=180)

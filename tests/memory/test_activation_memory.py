@@ -175,13 +175,15 @@ def test_offload_prefetches_the_previous_block_during_backward(monkeypatch: pyte
     from lightning_parallel.memory import saved_tensors
 
     model = gpt(3)
-    look_ahead: list[int] = []
+    look_ahead: list[tuple[int, int, int]] = []
     restored_from_prefetch: list[bool] = []
     original_prefetch = saved_tensors.ActivationSaver._prefetch
     original_restore = saved_tensors._StoredStorage.restore
 
-    def prefetch(self: saved_tensors.ActivationSaver, group: int, device: torch.device) -> None:
-        if group >= 0 and group not in self._prefetched:
+    def prefetch(
+        self: saved_tensors.ActivationSaver, group: tuple[int, int, int] | None, device: torch.device
+    ) -> None:
+        if group is not None and group not in self._prefetched:
             look_ahead.append(group)
         original_prefetch(self, group, device)
 
@@ -193,11 +195,11 @@ def test_offload_prefetches_the_previous_block_during_backward(monkeypatch: pyte
     monkeypatch.setattr(saved_tensors.ActivationSaver, "_prefetch", prefetch)
     monkeypatch.setattr(saved_tensors._StoredStorage, "restore", restore)
     step(model, offload=True)
-    # Groups count block entries: 0 before the first block, 1..3 from blocks 0..2 on (the head
-    # and loss belong to group 3). The first activation unpacked from group g starts copying
-    # group g - 1 back: the blocks come back in backward order, one ahead.
-    assert look_ahead == [2, 1, 0]
-    # The last block's group (3, with the head) stays on the device, and unpacking it starts group 2's
+    # Groups are (stage, forward, block position): position -1 before the first block, 0..2 from blocks 0..2 on
+    # (the head and loss belong to block 2). The first activation unpacked from block i starts copying block
+    # i - 1's back: the blocks come back in backward order, one ahead.
+    assert look_ahead == [(0, 0, 1), (0, 0, 0), (0, 0, -1)]
+    # The last block's group (with the head) stays on the device, and unpacking it starts block 1's
     # copy: nothing is copied back on demand, every offloaded storage came prefetched.
     assert restored_from_prefetch.count(False) == 0 and sum(restored_from_prefetch) >= 3 * 5
 

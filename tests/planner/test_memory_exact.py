@@ -5,7 +5,8 @@ Parameters, gradients and optimizer states are predicted exactly, on every rank,
 ZeRO-2 with experts (FSDP2's engine). Activations held for backward are within 5% of what the project's
 saved-tensor hooks count, without checkpointing and with full and selective checkpointing, stored compressed
 (bf16, fp8) or in host memory (offload: the device's and the host's share each), under sequence parallelism and
-across stages too (the planner without the saver misses), and at the
+across stages too, one or two a rank (the planner without the saver misses; with two stages a rank the saver
+once offloaded the first stage's last block: 25% more than planned), and at the
 peak of a step under 1F1B, GPipe, and, with two stages a rank, interleaved 1F1B and the zero-bubble schedules
 (ZB-V, interleaved zero bubble, DualPipe-V: what a micro-batch saved stays until its weight pass), whose
 differences (micro-batches in flight, and on which stage) are the point.

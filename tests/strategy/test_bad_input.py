@@ -358,7 +358,7 @@ def test_sequence_parallel_without_tensor_parallel_warns() -> None:
     ],
 )  # fmt: skip
 def test_unusable_plan_fails_on_every_rank(case: str, fragments: list[str], tmp_path: Path) -> None:
-    result = launch("bad_plan.py", [case], tmp_path, timeout_s=120, grace_s=20)
+    result = launch("bad_plan.py", [case, str(tmp_path)], tmp_path, timeout_s=120, grace_s=20)
     for rank in result.ranks:
         assert not rank.killed, f"rank {rank.rank} had to be killed (it hung):\n{result.summary()}"
         assert rank.returncode not in (0, None), f"rank {rank.rank} did not fail:\n{result.summary()}"

@@ -18,14 +18,14 @@
     python tests/strategy/scripts/bad_plan.py pp-last-batch-smaller        # pp=2, 10 samples in batches of 4
     python tests/strategy/scripts/bad_plan.py resume-not-a-checkpoint      # ckpt_path= a text file
 
-Run by ``tests/strategy/test_bad_input.py`` with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set.
+Each takes a folder after the case (where the resume cases write their checkpoint). Run by
+``tests/strategy/test_bad_input.py`` with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import lightning as L
@@ -59,7 +59,8 @@ class TwiceGPT(GPTLightningModule):
         return super().training_step(batch, batch_idx) + 0.1 * super().training_step(batch, batch_idx)
 
 
-def main(case: str) -> None:
+def main(case: str, folder: Path) -> None:
+    """``folder``: where a resume case writes the checkpoint it resumes from (the test's own temp folder)."""
     torch.set_num_threads(1)
     L.seed_everything(0)
     length = 16
@@ -142,16 +143,16 @@ def main(case: str) -> None:
 
     ckpt_path = None
     if case == "resume-not-a-checkpoint":  # a file, but not one torch.save wrote
-        ckpt_path = Path(tempfile.gettempdir()) / f"lp-bad-plan-{os.environ['MASTER_PORT']}.txt"
+        ckpt_path = folder / "not-a-checkpoint.txt"
         ckpt_path.write_text("not a checkpoint")
     if case == "resume-another-model":  # a checkpoint of a narrower model, then a resume into this one
         first = trainer(HybridParallelStrategy(tensor_parallel=2, timeout=30))
         first.fit(GPTLightningModule(vocab_size=128, block_size=16, n_layer=1, n_head=4, n_embd=32), loader)
-        ckpt_path = Path(tempfile.gettempdir()) / f"lp-bad-plan-{os.environ['MASTER_PORT']}.ckpt"
+        ckpt_path = folder / "narrower.ckpt"
         first.save_checkpoint(ckpt_path)
     trainer(strategy).fit(model, loader, ckpt_path=ckpt_path)
     print("fit finished: the bad plan was NOT refused", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], Path(sys.argv[2]))

@@ -76,6 +76,17 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         {"optimizer": "adamw", "n_layer": 8},
         {"pipeline_parallel": 2, "micro_batches": 4, "activation_offload": True},
     ),
+    # two stages a rank: each stage's own last block stays (the saver keys its groups by stage and micro-batch)
+    "pp2_interleaved_1f1b_offload": (
+        "recipe_gpt",
+        {"optimizer": "adamw", "n_layer": 8},
+        {
+            "pipeline_parallel": 2,
+            "micro_batches": 4,
+            "pipeline_schedule": "interleaved_1f1b",
+            "activation_offload": True,
+        },
+    ),
     "ep2": ("recipe_moe", {}, {"expert_parallel": 2}),
     # each tensor rank routes its slice of the sequence through whole experts
     "tp2_sp_moe": ("hf_mixtral", {}, {"tensor_parallel": 2, "sequence_parallel": True}),
