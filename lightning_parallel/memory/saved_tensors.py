@@ -141,7 +141,7 @@ class ActivationSaver:
         self.buffers = HostBuffers()
         self.handles: list[RemovableHandle] = [
             b.register_forward_pre_hook(self._entry_hook(s, position))
-            for b, s, position in zip(blocks, stages, positions)
+            for b, s, position in zip(blocks, stages, positions, strict=True)
         ]
         self._casts: CastSaver | None = None
         self._regather: GatheredInputSaver | None = None
