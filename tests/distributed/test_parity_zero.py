@@ -131,6 +131,7 @@ LOW_PRECISION = [
         for precision in ("bf16-mixed", "bf16-true", "16-mixed")
     ],
     _low(2, "bf16-mixed", offload="cpu"),
+    _low(2, "16-mixed", offload="cpu"),
     _low(3, "bf16-true", offload="cpu"),
 ]
 # NVMe offload in bf16: Adam's (the states in files), whose steps of at most `lr` move a weight 2-5 of its

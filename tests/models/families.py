@@ -84,9 +84,10 @@ def _hf_mixtral_aux(**overrides: Any) -> L.LightningModule:
     return HFMixtralAuxModule(**{"vocab_size": VOCAB_SIZE, "block_size": SEQ_LEN, **overrides})
 
 
-def _recipe_moe(**overrides: Any) -> L.LightningModule:
+def _recipe_moe(sgd_learning_rate: float | None = None, **overrides: Any) -> L.LightningModule:
     """The project's MoE recipe at test size: 4 experts, top-2, capacity factor 1.25 (tokens dropped),
-    its own training step (task loss + the layers' aux losses), SGD like the other families."""
+    its own training step (task loss + the layers' aux losses), SGD like the other families
+    (``sgd_learning_rate``: its rate, 0.1 by default; the recipe's own ``learning_rate`` is AdamW's)."""
     from recipes.moe.module import MoEGPTLightningModule
 
     tiny = dict(
@@ -96,19 +97,22 @@ def _recipe_moe(**overrides: Any) -> L.LightningModule:
 
     class RecipeMoEWithSGD(MoEGPTLightningModule):
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return parity_optimizer(self.parameters(), "sgd")
+            return parity_optimizer(self.parameters(), "sgd", sgd_learning_rate)
 
     return RecipeMoEWithSGD(**{**tiny, **overrides})
 
 
-def _recipe_gpt(optimizer: str = "sgd", **overrides: Any) -> L.LightningModule:
+def _recipe_gpt(
+    optimizer: str = "sgd", sgd_learning_rate: float | None = None, **overrides: Any
+) -> L.LightningModule:
     """The project's GPT recipe at test size.
 
     Its model, ``training_step`` and loss are the recipe's own. The optimizer is SGD with
     momentum by default, as for the hand-written families (docs/testing.md, "Adam and the
     parameter tolerance"): the recipe's AdamW turns rounding in near-zero gradients into
     parameter differences above the fp32 parity tolerance even under plain DDP.
-    ``optimizer="adamw"`` keeps the recipe's own AdamW (with ``eps=1e-5``).
+    ``optimizer="adamw"`` keeps the recipe's own AdamW (with ``eps=1e-5``); ``sgd_learning_rate``: SGD's rate
+    (0.1 by default; the recipe's own ``learning_rate`` is AdamW's).
     """
     from recipes.gpt.module import GPTLightningModule
 
@@ -123,7 +127,7 @@ def _recipe_gpt(optimizer: str = "sgd", **overrides: Any) -> L.LightningModule:
 
     class RecipeGPTWithSGD(GPTLightningModule):
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return parity_optimizer(self.parameters(), "sgd")
+            return parity_optimizer(self.parameters(), "sgd", sgd_learning_rate)
 
     return RecipeGPTWithSGD(**{**tiny, **overrides})
 
