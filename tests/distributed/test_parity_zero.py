@@ -35,6 +35,11 @@ from tests.distributed.tolerance import check_low_precision, with_split_referenc
 pytestmark = [pytest.mark.distributed]
 
 ADAM = {"optimizer": "adamw"}
+# DeepSpeed's NVMe swapper moves only tensors of at least 1 MiB (its MIN_AIO_BYTES) to files and keeps smaller
+# ones in memory: at width 64 and two layers each rank's fp32 partition (55k elements) never left, so NVMe on its
+# engine is tested at width 128 and three layers (each rank's partition of the decayed weights 1.2 MB; the
+# engagement reads the files).
+SWAPPED = {"n_embd": 128, "n_layer": 3}
 # DeepSpeed swaps parameters and optimizer states into files here (removed after the module's tests).
 NVME_PATH = str(Path(tempfile.gettempdir()) / f"lp-zero-nvme-{uuid.uuid4().hex[:8]}")
 
@@ -58,7 +63,7 @@ TWO = [
         _case(f"zero{s}_cpu_dp2_nanogpt", "nanogpt", fields={"model_kwargs": ADAM}, zero_stage=s, offload="cpu")
         for s in (1, 2, 3)
     ],
-    _case("zero3_nvme_dp2_nanogpt", "nanogpt", fields={"model_kwargs": ADAM}, zero_stage=3, offload="nvme",
+    _case("zero3_nvme_dp2_nanogpt", "nanogpt", fields={"model_kwargs": {**ADAM, **SWAPPED}}, zero_stage=3, offload="nvme",
           offload_path=NVME_PATH),
     # The recipe's own AdamW + warm-up/cosine schedule (re-pointed at DeepSpeed's CPU Adam), clipped.
     _case("zero2_cpu_clip_dp2_recipe_gpt", "recipe_gpt", zero_stage=2, offload="cpu",
@@ -69,7 +74,7 @@ TWO = [
     # Selective checkpointing (DeepSpeed's stage 3 with torch's own linear: zero/arguments.py), NVMe offload too.
     *[_case(f"zero{s}_acsel_dp2_{family}", family, zero_stage=s, activation_checkpointing="selective")
       for s in (1, 2, 3) for family in ("nanogpt", "recipe_gpt")],
-    _case("zero3_nvme_acsel_dp2_nanogpt", "nanogpt", fields={"model_kwargs": ADAM}, zero_stage=3, offload="nvme",
+    _case("zero3_nvme_acsel_dp2_nanogpt", "nanogpt", fields={"model_kwargs": {**ADAM, **SWAPPED}}, zero_stage=3, offload="nvme",
           offload_path=NVME_PATH, activation_checkpointing="selective"),
     # ZeRO-2 with NVMe: FSDP2 (gradients sharded, whole parameters kept between steps), Adam's states in files.
     _case("zero2_nvme_dp2_nanogpt", "nanogpt", fields={"model_kwargs": ADAM}, zero_stage=2, offload="nvme",
@@ -79,7 +84,7 @@ TWO = [
           activation_checkpointing="full"),
     _case("zero3_cpu_acsel_dp2_nanogpt", "nanogpt", fields={"model_kwargs": ADAM}, zero_stage=3, offload="cpu",
           activation_checkpointing="selective"),
-    _case("zero3_nvme_acfull_dp2_nanogpt", "nanogpt", fields={"model_kwargs": ADAM}, zero_stage=3, offload="nvme",
+    _case("zero3_nvme_acfull_dp2_nanogpt", "nanogpt", fields={"model_kwargs": {**ADAM, **SWAPPED}}, zero_stage=3, offload="nvme",
           offload_path=NVME_PATH, activation_checkpointing="full"),
     # ZeRO-2/3 with expert parallelism (FSDP2: expert slices their own units over their replicas, here one).
     _case("zero3_ep2_hf_mixtral", "hf_mixtral", zero_stage=3, expert_parallel=2),
@@ -105,16 +110,20 @@ EARLY_UNDER_CLIPPING = CASES["zero3_cpu_fsdp2_clip_dp2_nanogpt"].replace(
 SHORT = {"bf16-mixed": "bf16", "bf16-true": "bf16true", "16-mixed": "fp16"}
 
 
-def _low(stage: int, precision: str, **kwargs: object) -> Case:
+def _low(stage: int, precision: str, adam: bool = False, **kwargs: object) -> Case:
     extra = f"_{kwargs['offload']}" if kwargs.get("offload") else ""
     extra += f"_{kwargs['zero_engine']}" if kwargs.get("zero_engine") else ""
-    fields: dict = {}
-    if kwargs.get("offload") == "nvme":  # Adam (the NVMe states), eight steps: the loss moves ten tolerances
-        fields = {"model_kwargs": ADAM, "steps": 8}
+    fields: dict = {"model_kwargs": {}}
+    if adam:  # eight steps: the loss moves ten tolerances
+        fields, extra = {"model_kwargs": ADAM, "steps": 8}, extra + "_adam"
     elif (
         precision == "bf16-true"
     ):  # bf16 weights: six steps at twice the rate move every weight ten of its tolerances
         fields = {"model_kwargs": {"learning_rate": 0.2}, "steps": 6}
+    if kwargs.get("offload") == "nvme" and stage == 3:
+        fields["model_kwargs"] = {**fields["model_kwargs"], **SWAPPED}
+        if precision == "bf16-true" and not adam:  # the wider model: five steps at 2.5 times the rate
+            fields = {**fields, "model_kwargs": {**fields["model_kwargs"], "learning_rate": 0.25}, "steps": 5}
     return _case(f"zero{stage}{extra}_{SHORT[precision]}_dp2_nanogpt", "nanogpt", zero_stage=stage,
                  fields={"trainer_kwargs": {"precision": precision}, "data": "learnable", **fields}, **kwargs)  # fmt: skip
 
@@ -133,11 +142,15 @@ LOW_PRECISION = [
     _low(2, "bf16-mixed", offload="cpu"),
     _low(2, "16-mixed", offload="cpu"),
     _low(3, "bf16-true", offload="cpu"),
-]
-# NVMe offload in bf16: Adam's (the states in files), whose steps of at most `lr` move a weight 2-5 of its
-# tolerances, never ten: compared within the tolerance, not counted in the matrix (tests/distributed/tolerance.py).
+    # NVMe on DeepSpeed's engine with SGD: its fp32 partitions and momentum swapped to files between steps
+    *[_low(3, precision, offload="nvme", offload_path=NVME_PATH) for precision in ("bf16-mixed", "bf16-true", "16-mixed")],
+]  # fmt: skip
+# NVMe offload in bf16 with Adam (DeepSpeed's CPU Adam, its states in files): steps of at most `lr` move a weight
+# 2-5 of its tolerances, never ten (longer or faster runs do not help, docs/testing.md): compared within the
+# tolerance, not counted in the matrix (tests/distributed/tolerance.py).
 NVME_LOW_PRECISION = [
-    _low(3, precision, offload="nvme", offload_path=NVME_PATH) for precision in ("bf16-mixed", "bf16-true")
+    _low(3, precision, adam=True, offload="nvme", offload_path=NVME_PATH)
+    for precision in ("bf16-mixed", "bf16-true")
 ]
 # Negative controls of the compute-dtype record (tests/distributed/compute_dtype.py): ZeRO-2 bf16-mixed with
 # DeepSpeed's engine config as before issue 33 (no torch_autocast section), with DeepSpeed's CUDA-only check
