@@ -231,7 +231,9 @@ def _zero(strategy: Any, module: nn.Module, placements: dict[str, int]) -> dict[
             # what DeepSpeed's swapper holds in its files now (the fp32 partitions and their optimizer states)
             swapper = getattr(optimizer, "optimizer_swapper", None)
             folder = Path(swapper.swap_folder) if swapper is not None else None
-            files = [f for f in folder.iterdir() if f.is_file()] if folder is not None and folder.is_dir() else []
+            files = (
+                [f for f in folder.iterdir() if f.is_file()] if folder is not None and folder.is_dir() else []
+            )
             record["nvme_bytes_written"] = sum(f.stat().st_size for f in files)
         elif engine.zero_cpu_offload():
             record["offload"] = "cpu"
