@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +37,7 @@ from tests.models.families import build, make_dataloader
 BATCH_SIZE, STEPS, FIRST_HALF, SEED = 2, 4, 2, 0
 SAMPLES = 16  # 4 batches per rank and epoch on 2 data-parallel ranks: the save is mid-epoch
 ADAM = {"optimizer": "adamw"}
-NVME_PATH = str(
-    Path(tempfile.gettempdir()) / "lp-zero-checkpoint-nvme"
-)  # each rank wipes its own folder first
+NVME_PATH = "OUT_DIR/nvme"  # replaced in fit() by the folder beside the layouts' (the test's temp folder)
 PIPELINE = dict(pipeline_parallel=2, micro_batches=2, pipeline_schedule="1f1b")
 
 # name -> (HybridParallelStrategy kwargs, model family, model overrides); 2 ranks each.
@@ -160,6 +157,8 @@ def fit(
     layout's strategy, or in ``strategy``)."""
     strategy_kwargs, family, model_kwargs = {**LAYOUTS, **LAYOUTS_FOUR}[layout]
     strategy_kwargs = strategy_kwargs if strategy is None else strategy
+    if "offload_path" in strategy_kwargs:  # in the test's own folder (each rank wipes its own part first)
+        strategy_kwargs = {**strategy_kwargs, "offload_path": str(out.parent / "nvme")}
     save = ckpt_path is None
     L.seed_everything(SEED, verbose=False)
     model = build(family, **model_kwargs)

@@ -26,7 +26,9 @@ from lightning_parallel import HybridParallelStrategy
 from recipes.gpt.module import GPTLightningModule
 
 EVENTS: list[str] = []
-_GATHER = dist.all_gather_single
+# FSDP2's all-gather: torch 2.13 calls ``all_gather_single``, 2.11 ``all_gather_into_tensor``
+_GATHER_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_GATHER = getattr(dist, _GATHER_NAME)
 
 
 def _recorded_gather(*args: Any, **kwargs: Any) -> Any:
@@ -68,7 +70,7 @@ def main(out_dir: Path) -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     devices = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown removes it
     rank = int(os.environ["RANK"])
-    dist.all_gather_single = _recorded_gather  # FSDP2 looks it up on the module at each call
+    setattr(dist, _GATHER_NAME, _recorded_gather)  # FSDP2 looks it up on the module at each call
     result = {str(offload): _gathers_before_each_block(offload, devices) for offload in ("cpu", None)}
     (out_dir / f"zero_prefetch.rank{rank}.json").write_text(json.dumps(result))
 
