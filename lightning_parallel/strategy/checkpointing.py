@@ -71,6 +71,7 @@ from lightning_parallel.config.validation import consolidated_refusal
 from lightning_parallel.mesh import Axis
 from lightning_parallel.parallelize import Parallelized
 from lightning_parallel.strategy.base import MeshParallelStrategy
+from lightning_parallel.zero.engine import release_engine
 
 # The strategy's own part of a checkpoint's metadata (Lightning writes rank 0's dict only, so
 # per-rank values are gathered into lists indexed by global rank).
@@ -209,6 +210,8 @@ class CheckpointingStrategy(MeshParallelStrategy):
     @override
     def teardown(self) -> None:
         self.settle_deferred_updates(close=True)  # the end of fit: the model holds the last update
+        if self.zero_engine is not None:  # else DeepSpeed keeps it, the module and the Trainer for ever
+            release_engine(self.zero_engine)
         super().teardown()
 
     @override
