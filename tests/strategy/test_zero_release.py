@@ -34,4 +34,8 @@ def test_without_the_release_deepspeed_keeps_them(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("LP_KEEP_ENGINE", "1")
     for rank, result in enumerate(launch_for_results("zero_release.py", tmp_path)):
         for stage, held in result.items():
-            assert held["engine_alive"] and held["module_alive"] and held["trainer_alive"], (stage, rank, held)
+            assert held["engine_alive"] and held["module_alive"] and held["trainer_alive"], (
+                stage,
+                rank,
+                held,
+            )

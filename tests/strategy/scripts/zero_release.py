@@ -41,7 +41,11 @@ def _fit_and_save(stage: int, out: Path) -> tuple[weakref.ref, weakref.ref, weak
     trainer.fit(model, make_dataloader(2, 8))
     path = out / f"zero{stage}.ckpt"
     trainer.save_checkpoint(path)
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+    size = (
+        sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        if path.is_dir()
+        else path.stat().st_size
+    )
     return weakref.ref(strategy.zero_engine), weakref.ref(model), weakref.ref(trainer), size
 
 
