@@ -145,6 +145,9 @@ def engine_figures(group: str, dry_run: bool) -> list[Figure]:
         figures.append(Figure(f"{name}: peak memory / planner", lambda r, n=name: r["figures"][n]["peak_gib"]
                               / r["figures"][n]["predicted_gib"], "~", 1.0, "lightning_parallel.planner.rank_memory",
                               MEMORY_TOLERANCE))  # fmt: skip
+        # the engines before it in the same process let go of their memory (2026-12-04: 19.6 GiB after ZeRO-1)
+        figures.append(Figure(f"{name}: GiB earlier engines left allocated", lambda r, n=name: r["results"][n]["held_gib"],
+                              "<=", 0.5, "zero/engine.py: release_engine"))  # fmt: skip
     return figures
 
 
