@@ -39,6 +39,7 @@ from lightning_parallel.compat import distributed_checkpoint_load
 from lightning_parallel.zero.partitions import (
     ensure_state,
     group_of,
+    link_states,
     loss_scaler_state,
     refresh_module_copy,
     set_full,
@@ -168,6 +169,7 @@ def zero_optimizer_state(module: nn.Module, optimizer: Any, engine: Any, ep_mesh
     """
     from deepspeed.utils import safe_get_full_optimizer_state
 
+    link_states(optimizer)  # every param group's views, not only the first's
     keys, step, groups = state_keys(optimizer), step_count(optimizer), group_of(optimizer)
     param_groups, owned = optimizer.optimizer.param_groups, _owned_by_this_rank(module)
     state: dict[str, Any] = {}

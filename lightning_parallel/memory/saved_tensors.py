@@ -18,8 +18,9 @@ innermost pair receives every saved tensor, so offload and compression must be o
   activations (and the head's after it) are not offloaded: backward needs them first, so they would
   come back at once, with nothing to overlap. Under pipeline stages "block ``i``" is a block of one
   stage's forward of one micro-batch (:data:`BlockGroup`): a rank holding two stages keeps each stage's
-  last block, and never prefetches another micro-batch's or stage's activations early. On a CPU-only machine host and device are the same
-  memory: the copies still run (so the code path is the one a GPU runs), they just save nothing.
+  last block, and never prefetches another micro-batch's or stage's activations early. On a CPU-only
+  machine host and device are the same memory: the copies still run (so the code path is the one a GPU
+  runs), they just save nothing.
 
 Parameters (weights saved by matmuls) are never touched, and neither are their casts: under
 autocast a matmul saves the low-precision copy of its weight, which is no activation (offloading it

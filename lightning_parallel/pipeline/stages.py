@@ -173,9 +173,8 @@ class StageRuntime:
     """What the hooks read while a stage runs (set by the runner around each stage forward)."""
 
     active_stage: int | None = None
-    active_micro_batch: int | None = (
-        None  # of the stage forward running now (not restored in a recomputation)
-    )
+    # of the stage forward running now (not restored in a recomputation)
+    active_micro_batch: int | None = None
     injected: torch.Tensor | None = None
     handles: list[RemovableHandle] = field(default_factory=list)
 

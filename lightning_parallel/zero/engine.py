@@ -74,28 +74,26 @@ def initialize_engine(
 
 
 def release_engine(engine: Any) -> None:
-    """Let the engine go with the strategy and the module once a Trainer call ends (its state stays for a
-    checkpoint saved after ``fit``).
+    """Let the engine go with the strategy and the module once a Trainer call ends; its state stays for a
+    checkpoint saved after ``fit`` (a later ``fit`` builds another engine).
 
-    DeepSpeed keeps every engine alive for the life of the process: ZeRO-1/2 hook each parameter's
-    gradient accumulator, a C++ autograd node whose hook (holding the optimizer, and through it the
-    engine, the module and the Trainer) Python's collector cannot see, and ZeRO-3 appends the module to
-    a module-level stack (``parameter_offload.FWD_MODULE_STACK``) that nothing pops. On the lent H200,
-    19.6 GiB stayed allocated after a ZeRO-1 ``fit`` returned and its Trainer and module were deleted.
-    ZeRO-3's coordinator also caches per submodule in a cache on its class. The hooks only serve a
-    backward pass of this engine (a later ``fit`` builds another); the stack's entry only the engine's own
-    forwards outside any module."""
-    optimizer = getattr(engine, "optimizer", None)
-    for hook in getattr(optimizer, "_grad_acc_hooks", None) or []:
-        hook.remove()
-    if optimizer is not None and isinstance(getattr(optimizer, "_grad_acc_hooks", None), list):
-        optimizer._grad_acc_hooks.clear()
-    module = getattr(engine, "module", None)
+    DeepSpeed keeps every engine for the life of the process. ZeRO-1/2 hook each parameter's gradient
+    accumulator, a C++ autograd node whose hook holds the optimizer (and through it the engine, the
+    module and the Trainer) where Python's collector cannot see it; the hooks serve only this engine's
+    backward passes. ZeRO-3 appends the module to a module-level stack that nothing pops (its entry
+    serves only this engine's forwards) and caches per submodule on its coordinator's class. On the lent
+    H200, 19.6 GiB stayed allocated after a ZeRO-1 ``fit`` returned and its Trainer and module were deleted.
+    """
+    hooks = getattr(getattr(engine, "optimizer", None), "_grad_acc_hooks", None)
+    if isinstance(hooks, list):
+        for hook in hooks:
+            hook.remove()
+        hooks.clear()
     try:
         from deepspeed.runtime.zero import parameter_offload
     except ImportError:  # pragma: no cover - an engine exists only where deepspeed does
         return
-    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    module, stack = getattr(engine, "module", None), getattr(parameter_offload, "FWD_MODULE_STACK", None)
     if module is not None and isinstance(stack, list):
         stack[:] = [m for m in stack if m is not module]
     _clear_release_cache()

@@ -19,6 +19,7 @@ from torch import nn
 
 __all__ = [
     "ensure_state",
+    "link_states",
     "partition_of",
     "set_full",
     "flat_partitions",
@@ -125,14 +126,27 @@ def ensure_state(optimizer: Any, keys: list[str], step: Any) -> None:
                 entry[key] = torch.zeros_like(flat)
         if step is not None:
             entry["step"] = _step_as(optimizer.optimizer, step)
-    if not is_stage3(optimizer) and keys:
-        from deepspeed.utils import lazy_init_hp_params_optimizer_state
+    if keys:
+        link_states(optimizer)
 
-        for params, flat in zip(
-            optimizer.bit16_groups, optimizer.single_partition_of_fp32_groups, strict=True
-        ):
+
+def link_states(optimizer: Any) -> None:
+    """ZeRO-1/2's per-parameter views of the optimizer state (what DeepSpeed's getters and setters read), made
+    for every param group that has its state.
+
+    DeepSpeed makes them once, right after the step of the first param group (it steps the groups one by
+    one), when the later groups have no state yet: under several groups (the GPT recipe's decayed and
+    undecayed weights) the later groups' views stayed empty, and a checkpoint failed reading them
+    ("exp_avg not found in optimizer state fragment"). ZeRO-3 reads its partitions directly."""
+    if is_stage3(optimizer):
+        return
+    from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+    state = optimizer.optimizer.state
+    for params, flat in zip(optimizer.bit16_groups, optimizer.single_partition_of_fp32_groups, strict=True):
+        if flat in state:  # a group not stepped yet has nothing to view (``state`` makes entries on lookup)
             lazy_init_hp_params_optimizer_state(params, flat, state)
-        optimizer._hp_optimizer_states_linked = True
+    optimizer._hp_optimizer_states_linked = True
 
 
 def partition_of(value: torch.Tensor, rank: int, size: int) -> torch.Tensor:

@@ -44,6 +44,8 @@ PIPELINE = dict(pipeline_parallel=2, micro_batches=2, pipeline_schedule="1f1b")
 LAYOUTS: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
     "zero1": (dict(zero_stage=1), "nanogpt", {}),
     "zero2": (dict(zero_stage=2), "nanogpt", {}),
+    # the GPT recipe's own AdamW: two param groups (decayed, undecayed), which DeepSpeed steps one by one
+    "zero1_recipe_groups": (dict(zero_stage=1), "recipe_gpt", ADAM),
     "zero3_cpu_adam": (dict(zero_stage=3, offload="cpu"), "nanogpt", ADAM),
     "zero2_tp2": (dict(zero_stage=2, tensor_parallel=2), "nanogpt", ADAM),
     "zero1_pp2": (dict(zero_stage=1, **PIPELINE), "nanogpt", {}),

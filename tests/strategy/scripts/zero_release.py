@@ -3,8 +3,8 @@
     python tests/strategy/scripts/zero_release.py OUT_DIR   # RANK/WORLD_SIZE/MASTER_* from the launcher
 
 Per ZeRO stage (1, 2, 3 on DeepSpeed's engine, dp=2), in one process: a two-step ``fit``, a checkpoint saved
-after it (``trainer.save_checkpoint``, the way a user keeps the final model), then the Trainer, strategy and
-module dropped and Python's collector run. Records whether the engine, the module and the Trainer are still
+after it (``trainer.save_checkpoint``, the way a user keeps the final model) and a validation run, then the
+Trainer, strategy and module dropped and Python's collector run. Records whether the engine, the module and the Trainer are still
 alive (weak references), and the checkpoint's size. With ``LP_KEEP_ENGINE=1`` the strategy's release of the
 engine is switched off (the negative control: DeepSpeed's own references keep all three).
 Writes ``OUT_DIR/zero_release.rank{r}.json``.
@@ -32,7 +32,7 @@ ENVIRONMENT = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 
 
 def _fit_and_save(stage: int, out: Path) -> tuple[weakref.ref, weakref.ref, weakref.ref, int]:
-    model = build("nanogpt", optimizer="adamw")
+    model = build("recipe_gpt", optimizer="adamw")
     strategy = HybridParallelStrategy(zero_stage=stage, timeout=60)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
@@ -41,6 +41,7 @@ def _fit_and_save(stage: int, out: Path) -> tuple[weakref.ref, weakref.ref, weak
     trainer.fit(model, make_dataloader(2, 8))
     path = out / f"zero{stage}.ckpt"
     trainer.save_checkpoint(path)
+    trainer.validate(model, make_dataloader(2, 4), verbose=False)  # the model runs after the release
     size = (
         sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         if path.is_dir()
