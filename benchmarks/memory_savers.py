@@ -84,8 +84,7 @@ class Setup:
 
     def _apply(self) -> list[str]:
         if self.saver is not None:
-            self.saver.handles = [b.register_forward_pre_hook(self.saver._enter_block)
-                                  for b in find_block_stack(self.model).blocks]  # fmt: skip
+            self.saver.attach()
         if "checkpointing" not in self.options:
             return []
         return apply_activation_checkpointing(self.model, self.options["checkpointing"], self.names)

@@ -140,10 +140,9 @@ class ActivationSaver:
         self._at: BlockGroup = (0, 0, -1)
         self._stream: Any = None
         self.buffers = HostBuffers()
-        self.handles: list[RemovableHandle] = [
-            b.register_forward_pre_hook(self._entry_hook(s, position))
-            for b, s, position in zip(blocks, stages, positions, strict=True)
-        ]
+        self._placed = list(zip(blocks, stages, positions, strict=True))
+        self.handles: list[RemovableHandle] = []
+        self.attach()
         self._casts: CastSaver | None = None
         self._regather: GatheredInputSaver | None = None
 
@@ -281,6 +280,14 @@ class ActivationSaver:
             stored = ref()
             if stored is not None:
                 stored.prefetch(stream)
+
+    def attach(self) -> None:
+        """Install the hooks on the blocks (again, after :meth:`remove`) that tell where an activation was made."""
+        self.remove()
+        self.handles = [
+            block.register_forward_pre_hook(self._entry_hook(stage, position))
+            for block, stage, position in self._placed
+        ]
 
     def remove(self) -> None:
         for handle in self.handles:
