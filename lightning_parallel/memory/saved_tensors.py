@@ -78,12 +78,15 @@ class _Kept:
 
     __slots__ = ("tensor", "group")
 
-    def __init__(self, tensor: torch.Tensor, group: BlockGroup) -> None:
+    def __init__(self, tensor: torch.Tensor, group: BlockGroup | None) -> None:
         self.tensor, self.group = tensor, group
 
 
-def _before(group: BlockGroup) -> BlockGroup | None:
-    """The group the backward pass needs next within the same stage and micro-batch (None at the stage's start)."""
+def _before(group: BlockGroup | None) -> BlockGroup | None:
+    """The group the backward pass needs next within the same stage and micro-batch (None at the stage's start,
+    or for what was packed outside a forward)."""
+    if group is None:
+        return None
     stage, forward, position = group
     return (stage, forward, position - 1) if position >= 0 else None
 
@@ -242,7 +245,7 @@ class ActivationSaver:
                     flat,
                     self.compression,
                     offload=offload,
-                    group=group if group is not None else (-1, -1, -1),
+                    group=group,
                     buffers=self.buffers,
                     stream=self._side_stream(local.device) if offload else None,
                 )

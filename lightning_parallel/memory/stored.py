@@ -94,7 +94,7 @@ class _StoredStorage:
         compression: Compression | None,
         *,
         offload: bool,
-        group: tuple[int, int, int],
+        group: tuple[int, int, int] | None,  # saved_tensors.BlockGroup; None: made outside a forward
         buffers: HostBuffers,
         stream: Any = None,
     ) -> None:
