@@ -1,4 +1,4 @@
-"""The GPU check for a lent H200, in one command that ends before its deadline: ``bash scripts/gpu_check.sh``.
+"""The GPU check for a lent H100 or H200, in one command that ends before its deadline: ``bash scripts/gpu_check.sh``.
 
     PYTHONPATH=. python -m benchmarks.gpu_check --out DIR                # the lent GPU: at most 9 minutes
     PYTHONPATH=. python -m benchmarks.gpu_check --quick --out DIR        # the most valuable phases, 5 minutes
@@ -31,6 +31,13 @@ from the start, and the offload phases wait for it outside their timed steps.
 11. ``side_by_side``: full and selective recomputation against torch's ``checkpoint_wrapper``.
 12. ``step``: eager vs Lightning vs the strategy (``benchmarks/gpu_step.py``), only with ``--only step``.
 
+The chip is read in phase 1: a call that names no kind is lent an H100 (about 78 GiB), one that
+names ``nvidia-h200`` an H200 (about 139 GiB). Every phase fits either (the largest step, eager
+GPT-1.3B, peaked at 53.6 GiB on the H200). The planner's figures use the chip's preset; the
+reference figures measured on the H200 (``ANCHORS.md``, the run of 2026-12-04) are judged on an
+H200 and shown beside the measurement ("reported") on another chip; every ratio against eager is
+judged on both.
+
 ``--quick`` runs 1-4. Writes ``gpu_check.json`` (every phase's status and seconds of device time, its
 results, and each figure against its target) and ``gpu_check.txt`` (what the phases printed) into
 ``--out``. Exit status 0 when every phase that ran passed its own checks; a missed speed target is
@@ -62,7 +69,7 @@ class Figure:
 
     name: str
     read: Callable[[dict[str, Any]], Any]
-    compare: str  # "<=", ">=", "==", "~" (a reference figure, within ``rel``)
+    compare: str  # "<=", ">=", "==", "~" (a reference figure, within ``rel``), "report" (shown, not judged)
     value: Any
     source: str
     rel: float = 0.0
@@ -78,6 +85,9 @@ class Figure:
             ok = measured >= self.value
         elif self.compare == "==":
             ok = measured == self.value
+        elif self.compare == "report":  # a reference measured on another device: shown beside it, not judged
+            return {"figure": self.name, "measured": measured, "wanted": f"~ {self.value} on {self.source}",
+                    "verdict": "reported", "source": self.source}  # fmt: skip
         else:
             ok = abs(measured - self.value) <= self.rel * abs(self.value)
         wanted = f"{self.compare} {self.value}" + (f" (within {self.rel:.0%})" if self.compare == "~" else "")
@@ -105,23 +115,56 @@ def _ran(name: str) -> Callable[[dict[str, Any]], bool]:
     return lambda r: bool(r["results"][name]["times"]) and "error" not in r["results"][name]
 
 
-def planned(shape: str = "large") -> dict[str, dict[str, float]]:
+def planned(shape: str = "large", cluster: str = "h200") -> dict[str, dict[str, float]]:
     from benchmarks.planner_check import predictions
 
-    return predictions(shape)
+    return predictions(shape, cluster)
 
 
-def planner_figures() -> list[Figure]:
+REFERENCE_DEVICE = "h200"
+"""The chip of the reference figures (``ANCHORS.md``, the run of 2026-12-04): judged only on the same chip."""
+
+
+def planner_preset(device: str | None) -> str | None:
+    """The planner's cluster preset of the lent chip (as torch names it), None for a chip the planner lacks.
+
+    The tool lends an H100 (about 78 GiB) to a call that names no kind, an H200 (about 139 GiB) to one
+    that names it: their compute peaks match, their memory bandwidth does not (3.35 vs 4.8 TB/s).
+    """
+    name = (device or "").lower()
+    for chip in ("h200", "h100"):
+        if chip in name:
+            return chip
+    return None
+
+
+def planner_figures(preset: str | None) -> list[Figure]:
     """Issue 14: the planner's step time and the memory a step adds, against the measured GPT-1.3B steps."""
     from benchmarks.planner_check import ratio
 
-    predicted = planned()
-    source = "docs/planner.md: the planner's prediction (h200 preset)"
+    predicted = planned(cluster=preset or REFERENCE_DEVICE)
+    source = f"docs/planner.md: the planner's prediction ({preset or REFERENCE_DEVICE} preset)"
     return [
         Figure(f"{config} recomputation: measured / predicted {what}", lambda r, c=config, k=key: ratio(r, predicted, c, k),
-               "~", 1.0, source, rel)
+               "~" if preset else "report", 1.0, source if preset else "no planner preset for this chip", rel)
         for config in ("none", "full") for key, what, rel in (("step_s", "step time", 0.15), ("step_bytes", "step memory", 0.2))
     ]  # fmt: skip
+
+
+def exact_saver_figures() -> list[Figure]:
+    """Recomputation and offload change where activations live, never a gradient: on the GPU, the offload's
+    copies on a side stream are proven ordered here (a copy read too early changes a gradient, not the loss)."""
+    from benchmarks.memory_savers import LOSSLESS
+
+    return [Figure(f"{name}: step-0 gradients equal none's", lambda r, n=name: r["results"][n]["gradients_match"], "==",
+                   True, "benchmarks/memory_savers.py: within 10x none against itself") for name in LOSSLESS]  # fmt: skip
+
+
+def reference(name: str, read: Callable[[dict[str, Any]], Any], value: float, source: str, rel: float,
+              device: str | None) -> Figure:  # fmt: skip
+    """A figure measured on the reference H200: judged within ``rel`` there, shown beside it on another chip."""
+    same = planner_preset(device) == REFERENCE_DEVICE or device is None
+    return Figure(name, read, "~" if same else "report", value, source if same else "the reference H200", rel)
 
 
 QUICK = ("environment", "engines_deepspeed", "offload", "memory")
@@ -151,7 +194,9 @@ def engine_figures(group: str, dry_run: bool) -> list[Figure]:
     return figures
 
 
-def phases(dry_run: bool) -> list[Phase]:
+def phases(dry_run: bool, device: str | None = None) -> list[Phase]:
+    """The check's phases; ``device`` (the lent chip as torch names it, None before it is known) picks the
+    planner's preset and whether the H200's reference figures are judged."""
     tiny_cpu = ["--tiny", "--cpu"] if dry_run else []
     readme, anchors = (
         "benchmarks/README.md",
@@ -166,14 +211,17 @@ def phases(dry_run: bool) -> list[Phase]:
               engine_figures("offload", dry_run), needs="deepspeed", wait_for_ops=True),
         Phase("memory", ["benchmarks.memory_savers", *(["--tiny", "--cpu"] if dry_run else ["--large", "--rounds", "3"]),
                          "--json", "{json}"], 150, [
-            Figure("full checkpointing step time / none", lambda r: r["results"]["full"]["time_ratio"], "~", 1.22, anchors, 0.10),
+            reference("full checkpointing step time / none", lambda r: r["results"]["full"]["time_ratio"], 1.22, anchors,
+                      0.10, device),
             Figure("selective (ops) recomputation trains", lambda r: r["results"]["selective (ops)"]["step_s"] > 0, "==",
                    True, "issue 39: crashed on torch 2.11"),
-            *planner_figures(),
+            *planner_figures(planner_preset(device) if device else REFERENCE_DEVICE),
+            *exact_saver_figures(),
         ] if not dry_run else [Figure("planner predicts the tiny steps", lambda r: planned("tiny")["full"]["step_s"] > 0,
                                       "==", True, "runs"),
                                Figure("selective (ops) recomputation trains",
-                                      lambda r: r["results"]["selective (ops)"]["step_s"] > 0, "==", True, "runs")]),
+                                      lambda r: r["results"]["selective (ops)"]["step_s"] > 0, "==", True, "runs"),
+                               *exact_saver_figures()]),
         Phase("engines_fsdp2", ["benchmarks.zero_engines", "--group", "fsdp2", *tiny_cpu, "--json", "{json}"], 110,
               engine_figures("fsdp2", dry_run)),
         Phase("precisions", ["benchmarks.gpu_paths", *tiny_cpu, "--json", "{json}"], 120, [
@@ -194,7 +242,7 @@ def phases(dry_run: bool) -> list[Phase]:
                    "docs/context_parallel.md: the one-device baseline of context parallelism"),
         ] if not dry_run else [Figure("longest tiny sequence", lambda r: r["longest"], "==", 256, "runs")]),
         Phase("compile", ["benchmarks.gpu_step", "--compile-only", *tiny_cpu, "--json", "{json}"], 200, [
-            Figure("compile GPT-1.3B ms/step", _ms("compile"), "~", 258.0, anchors, rel=0.10),
+            reference("compile GPT-1.3B ms/step", _ms("compile"), 258.0, anchors, 0.10, device),
             Figure("strategy compiled with full checkpointing trains", _ran("strategy compiled, full checkpointing"),
                    "==", True, "issue 21: a compiled step with recomputation on the GPU"),
         ] if not dry_run else [Figure("strategy compiled with full checkpointing trains",
@@ -227,6 +275,8 @@ def environment(path: str) -> None:
     if info["cuda"]:
         info["device"] = torch.cuda.get_device_name(0)
         info["bf16"] = torch.cuda.is_bf16_supported()
+        info["memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        info["planner_preset"] = planner_preset(info["device"])
     print(json.dumps(info))
     Path(path).write_text(json.dumps(info))
 
@@ -240,10 +290,10 @@ def _build_ops(python: str, env: dict[str, str], log: Any) -> subprocess.Popen |
                             stderr=subprocess.STDOUT)  # fmt: skip
 
 
-def selected(dry_run: bool, only: list[str] | None, quick: bool) -> list[Phase]:
+def selected(dry_run: bool, only: list[str] | None, quick: bool, device: str | None = None) -> list[Phase]:
     """The phases to run, in order: ``only`` (and the environment), else ``--quick``'s, else all but on-request ones."""
     chosen = []
-    for phase in phases(dry_run):
+    for phase in phases(dry_run, device=device):
         if phase.name == "environment":
             chosen.append(phase)
         elif only:
@@ -272,6 +322,7 @@ def run(
         env["GPU_CHECK_DRY_RUN"] = "1"
     to_run = selected(dry_run, only, quick)
     ops = _build_ops(python, env, log) if any(p.wait_for_ops for p in to_run) else None
+    judged = {phase.name: phase.figures for phase in to_run}
     for phase in to_run:
         left = deadline_s - MARGIN_S - (time.monotonic() - start)
         entry: dict[str, Any] = {"phase": phase.name, "status": "", "seconds": 0.0, "figures": []}
@@ -310,7 +361,11 @@ def run(
         entry["seconds"] = round(time.monotonic() - began, 1)
         if results.exists():
             entry["results"] = json.loads(results.read_text())
-            entry["figures"] = [figure.check(entry["results"]) for figure in phase.figures]
+            entry["figures"] = [figure.check(entry["results"]) for figure in judged[phase.name]]
+            if phase.name == "environment" and not dry_run:
+                # The lent chip is known now: its planner preset, and whether the H200's references apply.
+                report["device"] = device = entry["results"].get("device")
+                judged = {p.name: p.figures for p in selected(dry_run, only, quick, device)}
         print(f"gpu_check: {phase.name}: {entry['status']} in {entry['seconds']} s", flush=True)
         for figure in entry["figures"]:
             print(

@@ -22,7 +22,9 @@ timed between two device synchronisations (Lightning phases by a callback from
 ``on_train_batch_start`` to ``on_train_batch_end``); the first ``--warmup`` steps (compilation,
 allocator warm-up) are not timed. MFU counts 6 N + 12 L H T FLOPs per token (N parameters
 without the position embedding, the tied head counted once; causal attention counted in full,
-as nanoGPT and the reference table do) against 989.5 TFLOP/s, the H200's dense bf16 peak.
+as nanoGPT and the reference table do) against the device's dense bf16 peak
+(``lightning_parallel.plans.flops.peak_flops``: about 989 TFLOP/s on an H100 SXM and an H200, 756 on an
+H100 PCIe; 989.5 where the device is unknown or a CPU, where the figure means nothing).
 Peak memory is ``torch.cuda.max_memory_allocated`` of each phase. The first-step losses of all
 phases must agree (same weights, same batch): a self-check that they train the same thing.
 """
@@ -42,7 +44,7 @@ import torch
 
 from benchmarks.common import StepTimer, machine, quiet_lightning, table
 
-PEAK_TFLOPS = 989.5  # H200 SXM, dense bf16
+PEAK_TFLOPS = 989.5  # H100 SXM and H200, dense bf16: the figure used where the device's peak is unknown
 LARGE = dict(vocab_size=50304, block_size=2048, n_layer=24, n_head=16, n_embd=2048, batch_size=8)
 TINY = dict(vocab_size=320, block_size=64, n_layer=2, n_head=4, n_embd=64, batch_size=4)
 TARGET = 1.02  # strategy / eager
@@ -167,6 +169,15 @@ def run_lightning(shape: dict[str, Any], batches: list, device: torch.device, st
     return result
 
 
+def _peak_flops() -> float:
+    """The lent device's dense bf16 peak (an H100 PCIe has 756 TFLOP/s, not the H200's 989.5)."""
+    from lightning_parallel.plans.flops import peak_flops
+
+    if not torch.cuda.is_available():
+        return PEAK_TFLOPS * 1e12
+    return peak_flops(torch.device("cuda", 0), torch.bfloat16) or PEAK_TFLOPS * 1e12
+
+
 def _summary(
     name: str, result: dict[str, Any], tokens: int, flops_per_token: float, reference: float | None
 ) -> list:
@@ -174,7 +185,7 @@ def _summary(
         return [name, "FAILED", "", "", "", "", "", result["error"][:80]]
     step = statistics.median(result["times"])
     tokens_s = tokens / step
-    mfu = flops_per_token * tokens_s / (PEAK_TFLOPS * 1e12)
+    mfu = flops_per_token * tokens_s / _peak_flops()
     ratio = f"{step / reference:.3f}x" if reference else ""
     return [name, f"{step * 1e3:.1f} ms", f"{tokens_s / 1e3:.1f}k", f"{mfu * 100:.1f}%",
             f"{result['peak_gib']:.1f} GiB", f"{result['held_gib']:.2f} GiB", f"{result['first_loss']:.4f}",

@@ -11,7 +11,10 @@ compression, full + offload. Each round runs one timed step of every configurati
 (interleaved, so drift of a shared machine hits all alike); the step time of a configuration
 is its median over the rounds, and its ratio to ``none`` is the median of the per-round ratios.
 The first round takes no optimizer step, so every configuration computes its loss on the same
-weights and batch: they must be equal (the forward pass is the same under every saver).
+weights and batch: they must be equal (the forward pass is the same under every saver), and so must
+their gradients where the saver stores activations exactly (recomputation, offload): each within ten
+times the spread of ``none`` run twice (``gradients_match``). On a GPU this is what proves the offload's
+side-stream copies are ordered right: a copy read early changes a gradient, not the loss.
 
 Columns: activation bytes held for backward on the device (counted exactly through
 ``saved_tensors_hooks``; offloaded bytes excluded) and their fraction of ``none``; on a GPU
@@ -81,6 +84,7 @@ class Setup:
         self.counted: Any = None
         self.peak = 0
         self.losses: list[float] = []
+        self.fingerprint: torch.Tensor | None = None
 
     def _apply(self) -> list[str]:
         if self.saver is not None:
@@ -127,6 +131,7 @@ class Setup:
         _sync(self.device)
         elapsed = time.perf_counter() - start
         if optimizer is None:  # the first round: gradients of every configuration on the same weights
+            self.fingerprint = gradient_fingerprint(self.model)
             self.model.zero_grad(set_to_none=True)
         else:
             optimizer.zero_grad(set_to_none=True)
@@ -136,6 +141,37 @@ class Setup:
             self.counted = counter.bytes
         self.losses.append(loss.item())
         return elapsed
+
+
+def gradient_fingerprint(model: torch.nn.Module) -> torch.Tensor:
+    """Per parameter: the gradient's norm and its projection on a fixed random direction (float64, on the host).
+
+    Two runs' projections differ by about ``|g - g'|`` times a standard normal, so the difference over the
+    norm reads the relative error of the whole gradient without keeping a copy of it (GPT-1.3B's gradients
+    are 5 GB): a saver that brought back a wrong activation (a copy read before its stream finished) shows.
+    """
+    rows = []
+    for index, param in enumerate(model.parameters()):
+        grad = (
+            param.grad.detach().float()
+            if param.grad is not None
+            else torch.zeros_like(param, dtype=torch.float)
+        )
+        direction = torch.randn(
+            grad.shape, generator=torch.Generator(grad.device).manual_seed(index), device=grad.device
+        )
+        rows.append(torch.stack([grad.norm(), (grad * direction).sum()]))
+    return torch.stack(rows).double().cpu()
+
+
+def gradient_difference(fingerprint: torch.Tensor, reference: torch.Tensor) -> float:
+    """The largest relative error of a parameter's gradient against the reference's (see gradient_fingerprint)."""
+    trained = reference[:, 0] > 0
+    return float(((fingerprint[trained, 1] - reference[trained, 1]).abs() / reference[trained, 0]).max())
+
+
+LOSSLESS = ("selective (ops)", "selective (every 2nd block)", "full", "offload", "full + offload")
+"""The savers that must not change a gradient: recomputation reruns the same kernels, offload copies bytes."""
 
 
 def _sync(device: torch.device) -> None:
@@ -165,6 +201,13 @@ def run(shape: dict[str, Any], device: torch.device, rounds: int, warmup: int) -
         step_times = {
             name: s.step(optimizer if index else None, x, y, count=index == 0) for name, s in setups.items()
         }
+        if index == 0:
+            reference = setups["none"].fingerprint
+            assert reference is not None
+            differences = {name: gradient_difference(s.fingerprint, reference) for name, s in setups.items()}
+            # "none" once more on the same weights and batch: the device's own run-to-run spread (atomics)
+            setups["none"].step(None, x, y, count=False)
+            noise = gradient_difference(setups["none"].fingerprint, reference)
         if index >= warmup:
             for name, seconds in step_times.items():
                 setups[name].times.append(seconds)
@@ -181,12 +224,18 @@ def run(shape: dict[str, Any], device: torch.device, rounds: int, warmup: int) -
         row += [f"{median * 1e3:.1f} ms", f"{ratio:.2f}x"]
         rows.append(row)
         results[name] = {"bytes": counted.as_dict(), "step_s": median, "time_ratio": ratio, "peak": s.peak,
-                         "first_loss": s.losses[0], "last_loss": s.losses[-1]}  # fmt: skip
+                         "first_loss": s.losses[0], "last_loss": s.losses[-1],
+                         "gradient_difference": differences[name], "gradient_noise": noise,
+                         # equal to none's within ten times the spread of none against itself (0 where none
+                         # repeats bit for bit): only the savers that store every activation exactly
+                         "gradients_match": differences[name] <= 10 * noise if name in LOSSLESS else None}  # fmt: skip
     header = ["configuration", "activations on device", "vs none"]
     if device.type == "cuda":
         header += ["peak step memory", "vs none"]
     header += ["step time", "vs none"]
     print(table(header, rows))
+    print(f"round-0 gradients against none's: run-to-run spread of none {noise:.2e}; "
+          + ", ".join(f"{name} {d:.2e}" for name, d in differences.items() if name != "none"))  # fmt: skip
     first = {name: r["first_loss"] for name, r in results.items()}
     if len(set(first.values())) != 1:  # the forward pass is the same under every saver
         raise SystemExit(f"configurations do not start from the same loss: {first}")
