@@ -50,8 +50,10 @@ __all__ = [
     "cluster_environment",
     "collect_rng_states",
     "compress_hook",
+    "below_dispatch_key",
     "ddp_replicate",
     "default_store",
+    "destroy_library",
     "distributed_checkpoint_load",
     "distributed_checkpoint_save",
     "extension_build_directory",
@@ -65,6 +67,7 @@ __all__ = [
     "fsdp_root_callback",
     "fsdp_state",
     "grouped_mm",
+    "has_kernel_for",
     "hpc_save_path",
     "init_dist_connection",
     "is_full_checkpoint",
@@ -179,6 +182,21 @@ def fsdp_post_backward(unit: Any) -> bool:
 def fsdp_root_callback(unit: Any) -> None:
     """A root unit's end of backward: wait for the reductions (FSDP2 queues it on autograd's engine)."""
     fsdp_state(unit)._root_post_backward_final_callback()
+
+
+def below_dispatch_key(key: str) -> Any:
+    """A context in which the dispatcher skips ``key`` (``"AutocastCPU"``): a kernel registered there redispatches."""
+    return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key)))
+
+
+def has_kernel_for(op: str, key: str) -> bool:
+    """Whether ``op`` (``"aten::_grouped_mm"``) has a kernel of its own at dispatch key ``key``."""
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, key))
+
+
+def destroy_library(library: torch.library.Library) -> None:
+    """Remove every kernel ``library`` registered (torch keeps them for the process otherwise)."""
+    library._destroy()
 
 
 def without_sends_to_self(ops: list[Any]) -> list[Any]:

@@ -83,6 +83,20 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         note="op_output only on 2.13 (policy after the op)",
     ),
     # ---- FSDP2 and replicate
+    # ---- the dispatcher (autocast's rule for grouped matmuls)
+    PrivateApi(
+        "torch._C:_ExcludeDispatchKeyGuard",
+        "precision/grouped_mm_autocast.py",
+        "below_dispatch_key",
+        note="with torch._C.DispatchKeySet and DispatchKey; torch.library.register_autocast uses the same",
+    ),
+    PrivateApi(
+        "torch._C:_dispatch_has_kernel_for_dispatch_key",
+        "precision/grouped_mm_autocast.py",
+        "has_kernel_for",
+        note="neither release has an autocast kernel for aten::_grouped_mm",
+    ),
+    PrivateApi("torch.library:Library._destroy", "precision/grouped_mm_autocast.py", "destroy_library"),
     PrivateApi("torch.distributed.fsdp:FSDPModule._get_fsdp_state", "zero/fsdp.py", "fsdp_state"),
     PrivateApi(
         "torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState._fsdp_param_groups",

@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from lightning_parallel.precision._partial import reduce_partial_grads_
 from lightning_parallel.precision.grad_norm import clip_grad_norm_, clip_grad_value_
+from lightning_parallel.precision.grouped_mm_autocast import register_grouped_mm_autocast
 from lightning_parallel.precision.loss_scaler import DistributedGradScaler
 
 __all__ = [
@@ -103,6 +104,9 @@ class HybridPrecision(Precision):
 class HybridMixedPrecision(HybridPrecision, MixedPrecision):
     """Autocast mixed precision (``"bf16-mixed"`` or ``"16-mixed"``), from Lightning's ``MixedPrecision``.
 
+    Grouped matmuls (the experts of Hugging Face's MoE models) get autocast's matmul rule, which torch
+    lacks (:mod:`.grouped_mm_autocast`).
+
     For ``"16-mixed"`` the loss scaler is a :class:`DistributedGradScaler`: every rank skips
     the step when any rank's gradients overflowed, and all scales move together. A plain
     ``torch.amp.GradScaler`` passed as ``scaler`` is converted, keeping its settings.
@@ -132,6 +136,7 @@ class HybridMixedPrecision(HybridPrecision, MixedPrecision):
                 scaler = DistributedGradScaler.from_scaler(scaler, group=found_inf_group)
         MixedPrecision.__init__(self, precision, device, scaler)
         HybridPrecision.__init__(self, pipeline_group=pipeline_group)
+        register_grouped_mm_autocast()  # the experts of Hugging Face's MoE models would stay fp32
 
     @property
     def found_inf_group(self) -> ProcessGroup | None:

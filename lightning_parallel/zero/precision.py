@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 from typing_extensions import override
 
+from lightning_parallel.precision.grouped_mm_autocast import register_grouped_mm_autocast
 from lightning_parallel.zero.loss_scale import ZeroLossScale
 
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -43,6 +44,8 @@ class ZeroPrecision(DeepSpeedPrecision):
     ) -> None:
         super().__init__(precision)
         self.device_type = device_type
+        if self.precision in AUTOCAST:
+            register_grouped_mm_autocast()  # the experts of Hugging Face's MoE models would stay fp32
         # ``deepspeed_config`` precision sections of the user's own replace ours: then DeepSpeed scales.
         # A user's ``GradScaler`` (``MixedPrecision("16-mixed", ..., scaler=...)``) gives its settings and scale.
         self.scaler: ZeroLossScale | None = None

@@ -108,7 +108,8 @@ class Case:
             when training starts (same numbers, the feature silently off: a negative control of
             the engagement record). ``"zero_autocast"``: DeepSpeed's engine config without its
             ``torch_autocast`` section (as before issue 33: the engine switches autocast off), a negative
-            control of the compute-dtype record. ``"host_step_wait"``: FSDP2's offloaded shards stepped during
+            control of the compute-dtype record; ``"grouped_mm_autocast"``: torch's grouped matmul without the
+            autocast rule the precision plugins register (Hugging Face's MoE experts in fp32), another. ``"host_step_wait"``: FSDP2's offloaded shards stepped during
             backward although clipping needs the whole backward first (a negative control of the parity rule
             for the overlapped host step); the names of ``tests/distributed/plan_switches.py`` take one way of
             sharding attention away from the automatic plan; ``None`` in real cases.

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.cases import CASES, Case, hybrid
-from tests.distributed.harness import Result, assert_parity, reference, run_cases
+from tests.distributed.harness import Result, assert_parity, precision_problems, reference, run_cases
 from tests.models.zoo import ZOO
 
 pytestmark = [pytest.mark.distributed]
@@ -63,6 +63,25 @@ FOUR = [_param(f, "tp4") for f in ("gemma", "gpt_bigcode", "phi3", "mistral")] +
 ]
 ROW_COPIES_OFF = _case("gemma", "tp2", switch_off="row_copies")
 
+# The MoE families' experts in the precision asked for: transformers computes them with torch._grouped_mm, which has
+# no autocast rule of torch's; the precision plugins register one (lightning_parallel/precision/grouped_mm_autocast.py).
+MIXED_LAYOUTS = {"zero2": {"zero_stage": 2}, "tp2": {"tensor_parallel": 2}, "ep2": {"expert_parallel": 2}}
+
+
+def _mixed(family: str, layout: str, precision: str = "bf16-mixed", switch_off: str | None = None) -> Case:
+    name = f"zoo_{family}_{layout}_{precision}" + (f"~{switch_off}" if switch_off else "")
+    if name in CASES:
+        return CASES[name]
+    return hybrid(name, f"zoo_{family}", timeout=60, case_fields={"steps": 2, "trainer_kwargs": {"precision": precision},
+                  "switch_off": switch_off}, **MIXED_LAYOUTS[layout])  # fmt: skip
+
+
+MIXED = [
+    *[_mixed(f, layout) for f, family in ZOO.items() if family.moe for layout in MIXED_LAYOUTS],
+    _mixed("qwen3_moe", "zero2", "16-mixed"),
+]
+GROUPED_MM_RULE_OFF = _mixed("qwen3_moe", "zero2", switch_off="grouped_mm_autocast")
+
 
 def _cases(params: list) -> list[Case]:
     return [p.values[0] for p in params]
@@ -70,7 +89,7 @@ def _cases(params: list) -> list[Case]:
 
 @pytest.fixture(scope="module")
 def two_process() -> dict[str, Result]:
-    cases = [*_cases(TWO), ROW_COPIES_OFF]
+    cases = [*_cases(TWO), ROW_COPIES_OFF, *MIXED, GROUPED_MM_RULE_OFF]
     return run_cases(cases, 2, timeout_s=900, references_for=cases)
 
 
@@ -96,3 +115,24 @@ def test_row_copies_whose_gradients_are_not_summed_fail(two_process: dict[str, R
     """Negative control: each rank's k/v head copy trained on its own queries' share drifts from the other."""
     with pytest.raises(AssertionError, match="copies of its rows"):
         assert_parity(two_process[ROW_COPIES_OFF.name], reference(ROW_COPIES_OFF))
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("case", MIXED, ids=lambda c: c.name)
+def test_the_experts_of_a_moe_family_compute_in_the_precision_asked_for(
+    two_process: dict[str, Result], case: Case
+) -> None:
+    """Every product of the forward and its recomputation in the low dtype, the grouped expert products
+    included (they ran in fp32 under every layout before the rule), on DeepSpeed's engine, tp and ep."""
+    result, ref = two_process[case.name], reference(case)
+    assert precision_problems(result, ref) == []
+    low = "bfloat16" if case.trainer_kwargs["precision"] == "bf16-mixed" else "float16"
+    grouped = {k: v for k, v in result.compute_dtypes.items() if "_grouped_mm" in k}
+    assert grouped and all(k.endswith(low) for k in grouped), grouped  # engaged: the experts ran grouped
+
+
+@pytest.mark.timeout(1200)
+def test_grouped_products_without_the_autocast_rule_fail_the_record(two_process: dict[str, Result]) -> None:
+    """Negative control: torch's grouped matmul as torch ships it (no autocast rule) keeps the experts in fp32."""
+    problems = precision_problems(two_process[GROUPED_MM_RULE_OFF.name], reference(GROUPED_MM_RULE_OFF))
+    assert len(problems) == 1 and "_grouped_mm.float32" in problems[0], problems

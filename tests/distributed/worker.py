@@ -394,6 +394,31 @@ def _engine_precision_switched_off(case: Case, reference: bool) -> Iterator[None
         arguments.ZERO_PRECISIONS[precision] = saved
 
 
+@contextmanager
+def _grouped_mm_autocast(case: Case, reference: bool) -> Iterator[None]:
+    """The one-process run computes grouped products (Hugging Face's MoE experts) in the precision the strategy
+    gives them: Lightning's own plugin lacks the autocast rule this package's plugins register
+    (``lightning_parallel/precision/grouped_mm_autocast.py``). ``Case.switch_off="grouped_mm_autocast"`` takes
+    the rule away from the distributed run (the negative control of the compute-dtype record)."""
+    from lightning_parallel.precision import grouped_mm_autocast as rule
+    from lightning_parallel.precision import plugin
+    from lightning_parallel.zero import precision as zero_precision
+
+    mixed = str(case.trainer_kwargs.get("precision", "32-true")).endswith("-mixed")
+    if reference or case.switch_off != "grouped_mm_autocast":
+        if reference and mixed:
+            rule.register_grouped_mm_autocast()
+        yield
+        return
+    rule.unregister_grouped_mm_autocast()
+    saved = plugin.register_grouped_mm_autocast, zero_precision.register_grouped_mm_autocast
+    plugin.register_grouped_mm_autocast = zero_precision.register_grouped_mm_autocast = lambda: None
+    try:
+        yield
+    finally:
+        plugin.register_grouped_mm_autocast, zero_precision.register_grouped_mm_autocast = saved
+
+
 def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], startup_s: float) -> None:
     case_start = time.perf_counter()
     for key in _DIST_ENV:  # LightningEnvironment.teardown() deletes WORLD_SIZE after each fit
@@ -435,6 +460,7 @@ def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], 
     with (
         gpu_checks_on_the_cpu(case.gpu_checks),
         _engine_precision_switched_off(case, reference),
+        _grouped_mm_autocast(case, reference),
         switched_off,
     ):
         trainer.fit(model, train_dataloaders=loader)
