@@ -60,6 +60,7 @@ __all__ = [
     "flatten_dense_tensors",
     "flatten_mesh",
     "fsdp_close_forward",
+    "fsdp_grad_copy_event",
     "fsdp_in_forward",
     "fsdp_param_groups",
     "fsdp_post_backward",
@@ -156,6 +157,16 @@ def fsdp_param_groups(state: Any) -> list[Any]:
         return list(groups)
     group = state._fsdp_param_group
     return [] if group is None else [group]
+
+
+def fsdp_grad_copy_event(fsdp_param: Any) -> Any:
+    """The event of an ``FSDPParam``'s gradient copy to pinned host memory while it may still be in flight, or None.
+
+    torch 2.11 copies an offloaded shard's reduced gradient with ``non_blocking=True`` (pinned memory, CUDA) even
+    when post-accumulate-grad hooks will read it at once, and waits for this event only at the end of backward;
+    torch 2.13 copies synchronously when such hooks exist (and then records none).
+    """
+    return getattr(fsdp_param, "grad_offload_event", None)
 
 
 def fsdp_in_forward(unit: Any) -> bool:

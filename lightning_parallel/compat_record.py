@@ -106,6 +106,14 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         resolvable=False,
     ),
     PrivateApi(
+        "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam.grad_offload_event",
+        "zero/overlapped_step.py (through zero/fsdp.py: shard_states)",
+        "fsdp_grad_copy_event",
+        note="2.11 leaves the copy to pinned host memory in flight when post-accumulate-grad hooks read the"
+        " gradient (set here, waited for at the end of backward); 2.13 copies synchronously then",
+        resolvable=False,
+    ),
+    PrivateApi(
         "torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState._post_forward",
         "zero/fsdp_schedule.py",
         "fsdp_close_forward",

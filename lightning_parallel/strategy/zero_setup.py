@@ -13,7 +13,7 @@ from lightning_parallel.strategy.checkpointing import CheckpointingStrategy
 from lightning_parallel.zero.arguments import describe_compute
 from lightning_parallel.zero.deepspeed_ops import announce_compilation
 from lightning_parallel.zero.engine import deepspeed_environment, initialize_engine
-from lightning_parallel.zero.fsdp import unit_parameters
+from lightning_parallel.zero.fsdp import shard_states, unit_parameters
 from lightning_parallel.zero.optimizer import offload_sharded_optimizers
 from lightning_parallel.zero.overlapped_step import OverlappedHostStep, overlap_refusal
 
@@ -142,7 +142,7 @@ def initialize_host_step_overlap(
         " reduced its gradient, while the backward of the layers below still runs (exact: no clipping or loss"
         " scale needs the whole backward first)."
     )
-    return OverlappedHostStep(optimizer, params)
+    return OverlappedHostStep(optimizer, params, shard_states(parallelized.gradients.fsdp_units))
 
 
 def host_step_parameters(strategy: CheckpointingStrategy) -> dict[str, Any]:

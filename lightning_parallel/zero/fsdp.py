@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -232,6 +232,16 @@ def unit_parameters(unit: FSDPModule) -> list[nn.Parameter]:
     """The sharded parameters an FSDP2 unit manages (not those of units nested in it)."""
     groups = fsdp_param_groups(fsdp_state(unit))
     return [fsdp_param.sharded_param for group in groups for fsdp_param in group.fsdp_params]
+
+
+def shard_states(units: list[FSDPModule]) -> dict[int, Any]:
+    """FSDP2's record of each sharded parameter of ``units`` (its ``FSDPParam``), by ``id`` of the parameter."""
+    return {
+        id(fsdp_param.sharded_param): fsdp_param
+        for unit in units
+        for group in fsdp_param_groups(fsdp_state(unit))
+        for fsdp_param in group.fsdp_params
+    }
 
 
 def _shard_experts(

@@ -8,8 +8,10 @@ gradients of the layers below.
 
 FSDP2 tells when a gradient is final: after a unit's reduce-scatter (and, offloaded, its copy to
 host memory) it calls the post-accumulate-grad hooks of each sharded parameter (torch's
-"optimizer in backward" contract; with such a hook the copy to the host is synchronous, so the
-gradient is complete when the hook runs). The hook queues the parameter to one worker thread,
+"optimizer in backward" contract). On torch 2.13 that copy is synchronous when such a hook exists;
+torch 2.11 leaves it in flight into pinned memory on a GPU (its event waited for only at the end of
+backward), so the worker waits for that event before it reads the gradient: read early, it would
+step on a gradient half copied, on the GPU alone. The hook queues the parameter to one worker thread,
 which steps it with torch's fused CPU Adam: that kernel releases the GIL, so the backward's
 Python hooks keep running beside it (DeepSpeed's CPU Adam holds the GIL for the whole call,
 measured here: a Python thread beside it stalls). The rest of the optimizer (parameters kept on
@@ -36,6 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_parallel.compat import fsdp_grad_copy_event
+
 __all__ = ["HostStepSpan", "OverlappedHostStep", "overlap_refusal"]
 
 
@@ -52,12 +56,19 @@ class OverlappedHostStep:
     """Steps ``params`` (name -> offloaded sharded parameter) of ``optimizer`` as backward finishes them.
 
     ``optimizer`` is a :class:`~lightning_parallel.zero.sharded_cpu_adam.ShardedCPUAdam`: its
-    ``step_in_backward(param)`` updates one parameter and marks it, its ``step()`` the others.
+    ``step_in_backward(param)`` updates one parameter and marks it, its ``step()`` the others. ``shards``
+    (``zero.fsdp.shard_states``) gives each parameter's ``FSDPParam``, whose gradient copy may be in flight.
     """
 
-    def __init__(self, optimizer: Any, params: dict[str, nn.Parameter]) -> None:
+    def __init__(
+        self, optimizer: Any, params: dict[str, nn.Parameter], shards: dict[int, Any] | None = None
+    ) -> None:
         self.optimizer = optimizer
         self._names = {id(p): name for name, p in params.items()}
+        self._shards = shards or {}  # id(param) -> FSDP2's FSDPParam: the gradient copy's event (torch 2.11)
+        unknown = [name for name, p in params.items() if shards is not None and id(p) not in shards]
+        if unknown:  # a hook that could not wait for its copy would step on half-copied gradients on a GPU
+            raise RuntimeError(f"offloaded parameters FSDP2 does not manage as shards: {unknown}")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lp-host-step")
         self._futures: list[Future[HostStepSpan]] = []
         self._lock = threading.Lock()
@@ -70,6 +81,8 @@ class OverlappedHostStep:
         """Parameter steps run during backward, over the whole run (the engagement record reads it)."""
         self.begun_before_backward_end = 0
         """Of those, the ones that started before their backward returned (timestamps), over the whole run."""
+        self.waited_for_copies = 0
+        """Host steps that first waited for their gradient's copy to host memory (torch 2.11 on a GPU)."""
         self._handles = [p.register_post_accumulate_grad_hook(self._gradient_final) for p in params.values()]
 
     @property
@@ -95,11 +108,17 @@ class OverlappedHostStep:
         grad = param.grad  # read here, on the thread that made it final: the worker may run after the main
         if not self._armed or grad is None:  # thread has moved on (a zero-bubble schedule's next pass)
             return
+        shard = self._shards.get(id(param))
+        copy = fsdp_grad_copy_event(shard) if shard is not None else None  # now: FSDP2 replaces it later
         with self._lock:
-            self._futures.append(self._pool.submit(self._step, param, grad))
+            self._futures.append(self._pool.submit(self._step, param, grad, copy))
 
-    def _step(self, param: torch.Tensor, grad: torch.Tensor) -> HostStepSpan:
+    def _step(self, param: torch.Tensor, grad: torch.Tensor, copy: Any = None) -> HostStepSpan:
         start = time.perf_counter()
+        if copy is not None:  # on the worker: backward's thread goes on launching kernels meanwhile
+            copy.synchronize()
+            with self._lock:
+                self.waited_for_copies += 1
         self.optimizer.step_in_backward(param, grad)
         return HostStepSpan(self._names[id(param)], start, time.perf_counter())
 

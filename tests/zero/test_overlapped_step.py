@@ -134,3 +134,60 @@ def test_under_clipping_no_host_step_runs_during_backward() -> None:
     trainer, waits = _fit(clip=0.5, patience=0.5)
     assert trainer.strategy.host_step is None
     assert waits.waited == [False, False]  # nothing stepped while the first block's backward waited
+
+
+class _CopyInFlight:
+    """torch 2.11's gradient copy to pinned host memory on a GPU, as the hook finds it: the buffer is the gradient's
+    only once the copy's event is waited for (FSDP2 waits at the end of backward; the hook reads it before)."""
+
+    def __init__(self, buffer: torch.Tensor, value: torch.Tensor) -> None:
+        self.buffer, self.value, self.synchronized = buffer, value, 0
+
+    def synchronize(self) -> None:
+        time.sleep(0.05)  # the copy lands a little later than the hook runs
+        self.buffer.copy_(self.value)
+        self.synchronized += 1
+
+
+@pytest.mark.parametrize(
+    "waits", [True, False], ids=["waits for the copy", "negative control: reads it early"]
+)
+def test_a_host_step_waits_for_the_gradient_copy_torch_2_11_leaves_in_flight(waits: bool) -> None:
+    from types import SimpleNamespace
+
+    from lightning_parallel.zero.overlapped_step import OverlappedHostStep
+    from lightning_parallel.zero.sharded_cpu_adam import ShardedCPUAdam
+
+    params = _params()
+    gradients = [
+        torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) for i, p in enumerate(params)
+    ]
+    expected_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    reference = torch.optim.AdamW(expected_params, **HYPER)
+    for param, grad in zip(expected_params, gradients, strict=True):
+        param.grad = grad.clone()
+    reference.step()
+
+    optimizer = ShardedCPUAdam(params, adamw_mode=True, **HYPER)
+    copies = {}
+    for param, grad in zip(params, gradients, strict=True):
+        param.grad = torch.zeros_like(grad)  # pinned memory the copy has not reached yet
+        copies[id(param)] = SimpleNamespace(grad_offload_event=_CopyInFlight(param.grad, grad))
+    step = OverlappedHostStep(
+        optimizer, {f"p{i}": p for i, p in enumerate(params)}, copies if waits else None
+    )
+    try:
+        with step.armed():
+            for param in params:
+                step._gradient_final(param)  # what FSDP2 calls right after it started the copy
+            step.end_of_backward()
+        if not waits:  # as before: the update read the gradient before the copy landed
+            for copy in copies.values():
+                copy.grad_offload_event.synchronize()  # FSDP2's own wait, at the end of backward
+        optimizer.step()
+    finally:
+        step.close()
+    matches = all(torch.allclose(p, e, atol=1e-6) for p, e in zip(params, expected_params, strict=True))
+    assert matches is waits
+    assert step.waited_for_copies == (len(params) if waits else 0)
+    assert step.stepped_in_backward == len(params)
