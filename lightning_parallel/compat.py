@@ -79,6 +79,7 @@ __all__ = [
     "selective_policy_sees_output",
     "set_rng_states",
     "strided_shard_in_ops",
+    "split_weight_backward_exact",
     "sync_module_states",
     "tree_map",
     "tree_map_only",
@@ -113,6 +114,17 @@ def selective_policy_sees_output() -> bool:
     Checked: 2.11.0 (no), 2.13.0 (yes).
     """
     return "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
+
+
+def split_weight_backward_exact() -> bool:
+    """Whether the pipeline's split weight pass (``pipelining._backward.stage_backward_weight``, the zero-bubble
+    schedules) matches the full backward where a stage uses a parameter more than once.
+
+    torch 2.11 hands the gradients reaching a node where parameters meet activations to that node as one sum
+    (wrong weight gradients for a parameter with several consumers, ``pipeline/split_backward.py``); 2.13 hands
+    one per output. Checked: 2.11.0 (wrong, measured), 2.13.0 (exact).
+    """
+    return TORCH_VERSION >= (2, 13)
 
 
 # ---- torch ---------------------------------------------------------------------------------------

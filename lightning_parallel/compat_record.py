@@ -191,12 +191,20 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         resolvable=False,
     ),
     PrivateApi(
+        "torch.distributed.pipelining._backward:stage_backward_weight",
+        "pipeline/split_backward.py",
+        "split_weight_backward_exact",
+        note="2.11 sums the gradients reaching a node where parameters meet activations into its first output:"
+        " wrong weight gradients where a stage uses a parameter twice (measured); 2.13 exact. Not called by the"
+        " package, gated",
+    ),
+    PrivateApi(
         "torch.distributed.pipelining.schedules:_batch_p2p",
         "pipeline/send_release.py",
         "(wrapped while a step runs)",
-        ("2.13.0",),
-        note="feature-detected: absent, a step's sends stay until its end as torch keeps them; the same call"
-        " (send_ops.append(_batch_p2p(...)), waited at the step's end) read in earlier releases, not run on 2.11",
+        note="feature-detected: absent, a step's sends stay until its end as torch keeps them; run on both (the"
+        " pipeline parity files on 2.11 over gloo): 2.11 batches a step's sends in one batch_isend_irecv (one"
+        " Work per batch), 2.13 one Work per send; the wrapper releases either",
     ),
     # ---- collectives, checkpoints, build
     PrivateApi("torch.distributed.utils:_sync_module_states", "parallelize/recipe.py", "sync_module_states"),

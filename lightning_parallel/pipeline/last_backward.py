@@ -29,6 +29,7 @@ from torch.distributed.pipelining import PipelineStage
 from lightning_parallel.compat import without_sends_to_self
 from lightning_parallel.data_parallel.gradient_sync import GradientSync
 from lightning_parallel.pipeline.receive_buffers import ReceiveBuffers
+from lightning_parallel.pipeline.split_backward import check_split_backward
 from lightning_parallel.zero import fsdp_schedule
 from lightning_parallel.zero.tensor_parallel import user_name
 
@@ -42,6 +43,9 @@ class ReducingStage(PipelineStage):
         self._last_backward = last_backward
         self.receive_buffers = ReceiveBuffers()
         self._losses: dict[int, torch.Tensor] = {}  # the last stage's loss per micro-batch, until it is done
+        self._split_checked = (
+            False  # torch 2.11's split weight pass and a parameter used twice: split_backward.py
+        )
 
     # ---- receive buffers: placeholders from setup on, a buffer per receive posted ----
 
@@ -100,6 +104,10 @@ class ReducingStage(PipelineStage):
     ) -> None:
         if isinstance(loss, torch.Tensor):
             self._losses[bwd_chunk_id] = loss
+        if not full_backward and not self._split_checked:  # before torch's split passes read this graph
+            outputs = [loss] if isinstance(loss, torch.Tensor) else self.fwd_cache[bwd_chunk_id][0]
+            check_split_backward(outputs, self.submod, self.stage_index)
+            self._split_checked = True
         if not (last_backward and full_backward):
             super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
         else:
