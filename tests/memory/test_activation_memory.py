@@ -16,6 +16,7 @@ checkpointing adds only each block's input (B T C fp32) per block.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -416,3 +417,34 @@ def test_alternate_matmuls_policy_counts_each_pass_apart(
     forward = [policy(SimpleNamespace(is_recompute=False, **output), mm) for _ in range(4)]
     again = [policy(SimpleNamespace(is_recompute=True), mm) for _ in range(8)]
     assert forward == [keep, recompute, keep, recompute] and again == forward + forward
+
+
+class _SavesAnEmptyTensor(torch.autograd.Function):
+    """Saves its input and an empty CPU tensor beside it, as torch 2.11's checkpoint saves one per region."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, torch.empty((0,), requires_grad=True))
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        x, empty = ctx.saved_tensors
+        assert empty.numel() == 0
+        return grad * 2
+
+
+def test_an_empty_saved_tensor_is_kept_and_joins_no_offload_group() -> None:
+    """Every empty CPU tensor has the storage key ("cpu", 0): stored, they would share one entry and one block
+    group, fetched back at the start of backward on the compute stream (torch 2.11's checkpoint, a GPU run)."""
+    model = gpt(3)
+    blocks = list(find_block_stack(model).blocks)
+    saver = ActivationSaver(offload=True, parameters=list(model.parameters()), blocks=blocks)
+    x = torch.randint(V, (B, T), generator=torch.Generator().manual_seed(1))
+    original = blocks[0].forward
+    blocks[0].forward = lambda h, *a, **k: original(_SavesAnEmptyTensor.apply(h), *a, **k)  # type: ignore[method-assign]
+    with saver.context():
+        loss = model(x).logsumexp(-1).mean()
+    grouped = [stored() for members in saver._groups.values() for stored in members]
+    assert grouped and all(s is None or s.numel > 0 for s in grouped)  # offload engaged, nothing empty in it
+    loss.backward()
