@@ -24,6 +24,8 @@ from the start, and the offload phases wait for it outside their timed steps.
 5. ``engines_fsdp2``: FSDP2 ZeRO-2 and -3 (``zero_engine="fsdp2"``), the same figures as 2.
 6. ``precisions``: 32-true, bf16-mixed and 16-mixed with loss scaling through the Trainer on an nccl
    process group against plain PyTorch (``benchmarks/gpu_paths.py``).
+6b. ``moe_autocast``: a Hugging Face Qwen3-MoE under bf16 autocast, torch alone against the precision plugins'
+   rule for grouped matmuls (``benchmarks/moe_autocast.py``): the experts' dtype and the step time.
 7. ``largest``: the largest GPT that trains with ZeRO-3 + CPU offload (``benchmarks/zero_offload.py``).
 8. ``fp8``: a few steps with ``Float8Precision`` against bf16-mixed (where the GPU has fp8).
 9. ``long_context``: the longest sequence a 1.3B model trains on the one device with full checkpointing.
@@ -227,6 +229,13 @@ def phases(dry_run: bool, device: str | None = None) -> list[Phase]:
         Phase("precisions", ["benchmarks.gpu_paths", *tiny_cpu, "--json", "{json}"], 120, [
             Figure(f"{p} loss parity with plain PyTorch", lambda r, p=p: r["results"][p]["parity"], "==", True,
                    "benchmarks/gpu_paths.py tolerances") for p in ("32-true", "bf16-mixed", "16-mixed")
+        ]),
+        # Hugging Face's MoE experts (torch._grouped_mm) under bf16 autocast: torch alone vs the plugins' rule.
+        Phase("moe_autocast", ["benchmarks.moe_autocast", *tiny_cpu, "--json", "{json}"], 90, [
+            Figure("HF MoE experts: bf16 share of grouped products", lambda r: r["bf16_share"] if r["bf16_share"]
+                   is not None else r["no grouped product ran"], "==", 1.0, "precision/grouped_mm_autocast.py"),
+            *([Figure("HF MoE step: grouped rule / torch autocast alone", lambda r: r["rule_over_alone"], "<=", 1.0,
+                      "bf16 grouped kernel vs torch's fp32 path")] if not dry_run else []),
         ]),
         Phase("largest", ["benchmarks.zero_offload", *(["--tiny", "--cpu"] if dry_run else ["--sizes", "2.7B,6.7B,8.3B",
                                                                                           "--limit-s", "150"]),
