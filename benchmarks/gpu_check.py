@@ -26,6 +26,8 @@ from the start, and the offload phases wait for it outside their timed steps.
    process group against plain PyTorch (``benchmarks/gpu_paths.py``).
 6b. ``moe_autocast``: a Hugging Face Qwen3-MoE under bf16 autocast, torch alone against the precision plugins'
    rule for grouped matmuls (``benchmarks/moe_autocast.py``): the experts' dtype and the step time.
+6c. ``ring_kernels``: context parallelism's ring blocks on one device, torch's CUDA flash kernel or the fp32
+   math, against ``F.scaled_dot_product_attention`` (``benchmarks/ring_kernels.py``).
 7. ``largest``: the largest GPT that trains with ZeRO-3 + CPU offload (``benchmarks/zero_offload.py``).
 8. ``fp8``: a few steps with ``Float8Precision`` against bf16-mixed (where the GPU has fp8).
 9. ``long_context``: the longest sequence a 1.3B model trains on the one device with full checkpointing.
@@ -236,6 +238,15 @@ def phases(dry_run: bool, device: str | None = None) -> list[Phase]:
                    is not None else r["no grouped product ran"], "==", 1.0, "precision/grouped_mm_autocast.py"),
             *([Figure("HF MoE step: grouped rule / torch autocast alone", lambda r: r["rule_over_alone"], "<=", 1.0,
                       "bf16 grouped kernel vs torch's fp32 path")] if not dry_run else []),
+        ]),
+        # Context parallelism's ring blocks on one device: torch's CUDA flash kernel or the fp32 math, against SDPA.
+        Phase("ring_kernels", ["benchmarks.ring_kernels", *tiny_cpu, "--json", "{json}"], 60, [
+            *([Figure("context parallel ring blocks use torch's flash kernel", lambda r: r["flash_on_gpu"], "==", True,
+                      "context_parallel/cuda_blocks.py")] if not dry_run else []),
+            Figure("ring blocks' difference from fp32 attention / torch bf16 SDPA's", lambda r: r["blocks_vs_exact"]
+                   / r["torch_bf16_vs_exact"], "<=", 2.0, "the rounding of a bf16 kernel"),
+            *([Figure("ring blocks / torch SDPA over the whole sequence, time", lambda r: r["blocks_over_torch"], "<=",
+                      1.0, "the blocks do 3/4 of its work")] if not dry_run else []),
         ]),
         Phase("largest", ["benchmarks.zero_offload", *(["--tiny", "--cpu"] if dry_run else ["--sizes", "2.7B,6.7B,8.3B",
                                                                                           "--limit-s", "150"]),

@@ -16,17 +16,21 @@ final output and log-sum-exp, which is what makes the sum of the blocks' gradien
 
 Each block runs torch's fused flash kernel for the CPU (``aten._scaled_dot_product_flash_attention_for_cpu``
 and its backward: the kernel ``F.scaled_dot_product_attention`` itself runs on the CPU, which
-returns the log-sum-exp the merge needs); on other devices, the same math written out in fp32.
+returns the log-sum-exp the merge needs); on a GPU torch's flash kernel for CUDA, where the block
+allows it and it agreed with the math when first used (``cuda_blocks.py``); otherwise the same math
+written out in fp32.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_parallel.context_parallel.blocks import Block, ChunkPairs
+from lightning_parallel.context_parallel.cuda_blocks import flash_block, flash_block_backward, flash_takes
 from lightning_parallel.context_parallel.traffic import TRAFFIC
 
 Partial = tuple[torch.Tensor, torch.Tensor]  # (output, log-sum-exp) of some keys
@@ -100,6 +104,16 @@ def _scores(q: torch.Tensor, k: torch.Tensor, block: Block, scale: float) -> tor
     return scores if bias is None else scores + bias
 
 
+def _math_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block, scale: float) -> Partial:
+    scores = _scores(q, k, block, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(_probabilities(scores, lse), v.float()), lse
+
+
+def _flash_on_gpu(q: torch.Tensor, block: Block) -> bool:
+    return flash_takes(q, block.bias) and cuda_kernels_agree(q.device, q.dtype)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block, scale: float) -> Partial:
     """One block's attention: output (fp32) and log-sum-exp (minus infinity for rows with no key)."""
     if fused(q.device):
@@ -107,10 +121,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block, sca
             q, k, v, 0.0, block.causal, attn_mask=block.bias, scale=scale
         )
         out = out.float()
+    elif _flash_on_gpu(q, block):
+        out, lse = flash_block(q, k, v, block.causal, scale)
+        out = out.float()
     else:
-        scores = _scores(q, k, block, scale)
-        lse = torch.logsumexp(scores, dim=-1)
-        out = torch.matmul(_probabilities(scores, lse), v.float())
+        out, lse = _math_attend(q, k, v, block, scale)
     if block.has_key is not None:
         lse = torch.where(block.has_key, lse, torch.full_like(lse, float("-inf")))
         out = torch.where(block.has_key.unsqueeze(-1), out, torch.zeros_like(out))
@@ -135,6 +150,21 @@ def _attend_backward(
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, block.causal, attn_mask=block.bias, scale=scale
         )
+    if _flash_on_gpu(q, block):
+        return flash_block_backward(grad, q, k, v, out, lse, block.causal, scale)
+    return _math_backward(grad, q, k, v, out, lse, block, scale)
+
+
+def _math_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block: Block,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grad, qf, kf, vf = grad.float(), q.float(), k.float(), v.float()
     p = _probabilities(_scores(q, k, block, scale), lse)
     delta = (grad * out.float()).sum(-1, keepdim=True)
@@ -144,6 +174,49 @@ def _attend_backward(
         torch.matmul(ds.transpose(-1, -2), qf) * scale,
         torch.matmul(p.transpose(-1, -2), grad),
     )
+
+
+_AGREE: dict[tuple[str, torch.dtype], bool] = {}
+"""Whether torch's CUDA flash kernel computed a block as the math does, by (device, dtype): checked once."""
+
+
+def cuda_kernels_agree(device: torch.device, dtype: torch.dtype) -> bool:
+    """The CUDA kernels against the math on a small block, forward and backward, causal and not, once per
+    (device, dtype); where they disagree or fail, the math computes the blocks and a warning says why."""
+    key = (str(device), dtype)
+    if key not in _AGREE:
+        try:
+            reason = _disagreement(device, dtype)
+        except Exception as error:  # noqa: BLE001 - any failure of the kernel path means: use the math
+            reason = f"{type(error).__name__}: {error}"
+        _AGREE[key] = reason is None
+        if reason is not None:
+            warnings.warn(
+                f"Context parallelism on {device}: the ring's blocks compute in fp32 math, not with torch's flash"
+                f" kernel in {dtype} ({reason}). Slower and with more memory; the results are the same.",
+                stacklevel=2,
+            )
+    return _AGREE[key]
+
+
+def _disagreement(device: torch.device, dtype: torch.dtype) -> str | None:
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(1, 2, 128, 64, generator=generator).to(device, dtype) for _ in range(4))
+    scale = 64**-0.5
+    for causal in (False, True):
+        block = Block(0, 0, causal)
+        out, lse = flash_block(q, k, v, causal, scale)
+        exact_out, exact_lse = _math_attend(q, k, v, block, scale)
+        found = flash_block_backward(grad, q, k, v, out, lse, causal, scale)
+        expected = _math_backward(grad, q, k, v, exact_out.to(dtype), exact_lse, block, scale)
+        for name, got, want in (("output", out, exact_out), ("log-sum-exp", lse, exact_lse),
+                                *zip(("dq", "dk", "dv"), found, expected, strict=True)):  # fmt: skip
+            error = float((got.float() - want.float()).abs().max())
+            if (
+                not error <= 0.03 * float(want.float().abs().max()) + 0.02
+            ):  # bf16 rounding; wrong math is O(1)
+                return f"{name} of a {'causal' if causal else 'full'} block differs by {error:.3g}"
+    return None
 
 
 def _merge(total: Partial, part: Partial) -> Partial:
