@@ -17,7 +17,8 @@ package is built; where torch has a rule of its own for a device, torch's is kep
 
 The grouped kernels need every stride of 16 bytes or more: a tiny model whose widths are not a
 multiple of 8 in bf16 would fail where fp32 ran, so such a product keeps its operands' dtype (as
-without this rule) and is counted in :data:`KEPT_WIDE`.
+without this rule) and is counted in :data:`KEPT_WIDE`; so does one whose kernel refuses the low
+dtype (a GPU's grouped kernel without fp16, say).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ _library: torch.library.Library | None = None
 _registered: set[str] = set()
 
 KEPT_WIDE: Counter[str] = Counter()
-"""Grouped products left in their operands' dtype because the low-precision copies would break the
-kernel's 16-byte stride rule, per device type."""
+"""Grouped products left in their operands' dtype, per device type: the low-precision copies would break the
+kernel's 16-byte stride rule, or the kernel refused that dtype."""
 
 
 def _aligned(tensor: torch.Tensor) -> bool:
@@ -73,7 +74,10 @@ def _rule(device_type: str) -> Any:
             low_a, low_b = cast(mat_a), cast(mat_b)
             assert low_a is not None and low_b is not None
             if _aligned(low_a) and _aligned(low_b):
-                return torch.ops.aten._grouped_mm(low_a, low_b, offs, cast(bias), out_dtype)
+                try:
+                    return torch.ops.aten._grouped_mm(low_a, low_b, offs, cast(bias), out_dtype)
+                except RuntimeError:
+                    pass  # a kernel without this dtype (fp16 on some GPUs): as torch alone would compute it
             KEPT_WIDE[device_type] += 1
             return torch.ops.aten._grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
 

@@ -117,3 +117,25 @@ def test_the_docs_example_runs(tmp_path: Path) -> None:
     script.write_text(match.group(1))
     run = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_a_kernel_that_refuses_the_low_dtype_keeps_the_operands_dtype(
+    without_rule: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU's grouped kernel without fp16, say: the product runs as torch alone would run it, counted."""
+    original = torch.ops.aten._grouped_mm
+
+    def refuses_half(mat_a: torch.Tensor, *args: object) -> torch.Tensor:
+        if mat_a.dtype == torch.float16:
+            raise RuntimeError("no float16 kernel here")
+        return original(mat_a, *args)
+
+    rule.register_grouped_mm_autocast()
+    monkeypatch.setattr(torch.ops.aten, "_grouped_mm", refuses_half)
+    rows, weight, offs = _experts()
+    before = rule.KEPT_WIDE["cpu"]
+    with torch.autocast("cpu", torch.float16):
+        assert _grouped(rows, weight, offs).dtype == torch.float32
+    with torch.autocast("cpu", torch.bfloat16):
+        assert _grouped(rows, weight, offs).dtype == torch.bfloat16
+    assert rule.KEPT_WIDE["cpu"] == before + 1
