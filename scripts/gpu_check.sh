@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check for a lent H200, in one command that ends within 9 minutes (benchmarks/gpu_check.py):
+# The GPU check for a lent H100 or H200, in one command that ends within 9 minutes (benchmarks/gpu_check.py):
 #
 #   bash scripts/gpu_check.sh                        # from the repository root, on the lent machine
 #   GPU_CHECK_DRY_RUN=1 bash scripts/gpu_check.sh    # on a CPU machine: the same logic, tiny shapes
