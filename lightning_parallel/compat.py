@@ -79,6 +79,7 @@ __all__ = [
     "selective_policy_sees_output",
     "set_rng_states",
     "strided_shard_in_ops",
+    "pipeline_weight_groups",
     "split_weight_backward_exact",
     "sync_module_states",
     "tree_map",
@@ -114,6 +115,33 @@ def selective_policy_sees_output() -> bool:
     Checked: 2.11.0 (no), 2.13.0 (yes).
     """
     return "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
+
+
+def pipeline_weight_groups(
+    outputs: list[torch.Tensor], inputs: list[torch.Tensor]
+) -> list[tuple[list[torch.Tensor], list[int]]]:
+    """torch's split-backward grouping (``pipelining._backward.get_param_groups``) of the graph behind ``outputs``:
+    per group, its weights (the graph's leaves other than ``inputs``) and, for each of its intermediate nodes
+    (where the weights' paths meet the activations'), how many outputs that node has. The same on 2.11 and 2.13."""
+    from torch.distributed.pipelining import _backward
+
+    roots = [node for t in outputs if (node := _backward._get_grad_fn_or_grad_acc(t)) is not None]
+    reverse = _backward.construct_reverse_graph(roots)
+    input_ids = {id(t) for t in inputs}
+    input_nodes = [
+        node for t in inputs if t.requires_grad and (node := _backward._get_grad_fn_or_grad_acc(t))
+    ]
+    weight_nodes = [
+        node for node in reverse if hasattr(node, "variable") and id(node.variable) not in input_ids
+    ]  # AccumulateGrad: the leaves
+    groups = _backward.get_param_groups(input_nodes, weight_nodes, reverse)
+    return [
+        (
+            [node.variable for node in group["params"]],
+            [len(node._input_metadata) for node in group["intermediates"]],
+        )
+        for group in groups
+    ]
 
 
 def split_weight_backward_exact() -> bool:

@@ -194,9 +194,16 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "torch.distributed.pipelining._backward:stage_backward_weight",
         "pipeline/split_backward.py",
         "split_weight_backward_exact",
-        note="2.11 sums the gradients reaching a node where parameters meet activations into its first output:"
-        " wrong weight gradients where a stage uses a parameter twice (measured); 2.13 exact. Not called by the"
-        " package, gated",
+        note="2.11 hands each intermediate the sum of its output gradients on output 0 and starts from every"
+        " intermediate of a group: wrong weight gradients for a group of several intermediates on one path or an"
+        " intermediate of several outputs (measured); 2.13 exact. Not called by the package, gated",
+    ),
+    PrivateApi(
+        "torch.distributed.pipelining._backward:get_param_groups",
+        "pipeline/split_backward.py",
+        "pipeline_weight_groups",
+        note="with construct_reverse_graph and _get_grad_fn_or_grad_acc; same on both; Node._input_metadata"
+        " read for the number of a node's outputs",
     ),
     PrivateApi(
         "torch.distributed.pipelining.schedules:_batch_p2p",

@@ -105,8 +105,9 @@ class ReducingStage(PipelineStage):
         if isinstance(loss, torch.Tensor):
             self._losses[bwd_chunk_id] = loss
         if not full_backward and not self._split_checked:  # before torch's split passes read this graph
-            outputs = [loss] if isinstance(loss, torch.Tensor) else self.fwd_cache[bwd_chunk_id][0]
-            check_split_backward(outputs, self.submod, self.stage_index)
+            outputs, inputs = self.fwd_cache[bwd_chunk_id]
+            check_split_backward([loss] if isinstance(loss, torch.Tensor) else outputs, inputs, self.submod,
+                                 self.stage_index)  # fmt: skip
             self._split_checked = True
         if not (last_backward and full_backward):
             super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
