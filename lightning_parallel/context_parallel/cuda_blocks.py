@@ -22,9 +22,9 @@ import torch
 __all__ = ["flash_block", "flash_block_backward", "flash_takes"]
 
 _aten = torch.ops.aten
-_AUX: dict[tuple[str, int, int], tuple[Any, ...]] = {}
-"""What the forward kernel returned besides output and log-sum-exp, by (device, query rows, key rows): its backward
-takes them back (sequence offsets, the random state of a dropout of 0: the same for every block of a shape)."""
+_AUX: dict[str, tuple[Any, ...]] = {}
+"""What the forward kernel last returned on a device besides output, log-sum-exp and lengths: its backward takes
+them back (sequence offsets of packed batches, None here; the random state, unused at a dropout of 0)."""
 
 
 def flash_takes(q: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -45,7 +45,7 @@ def flash_block(
     out, lse, cum_q, cum_k, max_q, max_k, rng, unused, _ = _aten._scaled_dot_product_flash_attention(
         q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, False, scale=scale
     )
-    _AUX[(str(q.device), q.shape[-2], k.shape[-2])] = (cum_q, cum_k, max_q, max_k, rng, unused)
+    _AUX[str(q.device)] = (cum_q, cum_k, rng, unused)
     return out, lse
 
 
@@ -60,7 +60,8 @@ def flash_block_backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's part of dq, dk, dv given the FINAL output (q's dtype) and log-sum-exp of its queries."""
-    cum_q, cum_k, max_q, max_k, rng, unused = _AUX[(str(q.device), q.shape[-2], k.shape[-2])]
+    cum_q, cum_k, rng, unused = _AUX[str(q.device)]
+    max_q, max_k = q.shape[-2], k.shape[-2]
     dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
         grad.to(q.dtype).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.to(q.dtype).contiguous(),
         lse.float().contiguous(), cum_q, cum_k, max_q, max_k, 0.0, causal, rng, unused, scale=scale,

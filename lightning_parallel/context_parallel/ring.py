@@ -111,7 +111,7 @@ def _math_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block
 
 
 def _flash_on_gpu(q: torch.Tensor, block: Block) -> bool:
-    return flash_takes(q, block.bias) and cuda_kernels_agree(q.device, q.dtype)
+    return flash_takes(q, block.bias) and cuda_kernels_agree(q.device, q.dtype, q.shape[-1])
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block, scale: float) -> Partial:
@@ -151,7 +151,16 @@ def _attend_backward(
             grad, q, k, v, out, lse, 0.0, block.causal, attn_mask=block.bias, scale=scale
         )
     if _flash_on_gpu(q, block):
-        return flash_block_backward(grad, q, k, v, out, lse, block.causal, scale)
+        try:
+            return flash_block_backward(grad, q, k, v, out, lse, block.causal, scale)
+        except (torch.OutOfMemoryError, torch.AcceleratorError):
+            raise
+        except (
+            RuntimeError
+        ) as error:  # the math needs only the final output and log-sum-exp: valid after any forward
+            _AGREE[(str(q.device), q.dtype, q.shape[-1])] = False
+            warnings.warn(f"Context parallelism: torch's flash backward refused a block ({error}); the math computes it.",
+                          stacklevel=2)  # fmt: skip
     return _math_backward(grad, q, k, v, out, lse, block, scale)
 
 
@@ -176,17 +185,19 @@ def _math_backward(
     )
 
 
-_AGREE: dict[tuple[str, torch.dtype], bool] = {}
-"""Whether torch's CUDA flash kernel computed a block as the math does, by (device, dtype): checked once."""
+_AGREE: dict[tuple[str, torch.dtype, int], bool] = {}
+"""Whether torch's CUDA flash kernel computed a block as the math does, by (device, dtype, head width): checked
+once each (the kernel's limits depend on the head width and the chip: its backward refuses some widths on some)."""
 
 
-def cuda_kernels_agree(device: torch.device, dtype: torch.dtype) -> bool:
-    """The CUDA kernels against the math on a small block, forward and backward, causal and not, once per
-    (device, dtype); where they disagree or fail, the math computes the blocks and a warning says why."""
-    key = (str(device), dtype)
+def cuda_kernels_agree(device: torch.device, dtype: torch.dtype, head_width: int = 64) -> bool:
+    """The CUDA kernels against the math on a small block of this head width, forward and backward, causal and
+    not, once per (device, dtype, width); where they disagree or fail, the math computes the blocks and a warning
+    says why."""
+    key = (str(device), dtype, head_width)
     if key not in _AGREE:
         try:
-            reason = _disagreement(device, dtype)
+            reason = _disagreement(device, dtype, head_width)
         except Exception as error:  # noqa: BLE001 - any failure of the kernel path means: use the math
             reason = f"{type(error).__name__}: {error}"
         _AGREE[key] = reason is None
@@ -199,10 +210,12 @@ def cuda_kernels_agree(device: torch.device, dtype: torch.dtype) -> bool:
     return _AGREE[key]
 
 
-def _disagreement(device: torch.device, dtype: torch.dtype) -> str | None:
+def _disagreement(device: torch.device, dtype: torch.dtype, head_width: int) -> str | None:
     generator = torch.Generator().manual_seed(0)
-    q, k, v, grad = (torch.randn(1, 2, 128, 64, generator=generator).to(device, dtype) for _ in range(4))
-    scale = 64**-0.5
+    q, k, v, grad = (
+        torch.randn(1, 2, 128, head_width, generator=generator).to(device, dtype) for _ in range(4)
+    )
+    scale = head_width**-0.5
     for causal in (False, True):
         block = Block(0, 0, causal)
         out, lse = flash_block(q, k, v, causal, scale)

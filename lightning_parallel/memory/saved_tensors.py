@@ -218,7 +218,7 @@ class ActivationSaver:
         key = storage_key(tensor)
         if key in self._param_keys or isinstance(tensor, nn.Parameter):
             return tensor
-        if tensor.numel() == 0 and local_tensor(tensor).untyped_storage().nbytes() == 0:
+        if local_tensor(tensor).untyped_storage().nbytes() == 0:  # a DTensor's empty shard too
             # no data (torch 2.11's checkpoint saves an empty CPU tensor per region beside its inputs): its
             # shared key ("cpu", 0) would make one group of every region's, fetched back at backward's start
             return kept_as_is(tensor)

@@ -42,6 +42,7 @@ _KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 _LOW = (torch.float32, torch.float16, torch.bfloat16)
 _library: torch.library.Library | None = None
 _registered: set[str] = set()
+_REFUSED: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) whose grouped kernel refused the dtype
 
 KEPT_WIDE: Counter[str] = Counter()
 """Grouped products left in their operands' dtype, per device type: the low-precision copies would break the
@@ -73,11 +74,15 @@ def _rule(device_type: str) -> Any:
         with below_dispatch_key(_KEYS[device_type]):
             low_a, low_b = cast(mat_a), cast(mat_b)
             assert low_a is not None and low_b is not None
-            if _aligned(low_a) and _aligned(low_b):
+            if _aligned(low_a) and _aligned(low_b) and (device_type, dtype) not in _REFUSED:
                 try:
                     return torch.ops.aten._grouped_mm(low_a, low_b, offs, cast(bias), out_dtype)
-                except RuntimeError:
-                    pass  # a kernel without this dtype (fp16 on some GPUs): as torch alone would compute it
+                except (torch.OutOfMemoryError, torch.AcceleratorError):
+                    raise  # the device's trouble, not the dtype's
+                except (
+                    RuntimeError
+                ):  # a kernel without this dtype (fp16 on some GPUs): as torch alone computes it
+                    _REFUSED.add((device_type, dtype))  # from now on, without trying again each product
             KEPT_WIDE[device_type] += 1
             return torch.ops.aten._grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
 
@@ -114,3 +119,4 @@ def unregister_grouped_mm_autocast() -> None:
         destroy_library(_library)
     _library = None
     _registered.clear()
+    _REFUSED.clear()

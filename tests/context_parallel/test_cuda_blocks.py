@@ -118,7 +118,7 @@ def test_a_kernel_that_disagrees_with_the_math_is_not_used(
     q, k, v, _ = _qkvg()
     with pytest.warns(UserWarning, match="fp32 math, not with torch's flash kernel.*output of a full block"):
         out, _ = ring._attend(q, k, v, Block(0, 0, False), 64**-0.5)
-    assert out.dtype == torch.float32 and ring._AGREE == {("cpu", torch.bfloat16): False}
+    assert out.dtype == torch.float32 and ring._AGREE == {("cpu", torch.bfloat16, 64): False}
     exact, _ = ring._math_attend(q, k, v, Block(0, 0, False), 64**-0.5)
     torch.testing.assert_close(out, exact)  # the math computed it
 
@@ -127,3 +127,24 @@ def test_blocks_the_flash_kernel_cannot_take_keep_the_math() -> None:
     q = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16)
     assert not cuda_blocks.flash_takes(q, None)  # not on a GPU
     assert not cuda_blocks.flash_takes(q.float(), None) and not cuda_blocks.flash_takes(q, torch.zeros(8, 8))
+
+
+def test_a_backward_the_kernel_refuses_is_computed_by_the_math(
+    as_on_a_gpu: _FlashStandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chip whose flash backward refuses a head width the check did not meet: the math needs only the final
+    output and log-sum-exp, so the block's gradients are still right, and later blocks go to the math at once."""
+    q, k, v, grad = _qkvg()
+    block, scale = Block(0, 0, True), 64**-0.5
+    out, lse = ring._attend(q, k, v, block, scale)  # checked and agreed: the kernel's forward
+
+    def refuses(*args: Any, **kwargs: Any) -> tuple:
+        raise RuntimeError("FlashAttention backward for head dim > 192 requires A100/A800 or H100/H800")
+
+    monkeypatch.setattr(as_on_a_gpu, "_scaled_dot_product_flash_attention_backward", refuses)
+    with pytest.warns(UserWarning, match="flash backward refused a block"):
+        found = ring._attend_backward(grad, q, k, v, out.bfloat16(), lse, block, scale)
+    expected = ring._math_backward(grad, q, k, v, out.bfloat16(), lse, block, scale)
+    for got, want in zip(found, expected, strict=True):
+        torch.testing.assert_close(got, want)
+    assert not ring._flash_on_gpu(q, block)  # remembered for this width

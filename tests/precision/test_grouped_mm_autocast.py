@@ -131,11 +131,29 @@ def test_a_kernel_that_refuses_the_low_dtype_keeps_the_operands_dtype(
         return original(mat_a, *args)
 
     rule.register_grouped_mm_autocast()
-    monkeypatch.setattr(torch.ops.aten, "_grouped_mm", refuses_half)
     rows, weight, offs = _experts()
     before = rule.KEPT_WIDE["cpu"]
-    with torch.autocast("cpu", torch.float16):
-        assert _grouped(rows, weight, offs).dtype == torch.float32
+    calls = []
+    monkeypatch.setattr(
+        torch.ops.aten, "_grouped_mm", lambda a, *args: calls.append(a.dtype) or refuses_half(a, *args)
+    )
+    for _ in range(2):
+        with torch.autocast("cpu", torch.float16):
+            assert _grouped(rows, weight, offs).dtype == torch.float32
+    assert calls == [torch.float16, torch.float32, torch.float32]  # the refusal remembered: tried once
     with torch.autocast("cpu", torch.bfloat16):
         assert _grouped(rows, weight, offs).dtype == torch.bfloat16
-    assert rule.KEPT_WIDE["cpu"] == before + 1
+    assert rule.KEPT_WIDE["cpu"] == before + 2
+
+
+def test_running_out_of_memory_is_not_taken_for_a_refusal(
+    without_rule: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def out_of_memory(*args: object) -> torch.Tensor:
+        raise torch.OutOfMemoryError("out of memory")
+
+    rule.register_grouped_mm_autocast()
+    monkeypatch.setattr(torch.ops.aten, "_grouped_mm", out_of_memory)
+    rows, weight, offs = _experts()
+    with torch.autocast("cpu", torch.bfloat16), pytest.raises(torch.OutOfMemoryError):
+        _grouped(rows, weight, offs)
