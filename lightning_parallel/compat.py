@@ -123,7 +123,7 @@ def pipeline_weight_groups(
     """torch's split-backward grouping (``pipelining._backward.get_param_groups``) of the graph behind ``outputs``:
     per group, its weights (the graph's leaves other than ``inputs``) and, for each of its intermediate nodes
     (where the weights' paths meet the activations'), how many outputs that node has. The same on 2.11 and 2.13."""
-    from torch.distributed.pipelining import _backward
+    import torch.distributed.pipelining._backward as _backward
 
     roots = [node for t in outputs if (node := _backward._get_grad_fn_or_grad_acc(t)) is not None]
     reverse = _backward.construct_reverse_graph(roots)
