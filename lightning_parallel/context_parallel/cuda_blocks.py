@@ -8,9 +8,9 @@ runs fp16 and bf16, heads up to 256 wide (a multiple of 8), no additive mask (ca
 is its own flag). A block with a mask, or another dtype, keeps the math.
 
 No GPU runs this project's CI, so the kernels are checked where they run: the first block of a
-process on each (device, dtype) is computed both ways on a small problem, forward and backward, and
-the kernel is used only if it agrees with the math (``ring.py``: ``cuda_kernels_agree``); otherwise
-the math, with a warning that says why. The GPU check measures which ran (``benchmarks/ring_kernels.py``).
+process on each (device, dtype, head width) is computed both ways on a small problem, forward and
+backward, and the kernel is used only if it agrees with the math (``ring.py``: ``cuda_kernels_agree``);
+otherwise the math, with a warning that says why (as for a backward the kernel refuses later). The GPU check measures which ran (``benchmarks/ring_kernels.py``).
 """
 
 from __future__ import annotations

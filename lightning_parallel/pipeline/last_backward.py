@@ -43,9 +43,8 @@ class ReducingStage(PipelineStage):
         self._last_backward = last_backward
         self.receive_buffers = ReceiveBuffers()
         self._losses: dict[int, torch.Tensor] = {}  # the last stage's loss per micro-batch, until it is done
-        self._split_checked = (
-            False  # torch 2.11's split weight pass and a parameter used twice: split_backward.py
-        )
+        # torch 2.11's split weight pass and the stages it gets wrong (split_backward.py): checked once
+        self._split_checked = False
 
     # ---- receive buffers: placeholders from setup on, a buffer per receive posted ----
 

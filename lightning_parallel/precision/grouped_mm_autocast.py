@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from lightning_parallel.compat import below_dispatch_key, destroy_library, has_kernel_for
+from lightning_parallel.memory.counting import local_tensor
 
 __all__ = [
     "KEPT_WIDE",
@@ -50,7 +51,7 @@ kernel's 16-byte stride rule, or the kernel refused that dtype."""
 
 
 def _aligned(tensor: torch.Tensor) -> bool:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # DTensor: the kernel sees the shard
+    local = local_tensor(tensor)  # a DTensor: the kernel sees the shard
     size = local.element_size()
     return all(stride == 1 or (stride * size) % 16 == 0 for stride in local.stride())
 
@@ -79,10 +80,9 @@ def _rule(device_type: str) -> Any:
                     return torch.ops.aten._grouped_mm(low_a, low_b, offs, cast(bias), out_dtype)
                 except (torch.OutOfMemoryError, torch.AcceleratorError):
                     raise  # the device's trouble, not the dtype's
-                except (
-                    RuntimeError
-                ):  # a kernel without this dtype (fp16 on some GPUs): as torch alone computes it
-                    _REFUSED.add((device_type, dtype))  # from now on, without trying again each product
+                except RuntimeError:
+                    # a kernel without this dtype (fp16 on some GPUs): as torch alone computes it, from now on
+                    _REFUSED.add((device_type, dtype))
             KEPT_WIDE[device_type] += 1
             return torch.ops.aten._grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
 
