@@ -38,7 +38,9 @@ SHAPES = {
 }
 
 
-def _blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+def two_ring_blocks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor
+) -> list[torch.Tensor]:
     """The second half's output and the input gradients, from the two blocks a rank of a two-rank ring computes."""
     half, scale = q.shape[-2] // 2, q.shape[-1] ** -0.5
     late = slice(half, None)
@@ -60,7 +62,9 @@ def _blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tenso
     return [out, dq, dk, dv]
 
 
-def _whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+def whole_sequence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor
+) -> list[torch.Tensor]:
     """torch's attention over the whole causal sequence: the second half's output and the same gradients."""
     half = q.shape[-2] // 2
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -98,27 +102,29 @@ def run(shape: dict[str, Any], device: torch.device, repeats: int) -> dict[str, 
     generator = torch.Generator().manual_seed(0)
     dims = (shape["batch"], shape["heads"], shape["length"], shape["width"])
     q, k, v, grad = (torch.randn(dims, generator=generator).to(device, torch.bfloat16) for _ in range(4))
-    exact = _whole(*(t.float() for t in (q, k, v, grad)))
-    blocks = _blocks(q, k, v, grad)
+    exact = whole_sequence(*(t.float() for t in (q, k, v, grad)))
+    blocks = two_ring_blocks(q, k, v, grad)
     kernel = ("torch's fused CPU kernel" if ring.fused(device) else "torch's CUDA flash kernel"
               if ring._flash_on_gpu(q, Block(1, 1, True)) else "the fp32 math")  # fmt: skip
     flash, fused_cpu = ring.flash_takes, ring.fused
     ring.flash_takes = lambda q, bias: False  # type: ignore[assignment]
     ring.fused = lambda device: False  # type: ignore[assignment]
     try:
-        math = _blocks(q, k, v, grad)
-        math_s = _time(lambda: _blocks(q, k, v, grad), device, repeats)
+        math = two_ring_blocks(q, k, v, grad)
+        math_s = _time(lambda: two_ring_blocks(q, k, v, grad), device, repeats)
     finally:
         ring.flash_takes, ring.fused = flash, fused_cpu  # type: ignore[assignment]
     result = {
         "kernel": kernel,
         "flash_on_gpu": kernel == "torch's CUDA flash kernel",
         "blocks_vs_exact": _difference(blocks, exact),
-        "torch_bf16_vs_exact": _difference(_whole(q, k, v, grad), exact),  # the rounding of a bf16 kernel
+        "torch_bf16_vs_exact": _difference(
+            whole_sequence(q, k, v, grad), exact
+        ),  # the rounding of a bf16 kernel
         "math_vs_exact": _difference(math, exact),
-        "blocks_s": _time(lambda: _blocks(q, k, v, grad), device, repeats),
+        "blocks_s": _time(lambda: two_ring_blocks(q, k, v, grad), device, repeats),
         "math_s": math_s,
-        "torch_whole_s": _time(lambda: _whole(q, k, v, grad), device, repeats),
+        "torch_whole_s": _time(lambda: whole_sequence(q, k, v, grad), device, repeats),
     }
     result["blocks_over_torch"] = result["blocks_s"] / result["torch_whole_s"]
     return result

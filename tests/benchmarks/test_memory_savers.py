@@ -8,22 +8,16 @@ stores fewer bytes than it saves, recomputation keeps fewer; and the exact ones 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks.tiny_run import tiny_cpu_results
 
 
 @pytest.mark.timeout(300)
 def test_the_memory_phase_runs_every_option_and_each_saver_engages(tmp_path: Path) -> None:
-    out = tmp_path / "memory.json"
-    subprocess.run([sys.executable, "-m", "benchmarks.memory_savers", "--tiny", "--cpu", "--json", str(out)],
-                   cwd=ROOT, check=True, capture_output=True, timeout=280)  # fmt: skip
-    results = json.loads(out.read_text())["results"]
+    results = tiny_cpu_results("memory_savers", tmp_path)["results"]
     held = {name: result["bytes"] for name, result in results.items()}
     assert all(result["step_s"] > 0 for result in results.values()), results
     assert held["none"]["offloaded"] == 0 and held["offload"]["offloaded"] > 0

@@ -3,22 +3,16 @@ computes them in bf16 (the phase's figures read exactly these)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks.tiny_run import tiny_cpu_results
 
 
 @pytest.mark.timeout(300)
 def test_the_moe_phase_shows_the_experts_dtype_with_and_without_the_rule(tmp_path: Path) -> None:
-    out = tmp_path / "moe.json"
-    subprocess.run([sys.executable, "-m", "benchmarks.moe_autocast", "--tiny", "--cpu", "--steps", "1", "--json",
-                    str(out)], cwd=ROOT, check=True, capture_output=True, timeout=280)  # fmt: skip
-    result = json.loads(out.read_text())
+    result = tiny_cpu_results("moe_autocast", tmp_path, "--steps", "1")
     alone, ruled = result["configs"]["torch autocast alone"], result["configs"]["with the grouped rule"]
     assert set(alone["grouped"]) == {"float32"} and set(ruled["grouped"]) == {"bfloat16"}
     assert result["bf16_share"] == 1.0 and result["rule_over_alone"] > 0

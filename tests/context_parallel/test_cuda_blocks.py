@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from benchmarks.ring_kernels import two_ring_blocks, whole_sequence
 from lightning_parallel.context_parallel import cuda_blocks, ring
 from lightning_parallel.context_parallel.blocks import Block
 
@@ -86,29 +86,15 @@ def _qkvg(length: int = 64) -> list[torch.Tensor]:
 
 
 def test_two_blocks_merge_to_attention_over_the_whole_sequence(as_on_a_gpu: _FlashStandIn) -> None:
+    """The two blocks a rank of a two-rank ring computes for the second half of a causal sequence (the GPU
+    check's ``ring_kernels`` phase computes them the same way), against torch's attention over the whole of it."""
     q, k, v, grad = _qkvg()
-    half, scale = 32, 64**-0.5
-    late = slice(half, None)  # the second chunk's queries: the first chunk's keys whole, their own causally
-    blocks = [(Block(1, 0, False), slice(0, half)), (Block(1, 1, True), late)]
-    total: ring.Partial = (torch.zeros(2, 4, half, 64), torch.full((2, 4, half), float("-inf")))
-    for block, keys in blocks:
-        total = ring._merge(total, ring._attend(q[:, :, late], k[:, :, keys], v[:, :, keys], block, scale))
-    out, lse = total
-    leaves = [t.float().requires_grad_() for t in (q, k, v)]
-    whole = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale)
-    torch.testing.assert_close(out, whole[:, :, late].detach(), atol=2e-2, rtol=2e-2)
+    out, dq, dk, dv = two_ring_blocks(q, k, v, grad)
     assert as_on_a_gpu.calls == 2 + 2  # the two blocks, and the first use's check (causal and not)
-    whole[:, :, late].backward(grad[:, :, late].float())
-    dq = torch.zeros(2, 4, half, 64)
-    dk, dv = torch.zeros(2, 4, 64, 64), torch.zeros(2, 4, 64, 64)
-    for block, keys in blocks:
-        parts = ring._attend_backward(grad[:, :, late], q[:, :, late], k[:, :, keys], v[:, :, keys],
-                                      out.bfloat16(), lse, block, scale)  # fmt: skip
-        dq += parts[0].float()
-        dk[:, :, keys] += parts[1].float()
-        dv[:, :, keys] += parts[2].float()
-    for got, leaf in ((dq, leaves[0].grad[:, :, late]), (dk, leaves[1].grad), (dv, leaves[2].grad)):
-        torch.testing.assert_close(got, leaf, atol=5e-2, rtol=5e-2)
+    whole = whole_sequence(*(t.float() for t in (q, k, v, grad)))
+    torch.testing.assert_close(out, whole[0], atol=2e-2, rtol=2e-2)
+    for got, want in zip((dq, dk, dv), whole[1:], strict=True):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
 
 
 def test_a_kernel_that_disagrees_with_the_math_is_not_used(
