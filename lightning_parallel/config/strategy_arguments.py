@@ -45,6 +45,7 @@ class StrategyArguments:
     zero_reshard: Literal["step", "micro_batch"] = "step"
     zero_engine: Literal["auto", "deepspeed", "fsdp2"] = "auto"
     offload_update: OffloadUpdate = "exact"
+    zero_gather_dtype: Literal["stored", "compute"] = "stored"
     deepspeed_config: dict[str, Any] | None = None
     activation_checkpointing: Literal["full", "selective"] | None = None
     activation_checkpointing_policy: CheckpointPolicyArg = None

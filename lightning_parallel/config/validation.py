@@ -35,7 +35,7 @@ from lightning_parallel.config.strategy_arguments import StrategyArguments
 from lightning_parallel.mesh import ParallelDims
 from lightning_parallel.pipeline.setup import PipelineConfig
 from lightning_parallel.zero import ZeroPrecision
-from lightning_parallel.zero.arguments import ZERO_PRECISIONS, ZeroArguments
+from lightning_parallel.zero.arguments import AUTOCAST_DTYPES, ZERO_PRECISIONS, ZeroArguments
 from lightning_parallel.zero.engine_choice import config_engine
 
 
@@ -52,6 +52,7 @@ def strategy_config(a: StrategyArguments) -> ParallelConfig:
         a.zero_reshard,
         a.zero_engine,
         a.offload_update,
+        a.zero_gather_dtype,
     )
     tp, pp, plan = a.tensor_parallel, a.pipeline_parallel, a.plan
     if isinstance(tp, int) and (refusal := importance_split_refusal(zero.update, tp)) is not None:
@@ -239,6 +240,7 @@ def check_launch(config: ParallelConfig, dims: ParallelDims, precision_plugin: A
     if config.zero.enabled:  # also under FSDP2 (ZeRO-3 with tp): Lightning's plain plugins only, as tested
         check_zero_precision(config.zero, precision_plugin)
         check_zero_shards_something(config, dims)
+        check_gather_precision(config.zero, precision_plugin)
 
 
 def compression_with_tensor_parallel_problem(
@@ -291,6 +293,18 @@ def check_zero_precision(zero: ZeroArguments, plugin: Any) -> None:
             f"HybridParallelStrategy(zero_stage={zero.stage}): `Trainer(precision={plugin.precision!r})` is not"
             " supported with ZeRO; use one of"
             f" {sorted(ZERO_PRECISIONS)} (DeepSpeed keeps fp32 master weights for the half precisions)."
+        )
+
+
+def check_gather_precision(zero: ZeroArguments, plugin: Any) -> None:
+    """``zero_gather_dtype='compute'`` casts to the autocast dtype: the Trainer's precision must have one."""
+    precision = getattr(plugin, "precision", None)
+    if zero.gather_dtype == "compute" and precision not in AUTOCAST_DTYPES:
+        raise ValueError(
+            f"`zero_gather_dtype='compute'` with `Trainer(precision={precision!r})`: there is no lower compute"
+            " dtype to gather in (fp32 computes in the stored dtype; '-true' precisions already store their"
+            " parameters in it). Use `Trainer(precision='bf16-mixed')` or '16-mixed', or leave"
+            " `zero_gather_dtype='stored'`."
         )
 
 

@@ -69,12 +69,14 @@ def parallelize(
     *,
     device: torch.device,
     training: bool,
+    gather_dtype: torch.dtype | None = None,
 ) -> Parallelized:
     """Apply the layout ``dims`` (its mesh built) to ``module``, in place; every rank calls it alike.
 
     ``sample``: makes the user's step on the first batch, called at most once and only when a step
     needs it (None: no data; pipelines then refuse, the plan goes unverified with a warning).
-    ``training``: ``Trainer.fit`` (the step returns a loss).
+    ``training``: ``Trainer.fit`` (the step returns a loss). ``gather_dtype``: ZeRO on FSDP2 gathers the
+    parameters in it (``zero/fsdp.py: gather_dtype_for``; None: as stored).
     """
     # the module as given was checked by the strategy (check_module_as_given), before its move to the device
     mesh = dims.mesh
@@ -128,7 +130,9 @@ def parallelize(
     if context is not None:  # after the sequence-parallel region's own gather
         cp_hooks, context_tokens = context_parallel_step.leave(module, blocks, context)
         hooks += cp_hooks
-    fsdp = shard_for_zero(module, config, dims, mesh, blocks, engine=engine)  # FSDP2: before the stages exist
+    fsdp = shard_for_zero(
+        module, config, dims, mesh, blocks, engine=engine, gather_dtype=gather_dtype
+    )  # FSDP2: before the stages exist
     # the experts' parameters as the rest holds them: read once, after FSDP2 replaced them (zero/fsdp.py)
     experts = ExpertState(expert_parameter_ids(module, dims), aux_losses)
     runner, norm_exclude = None, set()

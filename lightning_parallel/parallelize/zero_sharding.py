@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -23,12 +24,14 @@ def shard_for_zero(
     blocks: list[str],
     *,
     engine: Engine | None,
+    gather_dtype: torch.dtype | None = None,
 ) -> Sharded | None:
     """The parameters ZeRO's engine takes, before the pipeline's stages exist (they capture the parameters).
 
     FSDP2 (``zero/engine_choice.py: engine_for``): ``fully_shard`` the blocks this rank holds and the rest.
     DeepSpeed with tensor parallelism: each DTensor weight re-registered as its plain local shard
-    (returns None, as without ZeRO).
+    (returns None, as without ZeRO). ``gather_dtype``: FSDP2's units gather their parameters in it
+    (``zero_gather_dtype="compute"``; None: as stored).
     """
     # DeepSpeed flattens plain tensors (zero/tensor_parallel.py)
     if engine == "deepspeed" and dims.tp_enabled:
@@ -50,4 +53,5 @@ def shard_for_zero(
         reshard_after_forward=reshard,
         experts=experts,
         offload_ratio=config.zero.offload_ratio,
+        gather_dtype=gather_dtype,
     )

@@ -50,8 +50,9 @@ from lightning_parallel.strategy.data_checks import check_training_data
 from lightning_parallel.strategy.made import SetupResults
 from lightning_parallel.strategy.predicted_memory import predicting_sample
 from lightning_parallel.strategy.presets import PRESETS
-from lightning_parallel.strategy.zero_setup import initialize_fsdp_offload, initialize_zero
+from lightning_parallel.strategy.zero_setup import announce_fsdp, initialize_fsdp_offload, initialize_zero
 from lightning_parallel.zero.arguments import OffloadUpdate
+from lightning_parallel.zero.fsdp import gather_dtype_for
 from lightning_parallel.zero.overlapped_step import OverlappedHostStep
 
 
@@ -92,6 +93,9 @@ class HybridParallelStrategy(AskedArguments, SetupResults, CheckpointingStrategy
             ``"micro_batch"`` once per micro-batch, for ZeRO's memory at every moment (docs/zero.md).
         zero_engine: ``"auto"`` (DeepSpeed's engine or torch's FSDP2, by layout: docs/zero.md), ``"fsdp2"`` or
             ``"deepspeed"`` to insist on one (refused at setup where it cannot run the layout).
+        zero_gather_dtype: ``"stored"`` (default: the sharded parameters all-gathered as kept, fp32 under
+            ``bf16-mixed``) or ``"compute"`` (ZeRO-2/3 on FSDP2 under ``bf16-mixed``/``16-mixed``: each shard cast to
+            the autocast dtype before its all-gather, half the bytes; gradients reduced and kept in fp32).
         deepspeed_config: extra raw DeepSpeed keys, merged last (not those Lightning owns: precision,
             clipping, accumulation, optimizer).
         activation_checkpointing: ``"full"`` (recompute every block from its input) or ``"selective"``
@@ -152,6 +156,7 @@ class HybridParallelStrategy(AskedArguments, SetupResults, CheckpointingStrategy
         zero_reshard: Literal["step", "micro_batch"] = "step",
         zero_engine: Literal["auto", "deepspeed", "fsdp2"] = "auto",
         offload_update: OffloadUpdate = "exact",
+        zero_gather_dtype: Literal["stored", "compute"] = "stored",
         deepspeed_config: dict[str, Any] | None = None,
         activation_checkpointing: Literal["full", "selective"] | None = None,
         activation_checkpointing_policy: CheckpointPolicyArg = None,
@@ -188,6 +193,7 @@ class HybridParallelStrategy(AskedArguments, SetupResults, CheckpointingStrategy
             zero_reshard=zero_reshard,
             zero_engine=zero_engine,
             offload_update=offload_update,
+            zero_gather_dtype=zero_gather_dtype,
             deepspeed_config=deepspeed_config,
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_policy=activation_checkpointing_policy,
@@ -248,7 +254,13 @@ class HybridParallelStrategy(AskedArguments, SetupResults, CheckpointingStrategy
             training = trainer.state.fn == TrainerFn.FITTING
             sample = predicting_sample(trainer, self, module, training=training)
             parallelized = parallelize(
-                module, self.config, self.dims, sample, device=self.root_device, training=training
+                module,
+                self.config,
+                self.dims,
+                sample,
+                device=self.root_device,
+                training=training,
+                gather_dtype=gather_dtype_for(self.config.zero, self.precision_plugin.precision),
             )
             if self.config.init_weights is not None:
                 self._load_init_weights(module, self.config.init_weights)
@@ -266,6 +278,8 @@ class HybridParallelStrategy(AskedArguments, SetupResults, CheckpointingStrategy
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.zero_runs_on == "fsdp2":
+                announce_fsdp(self)
             if self.deepspeed_zero:
                 initialize_zero(self, trainer, pipelined=parallelized.pipeline is not None)
             elif self.config.zero.offload is not None:  # FSDP2's shards on the CPU: DeepSpeed's CPU Adam

@@ -13,7 +13,7 @@ from lightning_parallel.strategy.checkpointing import CheckpointingStrategy
 from lightning_parallel.zero.arguments import describe_compute
 from lightning_parallel.zero.deepspeed_ops import announce_compilation
 from lightning_parallel.zero.engine import deepspeed_environment, initialize_engine
-from lightning_parallel.zero.fsdp import shard_states, unit_parameters
+from lightning_parallel.zero.fsdp import gather_dtype_for, shard_states, unit_parameters
 from lightning_parallel.zero.optimizer import offload_sharded_optimizers
 from lightning_parallel.zero.overlapped_step import OverlappedHostStep, overlap_refusal
 
@@ -56,6 +56,18 @@ def initialize_zero(strategy: CheckpointingStrategy, trainer: Trainer, *, pipeli
         f"{type(strategy).__name__}: ZeRO stage {zero.stage} on DeepSpeed's engine"
         + (f", offload {zero.offload}" if zero.offload else "")
         + f", sharded over {mpu.get_data_parallel_world_size()} data-parallel ranks; computes {compute}"
+    )
+
+
+def announce_fsdp(strategy: CheckpointingStrategy) -> None:
+    """The setup log's line for ZeRO on FSDP2: what it shards, over how many ranks, and in which dtypes."""
+    zero, precision = strategy.config.zero, strategy.precision_plugin.precision
+    gathered = gather_dtype_for(zero, precision)
+    gathers = "as stored" if gathered is None else f"in {str(gathered).removeprefix('torch.')}"
+    rank_zero_info(
+        f"{type(strategy).__name__}: ZeRO stage {zero.stage} on FSDP2"
+        + (f", offload {zero.offload}" if zero.offload else "")
+        + f", parameters gathered {gathers}; computes {describe_compute(precision)}"
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 Offload = Literal["cpu", "nvme"]
 Reshard = Literal["step", "micro_batch"]
 EngineChoice = Literal["auto", "deepspeed", "fsdp2"]
+GatherDtype = Literal["stored", "compute"]
 BUCKET_ELEMENTS = 25_000_000
 
 # Keys Lightning owns: a raw DeepSpeed value for them would disagree with the Trainer silently.
@@ -135,6 +136,13 @@ class ZeroArguments:
     step i+1's forward and backward, which computes with the parameters before step i's update;
     ``zero/delayed_update.py``) or an :class:`ImportanceSplit` (``zero/importance_split.py``); the last two
     on FSDP2's engine."""
+
+    gather_dtype: GatherDtype = "stored"
+    """``zero_gather_dtype=``: ``"stored"`` gathers the sharded parameters as they are kept (fp32 under
+    ``bf16-mixed``; autocast casts each weight at its matmul); ``"compute"`` casts each shard to the autocast
+    dtype before FSDP2's all-gather (half the bytes; FSDP2's ``MixedPrecisionPolicy``, as torchtitan and
+    Megatron's distributed optimizer gather 16-bit weights), with gradients reduced and kept in fp32
+    (``zero/fsdp.py: gather_policy``). On FSDP2's engine only."""
 
     @property
     def enabled(self) -> bool:

@@ -35,7 +35,8 @@ def engine_for(
     the sharded parameters stay in host memory (``zero/sharded_nvme_adam.py``). Partial offload
     (``offload_ratio`` < 1) is FSDP2's in every layout: DeepSpeed's Twin-Flow steps the part kept on
     the accelerator with its fused GPU Adam, which has no CPU build to test here. So are the delayed
-    update and the importance split (``offload_update``), which step FSDP2's host shards.
+    update and the importance split (``offload_update``), which step FSDP2's host shards, and
+    ``zero_gather_dtype="compute"``, FSDP2's cast of the shards before their all-gather.
     """
     if not zero.enabled:
         return None
@@ -58,6 +59,8 @@ def _engine_by_layout(
     if zero.offload_ratio < 1:  # partial offload: one offload policy per FSDP2 unit (zero/fsdp.py)
         return "fsdp2"
     if zero.update != "exact":  # the delayed update and the importance split step FSDP2's host shards
+        return "fsdp2"
+    if zero.gather_dtype == "compute":  # FSDP2's MixedPrecisionPolicy casts before its all-gather
         return "fsdp2"
     if zero.offload == "nvme":
         model_parallel = tensor_parallel > 1 or pipeline_parallel > 1 or expert_parallel > 1

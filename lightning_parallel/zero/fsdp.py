@@ -26,6 +26,11 @@ ep group), with sum-only collectives (gloo has no pre-multiplied sum).
 
 ``offload="cpu"``: FSDP2's ``CPUOffloadPolicy``: the sharded parameters, their gradients and the
 optimizer (state and step) live on the CPU, copied to the device for each all-gather.
+
+``zero_gather_dtype="compute"``: FSDP2's ``MixedPrecisionPolicy`` casts each shard to the autocast dtype before
+the all-gather (half the bytes of fp32 over the links, and the matmuls find their weights already cast);
+gradients are reduced and kept in fp32, and the blocks' inputs are left as they come, so the residual stream
+keeps the dtype autocast gives it (``gather_policy``).
 """
 
 from __future__ import annotations
@@ -37,7 +42,13 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_parallel.compat import (
@@ -48,6 +59,8 @@ from lightning_parallel.compat import (
 from lightning_parallel.experts import expert_shard
 from lightning_parallel.experts.detection import SHARD_ATTR
 from lightning_parallel.tensor_parallel.row_layout import ROW_LAYOUT, stamp_row_layouts
+from lightning_parallel.zero.arguments import ZeroArguments
+from lightning_parallel.zero.precision import AUTOCAST
 
 
 def _tensor_parallel_dims(param: nn.Parameter) -> set[int]:
@@ -144,9 +157,11 @@ def fully_shard_modules(
     reshard_after_forward: bool = True,
     experts: ExpertSharding | None = None,
     offload_ratio: float = 1.0,
+    gather_dtype: torch.dtype | None = None,
 ) -> Sharded:
     """``fully_shard`` the expert weights (``experts``), every block, then every other parameter-holding
-    child of ``root``; with ``offload``, the units :func:`offloaded_units` picks for ``offload_ratio``."""
+    child of ``root``; with ``offload``, the units :func:`offloaded_units` picks for ``offload_ratio``;
+    with ``gather_dtype``, each unit gathers its parameters in it (:func:`gather_policy`)."""
 
     whole = unsharded_parameters(root)  # before sharding: afterwards every parameter is a DTensor over dp
     expert_owners = [owner for owner, _ in _expert_owners(root)] if experts is not None else []
@@ -169,6 +184,7 @@ def fully_shard_modules(
             if cpu
             else OffloadPolicy(),
             "ignored_params": set(whole),
+            "mp_policy": gather_policy(gather_dtype),
         }, offload and not cpu
 
     units = _shard_experts(root, experts, options) if experts is not None else []
@@ -182,6 +198,28 @@ def fully_shard_modules(
     # FSDP2's new parameters name their row layouts again (tensor_parallel/row_layout.py).
     stamp_row_layouts(root)
     return Sharded(units, whole)
+
+
+def gather_dtype_for(zero: ZeroArguments, precision: str) -> torch.dtype | None:
+    """The dtype the units gather in for ``zero_gather_dtype`` under ``Trainer(precision=precision)`` (None: as
+    stored). The launch refused ``"compute"`` without an autocast dtype (``config/validation.py``)."""
+    return AUTOCAST[precision] if zero.gather_dtype == "compute" else None
+
+
+def gather_policy(gather_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``gather_dtype`` (None: FSDP2's default, nothing cast).
+
+    The all-gather carries ``gather_dtype``; the unsharded gradients come back in it and are cast to fp32
+    before the reduce-scatter (``reduce_dtype``; FSDP2 would otherwise reduce in the gather dtype) and kept
+    in fp32 as the sharded gradients the optimizer steps. Forward inputs are not cast
+    (``cast_forward_inputs=False``): a block's input (the residual stream) stays as autocast leaves it, as in
+    the one-process run, where only the matmuls compute in the low precision.
+    """
+    if gather_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(
+        param_dtype=gather_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
 
 
 def prefetch_offloaded_blocks(blocks: list[nn.Module], offloaded: set[int]) -> None:

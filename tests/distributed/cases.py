@@ -109,12 +109,18 @@ class Case:
             the engagement record). ``"zero_autocast"``: DeepSpeed's engine config without its
             ``torch_autocast`` section (as before issue 33: the engine switches autocast off), a negative
             control of the compute-dtype record; ``"grouped_mm_autocast"``: torch's grouped matmul without the
-            autocast rule the precision plugins register (Hugging Face's MoE experts in fp32), another. ``"host_step_wait"``: FSDP2's offloaded shards stepped during
+            autocast rule the precision plugins register (Hugging Face's MoE experts in fp32), another;
+            ``"compute_gathers"``: ``zero_gather_dtype="compute"`` ignored (FSDP2 gathers fp32), the negative
+            control of the gather-dtype record. ``"host_step_wait"``: FSDP2's offloaded shards stepped during
             backward although clipping needs the whole backward first (a negative control of the parity rule
             for the overlapped host step); the names of ``tests/distributed/plan_switches.py`` take one way of
             sharding attention away from the automatic plan; ``None`` in real cases.
         gpu_checks: The CUDA-only checks of DeepSpeed made to see the CPU's autocast, as they see CUDA's on a
             GPU (tests/distributed/gpu_checks.py); ``False`` only to show what that emulation reveals.
+        reference_rule: A numerics contract other than the Trainer precision's that the one-process reference
+            implements by itself: ``"compute_weights"`` (``zero_gather_dtype="compute"``): each forward uses a
+            compute-dtype copy of every parameter, whose gradient (several uses summed in that dtype) reaches
+            the fp32 parameter through the cast (tests/distributed/worker.py: ``compute_weight_copies``).
     """
 
     name: str
@@ -134,6 +140,7 @@ class Case:
     switch_off: str | None = None
     callbacks: tuple[StrategySpec, ...] = ()
     gpu_checks: bool = True
+    reference_rule: str | None = None
 
     @property
     def dp(self) -> int:
@@ -162,6 +169,7 @@ class Case:
             self.data,
             self.reversed_batches,
             repr(self.callbacks),
+            self.reference_rule,
         )
 
     def replace(self, **changes: Any) -> Case:

@@ -113,6 +113,8 @@ class CollectiveCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[tuple[tuple[int, ...], str]] = Counter()
+        # the dtype each all-gather carried (ZeRO's parameter gathers: ``zero_gather_dtype``)
+        self.gathered: Counter[tuple[tuple[int, ...], str]] = Counter()
         self._ranks: dict[object, tuple[int, ...]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -129,7 +131,10 @@ class CollectiveCounter(TorchDispatchMode):
         if func.namespace in COLLECTIVE_NAMESPACES:
             name = func.__name__.split(".")[0]
             if name not in NOT_COLLECTIVES:
-                self.counts[(self._group_ranks(func, args, kwargs), name)] += 1
+                ranks = self._group_ranks(func, args, kwargs)
+                self.counts[(ranks, name)] += 1
+                if _kind(name) == "gather":
+                    self.gathered[(ranks, _first_tensor_dtype(args, kwargs))] += 1
 
     def _group_ranks(self, func: Any, args: tuple, kwargs: dict) -> tuple[int, ...]:
         import torch.distributed as dist
@@ -154,12 +159,29 @@ class CollectiveCounter(TorchDispatchMode):
 
     def by_axis(self, axes: dict[str, tuple[int, ...]]) -> dict[str, int]:
         """``{"axis.op": count}``: each group named by every axis whose ranks it holds (else its ranks)."""
-        named: Counter[str] = Counter()
-        for (ranks, op), count in self.counts.items():
-            labels = [axis for axis, members in axes.items() if members == ranks] or [f"ranks{list(ranks)}"]
-            for label in labels:
-                named[f"{label}.{op}"] += count
-        return dict(named)
+        return _named(self.counts, axes)
+
+    def gathers_by_axis(self, axes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+        """``{"axis.dtype": count}`` of the all-gathers, named as :meth:`by_axis` names them."""
+        return _named(self.gathered, axes)
+
+
+def _named(counts: Counter[tuple[tuple[int, ...], str]], axes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    named: Counter[str] = Counter()
+    for (ranks, what), count in counts.items():
+        labels = [axis for axis, members in axes.items() if members == ranks] or [f"ranks{list(ranks)}"]
+        for label in labels:
+            named[f"{label}.{what}"] += count
+    return dict(named)
+
+
+def _first_tensor_dtype(args: tuple, kwargs: dict) -> str:
+    """The dtype of a collective's first tensor argument (its output or input buffer: alike for a gather)."""
+    for value in (*args, *kwargs.values()):
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, torch.Tensor):
+                return str(item.dtype).removeprefix("torch.")
+    return "none"
 
 
 def mesh_axes(strategy: Any) -> dict[str, tuple[int, ...]]:
@@ -255,6 +277,17 @@ def _zero(strategy: Any, module: nn.Module, placements: dict[str, int]) -> dict[
     return record
 
 
+def _stored_parameters(strategy: Any, module: nn.Module) -> list[torch.Tensor]:
+    """The parameters as the optimizer keeps them: on FSDP2, the shards its optimizer steps (between steps ZeRO-2's
+    module holds gathered copies, in the compute dtype under ``zero_gather_dtype="compute"``), else the module's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    optimizers = getattr(strategy, "optimizers", [])
+    if not optimizers or not any(isinstance(m, FSDPModule) for m in module.modules()):
+        return list(module.parameters())
+    return [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
+
+
 def rank_record(
     strategy: Any,
     module: nn.Module,
@@ -268,7 +301,7 @@ def rank_record(
     parallelized = getattr(strategy, "parallelized", None)
     pipeline = getattr(parallelized, "pipeline", None)
     experts = getattr(parallelized, "experts", None)
-    floating = {str(p.dtype) for p in module.parameters() if p.is_floating_point()}
+    floating = {str(p.dtype) for p in _stored_parameters(strategy, module) if p.is_floating_point()}
     placements = _placements(module)
     record: dict[str, Any] = {
         **placements,
@@ -280,6 +313,7 @@ def rank_record(
         "float8_linears": sum(type(m).__name__ == "Float8Linear" for m in module.modules()),
         **(probe.counts if probe is not None else {}),
         "collectives": collectives.by_axis(mesh_axes(strategy)) if collectives is not None else {},
+        "gather_dtypes": collectives.gathers_by_axis(mesh_axes(strategy)) if collectives is not None else {},
         "optimizer_steps": optimizer_steps,
         **tensor_parallel_record(
             module,
@@ -346,6 +380,20 @@ def _sequence_parallel_problem(record: dict[str, Any]) -> str | None:
     return "no norm saw a sequence-sharded input"
 
 
+def gather_dtype_problem(record: dict[str, Any], expected: str | None) -> str | None:
+    """``zero_gather_dtype="compute"``: every all-gather over dp carried the autocast dtype, at least one a step."""
+    dp = {
+        key.split(".", 1)[1]: n
+        for key, n in record.get("gather_dtypes", {}).items()
+        if key.split(".")[0] == "dp"
+    }
+    steps = record.get("optimizer_steps", 0)
+    return _check(
+        expected is not None and set(dp) == {expected} and dp[expected] >= steps > 0,
+        f"the dp all-gathers carried {dp} in {steps} steps, not {expected} alone",
+    )
+
+
 def _partition_problem(record: dict[str, Any]) -> str | None:
     """DeepSpeed's engine: this rank's optimizer steps a partition, not every parameter."""
     if record.get("zero_engine") != "deepspeed":
@@ -387,6 +435,8 @@ CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any]], str | None]] = {
         r.get("offload") == "nvme" and r.get("nvme_bytes_written", 0) > 0,
         f"offload {r.get('offload')!r} ran ({r.get('nvme_bytes_written', 0)} bytes written), not 'nvme'",
     ),
+    # an option of ZeRO-2/3 on FSDP2, not a row of the matrix (tests/distributed/worker.py adds it)
+    "gather=compute": lambda r, f: gather_dtype_problem(r, f.get("autocast_dtype")),
     "ac=full": lambda r, f: recomputation_problem(r, "full"),
     "ac=selective": lambda r, f: recomputation_problem(r, "selective"),
     "32-true": lambda r, f: _check(

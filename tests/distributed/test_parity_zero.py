@@ -113,6 +113,7 @@ SHORT = {"bf16-mixed": "bf16", "bf16-true": "bf16true", "16-mixed": "fp16"}
 def _low(stage: int, precision: str, adam: bool = False, **kwargs: object) -> Case:
     extra = f"_{kwargs['offload']}" if kwargs.get("offload") else ""
     extra += f"_{kwargs['zero_engine']}" if kwargs.get("zero_engine") else ""
+    extra += "_gcompute" if kwargs.get("zero_gather_dtype") == "compute" else ""
     fields: dict = {"model_kwargs": {}}
     if adam:  # eight steps: the loss moves ten tolerances
         fields, extra = {"model_kwargs": ADAM, "steps": 8}, extra + "_adam"
@@ -124,6 +125,8 @@ def _low(stage: int, precision: str, adam: bool = False, **kwargs: object) -> Ca
         fields["model_kwargs"] = {**fields["model_kwargs"], **SWAPPED}
         if precision == "bf16-true" and not adam:  # the wider model: five steps at 2.5 times the rate
             fields = {**fields, "model_kwargs": {**fields["model_kwargs"], "learning_rate": 0.25}, "steps": 5}
+    if kwargs.get("zero_gather_dtype") == "compute":  # judged against the one-process run of that rule
+        fields["reference_rule"] = "compute_weights"
     return _case(f"zero{stage}{extra}_{SHORT[precision]}_dp2_nanogpt", "nanogpt", zero_stage=stage,
                  fields={"trainer_kwargs": {"precision": precision}, "data": "learnable", **fields}, **kwargs)  # fmt: skip
 
@@ -139,19 +142,23 @@ LOW_PRECISION = [
         for stage in (2, 3)
         for precision in ("bf16-mixed", "bf16-true", "16-mixed")
     ],
+    # zero_gather_dtype="compute": FSDP2 gathers the shards in the autocast dtype (the engine FSDP2 by that alone)
+    *[_low(stage, "bf16-mixed", zero_gather_dtype="compute") for stage in (2, 3)],
+    _low(3, "16-mixed", zero_gather_dtype="compute"),
     _low(2, "bf16-mixed", offload="cpu"),
     _low(2, "16-mixed", offload="cpu"),
     _low(3, "bf16-true", offload="cpu"),
     # NVMe on DeepSpeed's engine with SGD: its fp32 partitions and momentum swapped to files between steps
     *[_low(3, precision, offload="nvme", offload_path=NVME_PATH) for precision in ("bf16-mixed", "bf16-true", "16-mixed")],
 ]  # fmt: skip
-# NVMe offload in bf16 with Adam (DeepSpeed's CPU Adam, its states in files): steps of at most `lr` move a weight
+# Offload in bf16 with Adam (DeepSpeed's CPU Adam, its states in files or in host memory): steps of at most `lr` move a weight
 # 2-5 of its tolerances, never ten (longer or faster runs do not help, docs/testing.md): compared within the
 # tolerance, not counted in the matrix (tests/distributed/tolerance.py).
 NVME_LOW_PRECISION = [
-    _low(3, precision, adam=True, offload="nvme", offload_path=NVME_PATH)
-    for precision in ("bf16-mixed", "bf16-true")
-]
+    *[_low(3, precision, adam=True, offload="nvme", offload_path=NVME_PATH) for precision in ("bf16-mixed", "bf16-true")],
+    # the same with the shards' CPU Adam on FSDP2 and compute-dtype gathers
+    _low(3, "bf16-mixed", adam=True, offload="cpu", zero_gather_dtype="compute"),
+]  # fmt: skip
 # Negative controls of the compute-dtype record (tests/distributed/compute_dtype.py): ZeRO-2 bf16-mixed with
 # DeepSpeed's engine config as before issue 33 (no torch_autocast section), with DeepSpeed's CUDA-only check
 # made to see the CPU (as on a GPU: the engine switches the autocast off) and as shipped (it never fires here).
@@ -160,6 +167,10 @@ OLD_CONFIG = CASES["zero2_bf16_dp2_nanogpt"].replace(
 )
 OLD_CONFIG_AS_SHIPPED = OLD_CONFIG.replace(
     name="zero2_bf16_dp2_nanogpt~old-config-cpu-checks", gpu_checks=False
+)
+# The gather-dtype record's negative control: the option accepted, then ignored (fp32 gathers).
+IGNORED_GATHER_DTYPE = CASES["zero3_gcompute_bf16_dp2_nanogpt"].replace(
+    name="zero3_gcompute_bf16_dp2_nanogpt~fp32-gathers", switch_off="compute_gathers"
 )
 # The same case trained in fp32 in one process, judged against the bf16-mixed reference.
 FP32_OF_BF16 = CASES["zero2_bf16_dp2_nanogpt"].replace(
@@ -280,7 +291,8 @@ EIGHT = [
 @pytest.fixture(scope="module")
 def two_process() -> dict[str, Result]:
     return run_cases(
-        TWO + LOW_PRECISION + NVME_LOW_PRECISION + [OLD_CONFIG, OLD_CONFIG_AS_SHIPPED, EARLY_UNDER_CLIPPING], 2,
+        TWO + LOW_PRECISION + NVME_LOW_PRECISION
+        + [OLD_CONFIG, OLD_CONFIG_AS_SHIPPED, EARLY_UNDER_CLIPPING, IGNORED_GATHER_DTYPE], 2,
         timeout_s=900,
         references_for=[*with_split_references(TWO + LOW_PRECISION + NVME_LOW_PRECISION), FP32_OF_BF16],
     )  # fmt: skip
@@ -334,6 +346,21 @@ def test_zero_with_the_engine_config_before_issue_33_fails_the_compute_dtype_rec
 
 
 @pytest.mark.timeout(900)
+def test_compute_gathers_carry_the_autocast_dtype_and_fp32_gathers_fail_the_record(
+    two_process: dict[str, Result],
+) -> None:
+    """``zero_gather_dtype="compute"``: every dp all-gather of the case carried bfloat16 (the low-precision test
+    judges its numbers); the same case with the option ignored gathers fp32 and fails the record."""
+    case = CASES["zero3_gcompute_bf16_dp2_nanogpt"]
+    gathers = two_process[case.name].engagement["gather_dtypes"]
+    assert {key for key in gathers if key.startswith("dp.")} == {"dp.bfloat16"}, gathers
+    ignored = two_process[IGNORED_GATHER_DTYPE.name]
+    assert "dp.float32" in ignored.engagement["gather_dtypes"]
+    assert any(p.startswith("gather=compute:") for p in ignored.engagement_problems), (
+        ignored.engagement_problems
+    )
+
+
 @pytest.mark.timeout(900)
 def test_host_steps_during_backward_under_clipping_fail_the_parity_rule(
     two_process: dict[str, Result],

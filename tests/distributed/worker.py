@@ -37,6 +37,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from torch import nn
 
 from lightning_parallel.tensor_parallel.row_layout import row_layout
 from tests.compat import case_rows
@@ -239,7 +240,13 @@ class ParityRecorder(Callback):
             facts["host_step_overlap_expected"] = host_step_overlap_expected(
                 engagement, self.case.trainer_kwargs, spec.kwargs if isinstance(spec, StrategySpec) else {}
             )
-            self.payload["engagement_problems"] = engagement_problems(case_rows(self.case), engagement, facts)
+            kwargs = spec.kwargs if isinstance(spec, StrategySpec) else {}
+            options = {"gather=compute"} if kwargs.get("zero_gather_dtype") == "compute" else set()
+            precision = str(self.case.trainer_kwargs.get("precision", "32-true"))
+            facts["autocast_dtype"] = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}.get(precision)
+            self.payload["engagement_problems"] = engagement_problems(
+                case_rows(self.case) | options, engagement, facts
+            )
 
 
 def _number(value: Any) -> Any:
@@ -394,6 +401,54 @@ def _engine_precision_switched_off(case: Case, reference: bool) -> Iterator[None
         arguments.ZERO_PRECISIONS[precision] = saved
 
 
+AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def compute_weight_copies(model: L.LightningModule, dtype: torch.dtype) -> None:
+    """The one-process rule of ``zero_gather_dtype="compute"``, written without FSDP2: every forward of the
+    model's parameter-holding children runs on ``dtype`` copies of their parameters (one copy per parameter per
+    call, so tied uses sum their gradients in ``dtype``, as FSDP2's one unsharded parameter does); each copy's
+    gradient is cast back to the fp32 parameter by the copy's backward."""
+    for child in model.children():
+        if next(child.parameters(), None) is not None:
+            _forward_on_copies(child, dtype)
+
+
+def _forward_on_copies(child: nn.Module, dtype: torch.dtype) -> None:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        copies: dict[int, torch.Tensor] = {}
+        weights = {
+            name: copies.setdefault(id(p), p.to(dtype)) if p.is_floating_point() else p
+            for name, p in child.named_parameters(remove_duplicate=False)
+        }
+        del child.forward  # functional_call calls the module: its class's forward, not this one
+        try:
+            return torch.func.functional_call(child, weights, args, kwargs, tie_weights=False)
+        finally:
+            child.forward = forward
+
+    child.forward = forward
+
+
+@contextmanager
+def _compute_gathers_switched_off(case: Case, reference: bool) -> Iterator[None]:
+    """Test-only (``Case.switch_off="compute_gathers"``): ``zero_gather_dtype="compute"`` accepted and then
+    ignored, the units gathering fp32 (the negative control of the gather-dtype record)."""
+    if reference or case.switch_off != "compute_gathers":
+        yield
+        return
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from lightning_parallel.zero import fsdp
+
+    saved = fsdp.gather_policy
+    fsdp.gather_policy = lambda dtype: MixedPrecisionPolicy()
+    try:
+        yield
+    finally:
+        fsdp.gather_policy = saved
+
+
 @contextmanager
 def _grouped_mm_autocast(case: Case, reference: bool) -> Iterator[None]:
     """The one-process run computes grouped products (Hugging Face's MoE experts) in the precision the strategy
@@ -429,6 +484,10 @@ def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], 
 
     TRAFFIC.reset()
     model = build(case.family, **case.model_kwargs)
+    if case.reference_rule not in (None, "compute_weights"):
+        raise ValueError(f"{case.name}: unknown reference_rule {case.reference_rule!r}")
+    if reference and case.reference_rule == "compute_weights":
+        compute_weight_copies(model, AUTOCAST_DTYPES[str(case.trainer_kwargs["precision"])])
     if reference:
         devices, strategy = 1, "auto"
         loader = reference_dataloader(
@@ -458,6 +517,7 @@ def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], 
     start = time.perf_counter()
     switched_off = plan_feature_switched_off(case.switch_off, reference)
     with (
+        _compute_gathers_switched_off(case, reference),
         gpu_checks_on_the_cpu(case.gpu_checks),
         _engine_precision_switched_off(case, reference),
         _grouped_mm_autocast(case, reference),

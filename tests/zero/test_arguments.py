@@ -102,11 +102,49 @@ def test_raw_deepspeed_keys_are_merged_last() -> None:
         ({"zero_stage": 3, "zero_reshard": "micro_batch"}, "`zero_reshard='micro_batch'` needs `pipeline_parallel` > 1"),
         ({"zero_stage": 3, "pipeline_parallel": 2, "pipeline_schedule": "zbv", "zero_reshard": "micro_batch"},
          "with `pipeline_schedule='zbv'`: a zero-bubble schedule"),
+        ({"zero_stage": 3, "zero_gather_dtype": "bf16"}, "`zero_gather_dtype='bf16'` must be 'stored'"),
+        ({"zero_gather_dtype": "compute"}, "`zero_gather_dtype='compute'` with `zero_stage=0`"),
+        ({"zero_stage": 1, "zero_gather_dtype": "compute"}, "`zero_gather_dtype='compute'` with `zero_stage=1`"),
+        ({"zero_stage": 3, "zero_engine": "deepspeed", "zero_gather_dtype": "compute"},
+         "`zero_gather_dtype='compute'` with `zero_engine='deepspeed'`"),
     ],
 )  # fmt: skip
 def test_bad_zero_arguments_are_refused_at_construction(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         HybridParallelStrategy(**kwargs)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_compute_gathers_without_an_autocast_dtype_are_refused_before_launch(precision: str) -> None:
+    """``zero_gather_dtype='compute'`` under a precision with nothing lower to gather in: at ``Trainer(...)``."""
+    import lightning as L
+
+    strategy = HybridParallelStrategy(zero_stage=3, zero_gather_dtype="compute")
+    with pytest.raises(
+        ValueError, match=rf"`zero_gather_dtype='compute'` with `Trainer\(precision='{precision}'\)`"
+    ):
+        L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, logger=False)
+
+
+def test_compute_gathers_pick_fsdp2_and_its_policy() -> None:
+    """The option runs ZeRO on FSDP2 whatever the layout (DeepSpeed's engine has no such cast), with a policy that
+    gathers in the compute dtype, reduces in fp32 and leaves the blocks' inputs alone; 'stored' casts nothing."""
+    from lightning_parallel.zero.engine_choice import engine_for
+    from lightning_parallel.zero.fsdp import gather_dtype_for, gather_policy
+
+    compute = zero_arguments(3, None, None, None, gather_dtype="compute")
+    assert engine_for(compute, tensor_parallel=1) == "fsdp2"
+    assert engine_for(zero_arguments(3, None, None, None), tensor_parallel=1) == "deepspeed"
+    assert gather_dtype_for(compute, "bf16-mixed") is torch.bfloat16
+    assert gather_dtype_for(compute, "16-mixed") is torch.float16
+    assert gather_dtype_for(zero_arguments(3, None, None, None), "bf16-mixed") is None
+    policy = gather_policy(torch.bfloat16)
+    assert (policy.param_dtype, policy.reduce_dtype, policy.cast_forward_inputs) == (
+        torch.bfloat16,
+        torch.float32,
+        False,
+    )
+    assert gather_policy(None).param_dtype is None
 
 
 def test_unsupported_precision_is_refused_by_name() -> None:
