@@ -159,28 +159,9 @@ def zero(
         what = "`zero_stage=1` (FSDP2 shards gradients too: stage 2)" if stage == 1 else "`deepspeed_config`"
         raise ValueError(f"`zero_engine='fsdp2'` with {what}: use `zero_engine='auto'` or 'deepspeed'.")
     _check_offload_update(update, offload, stage, engine)
-    _check_gather_dtype(gather_dtype, stage, engine)
     return ZeroArguments(
         stage, offload, path, raw, float(offload_ratio), reshard, engine, update, gather_dtype
     )
-
-
-def _check_gather_dtype(gather_dtype: Any, stage: int, engine: Any) -> None:
-    """``zero_gather_dtype``: the dtype FSDP2 all-gathers the sharded parameters in (``zero/fsdp.py: gather_policy``)."""
-    if gather_dtype not in ("stored", "compute"):
-        raise ValueError(
-            f"`zero_gather_dtype={gather_dtype!r}` must be 'stored' (gather the parameters as they are kept, the"
-            " default) or 'compute' (cast each shard to the autocast dtype before the all-gather)."
-        )
-    if gather_dtype == "stored":
-        return
-    if stage not in (2, 3) or engine == "deepspeed":
-        what = f"`zero_stage={stage}`" if stage not in (2, 3) else "`zero_engine='deepspeed'`"
-        raise ValueError(
-            f"`zero_gather_dtype='compute'` with {what}: the cast before the all-gather is FSDP2's"
-            " (`MixedPrecisionPolicy`), which runs ZeRO-2 and ZeRO-3. Set `zero_stage=2` or 3 with"
-            " `zero_engine='auto'` or 'fsdp2', or leave `zero_gather_dtype='stored'`."
-        )
 
 
 def _check_offload_update(update: Any, offload: Any, stage: int, engine: Any) -> None:

@@ -77,6 +77,7 @@ def strategy_config(a: StrategyArguments) -> ParallelConfig:
         pp, a.micro_batches, a.pipeline_schedule, a.pipeline_virtual_stages, boundaries
     )
     _check_zero_reshard(zero, pipeline)
+    _check_gather_dtype(zero)
     memory = arguments.memory_savers(
         a.activation_checkpointing,
         a.activation_checkpointing_policy,
@@ -104,6 +105,25 @@ def importance_split_refusal(update: object, tensor_parallel: int) -> str | None
         " q|k|v's strided one included, is not handled). Use `tensor_parallel=1`, or `offload_update='exact'` or"
         " 'delayed'."
     )
+
+
+def _check_gather_dtype(zero: ZeroArguments) -> None:
+    """``zero_gather_dtype``: the dtype FSDP2 all-gathers the sharded parameters in (``zero/fsdp.py: gather_policy``)."""
+    gather_dtype, stage, engine = zero.gather_dtype, zero.stage, zero.engine
+    if gather_dtype not in ("stored", "compute"):
+        raise ValueError(
+            f"`zero_gather_dtype={gather_dtype!r}` must be 'stored' (gather the parameters as they are kept, the"
+            " default) or 'compute' (cast each shard to the autocast dtype before the all-gather)."
+        )
+    if gather_dtype == "stored":
+        return
+    if stage not in (2, 3) or engine == "deepspeed":
+        what = f"`zero_stage={stage}`" if stage not in (2, 3) else "`zero_engine='deepspeed'`"
+        raise ValueError(
+            f"`zero_gather_dtype='compute'` with {what}: the cast before the all-gather is FSDP2's"
+            " (`MixedPrecisionPolicy`), which runs ZeRO-2 and ZeRO-3. Set `zero_stage=2` or 3 with"
+            " `zero_engine='auto'` or 'fsdp2', or leave `zero_gather_dtype='stored'`."
+        )
 
 
 def _check_zero_reshard(zero: ZeroArguments, pipeline: PipelineConfig | None) -> None:
