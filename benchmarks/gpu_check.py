@@ -21,7 +21,8 @@ from the start, and the offload phases wait for it outside their timed steps.
 3. ``offload``: the same for ZeRO-2 + CPU offload and ZeRO-3 with parameters offloaded (<= 2x eager).
 4. ``memory``: the memory savers on GPT-1.3B, selective and full recomputation against no recomputation
    (``benchmarks/memory_savers.py``), the planner's step time and memory beside them.
-5. ``engines_fsdp2``: FSDP2 ZeRO-2 and -3 (``zero_engine="fsdp2"``), the same figures as 2.
+5. ``engines_fsdp2``: FSDP2 ZeRO-2 and -3 (``zero_engine="fsdp2"``), and ZeRO-3 gathering bf16 copies
+   (``zero_gather_dtype="compute"``), the same figures as 2.
 6. ``precisions``: 32-true, bf16-mixed and 16-mixed with loss scaling through the Trainer on an nccl
    process group against plain PyTorch (``benchmarks/gpu_paths.py``).
 6b. ``moe_autocast``: a Hugging Face Qwen3-MoE under bf16 autocast, torch alone against the precision plugins'
@@ -226,7 +227,7 @@ def phases(dry_run: bool, device: str | None = None) -> list[Phase]:
                                Figure("selective (ops) recomputation trains",
                                       lambda r: r["results"]["selective (ops)"]["step_s"] > 0, "==", True, "runs"),
                                *exact_saver_figures()]),
-        Phase("engines_fsdp2", ["benchmarks.zero_engines", "--group", "fsdp2", *tiny_cpu, "--json", "{json}"], 110,
+        Phase("engines_fsdp2", ["benchmarks.zero_engines", "--group", "fsdp2", *tiny_cpu, "--json", "{json}"], 150,
               engine_figures("fsdp2", dry_run)),
         Phase("precisions", ["benchmarks.gpu_paths", *tiny_cpu, "--json", "{json}"], 120, [
             Figure(f"{p} loss parity with plain PyTorch", lambda r, p=p: r["results"][p]["parity"], "==", True,

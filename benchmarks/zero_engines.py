@@ -1,7 +1,7 @@
 """One GPU, bf16-mixed: every ZeRO engine against plain PyTorch eager on the same model and batches.
 
     PYTHONPATH=. python -m benchmarks.zero_engines --group deepspeed      # eager, strategy, DeepSpeed ZeRO-1/2/3
-    PYTHONPATH=. python -m benchmarks.zero_engines --group fsdp2          # eager, FSDP2 ZeRO-2/3 (zero_engine="fsdp2")
+    PYTHONPATH=. python -m benchmarks.zero_engines --group fsdp2          # eager, FSDP2 ZeRO-2/3, ZeRO-3 bf16 gathers
     PYTHONPATH=. python -m benchmarks.zero_engines --group offload        # eager, ZeRO-2 + CPU offload, ZeRO-3 + params
     PYTHONPATH=. python -m benchmarks.zero_engines --group deepspeed --tiny --cpu   # the same paths on a CPU
 
@@ -49,6 +49,9 @@ GROUPS: dict[str, dict[str, dict[str, Any]]] = {
     "fsdp2": {
         "fsdp2 zero2": {"zero_stage": 2, "zero_engine": "fsdp2"},
         "fsdp2 zero3": {"zero_stage": 3, "zero_engine": "fsdp2"},
+        # The shards cast to bf16 before the all-gather (FSDP2's MixedPrecisionPolicy, as torchtitan): issue 33 asks
+        # whether it should be the default; on one GPU the gather is a copy, the cast per matmul is what changes.
+        "fsdp2 zero3, bf16 gathers": {"zero_stage": 3, "zero_engine": "fsdp2", "zero_gather_dtype": "compute"},
     },
     "offload": {
         "zero2 + cpu offload": {"zero_stage": 2, "offload": "cpu"},
@@ -146,6 +149,7 @@ def predicted_gib(shape: dict[str, Any], strategy: dict[str, Any]) -> float:
         precision="bf16-mixed", micro_batch_size=shape["batch_size"], sequence_length=shape["block_size"],
         zero_stage=strategy.get("zero_stage", 0), offload=strategy.get("offload"),
         zero_engine=strategy.get("zero_engine", "auto"), offload_update=strategy.get("offload_update", "exact"),
+        zero_gather_dtype=strategy.get("zero_gather_dtype", "stored"),
     )  # fmt: skip
     (rank,) = rank_memory(model, layout, describe(model))
     return rank.device_total / 2**30

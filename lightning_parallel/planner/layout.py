@@ -62,6 +62,9 @@ class Layout:
     offload_update: OffloadUpdate = "exact"
     """The strategy's ``offload_update``: ``"exact"``, ``"delayed"`` (step i's host step during step i+1) or an
     ``ImportanceSplit`` (the chosen rows at once, the others later)."""
+    zero_gather_dtype: str = "stored"
+    """The strategy's ``zero_gather_dtype``: ``"stored"`` (ZeRO gathers the parameters as kept: fp32 under the mixed
+    precisions) or ``"compute"`` (FSDP2 gathers 16-bit copies, as Megatron and torchtitan do)."""
     activation_checkpointing: str | None = None
     """None, ``"full"`` or ``"selective"``."""
     activation_checkpointing_policy: str = "ops"
@@ -135,7 +138,10 @@ class Layout:
             parts.append(f"ep{self.expert_parallel}")
         if self.zero_stage:
             delayed = "" if self.offload_update == "exact" else f"({self.offload_update})"
-            parts.append(f"zero{self.zero_stage}" + (f"+{self.offload}{delayed}" if self.offload else ""))
+            gathers = "(16-bit gathers)" if self.zero_gather_dtype == "compute" else ""
+            parts.append(
+                f"zero{self.zero_stage}{gathers}" + (f"+{self.offload}{delayed}" if self.offload else "")
+            )
         if self.activation_checkpointing:
             alternate = self.activation_checkpointing_policy == "ops_alternate_matmuls"
             parts.append(
@@ -177,10 +183,19 @@ def zero_engine(layout: Layout) -> str | None:
         offload=layout.offload,  # type: ignore[arg-type]
         engine=layout.zero_engine,  # type: ignore[arg-type]
         update=layout.offload_update,  # type: ignore[arg-type]
+        gather_dtype=layout.zero_gather_dtype,  # type: ignore[arg-type]
     )
     return engine_for(
         zero, layout.tensor_parallel, layout.pipeline_parallel, expert_parallel=layout.expert_parallel
     )
+
+
+def gathered_parameter_bytes(layout: Layout) -> int | None:
+    """Bytes per element of ZeRO's parameter all-gathers and of the gathered copies: 2 where FSDP2 gathers in the
+    16-bit compute dtype (``zero_gather_dtype="compute"``), None where they are the stored parameters."""
+    if layout.zero_gather_dtype == "compute" and zero_engine(layout) == "fsdp2":
+        return 2
+    return None
 
 
 def layout_problems(layout: Layout, shape: ModelShape, gpus: int | None = None) -> list[str]:
@@ -314,6 +329,7 @@ def strategy_arguments(layout: Layout) -> StrategyArguments:
         offload_path=_NVME_PLACEHOLDER if layout.offload == "nvme" else None,
         zero_engine=layout.zero_engine,  # type: ignore[arg-type]
         offload_update=layout.offload_update,  # type: ignore[arg-type]
+        zero_gather_dtype=layout.zero_gather_dtype,  # type: ignore[arg-type]
         activation_checkpointing=layout.activation_checkpointing,  # type: ignore[arg-type]
         activation_checkpointing_policy=(
             layout.activation_checkpointing_policy

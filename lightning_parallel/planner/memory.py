@@ -25,7 +25,13 @@ from lightning_parallel.data_parallel.buckets import BUCKET_BYTES
 from lightning_parallel.pipeline.receive_buffers import buffers_in_flight
 from lightning_parallel.planner.activations import held_at_peak, stage_activation_bytes
 from lightning_parallel.planner.host_updates import deferred_update_bytes
-from lightning_parallel.planner.layout import PRECISIONS, Layout, layout_problems, zero_engine
+from lightning_parallel.planner.layout import (
+    PRECISIONS,
+    Layout,
+    gathered_parameter_bytes,
+    layout_problems,
+    zero_engine,
+)
 from lightning_parallel.planner.placement import fsdp_local_elements, parameter_placements, stage_split
 from lightning_parallel.planner.shapes import ModelShape, describe
 from lightning_parallel.zero.arguments import BUCKET_ELEMENTS
@@ -185,13 +191,14 @@ def _one_rank(
         )
         rank.parameters, rank.gradients = shard * param_bytes, shard * grad_bytes
         rank.optimizer = shard * states * 4 + (shard * 4 if param_bytes < 4 else 0)
-        # zero_reshard="step": the stage's whole weights and gradients, all step
+        gathered = gathered_parameter_bytes(layout) or param_bytes  # the unsharded copies
+        # zero_reshard="step": the stage's whole weights and gradients (accumulated in fp32), all step
         if layout.pipeline_parallel > 1:
-            rank.buffers = (elements - shard) * (param_bytes + grad_bytes)
+            rank.buffers = (elements - shard) * (gathered + grad_bytes)
         elif stage == 2:  # not resharded after forward (parallelize/gradients.py): whole weights to backward
-            rank.buffers = (elements - shard) * param_bytes
+            rank.buffers = (elements - shard) * gathered
         else:  # a gathered unit and the next one prefetched
-            rank.buffers = 2 * max((n for _, n, _ in local), default=0) * param_bytes
+            rank.buffers = 2 * max((n for _, n, _ in local), default=0) * gathered
         if layout.offload == "cpu" and layout.offload_update != "exact":
             matrices = [
                 (n, s, fsdp_local_elements(n, s, p.tp_dim, dp, dp_rank)) for p, n, s in local if len(s) >= 2

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from lightning_parallel.config.arguments import resolve_schedule
 from lightning_parallel.pipeline.schedules import ideal_efficiency
 from lightning_parallel.planner.cluster import Cluster
-from lightning_parallel.planner.layout import PRECISIONS, Layout, zero_engine
+from lightning_parallel.planner.layout import PRECISIONS, Layout, gathered_parameter_bytes, zero_engine
 from lightning_parallel.planner.micro_batch import (
     STRATEGY,
     Execution,
@@ -175,7 +175,7 @@ def step_time(
 
     param_bytes, _, grad_bytes = PRECISIONS[layout.precision]
     grad_bytes = execution.gradient_bytes or grad_bytes
-    param_bytes = execution.parameter_bytes or param_bytes
+    param_bytes = execution.parameter_bytes or gathered_parameter_bytes(layout) or param_bytes
     dense, experts = max((_parameters(s, shape, layout) for s in ranks), key=sum)
     groups = [(dense, dp, group_bandwidth(cluster, dp, tp))]  # (elements, ranks, bandwidth)
     if experts:  # an expert's replicas: the data-parallel ranks holding the same experts

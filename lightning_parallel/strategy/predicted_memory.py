@@ -56,6 +56,9 @@ def job_layout(strategy: Any, precision: str, batch_shape: tuple[int, int]) -> L
         expert_parallel=dims.expert_parallel,
         zero_stage=config.zero.stage,
         offload=config.zero.offload,
+        zero_engine=config.zero.engine,
+        offload_update=config.zero.update,
+        zero_gather_dtype=config.zero.gather_dtype,
         activation_checkpointing=checkpointing.mode if checkpointing else None,
         activation_checkpointing_policy="ops_alternate_matmuls"
         if checkpointing and checkpointing.alternate_matmuls

@@ -306,3 +306,33 @@ def test_a_rank_casts_the_weights_it_holds_to_fp8_its_own_experts_only() -> None
     assert moe.matmul_weights_held(16) == pytest.approx(moe.matmul_weights_per_token - expert)  # one vs top-2
     dense = ModelShape.gpt(8, 1024, 16, 50304).blocks[0]  # control: no experts, ep changes nothing
     assert dense.matmul_weights_held(8) == dense.matmul_weights_per_token
+
+
+def test_compute_gathers_halve_zero3s_gathers_and_the_gathered_copies() -> None:
+    """``zero_gather_dtype="compute"``: FSDP2's all-gathers and unsharded copies in 16 bits (2 bytes, not the fp32
+    shards' 4) where gathers are all that is exposed; the shards, gradients and states the rank keeps are alike."""
+    from lightning_parallel.planner.layout import gathered_parameter_bytes
+    from lightning_parallel.planner.memory import rank_memory
+    from recipes.gpt.module import GPTLightningModule
+
+    slow = replace(CLUSTERS["h100"], inter_node_bandwidth=1e9)
+    base = {"data_parallel": 16, "precision": "bf16-mixed", "micro_batch_size": 4, "sequence_length": 2048}
+    stored, compute = (
+        step_time(GPT_1_3B, Layout(**base, zero_stage=3, zero_gather_dtype=gathers), slow)
+        for gathers in ("stored", "compute")
+    )
+    assert compute.data_parallel < 0.8 * stored.data_parallel
+    assert gathered_parameter_bytes(Layout(zero_stage=3, zero_gather_dtype="compute")) == 2
+    assert gathered_parameter_bytes(Layout(zero_stage=3)) is None  # DeepSpeed's engine, fp32 gathers
+    model = GPTLightningModule(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
+    small = {"data_parallel": 2, "precision": "bf16-mixed", "micro_batch_size": 2, "sequence_length": 16}
+    (kept,), (halved,) = (
+        rank_memory(model, Layout(**small, zero_stage=3, zero_engine="fsdp2", zero_gather_dtype=gathers))
+        for gathers in ("stored", "compute")
+    )
+    assert halved.buffers * 2 == kept.buffers > 0
+    assert (halved.parameters, halved.gradients, halved.optimizer) == (
+        kept.parameters,
+        kept.gradients,
+        kept.optimizer,
+    )

@@ -126,27 +126,6 @@ def test_compute_gathers_without_an_autocast_dtype_are_refused_before_launch(pre
         L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, logger=False)
 
 
-def test_compute_gathers_pick_fsdp2_and_its_policy() -> None:
-    """The option runs ZeRO on FSDP2 whatever the layout (DeepSpeed's engine has no such cast), with a policy that
-    gathers in the compute dtype, reduces in fp32 and leaves the blocks' inputs alone; 'stored' casts nothing."""
-    from lightning_parallel.zero.engine_choice import engine_for
-    from lightning_parallel.zero.fsdp import gather_dtype_for, gather_policy
-
-    compute = zero_arguments(3, None, None, None, gather_dtype="compute")
-    assert engine_for(compute, tensor_parallel=1) == "fsdp2"
-    assert engine_for(zero_arguments(3, None, None, None), tensor_parallel=1) == "deepspeed"
-    assert gather_dtype_for(compute, "bf16-mixed") is torch.bfloat16
-    assert gather_dtype_for(compute, "16-mixed") is torch.float16
-    assert gather_dtype_for(zero_arguments(3, None, None, None), "bf16-mixed") is None
-    policy = gather_policy(torch.bfloat16)
-    assert (policy.param_dtype, policy.reduce_dtype, policy.cast_forward_inputs) == (
-        torch.bfloat16,
-        torch.float32,
-        False,
-    )
-    assert gather_policy(None).param_dtype is None
-
-
 def test_unsupported_precision_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"`Trainer\(precision='16-true'\)` is not supported with ZeRO"):
         check_zero_precision(zero_arguments(1, None, None, None), HalfPrecision("16-true"))
