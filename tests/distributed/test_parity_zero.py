@@ -298,9 +298,26 @@ def two_process() -> dict[str, Result]:
     )  # fmt: skip
 
 
+# zero_gather_dtype="compute" where FSDP2's units hold tensor-parallel DTensors, accumulate micro-batches under
+# stages (unsharded gradients kept in fp32 between them) and shard experts over their replicas.
+GATHERS = {"data": "learnable", "reference_rule": "compute_weights"}
+FOUR_LOW_PRECISION = [
+    _case("zero3_gcompute_tp2_dp2_bf16_nanogpt", "nanogpt", 4, zero_stage=3, tensor_parallel=2,
+          zero_gather_dtype="compute", fields={**GATHERS, "trainer_kwargs": {"precision": "bf16-mixed"}}),
+    _case("zero2_gcompute_pp2_dp2_bf16_nanogpt", "nanogpt", 4, zero_stage=2, pipeline_parallel=2, micro_batches=2,
+          zero_gather_dtype="compute",
+          fields={**GATHERS, **DEEP, "trainer_kwargs": {"precision": "bf16-mixed"}}),
+]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def four_process() -> dict[str, Result]:
-    return run_cases(FOUR, 4, timeout_s=600, references_for=FOUR)
+    return run_cases(
+        FOUR + FOUR_LOW_PRECISION,
+        4,
+        timeout_s=600,
+        references_for=FOUR + with_split_references(FOUR_LOW_PRECISION),
+    )
 
 
 @pytest.mark.compat  # the matrix pairs of the case parameter (tests/compat.py)
@@ -388,6 +405,13 @@ def test_a_fp32_run_fails_against_a_bf16_mixed_reference(two_process: dict[str, 
 @pytest.mark.parametrize("case", FOUR, ids=lambda c: c.name)
 def test_zero_four_processes(four_process: dict[str, Result], case: Case) -> None:
     assert_parity(four_process[case.name], reference(case))
+
+
+@pytest.mark.compat
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", FOUR_LOW_PRECISION, ids=lambda c: c.name)
+def test_zero_four_processes_low_precision(four_process: dict[str, Result], case: Case) -> None:
+    check_low_precision(four_process[case.name], case)
 
 
 @pytest.fixture(scope="module")
