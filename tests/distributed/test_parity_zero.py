@@ -308,16 +308,18 @@ FOUR_LOW_PRECISION = [
           zero_gather_dtype="compute",
           fields={**GATHERS, **DEEP, "trainer_kwargs": {"precision": "bf16-mixed"}}),
 ]  # fmt: skip
+# The experts' units too (gathered over their replicas, dp_replicate): within the tolerance, but Mixtral's weights move
+# 1-10 of their tolerances in bf16 (as under ep x bf16-true, docs/testing.md): compared, not counted in the matrix.
+FOUR_LOW_PRECISION_UNJUDGED = [
+    _case("zero3_gcompute_ep2_dp2_bf16_hf_mixtral", "hf_mixtral", 4, zero_stage=3, expert_parallel=2,
+          zero_gather_dtype="compute", fields={**GATHERS, "trainer_kwargs": {"precision": "bf16-mixed"}}),
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def four_process() -> dict[str, Result]:
-    return run_cases(
-        FOUR + FOUR_LOW_PRECISION,
-        4,
-        timeout_s=600,
-        references_for=FOUR + with_split_references(FOUR_LOW_PRECISION),
-    )
+    low = FOUR_LOW_PRECISION + FOUR_LOW_PRECISION_UNJUDGED
+    return run_cases(FOUR + low, 4, timeout_s=600, references_for=FOUR + with_split_references(low))
 
 
 @pytest.mark.compat  # the matrix pairs of the case parameter (tests/compat.py)
@@ -412,6 +414,17 @@ def test_zero_four_processes(four_process: dict[str, Result], case: Case) -> Non
 @pytest.mark.parametrize("case", FOUR_LOW_PRECISION, ids=lambda c: c.name)
 def test_zero_four_processes_low_precision(four_process: dict[str, Result], case: Case) -> None:
     check_low_precision(four_process[case.name], case)
+
+
+@pytest.mark.timeout(900)
+def test_compute_gathers_of_expert_units_within_the_tolerance_unjudged(
+    four_process: dict[str, Result],
+) -> None:
+    """The expert units gather bf16 over their replicas, the dense ones over dp; the numbers within the tolerance."""
+    (case,) = FOUR_LOW_PRECISION_UNJUDGED
+    check_low_precision(four_process[case.name], case, judged=False)
+    gathers = four_process[case.name].engagement["gather_dtypes"]
+    assert gathers.get("dp_replicate.bfloat16", 0) > 0 and "dp_replicate.float32" not in gathers, gathers
 
 
 @pytest.fixture(scope="module")
