@@ -227,6 +227,28 @@ def test_bf16_checkpoint_holds_what_bf16_training_made(runs: Path) -> None:
     )
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", ["zero2_gcompute_bf16", "zero3_gcompute_bf16"])
+def test_checkpoints_of_compute_gathers_hold_the_fp32_shards(runs: Path, layout: str) -> None:
+    """``zero_gather_dtype="compute"``: the module holds bf16 gathered copies during a step (and between steps at
+    ZeRO-2), the checkpoint the fp32 shards the optimizer steps (FSDP2 saves its sharded parameters): fp32 values
+    that are not all bf16-representable, loading strictly into the plain module. Resumed bit for bit by
+    test_resume_under_zero_continues_the_same_run."""
+    from lightning_parallel import consolidate_checkpoint
+    from tests.models.families import build
+
+    for run in ("straight", "resumed"):
+        for rank in _read(runs / layout, run):
+            assert set(rank["linear_dtypes"]) == {"torch.bfloat16"}, (run, rank["linear_dtypes"])
+    _, family, overrides = LAYOUTS[layout]
+    consolidated = consolidate_checkpoint(runs / layout / "step2.ckpt")
+    assert all(v.dtype == torch.float32 for v in consolidated.values())
+    weight = consolidated["model.transformer.h.0.mlp.c_fc.weight"]
+    assert not torch.equal(weight, weight.bfloat16().float())  # the masters, not the gathered copies
+    build(family, **overrides).load_state_dict(consolidated, strict=True)
+
+
 def test_zero3_partition_of_an_uneven_weight() -> None:
     """A weight whose size does not divide by the ranks: the last rank's ZeRO-3 partition is padded with
     zeros (DeepSpeed's own full-value setter cuts past the end there, so the resume writes partitions)."""

@@ -50,6 +50,9 @@ LAYOUTS: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
     "zero2_tp2": (dict(zero_stage=2, tensor_parallel=2), "nanogpt", ADAM),
     "zero1_pp2": (dict(zero_stage=1, **PIPELINE), "nanogpt", {}),
     "zero2_bf16": (dict(zero_stage=2), "nanogpt", {}),
+    # FSDP2 gathering bf16 copies of the shards (zero_gather_dtype="compute"): ZeRO-2 keeps them between steps
+    "zero2_gcompute_bf16": (dict(zero_stage=2, zero_gather_dtype="compute"), "nanogpt", {}),
+    "zero3_gcompute_bf16": (dict(zero_stage=3, zero_gather_dtype="compute"), "nanogpt", ADAM),
     "zero3_tp2": (dict(zero_stage=3, tensor_parallel=2), "nanogpt", ADAM),  # FSDP2 (dp=1 here) of tp shards
     # FSDP2's CPU shards stepped by DeepSpeed's CPU Adam (zero/sharded_cpu_adam.py).
     "zero3_cpu_tp2": (dict(zero_stage=3, tensor_parallel=2, offload="cpu"), "nanogpt", ADAM),
@@ -61,7 +64,9 @@ LAYOUTS: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
         ADAM,
     ),
 }
-PRECISION = {"zero2_bf16": "bf16-mixed"}  # the others "32-true"
+PRECISION = {
+    name: "bf16-mixed" for name in ("zero2_bf16", "zero2_gcompute_bf16", "zero3_gcompute_bf16")
+}  # others fp32
 # On 4 ranks (``python ... first OUT_DIR LAYOUTS`` with WORLD_SIZE=4): expert slices sharded again over their
 # 2 replicas (ep=2 x dp_replicate=2), each rank's piece one box of the stacked tensor in the files.
 # ZeRO-1 with experts runs on DeepSpeed's engine, which shards over each expert's replicas: on 2 ranks
