@@ -120,6 +120,11 @@ class ComputeDtypeCounter(TorchDispatchMode):
             in_node = torch._C._current_autograd_node() is not None
             if not in_node or torch.is_grad_enabled():  # the backward's own products are not counted
                 first = out[0] if isinstance(out, (tuple, list)) else out
+                if type(first).__name__ == "FakeTensor":
+                    # shape propagation, no product computed: torch 2.11's DTensor runs an op's first call on fake
+                    # tensors built from its specs' metadata (which, for FSDP2's bf16-gathered tensor-parallel
+                    # weights, still says fp32 there); the real local product follows and is counted
+                    return out
                 dtype = str(first.dtype).removeprefix("torch.")
                 phase = "recomputed" if in_node else "forward"
                 if dtype == "float32" and _by_design() is not None:

@@ -117,3 +117,18 @@ def test_deepspeed_switches_the_autocast_off_without_its_section_when_its_check_
         dtype_inside_the_engine(False) == torch.bfloat16
     )  # as shipped, on a CPU: the old config hid the bug
     assert patched_modules() == []  # left as found
+
+
+def test_products_on_fake_tensors_are_shape_propagation_not_compute() -> None:
+    """torch 2.11's DTensor runs an op's first call on fake tensors (metadata only) before the real local product:
+    the fake one is left out, the real one counts. Negative control: the same fp32 product on real tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    counter = ComputeDtypeCounter()
+    counter.counting = True
+    with counter, FakeTensorMode():
+        torch.randn(4, 8) @ torch.randn(8, 4)
+    assert summarize(dict(counter.counts)) == {}
+    with counter:
+        torch.randn(4, 8) @ torch.randn(8, 4)
+    assert summarize(dict(counter.counts)) == {"forward": {"float32": 1}}
