@@ -59,6 +59,7 @@ __all__ = [
     "extension_build_directory",
     "flatten_dense_tensors",
     "flatten_mesh",
+    "fsdp_accumulate_in_reduce_dtype",
     "fsdp_close_forward",
     "fsdp_grad_copy_event",
     "fsdp_in_forward",
@@ -197,6 +198,29 @@ def fsdp_param_groups(state: Any) -> list[Any]:
         return list(groups)
     group = state._fsdp_param_group
     return [] if group is None else [group]
+
+
+def fsdp_accumulate_in_reduce_dtype(unit: Any) -> None:
+    """Make the unit's reducing post-backward see every gradient in its reduce dtype (FSDP2 with a
+    ``MixedPrecisionPolicy`` whose ``reduce_dtype`` differs from its ``param_dtype``).
+
+    A backward that does not reduce moves each 16-bit gradient into an fp32 accumulator; a parameter whose first
+    gradient comes only in the reducing backward brings a 16-bit one beside them, and FSDP2's reduce-scatter
+    asserts one dtype for all (2.11 and 2.13). Before that post-backward, such gradients are moved to fp32 the way
+    FSDP2 moves the others (``to_accumulated_grad_if_needed``); the reduce-scatter would cast them so anyway.
+    """
+    for group in fsdp_param_groups(fsdp_state(unit)):
+        original = group.post_backward
+
+        def post_backward(*args: Any, group: Any = group, original: Any = original) -> Any:
+            params = group.fsdp_params
+            if group.reduce_grads and any(p.unsharded_accumulated_grad is not None for p in params):
+                for param in params:
+                    if param.unsharded_accumulated_grad is None and hasattr(param, "_unsharded_param"):
+                        param.to_accumulated_grad_if_needed()
+            return original(*args)
+
+        group.post_backward = post_backward
 
 
 def fsdp_grad_copy_event(fsdp_param: Any) -> Any:

@@ -106,6 +106,13 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         resolvable=False,
     ),
     PrivateApi(
+        "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam.to_accumulated_grad_if_needed",
+        "zero/fsdp.py (zero_gather_dtype='compute')",
+        "fsdp_accumulate_in_reduce_dtype",
+        note="with FSDPParamGroup.reduce_grads, FSDPParam.unsharded_accumulated_grad and ._unsharded_param; the"
+        " post-backward wrapped per group: alike in both releases",
+    ),
+    PrivateApi(
         "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam.grad_offload_event",
         "zero/overlapped_step.py (through zero/fsdp.py: shard_states)",
         "fsdp_grad_copy_event",

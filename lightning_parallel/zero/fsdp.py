@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_parallel.compat import (
     StridedShard,
+    fsdp_accumulate_in_reduce_dtype,
     fsdp_param_groups,
     fsdp_state,
 )
@@ -257,9 +258,12 @@ def offloaded_units(modules: list[nn.Module], whole: set[nn.Parameter], ratio: f
 
 def _shard(module: nn.Module, kwargs: dict, *, kept: bool) -> nn.Module:
     """``fully_shard(module)``; ``kept``: mark its sharded parameters as left on the device by partial offload
-    (the offloaded optimizer steps those with torch's Adam there: ``zero/sharded_cpu_adam.py``)."""
+    (the offloaded optimizer steps those with torch's Adam there: ``zero/sharded_cpu_adam.py``). Gathered in a
+    16-bit dtype, its gradients accumulate in fp32 between reductions, all of them (``compat``)."""
 
     unit = fully_shard(module, **kwargs)
+    if kwargs["mp_policy"].param_dtype is not None:
+        fsdp_accumulate_in_reduce_dtype(unit)
     if kept:
         for param in unit_parameters(unit):
             setattr(param, KEPT_ON_DEVICE, True)
