@@ -5,9 +5,8 @@ one the package uses is imported or read here, and :data:`PRIVATE_APIS` (``compa
 beside this code) records where it is used, the versions it was checked on and how they differ; where
 they do, a version gate or a feature check below picks the right path. The next upgrade reads the
 record, then this file. ``tests/test_compat.py`` resolves the entries on the installed versions and
-fails when a private torch or Lightning import appears anywhere else in the package.
-
-Heavy or rarely needed modules (DCP's loader, Lightning's strategies) are imported where used.
+fails when a private torch or Lightning import appears anywhere else in the package. Heavy or rarely needed
+modules (DCP's loader, Lightning's strategies) are imported where used.
 """
 
 from __future__ import annotations
@@ -201,18 +200,12 @@ def fsdp_param_groups(state: Any) -> list[Any]:
 
 
 def fsdp_accumulate_in_reduce_dtype(unit: Any) -> None:
-    """Make the unit's reducing post-backward see every gradient in its reduce dtype (FSDP2 with a
-    ``MixedPrecisionPolicy`` whose ``reduce_dtype`` differs from its ``param_dtype``).
-
-    A backward that does not reduce moves each 16-bit gradient into an fp32 accumulator; a parameter whose first
-    gradient comes only in the reducing backward brings a 16-bit one beside them, and FSDP2's reduce-scatter
-    asserts one dtype for all (2.11 and 2.13). Before that post-backward, such gradients are moved to fp32 the way
-    FSDP2 moves the others (``to_accumulated_grad_if_needed``); the reduce-scatter would cast them so anyway.
-    """
+    """FSDP2 with ``reduce_dtype`` other than ``param_dtype``: a backward that does not reduce moves 16-bit gradients
+    into fp32 accumulators; a first gradient in the reducing backward comes 16-bit beside them, which the reduce-scatter
+    refuses (2.11, 2.13). It is moved to fp32 first, as FSDP2 moves the others (the reduce-scatter casts so anyway)."""
     for group in fsdp_param_groups(fsdp_state(unit)):
-        original = group.post_backward
 
-        def post_backward(*args: Any, group: Any = group, original: Any = original) -> Any:
+        def post_backward(*args: Any, group: Any = group, original: Any = group.post_backward) -> Any:
             params = group.fsdp_params
             if group.reduce_grads and any(p.unsharded_accumulated_grad is not None for p in params):
                 for param in params:

@@ -77,7 +77,7 @@ def strategy_config(a: StrategyArguments) -> ParallelConfig:
         pp, a.micro_batches, a.pipeline_schedule, a.pipeline_virtual_stages, boundaries
     )
     _check_zero_reshard(zero, pipeline)
-    _check_gather_dtype(zero)
+    _check_gather_dtype(zero, pipeline)
     memory = arguments.memory_savers(
         a.activation_checkpointing,
         a.activation_checkpointing_policy,
@@ -107,7 +107,7 @@ def importance_split_refusal(update: object, tensor_parallel: int) -> str | None
     )
 
 
-def _check_gather_dtype(zero: ZeroArguments) -> None:
+def _check_gather_dtype(zero: ZeroArguments, pipeline: PipelineConfig | None) -> None:
     """``zero_gather_dtype``: the dtype FSDP2 all-gathers the sharded parameters in (``zero/fsdp.py: gather_policy``)."""
     gather_dtype, stage, engine = zero.gather_dtype, zero.stage, zero.engine
     if gather_dtype not in ("stored", "compute"):
@@ -123,6 +123,20 @@ def _check_gather_dtype(zero: ZeroArguments) -> None:
             f"`zero_gather_dtype='compute'` with {what}: the cast before the all-gather is FSDP2's"
             " (`MixedPrecisionPolicy`), which runs ZeRO-2 and ZeRO-3. Set `zero_stage=2` or 3 with"
             " `zero_engine='auto'` or 'fsdp2', or leave `zero_gather_dtype='stored'`."
+        )
+
+    if zero.raw_config:
+        raise ValueError(
+            "`zero_gather_dtype='compute'` with `deepspeed_config`: the option runs ZeRO on FSDP2, which reads no"
+            " DeepSpeed keys (they would be dropped silently). Remove `deepspeed_config`, or leave"
+            " `zero_gather_dtype='stored'` for DeepSpeed's engine."
+        )
+    if pipeline is not None and pipeline.spec.bubble_free_backward:
+        raise ValueError(
+            f"`zero_gather_dtype='compute'` with `pipeline_schedule={pipeline.spec.name!r}`: a zero-bubble schedule"
+            " adds each micro-batch's weight gradient into the gathered parameter's own gradient, which would be"
+            " 16-bit (torch's stage_backward_weight), so the micro-batches would be summed in 16 bits. Use '1f1b',"
+            " 'gpipe' or 'interleaved_1f1b', or leave `zero_gather_dtype='stored'`."
         )
 
 

@@ -118,6 +118,9 @@ def layout_from_arguments(args: argparse.Namespace, strategy: dict[str, Any], tp
         context_parallel_mode=pick(args.context_parallel_mode, "context_parallel_mode", "ring"),
         zero_stage=pick(args.zero_stage, "zero_stage", 0),
         offload=pick(args.offload, "offload", None),
+        # a config's own ZeRO options (no flags of their own: the config file is where they are set)
+        zero_engine=strategy.get("zero_engine", "auto"),
+        zero_gather_dtype=strategy.get("zero_gather_dtype", "stored"),
         activation_checkpointing=pick(args.activation_checkpointing, "activation_checkpointing", None),
         activation_checkpointing_policy=_policy(
             pick(args.activation_checkpointing_policy, "activation_checkpointing_policy", None)

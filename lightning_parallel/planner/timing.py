@@ -175,7 +175,9 @@ def step_time(
 
     param_bytes, _, grad_bytes = PRECISIONS[layout.precision]
     grad_bytes = execution.gradient_bytes or grad_bytes
-    param_bytes = execution.parameter_bytes or gathered_parameter_bytes(layout) or param_bytes
+    param_bytes = execution.parameter_bytes or param_bytes
+    # 16-bit gathers cast on the device: the host copies of offloaded shards stay in the stored dtype
+    gather_bytes = execution.parameter_bytes or gathered_parameter_bytes(layout) or param_bytes
     dense, experts = max((_parameters(s, shape, layout) for s in ranks), key=sum)
     groups = [(dense, dp, group_bandwidth(cluster, dp, tp))]  # (elements, ranks, bandwidth)
     if experts:  # an expert's replicas: the data-parallel ranks holding the same experts
@@ -183,7 +185,7 @@ def step_time(
     zero = layout.zero_stage
     collective = half_ring if zero else all_reduce  # ZeRO reduce-scatters, plain replicas all-reduce
     reduce_grads = sum(collective(n * grad_bytes, d, bw) for n, d, bw in groups)
-    gather = sum(half_ring(n * param_bytes, d, bw) for n, d, bw in groups) if zero else 0.0
+    gather = sum(half_ring(n * gather_bytes, d, bw) for n, d, bw in groups) if zero else 0.0
     # Each of a rank's chunks reduces once its own last backward is done: all but the chunk that
     # finishes last (rank 0's first) reduce behind the backward the cool-down still holds.
     chunks = virtual if pp > 1 else 1

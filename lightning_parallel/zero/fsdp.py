@@ -29,8 +29,11 @@ optimizer (state and step) live on the CPU, copied to the device for each all-ga
 
 ``zero_gather_dtype="compute"``: FSDP2's ``MixedPrecisionPolicy`` casts each shard to the autocast dtype before
 the all-gather (half the bytes of fp32 over the links, and the matmuls find their weights already cast);
-gradients are reduced and kept in fp32, and the blocks' inputs are left as they come, so the residual stream
-keeps the dtype autocast gives it (``gather_policy``).
+gradients are reduced and kept in fp32 (``gather_policy``). Every unit gathers so, the embeddings too: the
+residual stream starts in 16 bits and stays there (torchtitan's ``param_dtype``, Megatron's 16-bit parameters;
+under ``16-mixed`` a forward that overflows fp16 is not mended by the loss scale). Gathering the blocks alone
+would keep it fp32 as in the one-process run, but a block's norm then meets an fp32 input with a 16-bit weight,
+which the CPU's layer norm refuses (CUDA's autocast computes it in fp32).
 """
 
 from __future__ import annotations
@@ -213,8 +216,7 @@ def gather_policy(gather_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
     The all-gather carries ``gather_dtype``; the unsharded gradients come back in it and are cast to fp32
     before the reduce-scatter (``reduce_dtype``; FSDP2 would otherwise reduce in the gather dtype) and kept
     in fp32 as the sharded gradients the optimizer steps. Forward inputs are not cast
-    (``cast_forward_inputs=False``): a block's input (the residual stream) stays as autocast leaves it, as in
-    the one-process run, where only the matmuls compute in the low precision.
+    (``cast_forward_inputs=False``): a unit computes with the dtypes its own parameters and inputs give.
     """
     if gather_dtype is None:
         return MixedPrecisionPolicy()

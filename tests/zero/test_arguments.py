@@ -107,6 +107,10 @@ def test_raw_deepspeed_keys_are_merged_last() -> None:
         ({"zero_stage": 1, "zero_gather_dtype": "compute"}, "`zero_gather_dtype='compute'` with `zero_stage=1`"),
         ({"zero_stage": 3, "zero_engine": "deepspeed", "zero_gather_dtype": "compute"},
          "`zero_gather_dtype='compute'` with `zero_engine='deepspeed'`"),
+        ({"zero_stage": 2, "zero_gather_dtype": "compute", "deepspeed_config": {"steps_per_print": 10}},
+         "`zero_gather_dtype='compute'` with `deepspeed_config`"),
+        ({"zero_stage": 3, "zero_gather_dtype": "compute", "pipeline_parallel": 2, "pipeline_schedule": "zbv"},
+         "`zero_gather_dtype='compute'` with `pipeline_schedule='zbv'`"),
     ],
 )  # fmt: skip
 def test_bad_zero_arguments_are_refused_at_construction(kwargs: dict, message: str) -> None:

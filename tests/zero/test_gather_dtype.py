@@ -37,6 +37,7 @@ def test_compute_gathers_pick_fsdp2_and_its_policy() -> None:
 @pytest.mark.timeout(300)
 def test_the_docs_example_runs_and_keeps_fp32_shards(tmp_path: Path) -> None:
     out = run_doc_example(ROOT / "docs" / "zero.md", tmp_path, heading="## 16-bit gathers on FSDP2")
+    assert "gathered in ['torch.bfloat16']" in out  # with zero_gather_dtype="stored": ['torch.float32']
     assert "DTensor torch.float32 (96, 64) of (192, 64)" in out
 
 
