@@ -145,6 +145,10 @@ LOW_PRECISION = [
     # zero_gather_dtype="compute": FSDP2 gathers the shards in the autocast dtype (the engine FSDP2 by that alone)
     *[_low(stage, "bf16-mixed", zero_gather_dtype="compute") for stage in (2, 3)],
     _low(3, "16-mixed", zero_gather_dtype="compute"),
+    # Lightning's accumulation: FSDP2's unsharded gradients summed in fp32 between the reductions
+    _case("zero3_gcompute_accum_bf16_dp2_nanogpt", "nanogpt", zero_stage=3, zero_gather_dtype="compute",
+          fields={"data": "learnable", "reference_rule": "compute_weights",
+                  "trainer_kwargs": {"precision": "bf16-mixed", "accumulate_grad_batches": 2}}),
     _low(2, "bf16-mixed", offload="cpu"),
     _low(2, "16-mixed", offload="cpu"),
     _low(3, "bf16-true", offload="cpu"),
