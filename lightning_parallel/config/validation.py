@@ -124,7 +124,6 @@ def _check_gather_dtype(zero: ZeroArguments, pipeline: PipelineConfig | None) ->
             " (`MixedPrecisionPolicy`), which runs ZeRO-2 and ZeRO-3. Set `zero_stage=2` or 3 with"
             " `zero_engine='auto'` or 'fsdp2', or leave `zero_gather_dtype='stored'`."
         )
-
     if zero.raw_config:
         raise ValueError(
             "`zero_gather_dtype='compute'` with `deepspeed_config`: the option runs ZeRO on FSDP2, which reads no"
