@@ -208,10 +208,13 @@ def hybrid(
     Data parallel is what tensor and pipeline parallel leave (expert parallel is carved out of
     it, so it does not change the data split; context parallel is carved out of it too, and its
     ranks share their batch, so the data split is what it leaves). ``case_fields`` sets other :class:`Case` fields
-    (``steps``, ``trainer_kwargs``, ...).
+    (``steps``, ``trainer_kwargs``, ...). ``zero_gather_dtype="compute"`` brings its reference rule
+    (``Case.reference_rule``): the one-process run of that numerics, not of the plain precision.
     """
     if world_size % (tensor_parallel * pipeline_parallel):
         raise ValueError(f"{name}: world_size {world_size} is not divisible by tp*pp")
+    if strategy_kwargs.get("zero_gather_dtype") == "compute":
+        case_fields = {"reference_rule": "compute_weights", **(case_fields or {})}
     kwargs = dict(strategy_kwargs, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
     spec = StrategySpec("lightning_parallel:HybridParallelStrategy", kwargs)
     dp = world_size // (tensor_parallel * pipeline_parallel * strategy_kwargs.get("context_parallel", 1))

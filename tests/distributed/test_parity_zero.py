@@ -125,8 +125,6 @@ def _low(stage: int, precision: str, adam: bool = False, **kwargs: object) -> Ca
         fields["model_kwargs"] = {**fields["model_kwargs"], **SWAPPED}
         if precision == "bf16-true" and not adam:  # the wider model: five steps at 2.5 times the rate
             fields = {**fields, "model_kwargs": {**fields["model_kwargs"], "learning_rate": 0.25}, "steps": 5}
-    if kwargs.get("zero_gather_dtype") == "compute":  # judged against the one-process run of that rule
-        fields["reference_rule"] = "compute_weights"
     return _case(f"zero{stage}{extra}_{SHORT[precision]}_dp2_nanogpt", "nanogpt", zero_stage=stage,
                  fields={"trainer_kwargs": {"precision": precision}, "data": "learnable", **fields}, **kwargs)  # fmt: skip
 
@@ -147,7 +145,7 @@ LOW_PRECISION = [
     _low(3, "16-mixed", zero_gather_dtype="compute"),
     # Lightning's accumulation: FSDP2's unsharded gradients summed in fp32 between the reductions
     _case("zero3_gcompute_accum_bf16_dp2_nanogpt", "nanogpt", zero_stage=3, zero_gather_dtype="compute",
-          fields={"data": "learnable", "reference_rule": "compute_weights",
+          fields={"data": "learnable",
                   "trainer_kwargs": {"precision": "bf16-mixed", "accumulate_grad_batches": 2}}),
     _low(2, "bf16-mixed", offload="cpu"),
     _low(2, "16-mixed", offload="cpu"),
@@ -304,7 +302,7 @@ def two_process() -> dict[str, Result]:
 
 # zero_gather_dtype="compute" where FSDP2's units hold tensor-parallel DTensors, accumulate micro-batches under
 # stages (unsharded gradients kept in fp32 between them) and shard experts over their replicas.
-GATHERS = {"data": "learnable", "reference_rule": "compute_weights"}
+GATHERS = {"data": "learnable"}
 FOUR_LOW_PRECISION = [
     _case("zero3_gcompute_tp2_dp2_bf16_nanogpt", "nanogpt", 4, zero_stage=3, tensor_parallel=2,
           zero_gather_dtype="compute", fields={**GATHERS, "trainer_kwargs": {"precision": "bf16-mixed"}}),
@@ -335,10 +333,11 @@ def test_zero_two_processes(two_process: dict[str, Result], case: Case) -> None:
 
 @pytest.mark.compat
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", LOW_PRECISION, ids=lambda c: c.name)
-def test_zero_low_precision_within_its_tolerance(two_process: dict[str, Result], case: Case) -> None:
+@pytest.mark.parametrize("case", LOW_PRECISION + FOUR_LOW_PRECISION, ids=lambda c: c.name)
+def test_zero_low_precision_within_its_tolerance(request: pytest.FixtureRequest, case: Case) -> None:
     """Losses and every parameter within the tolerance measured on the one-process run (tests/distributed/tolerance.py)."""
-    check_low_precision(two_process[case.name], case)
+    results = request.getfixturevalue("four_process" if case.world_size == 4 else "two_process")
+    check_low_precision(results[case.name], case)
 
 
 @pytest.mark.timeout(900)
@@ -411,13 +410,6 @@ def test_a_fp32_run_fails_against_a_bf16_mixed_reference(two_process: dict[str, 
 @pytest.mark.parametrize("case", FOUR, ids=lambda c: c.name)
 def test_zero_four_processes(four_process: dict[str, Result], case: Case) -> None:
     assert_parity(four_process[case.name], reference(case))
-
-
-@pytest.mark.compat
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", FOUR_LOW_PRECISION, ids=lambda c: c.name)
-def test_zero_four_processes_low_precision(four_process: dict[str, Result], case: Case) -> None:
-    check_low_precision(four_process[case.name], case)
 
 
 @pytest.mark.timeout(900)

@@ -72,9 +72,8 @@ def _mixed(family: str, layout: str, precision: str = "bf16-mixed", switch_off: 
     name = f"zoo_{family}_{layout}_{precision}" + (f"~{switch_off}" if switch_off else "")
     if name in CASES:
         return CASES[name]
-    rule = "compute_weights" if MIXED_LAYOUTS[layout].get("zero_gather_dtype") == "compute" else None
     return hybrid(name, f"zoo_{family}", timeout=60, case_fields={"steps": 2, "trainer_kwargs": {"precision": precision},
-                  "switch_off": switch_off, "reference_rule": rule}, **MIXED_LAYOUTS[layout])  # fmt: skip
+                  "switch_off": switch_off}, **MIXED_LAYOUTS[layout])  # fmt: skip
 
 
 MIXED = [

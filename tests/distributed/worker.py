@@ -42,7 +42,7 @@ from torch import nn
 from lightning_parallel.tensor_parallel.row_layout import row_layout
 from tests.compat import case_rows
 from tests.distributed.cases import Case, Fault, GradientFault, StrategySpec
-from tests.distributed.compute_dtype import ComputeDtypeCounter
+from tests.distributed.compute_dtype import EXPECTED_DTYPES, ComputeDtypeCounter
 from tests.distributed.engagement import (
     CollectiveCounter,
     ForwardProbe,
@@ -243,7 +243,7 @@ class ParityRecorder(Callback):
             kwargs = spec.kwargs if isinstance(spec, StrategySpec) else {}
             options = {"gather=compute"} if kwargs.get("zero_gather_dtype") == "compute" else set()
             precision = str(self.case.trainer_kwargs.get("precision", "32-true"))
-            facts["autocast_dtype"] = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}.get(precision)
+            facts["autocast_dtype"] = EXPECTED_DTYPES[precision] if precision.endswith("-mixed") else None
             self.payload["engagement_problems"] = engagement_problems(
                 case_rows(self.case) | options, engagement, facts
             )
@@ -401,9 +401,6 @@ def _engine_precision_switched_off(case: Case, reference: bool) -> Iterator[None
         arguments.ZERO_PRECISIONS[precision] = saved
 
 
-AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-
-
 def compute_weight_copies(model: L.LightningModule, dtype: torch.dtype) -> None:
     """The one-process rule of ``zero_gather_dtype="compute"``, written without FSDP2: every forward of the
     model's parameter-holding children runs on ``dtype`` copies of their parameters (one copy per parameter per
@@ -487,7 +484,7 @@ def _run_case(case: Case, out_file: Path, reference: bool, env: dict[str, str], 
     if case.reference_rule not in (None, "compute_weights"):
         raise ValueError(f"{case.name}: unknown reference_rule {case.reference_rule!r}")
     if reference and case.reference_rule == "compute_weights":
-        compute_weight_copies(model, AUTOCAST_DTYPES[str(case.trainer_kwargs["precision"])])
+        compute_weight_copies(model, getattr(torch, EXPECTED_DTYPES[str(case.trainer_kwargs["precision"])]))
     if reference:
         devices, strategy = 1, "auto"
         loader = reference_dataloader(
